@@ -1,0 +1,113 @@
+"""The emu device: CUDA sources compiled for the host (cuda/emu/ftemu.h) and run on fibers.
+
+Arrays are NumPy; kernels launch synchronously (streams run in order). It exists so every CUDA kernel and the
+GPU orchestration path run in CI without a GPU. It is slow: keep shapes small.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from freetoken.device import emu_build
+from freetoken.device.args import normalize_dims, pack_args
+from freetoken.device.base import PinnedArray
+from freetoken.device.cpu import HostDevice
+
+
+class EmuKernelError(RuntimeError):
+    """A kernel misbehaved under the emulator (divergent barrier, mismatched warp mask, bad launch, ...)."""
+
+
+class _LaunchArgs(ctypes.Structure):
+    # Mirrors ftemu::LaunchArgs in cuda/emu/ftemu.h.
+    _fields_ = [
+        ("grid", ctypes.c_uint32 * 3),
+        ("block", ctypes.c_uint32 * 3),
+        ("shmem", ctypes.c_uint64),
+        ("nworkers", ctypes.c_uint32),
+        ("nargs", ctypes.c_uint32),
+        ("args", ctypes.c_void_p),
+        ("sizes", ctypes.c_void_p),
+        ("kinds", ctypes.c_char_p),
+        ("err", ctypes.c_char_p),
+        ("errlen", ctypes.c_uint64),
+    ]
+
+
+def _host_pointer(a) -> int | None:
+    if isinstance(a, PinnedArray):
+        return a.device_ptr
+    if isinstance(a, np.ndarray):
+        if not (a.flags.c_contiguous or a.flags.f_contiguous):
+            raise ValueError("kernel arguments must be contiguous arrays")
+        return a.ctypes.data
+    if hasattr(a, "__dlpack__") or hasattr(a, "__array_interface__"):
+        try:
+            return _host_pointer(np.from_dlpack(a) if hasattr(a, "__dlpack__") else np.asarray(a))
+        except (TypeError, BufferError, RuntimeError):
+            return None
+    return None
+
+
+def emu_workers() -> int:
+    """Worker threads that run blocks in parallel: ``$FREETOKEN_EMU_THREADS`` or the CPU count."""
+    return max(1, int(os.environ.get("FREETOKEN_EMU_THREADS", os.cpu_count() or 1)))
+
+
+class EmuFunction:
+    def __init__(self, module: EmuModule, name: str, max_threads: int):
+        self.module = module
+        self.name = name
+        self.max_threads = max_threads
+        fn = getattr(module.lib, f"ftemu_launch_{name}")
+        fn.argtypes = [ctypes.POINTER(_LaunchArgs)]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def __call__(self, grid, block, args: Sequence[object], shared_mem: int = 0, stream=None) -> None:
+        g = normalize_dims(grid, "grid", self.name)
+        b = normalize_dims(block, "block", self.name)
+        packed = pack_args(self.name, args, _host_pointer)
+        err = ctypes.create_string_buffer(2048)
+        la = _LaunchArgs(
+            (ctypes.c_uint32 * 3)(*g), (ctypes.c_uint32 * 3)(*b), int(shared_mem), emu_workers(), len(args),
+            packed.params_ptr, ctypes.addressof(packed.sizes), packed.kinds, ctypes.cast(err, ctypes.c_char_p),
+            len(err),
+        )
+        if self._fn(ctypes.byref(la)) != 0:
+            raise EmuKernelError(f"{self.module.name}: {err.value.decode(errors='replace')}")
+
+
+class EmuModule:
+    def __init__(self, source: str, options: Sequence[str], name: str, sanitize: str | None = None):
+        self.name = name
+        built = emu_build.build(source, name, options, sanitize)
+        self.path = built.path
+        self.kernels = built.kernels
+        self.lib = ctypes.CDLL(str(built.path))
+        self._functions: dict[str, EmuFunction] = {}
+
+    def get_function(self, name: str) -> EmuFunction:
+        if name not in self.kernels:
+            raise KeyError(f"{self.name} has no kernel {name!r}; it defines {sorted(self.kernels)}")
+        if name not in self._functions:
+            self._functions[name] = EmuFunction(self, name, self.kernels[name])
+        return self._functions[name]
+
+
+class EmuDevice(HostDevice):
+    kind = "emu"
+
+    def __init__(self) -> None:
+        self._modules: dict[tuple, EmuModule] = {}
+
+    def load_module(self, source: str, options: Sequence[str] = (), name: str = "module.cu",
+                    sanitize: str | None = None) -> EmuModule:
+        key = (source, tuple(options), name, sanitize)
+        if key not in self._modules:
+            self._modules[key] = EmuModule(source, options, name, sanitize)
+        return self._modules[key]

@@ -1,0 +1,56 @@
+"""Where freetoken finds its CUDA sources and keeps its caches."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cuda_dir() -> Path:
+    """The directory holding ``*.cu``, ``*.cuh`` and ``emu/``.
+
+    In a wheel the sources ship as ``freetoken/cuda``; in a source checkout (editable install) they are the
+    top-level ``cuda/`` beside the package.
+    """
+    here = Path(__file__).resolve().parent
+    for cand in (here / "cuda", here.parent / "cuda"):
+        if (cand / "emu" / "ftemu.h").is_file():
+            return cand
+    raise FileNotFoundError(
+        f"freetoken's CUDA sources are missing (looked in {here / 'cuda'} and {here.parent / 'cuda'}); "
+        "reinstall the package"
+    )
+
+
+def cuda_source(name: str) -> Path:
+    """Path of ``cuda/<name>`` (for example ``"topk.cu"``), with a clear error when it does not exist."""
+    path = cuda_dir() / name
+    if not path.is_file():
+        raise FileNotFoundError(f"no CUDA source {name!r} in {cuda_dir()}")
+    return path
+
+
+def cache_dir() -> Path:
+    """Root of freetoken's on-disk caches: ``$FREETOKEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/freetoken``."""
+    env = os.environ.get("FREETOKEN_CACHE_DIR")
+    if env:
+        root = Path(env)
+    else:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "freetoken"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def cuda_include_dirs() -> list[Path]:
+    """Include directories of the CUDA header wheels (runtime headers, crt, CCCL), those that are installed."""
+    dirs = []
+    try:
+        import nvidia
+    except ImportError:
+        return dirs
+    for base in nvidia.__path__:
+        for sub in ("cuda_runtime", "cuda_nvcc", "cuda_cccl"):
+            inc = Path(base) / sub / "include"
+            if inc.is_dir():
+                dirs.append(inc)
+    return dirs
