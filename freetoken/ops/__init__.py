@@ -1,0 +1,9 @@
+"""One module per CUDA source: checks shapes and dtypes, picks launch geometry, launches (or runs the Numba
+kernel on the cpu device)."""
+
+from freetoken.ops.histogram import histogram
+from freetoken.ops.reduce import row_sum
+from freetoken.ops.topk import topk
+from freetoken.ops.transpose import transpose
+
+__all__ = ["histogram", "row_sum", "topk", "transpose"]
