@@ -124,8 +124,8 @@ class Device(ABC):
     @abstractmethod
     def event(self): ...
 
-    def synchronize(self) -> None:
-        pass
+    def synchronize(self) -> None:  # noqa: B027 - host devices finish work when it is issued
+        """Wait until all work issued on this device has finished."""
 
     def load_module(self, source: str, options: Sequence[str] = (), name: str = "module.cu"):
         raise NotImplementedError(

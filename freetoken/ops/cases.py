@@ -1,7 +1,9 @@
 """Parity cases for every kernel: inputs, the NumPy reference, tolerance and bytes moved.
 
 One registry serves the test suite (small, awkward shapes on cpu / emu / gpu) and ``bench/gpu_check``
-(large shapes on the GPU, timed). Outputs are poisoned before each launch so unwritten elements fail.
+(large shapes on the GPU, timed). A case runs in three steps so that timing covers the launch alone:
+``setup`` copies inputs to the device and allocates POISONED outputs (NaN / INT_MIN, so unwritten elements
+fail), ``launch`` calls the op, ``fetch`` copies the outputs back.
 """
 
 from __future__ import annotations
@@ -19,12 +21,23 @@ from freetoken.testing import poison
 class KernelCase:
     name: str  # the kernel (or kernel family) exercised
     source: str  # its file in cuda/
-    make: Callable[[np.random.Generator, str], dict]  # (rng, "small" | "large") -> inputs
-    run: Callable[[object, dict], dict]  # (device, inputs) -> host outputs
-    reference: Callable[[dict], dict]  # inputs -> expected outputs
+    make: Callable[[np.random.Generator, str], dict]  # (rng, "small" | "large") -> host inputs
+    setup: Callable[[object, dict], dict]  # (device, inputs) -> device state: inputs and poisoned outputs
+    launch: Callable[[object, dict], None]  # (device, state) -> None: the op alone
+    reference: Callable[[dict], dict]  # inputs -> expected outputs (host)
     atol: float = 0.0
     rtol: float = 0.0
     bytes_moved: Callable[[dict], int] = lambda inp: 0
+
+    def fetch(self, dev, state: dict) -> dict:
+        return {k[4:]: dev.to_host(v) for k, v in state.items() if k.startswith("out_")}
+
+    def run(self, dev, inputs: dict) -> dict:
+        """setup + launch + fetch: the case's outputs on ``dev`` as host arrays."""
+        state = self.setup(dev, inputs)
+        self.launch(dev, state)
+        dev.synchronize()
+        return self.fetch(dev, state)
 
 
 def _poisoned(dev, shape, dtype):
@@ -37,11 +50,13 @@ def _make_reduce(rng, size):
     return {"x": rng.standard_normal((rows, cols)).astype(np.float32)}
 
 
-def _run_reduce(dev, inp):
+def _setup_reduce(dev, inp):
     x = dev.asarray(inp["x"])
-    out = _poisoned(dev, (x.shape[0],), np.float32)
-    ops.row_sum(x, out=out, device=dev)
-    return {"sum": dev.to_host(out)}
+    return {"x": x, "out_sum": _poisoned(dev, (x.shape[0],), np.float32)}
+
+
+def _launch_reduce(dev, st):
+    ops.row_sum(st["x"], out=st["out_sum"], device=dev)
 
 
 # ---- topk.cu ----------------------------------------------------------------------------------------------
@@ -60,12 +75,14 @@ def topk_reference(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return idx, np.take_along_axis(x, idx, axis=1)
 
 
-def _run_topk(dev, inp):
-    x = dev.asarray(inp["x"])
-    rows, k = x.shape[0], inp["k"]
-    idx, val = _poisoned(dev, (rows, k), np.int32), _poisoned(dev, (rows, k), np.float32)
-    ops.topk(x, k, out_idx=idx, out_val=val, device=dev)
-    return {"idx": dev.to_host(idx), "val": dev.to_host(val)}
+def _setup_topk(dev, inp):
+    rows, k = inp["x"].shape[0], inp["k"]
+    return {"x": dev.asarray(inp["x"]), "k": k, "out_idx": _poisoned(dev, (rows, k), np.int32),
+            "out_val": _poisoned(dev, (rows, k), np.float32)}
+
+
+def _launch_topk(dev, st):
+    ops.topk(st["x"], st["k"], out_idx=st["out_idx"], out_val=st["out_val"], device=dev)
 
 
 def _ref_topk(inp):
@@ -79,11 +96,13 @@ def _make_hist(rng, size):
     return {"ids": rng.integers(-3, nbins + 3, size=n).astype(np.int32), "nbins": nbins}
 
 
-def _run_hist(dev, inp):
-    ids = dev.asarray(inp["ids"])
-    out = _poisoned(dev, (inp["nbins"],), np.int32)
-    ops.histogram(ids, inp["nbins"], out=out, device=dev)
-    return {"counts": dev.to_host(out)}
+def _setup_hist(dev, inp):
+    return {"ids": dev.asarray(inp["ids"]), "nbins": inp["nbins"],
+            "out_counts": _poisoned(dev, (inp["nbins"],), np.int32)}
+
+
+def _launch_hist(dev, st):
+    ops.histogram(st["ids"], st["nbins"], out=st["out_counts"], device=dev)
 
 
 def _ref_hist(inp):
@@ -97,22 +116,24 @@ def _make_transpose(rng, size):
     return {"x": rng.standard_normal((rows, cols)).astype(np.float32)}
 
 
-def _run_transpose(dev, inp):
+def _setup_transpose(dev, inp):
     x = dev.asarray(inp["x"])
-    out = _poisoned(dev, x.shape[::-1], x.dtype)
-    ops.transpose(x, out=out, device=dev)
-    return {"out": dev.to_host(out)}
+    return {"x": x, "out_out": _poisoned(dev, x.shape[::-1], x.dtype)}
+
+
+def _launch_transpose(dev, st):
+    ops.transpose(st["x"], out=st["out_out"], device=dev)
 
 
 CASES: list[KernelCase] = [
-    KernelCase("reduce_rows_f32", "reduce.cu", _make_reduce, _run_reduce,
+    KernelCase("reduce_rows_f32", "reduce.cu", _make_reduce, _setup_reduce, _launch_reduce,
                lambda inp: {"sum": inp["x"].astype(np.float64).sum(axis=1)}, atol=1e-3, rtol=1e-5,
                bytes_moved=lambda inp: inp["x"].nbytes),
-    KernelCase("topk_rows_f32", "topk.cu", _make_topk, _run_topk, _ref_topk,
+    KernelCase("topk_rows_f32", "topk.cu", _make_topk, _setup_topk, _launch_topk, _ref_topk,
                bytes_moved=lambda inp: inp["x"].nbytes),
-    KernelCase("histogram_i32", "histogram.cu", _make_hist, _run_hist, _ref_hist,
+    KernelCase("histogram_i32", "histogram.cu", _make_hist, _setup_hist, _launch_hist, _ref_hist,
                bytes_moved=lambda inp: inp["ids"].nbytes),
-    KernelCase("transpose_u32", "transpose.cu", _make_transpose, _run_transpose,
+    KernelCase("transpose_u32", "transpose.cu", _make_transpose, _setup_transpose, _launch_transpose,
                lambda inp: {"out": np.ascontiguousarray(inp["x"].T)},
                bytes_moved=lambda inp: 2 * inp["x"].nbytes),
 ]

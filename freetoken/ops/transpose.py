@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from freetoken.ops._common import as_input, check_int32, cuda_kernel, prepare_out, resolve
 
 _TILE = 32

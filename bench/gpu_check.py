@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""One prepared GPU check: compile every kernel, run every parity case on the GPU, time it, print one table.
+
+    python bench/gpu_check.py                 # on a machine with a GPU (a few minutes at most)
+    python bench/gpu_check.py --device emu --size small   # the same script on the emulator (CI runs this)
+
+Columns: kernel, max error against the NumPy reference, pass/FAIL, median time, achieved GB/s and that as a
+fraction of the card's device-to-device copy bandwidth measured in the same run. Without a GPU it says so and
+exits 0 (exit 1 with --require-gpu). Exit 1 when any case fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def _copy_bandwidth(dev) -> float:
+    """Device-to-device copy bandwidth in GB/s (read + write), the roofline for memory-bound kernels."""
+    xp = dev.xp
+    n = 256 << 20 if dev.kind == "gpu" else 16 << 20
+    a = xp.empty(n // 4, dtype=np.float32)
+    b = xp.empty_like(a)
+    times = []
+    for _ in range(5):
+        s, e = dev.event(), dev.event()
+        s.record()
+        b[...] = a
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_ms(e))
+    return 2 * n / (statistics.median(times[1:]) * 1e-3) / 1e9
+
+
+def _time_case(dev, case, state, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        s, e = dev.event(), dev.event()
+        s.record()
+        case.launch(dev, state)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_ms(e))
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="gpu", choices=["gpu", "emu"], help="where to run (default gpu)")
+    parser.add_argument("--size", default=None, choices=["small", "large"],
+                        help="case sizes (default: large on gpu, small on emu)")
+    parser.add_argument("--reps", type=int, default=10, help="timed repetitions per case (median reported)")
+    parser.add_argument("--require-gpu", action="store_true", help="exit 1 instead of 0 when there is no GPU")
+    args = parser.parse_args(argv)
+
+    from freetoken.device import device_status, get_device
+    from freetoken.device.nvrtc import TARGET_ARCHS, compile_cubin
+    from freetoken.ops.cases import CASES
+    from freetoken.paths import cuda_dir
+    from freetoken.testing import assert_close, max_error
+
+    ok, why = device_status()[args.device]
+    if not ok:
+        print(f"gpu_check: no {args.device} device on this machine ({why}); nothing was checked.")
+        return 1 if args.require_gpu else 0
+    dev = get_device(args.device)
+    size = args.size or ("large" if dev.kind == "gpu" else "small")
+
+    t0 = time.perf_counter()
+    sources = sorted(cuda_dir().glob("*.cu"))
+    for src in sources:  # every source for every target (cached), then this card's build through the device
+        for arch in TARGET_ARCHS:
+            compile_cubin(src.read_text(), src.name, arch)
+        dev.load_cuda(src.name)
+    print(f"compiled {len(sources)} sources for {', '.join(TARGET_ARCHS)} and {dev.kind} "
+          f"in {time.perf_counter() - t0:.1f}s")
+    if dev.kind == "gpu":
+        import cupy
+
+        props = cupy.cuda.runtime.getDeviceProperties(dev.index)
+        print(f"device: {props['name'].decode() if isinstance(props['name'], bytes) else props['name']} "
+              f"(sm_{dev.compute_capability[0]}{dev.compute_capability[1]}, built for {dev.arch})")
+    copy_bw = _copy_bandwidth(dev)
+    print(f"device copy bandwidth: {copy_bw:.1f} GB/s\n")
+
+    header = f"{'kernel':<20} {'max err':>10} {'status':>6} {'time':>11} {'GB/s':>9} {'of copy':>8}"
+    print(header)
+    print("-" * len(header))
+    failed = 0
+    rng = np.random.default_rng(2026)
+    for case in CASES:
+        inputs = case.make(rng, size)
+        state = case.setup(dev, inputs)
+        case.launch(dev, state)
+        dev.synchronize()
+        got = case.fetch(dev, state)
+        want = case.reference(inputs)
+        err = max(max_error(got[k], want[k]) for k in want)
+        try:
+            for k in want:
+                assert_close(got[k], want[k], case.atol, case.rtol, name=k)
+            status = "ok"
+        except AssertionError as e:
+            status = "FAIL"
+            failed += 1
+            print(f"  {case.name}: {e}", file=sys.stderr)
+        ms = _time_case(dev, case, state, args.reps)
+        gbs = case.bytes_moved(inputs) / (ms * 1e-3) / 1e9
+        print(f"{case.name:<20} {err:>10.2e} {status:>6} {ms * 1e3:>9.1f}us {gbs:>9.2f} {gbs / copy_bw:>7.1%}")
+    print(f"\n{len(CASES) - failed}/{len(CASES)} kernels match their NumPy reference "
+          f"({size} shapes, median of {args.reps}; times include the op's Python launch overhead)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

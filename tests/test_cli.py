@@ -1,0 +1,70 @@
+"""The command line: help, info (text and JSON), and bench/gpu_check run through the emulator."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from freetoken.cli import main
+from freetoken.device import device_status
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_help_lists_commands(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    assert "info" in capsys.readouterr().out
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "usage: freetoken" in capsys.readouterr().out
+
+
+def test_info_text(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    for section in ("Devices", "GPU", "CPU", "SIMD:", "Libraries", "numba", "nvrtc", "Cache directory"):
+        assert section in out
+    assert "cpu  yes" in out
+
+
+def test_info_json(capsys):
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["devices"]["cpu"]["usable"] is True
+    assert info["cpu"]["logical_cores"] >= 1
+    assert isinstance(info["cpu"]["simd"], list)
+    assert info["libraries"]["numpy"]
+
+
+def test_console_script_runs():
+    proc = subprocess.run([sys.executable, "-m", "freetoken", "info"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Devices" in proc.stdout
+
+
+@pytest.mark.skipif(device_status()["gpu"][0], reason="a GPU is present")
+def test_gpu_check_says_no_gpu():
+    script = ROOT / "bench" / "gpu_check.py"
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    assert "no gpu device on this machine" in proc.stdout and "nothing was checked" in proc.stdout
+    proc = subprocess.run([sys.executable, str(script), "--require-gpu"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+
+
+@pytest.mark.skipif(not device_status()["emu"][0], reason="emu device unavailable")
+def test_gpu_check_table_on_emu():
+    script = ROOT / "bench" / "gpu_check.py"
+    proc = subprocess.run([sys.executable, str(script), "--device", "emu", "--reps", "2"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for kernel in ("reduce_rows_f32", "topk_rows_f32", "histogram_i32", "transpose_u32"):
+        line = next(line for line in proc.stdout.splitlines() if line.startswith(kernel))
+        assert " ok " in line
+    assert "4/4 kernels match" in proc.stdout
