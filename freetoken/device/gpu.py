@@ -99,7 +99,7 @@ class GpuDevice(Device):
         return self.cupy.asarray(host)
 
     def to_host(self, arr, stream=None) -> np.ndarray:
-        return self.cupy.asnumpy(arr, stream=stream)
+        return self.cupy.asnumpy(arr, stream=stream.raw if isinstance(stream, _GpuStream) else stream)
 
     def pinned_empty(self, shape, dtype) -> PinnedArray:
         from cupy.cuda import pinned_memory

@@ -88,7 +88,7 @@ extern "C" __global__ void barrier_reductions(int* out) {
 extern "C" __global__ void fp_types(const float* x, float* out, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  const float v = x[i];
+  const float v = __ldg(&x[i]);
   out[4 * i + 0] = __half2float(__float2half_rn(v));
   out[4 * i + 1] = __bfloat162float(__float2bfloat16_rn(v));
   out[4 * i + 2] = static_cast<float>(__nv_fp8_e4m3(v));
