@@ -1,0 +1,62 @@
+"""NumPy reference of the routed-expert forward (the MoE FFN), the oracle of every expert kernel.
+
+``y[t] = sum_j weights[t, j] * (down[e] @ act(gate[e] @ x[t] + gb[e], up[e] @ x[t] + ub[e]) + db[e])`` with
+``e = ids[t, j]``, computed in float64 from the dequantized record.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: Activation codes shared with the kernels (cuda/moe_common.cuh, cpu_kernels/moe_experts.py).
+ACT_SWIGLU = 0  # silu(gate) * up (Qwen, Mixtral, DeepSeek, OLMoE)
+ACT_GPT_OSS = 1  # gate = min(gate, 7); up = clamp(up, -7, 7); (up + 1) * gate * sigmoid(1.702 * gate)
+ACTIVATIONS = {"swiglu": ACT_SWIGLU, "gpt_oss": ACT_GPT_OSS}
+GPT_OSS_LIMIT = 7.0
+GPT_OSS_ALPHA = 1.702
+
+
+def activation_code(act: str) -> int:
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {act!r}; choose one of {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[act]
+
+
+def apply_activation(gate: np.ndarray, up: np.ndarray, act: str) -> np.ndarray:
+    code = activation_code(act)
+    if code == ACT_SWIGLU:
+        return gate / (1.0 + np.exp(-gate)) * up
+    gate = np.minimum(gate, GPT_OSS_LIMIT)
+    up = np.clip(up, -GPT_OSS_LIMIT, GPT_OSS_LIMIT)
+    return (up + 1.0) * gate / (1.0 + np.exp(-GPT_OSS_ALPHA * gate))
+
+
+def moe_forward_reference(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, deq: dict[str, np.ndarray],
+                          act: str = "swiglu") -> np.ndarray:
+    """float64 [T, H] output.
+
+    Parameters
+    ----------
+    x : [T, H] activations (any float dtype; bf16 via ml_dtypes is widened exactly)
+    ids : [T, k] expert (slot) indices into the leading dimension of ``deq``'s matrices
+    weights : [T, k] routing weights
+    deq : ``RecordLayout.dequantize(banks)``: "gate" [E, I, H], "up" [E, I, H], "down" [E, H, I], and
+        "gate.b"/"up.b"/"down.b" when the record has biases
+    """
+    x = np.asarray(x).astype(np.float64)
+    t_count, hidden = x.shape
+    y = np.zeros((t_count, hidden), np.float64)
+    for t in range(t_count):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            g = deq["gate"][e].astype(np.float64) @ x[t]
+            u = deq["up"][e].astype(np.float64) @ x[t]
+            if "gate.b" in deq:
+                g = g + deq["gate.b"][e]
+                u = u + deq["up.b"][e]
+            h = apply_activation(g, u, act)
+            o = deq["down"][e].astype(np.float64) @ h
+            if "down.b" in deq:
+                o = o + deq["down.b"][e]
+            y[t] += float(weights[t, j]) * o
+    return y
