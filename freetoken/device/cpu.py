@@ -25,6 +25,12 @@ class HostDevice(Device):
     def from_dlpack(self, x):
         return np.from_dlpack(x)
 
+    def pointer_of(self, a) -> int | None:
+        """The address a kernel uses for ``a`` (NumPy array or PinnedArray), None for non-arrays."""
+        from freetoken.device.emu import _host_pointer
+
+        return _host_pointer(a)
+
     def stream(self) -> HostStream:
         return HostStream()
 

@@ -1,0 +1,227 @@
+// moe_common.cuh: expert-record access shared by the routed-expert kernels (decode and prefill).
+//
+// Bank layouts are specified in freetoken/formats/base.py. Every matrix is read in chunks of 32 consecutive
+// K elements of one row (K is a multiple of 32), with 16-byte loads, and dequantized in registers. A
+// per-matrix global scale (nvfp4) is NOT applied per element: callers multiply the finished dot product.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#define FT_FMT_BF16 0
+#define FT_FMT_FP8_BLOCK 1
+#define FT_FMT_NVFP4 2
+#define FT_FMT_MXFP4 3
+#define FT_FMT_Q4_0 4
+
+#define FT_ACT_SWIGLU 0
+#define FT_ACT_GPT_OSS 1
+
+namespace ft {
+
+// Bank pointers of one matrix for all slots (host-mapped or device memory). g and b may be null.
+struct MatBanks {
+  const unsigned char* w;  // values
+  const unsigned char* s;  // block scales
+  const float* g;          // per-matrix global scale, one per slot (nvfp4)
+  const float* b;          // bias [slots, N] (gpt-oss)
+};
+
+struct ExpertBanks {
+  MatBanks gate, up, down;
+};
+
+// ---- scalar decoders ------------------------------------------------------------------------------------
+// E2M1 code (4 bits, bit 3 = sign) -> float: 0, .5, 1, 1.5, 2, 3, 4, 6 built from its bits, no table.
+__device__ __forceinline__ float e2m1_to_float(unsigned c) {
+  const unsigned e = (c >> 1) & 3u, m = c & 1u;
+  const unsigned mag = e ? ((e + 126u) << 23) | (m << 22) : (m ? 0x3F000000u : 0u);
+  return __uint_as_float(mag | ((c & 8u) << 28));
+}
+
+// E8M0 byte -> 2^(e-127); 0 -> 2^-127 (a float subnormal), 255 -> NaN.
+__device__ __forceinline__ float e8m0_to_float(unsigned e) {
+  return __uint_as_float(e == 0u ? 0x00400000u : e == 255u ? 0x7FC00000u : (e << 23));
+}
+
+// E4M3 (fn) byte -> float through the CUDA headers' converter (0x7F / 0xFF are NaN).
+__device__ __forceinline__ float e4m3_to_float(unsigned b) {
+  __nv_fp8_e4m3 v;
+  v.__x = static_cast<__nv_fp8_storage_t>(b);
+  return static_cast<float>(v);
+}
+
+__device__ __forceinline__ float bf16_bits_to_float(unsigned b) { return __uint_as_float((b & 0xFFFFu) << 16); }
+
+__device__ __forceinline__ float f16_bits_to_float(unsigned short b) { return __half2float(__ushort_as_half(b)); }
+
+// Round a float to bf16 and back (the precision tensor-core inputs have).
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+__device__ __forceinline__ uint4 load16(const unsigned char* p) { return *reinterpret_cast<const uint4*>(p); }
+
+// The 16 nibble codes of 8 bytes in a 32-bit pair, low nibble first.
+__device__ __forceinline__ void fp4x32(const uint4 q, float scale_lo, float scale_hi, float* out) {
+  const unsigned words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const unsigned byte = (words[i] >> (8 * j)) & 0xFFu;
+      const int k = 8 * i + 2 * j;
+      const float s = k < 16 ? scale_lo : scale_hi;
+      out[k] = e2m1_to_float(byte & 15u) * s;
+      out[k + 1] = e2m1_to_float(byte >> 4) * s;
+    }
+  }
+}
+
+// ---- per-format traits: bytes per slot of each bank, and the 32-element row-chunk decoder -----------------
+template <int F>
+struct Fmt;
+
+template <>
+struct Fmt<FT_FMT_BF16> {
+  __device__ static size_t w_bytes(int n, int k) { return static_cast<size_t>(n) * k * 2; }
+  __device__ static size_t s_bytes(int, int) { return 0; }
+  __device__ static void load32(const unsigned char* w, const unsigned char*, int, int k, int row, int k0, float* out) {
+    const unsigned char* p = w + (static_cast<size_t>(row) * k + k0) * 2;
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const uint4 q = load16(p + 16 * v);
+      const unsigned words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        out[8 * v + 2 * i] = bf16_bits_to_float(words[i]);
+        out[8 * v + 2 * i + 1] = bf16_bits_to_float(words[i] >> 16);
+      }
+    }
+  }
+};
+
+template <>
+struct Fmt<FT_FMT_FP8_BLOCK> {
+  __device__ static size_t w_bytes(int n, int k) { return static_cast<size_t>(n) * k; }
+  __device__ static size_t s_bytes(int n, int k) { return static_cast<size_t>((n + 127) / 128) * ((k + 127) / 128) * 4; }
+  __device__ static void load32(const unsigned char* w, const unsigned char* s, int, int k, int row, int k0,
+                                float* out) {
+    const float scale = reinterpret_cast<const float*>(s)[(row / 128) * ((k + 127) / 128) + k0 / 128];
+    const unsigned char* p = w + static_cast<size_t>(row) * k + k0;
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      const uint4 q = load16(p + 16 * v);
+      const unsigned words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int i = 0; i < 16; ++i) out[16 * v + i] = e4m3_to_float((words[i / 4] >> (8 * (i % 4))) & 0xFFu) * scale;
+    }
+  }
+};
+
+template <>
+struct Fmt<FT_FMT_NVFP4> {
+  __device__ static size_t w_bytes(int n, int k) { return static_cast<size_t>(n) * k / 2; }
+  __device__ static size_t s_bytes(int n, int k) { return static_cast<size_t>(n) * k / 16; }
+  __device__ static void load32(const unsigned char* w, const unsigned char* s, int, int k, int row, int k0,
+                                float* out) {
+    const unsigned char* sc = s + static_cast<size_t>(row) * (k / 16) + k0 / 16;
+    fp4x32(load16(w + static_cast<size_t>(row) * (k / 2) + k0 / 2), e4m3_to_float(sc[0]), e4m3_to_float(sc[1]), out);
+  }
+};
+
+template <>
+struct Fmt<FT_FMT_MXFP4> {
+  __device__ static size_t w_bytes(int n, int k) { return static_cast<size_t>(n) * k / 2; }
+  __device__ static size_t s_bytes(int n, int k) { return static_cast<size_t>(n) * k / 32; }
+  __device__ static void load32(const unsigned char* w, const unsigned char* s, int, int k, int row, int k0,
+                                float* out) {
+    const float scale = e8m0_to_float(s[static_cast<size_t>(row) * (k / 32) + k0 / 32]);
+    fp4x32(load16(w + static_cast<size_t>(row) * (k / 2) + k0 / 2), scale, scale, out);
+  }
+};
+
+template <>
+struct Fmt<FT_FMT_Q4_0> {
+  __device__ static size_t w_bytes(int n, int k) { return static_cast<size_t>(n) * k / 2; }
+  __device__ static size_t s_bytes(int n, int k) { return static_cast<size_t>(n) * k / 32 * 2; }
+  __device__ static void load32(const unsigned char* w, const unsigned char* s, int, int k, int row, int k0,
+                                float* out) {
+    const float d = f16_bits_to_float(reinterpret_cast<const unsigned short*>(s)[static_cast<size_t>(row) * (k / 32) + k0 / 32]);
+    const uint4 q = load16(w + static_cast<size_t>(row) * (k / 2) + k0 / 2);
+    const unsigned words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const unsigned byte = (words[j / 4] >> (8 * (j % 4))) & 0xFFu;
+      out[j] = (static_cast<int>(byte & 15u) - 8) * d;
+      out[j + 16] = (static_cast<int>(byte >> 4) - 8) * d;
+    }
+  }
+};
+
+// One matrix of one slot: base pointers already offset to the slot.
+template <int F>
+struct SlotMatrix {
+  const unsigned char* w;
+  const unsigned char* s;
+  float g;         // global scale (1 when the format has none)
+  const float* b;  // bias row vector or null
+  int n, k;
+
+  __device__ SlotMatrix(const MatBanks& m, int slot, int n_, int k_) : n(n_), k(k_) {
+    w = m.w + Fmt<F>::w_bytes(n_, k_) * slot;
+    s = m.s ? m.s + Fmt<F>::s_bytes(n_, k_) * slot : nullptr;
+    g = m.g ? m.g[slot] : 1.0f;
+    b = m.b ? m.b + static_cast<size_t>(n_) * slot : nullptr;
+  }
+  __device__ void load32(int row, int k0, float* out) const { Fmt<F>::load32(w, s, n, k, row, k0, out); }
+  __device__ float bias(int row) const { return b ? b[row] : 0.0f; }
+};
+
+// ---- activations ------------------------------------------------------------------------------------------
+__device__ __forceinline__ float activation(int act, float gate, float up) {
+  if (act == FT_ACT_GPT_OSS) {
+    gate = fminf(gate, 7.0f);
+    up = fminf(fmaxf(up, -7.0f), 7.0f);
+    return (up + 1.0f) * gate / (1.0f + expf(-1.702f * gate));
+  }
+  return gate / (1.0f + expf(-gate)) * up;
+}
+
+// ---- activation vectors: 32 consecutive elements as floats ---------------------------------------------
+__device__ __forceinline__ void load_x32(const float* p, float* out) {
+#pragma unroll
+  for (int v = 0; v < 8; ++v) {
+    const float4 q = *reinterpret_cast<const float4*>(p + 4 * v);
+    out[4 * v] = q.x;
+    out[4 * v + 1] = q.y;
+    out[4 * v + 2] = q.z;
+    out[4 * v + 3] = q.w;
+  }
+}
+
+__device__ __forceinline__ void load_x32(const __nv_bfloat16* p, float* out) {
+  const unsigned char* b = reinterpret_cast<const unsigned char*>(p);
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    const uint4 q = load16(b + 16 * v);
+    const unsigned words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      out[8 * v + 2 * i] = bf16_bits_to_float(words[i]);
+      out[8 * v + 2 * i + 1] = bf16_bits_to_float(words[i] >> 16);
+    }
+  }
+}
+
+// ---- the routing plan (built by moe_plan.cu) ----------------------------------------------------------------
+// Pairs p = t * k + j are grouped by slot. Unique slots are listed in increasing order.
+struct Plan {
+  const int* n_unique;     // [1]
+  const int* unique_slot;  // [P]
+  const int* unique_off;   // [P + 1]: pairs of unique u are pair_list[unique_off[u] .. unique_off[u + 1])
+  const int* pair_list;    // [P]
+  const int* n_tiles;      // [1]       prefill tiles: (unique, first pair within it) of up to FT_TILE_M pairs
+  const int* tile_unique;  // [max tiles]
+  const int* tile_start;   // [max tiles]
+};
+
+}  // namespace ft

@@ -1,0 +1,165 @@
+"""The routed-expert forward (the MoE FFN) on every device.
+
+``y[t] = sum_j weights[t, j] * (down_e @ act(gate_e @ x[t] (+ gb), up_e @ x[t] (+ ub)) (+ db))``, ``e = ids[t, j]``.
+
+gpu / emu run ``cuda/moe_plan.cu`` (group pairs by slot), then ``cuda/moe_decode.cu`` (few tokens: GEMV over
+records, each record byte read once) or ``cuda/moe_prefill.cu`` (many tokens: grouped GEMM, tensor cores on
+sm_80+), then ``moe_combine``. The cpu device runs the Numba kernels of ``cpu_kernels/moe_experts.py``.
+Prefill computes with bf16-rounded inputs (as tensor cores do); decode reads weights exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from freetoken.formats import MATRICES, RecordLayout
+from freetoken.ops._common import as_input, check_int32, cuda_kernel, prepare_out, resolve
+from freetoken.ops.moe_reference import activation_code
+
+#: Pairs (token, k) per prefill tile; must equal FT_TILE_M in cuda/moe_prefill.cu.
+TILE_M = 64
+#: Output rows per block: cuda/moe_decode.cu FT_ROWS and cuda/moe_prefill.cu FT_TILE_N.
+DECODE_ROWS = 8
+PREFILL_ROWS = 64
+#: Up to this many tokens the decode kernels run (mode="auto").
+DECODE_MAX_TOKENS = 16
+
+#: Kernel family of each format (ds_fp4 experts are OCP MXFP4 with row-major packing).
+KERNEL_FAMILY = {"bf16": "bf16", "fp8_block": "fp8_block", "nvfp4": "nvfp4", "mxfp4": "mxfp4", "ds_fp4": "mxfp4",
+                 "q4_0": "q4_0"}
+
+#: ft::ExpertBanks in cuda/moe_common.cuh: for gate, up, down the pointers w, s, g, b.
+EXPERT_BANKS = np.dtype([(f"{m}_{f}", np.uint64) for m in MATRICES for f in ("w", "s", "g", "b")], align=True)
+#: ft::Plan in cuda/moe_common.cuh.
+PLAN = np.dtype([(n, np.uint64) for n in ("n_unique", "unique_slot", "unique_off", "pair_list", "n_tiles",
+                                          "tile_unique", "tile_start")], align=True)
+
+
+def _bank_struct(dev, layout: RecordLayout, banks: dict) -> np.void:
+    rec = np.zeros((), EXPERT_BANKS)
+    for m in MATRICES:
+        for f in ("w", "s", "g", "b"):
+            arr = banks.get(f"{m}.{f}")
+            if arr is None:
+                continue
+            ptr = dev.pointer_of(arr)
+            if ptr is None:
+                raise TypeError(f"bank {m}.{f} is not an array on the {dev.kind} device")
+            if f in ("w", "s") and ptr % 16:
+                raise ValueError(f"bank {m}.{f} must be 16-byte aligned for the kernels' vector loads")
+            rec[f"{m}_{f}"] = ptr
+    return rec[()]
+
+
+def _x_kind(x) -> str:
+    if x.dtype == np.float32:
+        return "f32"
+    if x.dtype.name == "bfloat16" or x.dtype == np.uint16:
+        return "bf16"
+    raise TypeError(f"x must be float32 or bfloat16 (ml_dtypes.bfloat16, or uint16 holding bf16 bits), got {x.dtype}")
+
+
+def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str = "swiglu", mode: str = "auto",
+                out=None, device=None, validate: bool = True):
+    """Routed expert forward over slot-indexed record banks.
+
+    Parameters
+    ----------
+    x : [T, H] float32 or bf16 (``ml_dtypes.bfloat16``, or uint16 bf16 bits where the array library has no bf16)
+    ids : int32 [T, k] slot ids: indices into the leading dimension of every bank
+    weights : float32 [T, k] routing weights
+    banks : record banks on the device (``layout.bank_specs()``; leading dimension = slots)
+    layout : the record layout (format, H, I, biases)
+    act : "swiglu" or "gpt_oss"
+    mode : "decode", "prefill" or "auto" (decode up to 16 tokens); gpu/emu only
+    out : float32 [T, H], optional
+    validate : check that every id names a slot (synchronises on gpu; off inside captured graphs)
+
+    Returns
+    -------
+    float32 [T, H] on the device.
+    """
+    dev = resolve(device)
+    code = activation_code(act)
+    x = as_input(dev, x, "x", None, 2)
+    xk = _x_kind(x)
+    ids = as_input(dev, ids, "ids", np.int32, 2)
+    weights = as_input(dev, weights, "weights", np.float32, 2)
+    tokens, hidden = x.shape
+    k = ids.shape[1]
+    if hidden != layout.hidden:
+        raise ValueError(f"x has {hidden} features, the expert records expect {layout.hidden}")
+    if ids.shape[0] != tokens or weights.shape != ids.shape:
+        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [{tokens}, k]")
+    slots = layout.check(banks)
+    y = prepare_out(dev, out, (tokens, hidden), np.float32)
+    if tokens == 0 or k == 0:
+        y[...] = 0
+        return y
+    if mode not in ("auto", "decode", "prefill"):
+        raise ValueError(f"mode must be auto, decode or prefill, got {mode!r}")
+    if dev.kind == "cpu":
+        from freetoken.cpu_kernels.moe_experts import forward
+
+        x32 = np.asarray(x.view(np.uint16).astype(np.uint32) << 16).view(np.float32) if xk == "bf16" else x
+        forward(layout.fmt.name, np.ascontiguousarray(x32), ids, weights, banks, layout.hidden, layout.inter, code, y)
+        return y
+    if mode == "auto":
+        mode = "decode" if tokens <= DECODE_MAX_TOKENS else "prefill"
+    _run_cuda(dev, x, xk, ids, weights, banks, layout, code, mode, slots, y, validate)
+    return y
+
+
+def _run_cuda(dev, x, xk, ids, weights, banks, layout, code, mode, slots, y, validate):
+    xp = dev.xp
+    tokens, hidden = x.shape
+    k = ids.shape[1]
+    inter = layout.inter
+    pairs = tokens * k
+    max_tiles = -(-pairs // TILE_M) + min(pairs, slots)
+    i32 = np.int32
+    counts = xp.zeros(slots, i32)
+    bad = xp.zeros(1, i32)
+    slot_off, cursor = xp.empty(slots, i32), xp.empty(slots, i32)
+    n_unique, n_tiles = xp.empty(1, i32), xp.empty(1, i32)
+    unique_slot, unique_off, pair_list = xp.empty(pairs, i32), xp.empty(pairs + 1, i32), xp.empty(pairs, i32)
+    tile_unique, tile_start = xp.empty(max_tiles, i32), xp.empty(max_tiles, i32)
+    h = xp.empty((pairs, inter), np.float32)
+    o = xp.empty((pairs, hidden), np.float32)
+
+    np_pairs, np_slots = check_int32("pairs", pairs), check_int32("slots", slots)
+    grid_pairs = (-(-pairs // 256),)
+    cuda_kernel(dev, "moe_plan.cu", "moe_plan_count")(grid_pairs, (256,), (ids, np_pairs, np_slots, counts, bad))
+    scan_threads = min(1024, 32 * -(-slots // 32))
+    cuda_kernel(dev, "moe_plan.cu", "moe_plan_scan")(
+        (1,), (scan_threads,), (counts, np_slots, i32(TILE_M), slot_off, cursor, n_unique, unique_slot, unique_off,
+                                n_tiles, tile_unique, tile_start))
+    cuda_kernel(dev, "moe_plan.cu", "moe_plan_scatter")(grid_pairs, (256,),
+                                                        (ids, np_pairs, np_slots, slot_off, cursor, pair_list))
+    if validate:
+        bad_pair = int(dev.to_host(bad)[0])
+        if bad_pair:
+            p = bad_pair - 1
+            bad_id = int(dev.to_host(ids.reshape(-1)[p:p + 1])[0])
+            raise ValueError(f"ids[{p // k}, {p % k}] = {bad_id} is not a slot (there are {slots})")
+
+    plan = np.zeros((), PLAN)
+    for name, arr in (("n_unique", n_unique), ("unique_slot", unique_slot), ("unique_off", unique_off),
+                      ("pair_list", pair_list), ("n_tiles", n_tiles), ("tile_unique", tile_unique),
+                      ("tile_start", tile_start)):
+        plan[name] = dev.pointer_of(arr)
+    plan = plan[()]
+    bank_struct = _bank_struct(dev, layout, banks)
+    fam = KERNEL_FAMILY[layout.fmt.name]
+    src = f"moe_{mode}.cu"
+    if mode == "decode":
+        grid_x, rows = pairs, DECODE_ROWS
+    else:
+        grid_x, rows = max_tiles, PREFILL_ROWS
+    h_i32, i_i32 = check_int32("hidden", hidden), check_int32("inter", inter)
+    cuda_kernel(dev, src, f"moe_{mode}_gate_up_{fam}_{xk}")(
+        (grid_x, -(-inter // rows)), (128,), (bank_struct, x, plan, i32(k), h_i32, i_i32, i32(code), h))
+    cuda_kernel(dev, src, f"moe_{mode}_down_{fam}")(
+        (grid_x, -(-hidden // rows)), (128,), (bank_struct, h, plan, h_i32, i_i32, o))
+    cuda_kernel(dev, "moe_plan.cu", "moe_combine")(
+        (-(-(tokens * hidden) // 256),), (256,), (o, ids, weights, i32(tokens), i32(k), h_i32, np_slots, y))
