@@ -10,13 +10,11 @@ from freetoken.testing import assert_close
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_case_matches_reference(case, device):
+    if case.cuda_only and device.kind == "cpu":
+        pytest.skip(f"{case.name} checks what only the CUDA kernels compute")
     rng = np.random.default_rng(1234)
     inputs = case.make(rng, "small")
-    got = case.run(device, inputs)
-    want = case.reference(inputs)
-    assert set(got) == set(want)
-    for key in want:
-        assert_close(got[key], want[key], case.atol, case.rtol, name=f"{case.name}:{key}")
+    case.check(case.run(device, inputs), case.reference(inputs))
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 1), (1, 33), (5, 31), (3, 2049)])

@@ -97,8 +97,8 @@ class ExpertFormat(ABC):
         for s in specs:
             a = banks[s.name]
             if a.dtype != np.dtype(s.dtype) or tuple(a.shape[1:]) != s.shape:
-                raise ValueError(f"{what}.{s.name}: {self.name} wants {np.dtype(s.dtype)} [E, {', '.join(map(str, s.shape))}]"
-                                 f", got {a.dtype} {list(a.shape)}")
+                want = f"{np.dtype(s.dtype)} [E, {', '.join(map(str, s.shape))}]"
+                raise ValueError(f"{what}.{s.name}: {self.name} wants {want}, got {a.dtype} {list(a.shape)}")
             if e is None:
                 e = a.shape[0]
             elif a.shape[0] != e:
@@ -144,7 +144,7 @@ class RecordLayout:
                  biases: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """float32 gate/up [E, I, H], down [E, H, I] (+ biases {"gate": [E, I], ...}) -> record banks."""
         out = {}
-        for m, w in zip(MATRICES, (gate, up, down)):
+        for m, w in zip(MATRICES, (gate, up, down), strict=True):
             if tuple(w.shape[1:]) != self.matrix_shape(m):
                 raise ValueError(f"{m}: expected [E, {', '.join(map(str, self.matrix_shape(m)))}], got {list(w.shape)}")
             out.update({f"{m}.{k}": v for k, v in self.fmt.quantize(np.asarray(w, np.float32)).items()})

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
-from freetoken import ops
-from freetoken.testing import poison
+from freetoken import formats, ops
+from freetoken.formats import RecordLayout
+from freetoken.ops.moe_experts import moe_experts
+from freetoken.ops.moe_reference import moe_forward_reference, round_weights_bf16
+from freetoken.testing import assert_close, max_error, poison
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,19 @@ class KernelCase:
     atol: float = 0.0
     rtol: float = 0.0
     bytes_moved: Callable[[dict], int] = lambda inp: 0
+    flops: Callable[[dict], int] = lambda inp: 0
+    rel_atol: float = 0.0  # added to atol, times the largest |reference| of each output
+    cuda_only: bool = False  # computes something only the CUDA kernels compute (e.g. bf16 tensor-core inputs)
+
+    def check(self, got: dict, want: dict) -> float:
+        """Assert every output within tolerance (NaN never passes); returns the largest error."""
+        if set(got) != set(want):
+            raise AssertionError(f"{self.name}: outputs {sorted(got)} != reference {sorted(want)}")
+        for key in want:
+            ref = np.asarray(want[key])
+            scale = float(np.nanmax(np.abs(ref))) if ref.size and self.rel_atol else 0.0
+            assert_close(got[key], ref, self.atol + self.rel_atol * scale, self.rtol, name=f"{self.name}:{key}")
+        return max(max_error(got[k], want[k]) for k in want)
 
     def fetch(self, dev, state: dict) -> dict:
         return {k[4:]: dev.to_host(v) for k, v in state.items() if k.startswith("out_")}
@@ -125,6 +142,58 @@ def _launch_transpose(dev, st):
     ops.transpose(st["x"], out=st["out_out"], device=dev)
 
 
+# ---- moe_decode.cu / moe_prefill.cu (with moe_plan.cu) ----------------------------------------------------
+@lru_cache(maxsize=2)
+def _moe_record(fmt_name: str, size: str):
+    """A quantized record set shared by the decode and prefill cases of one format (quantizing is slow)."""
+    rng = np.random.default_rng(formats.NAMES.index(fmt_name))
+    hidden, inter, experts = (96, 160, 6) if size == "small" else (2048, 768, 8)  # large: Qwen3-30B-A3B experts
+    layout = RecordLayout(formats.get(fmt_name), hidden, inter)
+    gate, up = (rng.standard_normal((experts, inter, hidden), np.float32) * 0.05 for _ in range(2))
+    down = rng.standard_normal((experts, hidden, inter), np.float32) * 0.05
+    return layout, layout.quantize(gate, up, down), experts
+
+
+def _make_moe(fmt_name: str, mode: str):
+    def make(rng, size):
+        layout, banks, experts = _moe_record(fmt_name, size)
+        if size == "small":
+            tokens, k = (3, 2) if mode == "decode" else (40, 2)
+        else:
+            tokens, k = (1, 8) if mode == "decode" else (256, 8)
+        ids = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]).astype(np.int32)
+        return {"layout": layout, "banks": banks, "x": rng.standard_normal((tokens, layout.hidden)).astype(np.float32),
+                "ids": ids, "weights": rng.random((tokens, k)).astype(np.float32)}
+
+    def setup(dev, inp):
+        return {"layout": inp["layout"], "banks": {n: dev.asarray(a) for n, a in inp["banks"].items()},
+                "x": dev.asarray(inp["x"]), "ids": dev.asarray(inp["ids"]), "weights": dev.asarray(inp["weights"]),
+                "out_y": _poisoned(dev, inp["x"].shape, np.float32)}
+
+    def launch(dev, st):
+        moe_experts(st["x"], st["ids"], st["weights"], st["banks"], st["layout"], mode=mode, out=st["out_y"],
+                    device=dev, validate=False)
+
+    def reference(inp):
+        layout, banks = inp["layout"], inp["banks"]
+        deq = layout.dequantize(banks)
+        if mode == "prefill":
+            deq = round_weights_bf16(deq, {m: banks[f"{m}.g"] for m in ("gate", "up", "down") if f"{m}.g" in banks})
+        return {"y": moe_forward_reference(inp["x"], inp["ids"], inp["weights"], deq, bf16_inputs=mode == "prefill")}
+
+    def bytes_moved(inp):
+        return len(np.unique(inp["ids"])) * inp["layout"].record_bytes
+
+    def flops(inp):
+        return 6 * inp["ids"].size * inp["layout"].hidden * inp["layout"].inter
+
+    return KernelCase(f"moe_{mode}_{fmt_name}", f"moe_{mode}.cu", make, setup, launch, reference,
+                      rtol=1e-5 if mode == "decode" else 1e-4, rel_atol=2e-6 if mode == "decode" else 1e-4,
+                      bytes_moved=bytes_moved, flops=flops, cuda_only=mode == "prefill")
+
+
+MOE_CASES = [_make_moe(f, m) for m in ("decode", "prefill") for f in formats.NAMES]
+
 CASES: list[KernelCase] = [
     KernelCase("reduce_rows_f32", "reduce.cu", _make_reduce, _setup_reduce, _launch_reduce,
                lambda inp: {"sum": inp["x"].astype(np.float64).sum(axis=1)}, atol=1e-3, rtol=1e-5,
@@ -136,4 +205,4 @@ CASES: list[KernelCase] = [
     KernelCase("transpose_u32", "transpose.cu", _make_transpose, _setup_transpose, _launch_transpose,
                lambda inp: {"out": np.ascontiguousarray(inp["x"].T)},
                bytes_moved=lambda inp: 2 * inp["x"].nbytes),
-]
+] + MOE_CASES

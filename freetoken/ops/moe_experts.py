@@ -101,6 +101,12 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
     if dev.kind == "cpu":
         from freetoken.cpu_kernels.moe_experts import forward
 
+        if validate:
+            bad = np.argwhere((ids < 0) | (ids >= slots))
+            if bad.size:
+                t, j = (int(v) for v in bad[0])
+                raise ValueError(f"ids[{t}, {j}] = {int(ids[t, j])} is not a slot (there are {slots})")
+
         x32 = np.asarray(x.view(np.uint16).astype(np.uint32) << 16).view(np.float32) if xk == "bf16" else x
         forward(layout.fmt.name, np.ascontiguousarray(x32), ids, weights, banks, layout.hidden, layout.inter, code, y)
         return y

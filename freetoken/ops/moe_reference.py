@@ -31,8 +31,28 @@ def apply_activation(gate: np.ndarray, up: np.ndarray, act: str) -> np.ndarray:
     return (up + 1.0) * gate / (1.0 + np.exp(-GPT_OSS_ALPHA * gate))
 
 
+def _bf16(a: np.ndarray) -> np.ndarray:
+    import ml_dtypes
+
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def round_weights_bf16(deq: dict[str, np.ndarray], globals_: dict[str, np.ndarray] | None = None) -> dict:
+    """Dequantized matrices as the prefill kernel feeds them to tensor cores: the value before the per-matrix
+    global scale (``globals_[m]``, one per expert, nvfp4) rounded to bf16, then scaled back."""
+    out = dict(deq)
+    for m in ("gate", "up", "down"):
+        g = None if globals_ is None else globals_.get(m)
+        if g is None:
+            out[m] = _bf16(deq[m])
+        else:
+            g = np.asarray(g, np.float64)[:, None, None]
+            out[m] = _bf16(deq[m] / g) * g
+    return out
+
+
 def moe_forward_reference(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, deq: dict[str, np.ndarray],
-                          act: str = "swiglu") -> np.ndarray:
+                          act: str = "swiglu", bf16_inputs: bool = False) -> np.ndarray:
     """float64 [T, H] output.
 
     Parameters
@@ -42,21 +62,26 @@ def moe_forward_reference(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, d
     weights : [T, k] routing weights
     deq : ``RecordLayout.dequantize(banks)``: "gate" [E, I, H], "up" [E, I, H], "down" [E, H, I], and
         "gate.b"/"up.b"/"down.b" when the record has biases
+    bf16_inputs : round x and the intermediate h to bf16, as the prefill (tensor-core) kernel does; pass
+        weights through :func:`round_weights_bf16` for the same reason
     """
     x = np.asarray(x).astype(np.float64)
-    t_count, hidden = x.shape
-    y = np.zeros((t_count, hidden), np.float64)
-    for t in range(t_count):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            g = deq["gate"][e].astype(np.float64) @ x[t]
-            u = deq["up"][e].astype(np.float64) @ x[t]
-            if "gate.b" in deq:
-                g = g + deq["gate.b"][e]
-                u = u + deq["up.b"][e]
-            h = apply_activation(g, u, act)
-            o = deq["down"][e].astype(np.float64) @ h
-            if "down.b" in deq:
-                o = o + deq["down.b"][e]
-            y[t] += float(weights[t, j]) * o
+    if bf16_inputs:
+        x = _bf16(x)
+    ids = np.asarray(ids)
+    weights = np.asarray(weights, np.float64)
+    y = np.zeros(x.shape, np.float64)
+    for e in np.unique(ids):  # every pair routed to expert e at once
+        t, j = np.nonzero(ids == e)
+        xs = x[t]
+        g = xs @ deq["gate"][e].astype(np.float64).T
+        u = xs @ deq["up"][e].astype(np.float64).T
+        if "gate.b" in deq:
+            g = g + deq["gate.b"][e]
+            u = u + deq["up.b"][e]
+        h = apply_activation(g, u, act)
+        o = (_bf16(h) if bf16_inputs else h) @ deq["down"][e].astype(np.float64).T
+        if "down.b" in deq:
+            o = o + deq["down.b"][e]
+        np.add.at(y, t, weights[t, j][:, None] * o)
     return y
