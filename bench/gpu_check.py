@@ -6,7 +6,8 @@
 
 Columns: kernel, max error against the NumPy reference, pass/FAIL, median time, achieved GB/s and that as a
 fraction of the card's device-to-device copy bandwidth measured in the same run. Without a GPU it says so and
-exits 0 (exit 1 with --require-gpu). Exit 1 when any case fails.
+exits 0 (exit 1 with --require-gpu). Exit 1 when any case fails. If only moe_prefill_* fail, rerun with
+FREETOKEN_NO_MMA=1 (the prefill kernels' plain fallback): passing then points at the tensor-core path.
 """
 
 from __future__ import annotations

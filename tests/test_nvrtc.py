@@ -32,3 +32,9 @@ def test_warnings_are_errors():
     src = 'extern "C" __global__ void k(float* x) { int unused = 3; x[0] = 1.0f; }'
     with pytest.raises(NvrtcError, match=r"warn\.cu compiled for sm_80 with warnings[\s\S]*unused"):
         compile_cubin(src, "warn.cu", "sm_80")
+
+
+def test_prefill_fallback_compiles_for_gpus():
+    """FREETOKEN_NO_MMA=1 builds the prefill kernels without tensor cores; that build must stay warning-free too."""
+    src = cuda_dir() / "moe_prefill.cu"
+    compile_cubin(src.read_text(), src.name, "sm_86", ["-DFT_NO_MMA"])

@@ -35,9 +35,9 @@ def prepare_out(dev: Device, out, shape: tuple, dtype, name: str = "out"):
     return o
 
 
-def cuda_kernel(dev: Device, source: str, kernel: str):
+def cuda_kernel(dev: Device, source: str, kernel: str, options: tuple[str, ...] = ()):
     """The launchable ``kernel`` from ``cuda/<source>`` on a CUDA-running device (compiled once, cached)."""
-    return dev.load_cuda(source).get_function(kernel)
+    return dev.load_cuda(source, options).get_function(kernel)
 
 
 def check_int32(name: str, value: int) -> np.int32:

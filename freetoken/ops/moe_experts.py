@@ -10,6 +10,8 @@ Prefill computes with bf16-rounded inputs (as tensor cores do); decode reads wei
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from freetoken.formats import MATRICES, RecordLayout
@@ -158,14 +160,17 @@ def _run_cuda(dev, x, xk, ids, weights, banks, layout, code, mode, slots, y, val
     bank_struct = _bank_struct(dev, layout, banks)
     fam = KERNEL_FAMILY[layout.fmt.name]
     src = f"moe_{mode}.cu"
+    # FREETOKEN_NO_MMA=1 builds the prefill kernels with their plain fallback instead of tensor cores (to tell a
+    # tensor-core fault from the rest of the kernel on a GPU; the emulator always runs the fallback).
+    opts = ("-DFT_NO_MMA",) if mode == "prefill" and os.environ.get("FREETOKEN_NO_MMA") == "1" else ()
     if mode == "decode":
         grid_x, rows = pairs, DECODE_ROWS
     else:
         grid_x, rows = max_tiles, PREFILL_ROWS
     h_i32, i_i32 = check_int32("hidden", hidden), check_int32("inter", inter)
-    cuda_kernel(dev, src, f"moe_{mode}_gate_up_{fam}_{xk}")(
+    cuda_kernel(dev, src, f"moe_{mode}_gate_up_{fam}_{xk}", opts)(
         (grid_x, -(-inter // rows)), (128,), (bank_struct, x, plan, i32(k), h_i32, i_i32, i32(code), h))
-    cuda_kernel(dev, src, f"moe_{mode}_down_{fam}")(
+    cuda_kernel(dev, src, f"moe_{mode}_down_{fam}", opts)(
         (grid_x, -(-hidden // rows)), (128,), (bank_struct, h, plan, h_i32, i_i32, o))
     cuda_kernel(dev, "moe_plan.cu", "moe_combine")(
         (-(-(tokens * hidden) // 256),), (256,), (o, ids, weights, i32(tokens), i32(k), h_i32, np_slots, y))
