@@ -28,8 +28,9 @@ q4_0       w u8 [N, K/2]: the 16 ``qs`` bytes of each    (q - 8) * f16(s[n, k //
 ``0, .5, 1, 1.5, 2, 3, 4, 6`` with bit 3 the sign; e8m0 255 is NaN (OCP; ggml decodes it as 2^128 but its
 quantizer never writes it) and e8m0 0 is the float32 subnormal 2^-127, so no decode path may flush subnormals.
 The nvfp4 decode is ``(e2m1 * e4m3) * g``: the inner product is exact, and kernels may (and do) factor the
-per-matrix ``g`` out of their dot products. The ``g`` bank is [E]: checkpoint converters reshape [E, 1]. q4_0 is kept as GGUF stores it but with
-its 2-byte ``d`` split into its own bank, so the quants are 16-byte aligned (lossless, no dequantization).
+per-matrix ``g`` out of their dot products. The ``g`` bank is [E]: checkpoint converters reshape [E, 1].
+q4_0 is kept as GGUF stores it but with its 2-byte ``d`` split into its own bank, so the quants are 16-byte
+aligned (lossless, no dequantization).
 
 An expert *record* (:class:`RecordLayout`) holds three matrices, each in the format's banks: ``gate`` [I, H],
 ``up`` [I, H], ``down`` [H, I], plus optional float32 biases ``gate.b`` [I], ``up.b`` [I], ``down.b`` [H]
