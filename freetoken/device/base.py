@@ -124,6 +124,9 @@ class Device(ABC):
     @abstractmethod
     def event(self): ...
 
+    def wait_event(self, event, stream=None) -> None:  # noqa: B027 - host devices run work in issue order
+        """Make ``stream`` (default: the current stream) wait until ``event`` has completed."""
+
     def synchronize(self) -> None:  # noqa: B027 - host devices finish work when it is issued
         """Wait until all work issued on this device has finished."""
 

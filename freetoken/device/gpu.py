@@ -139,6 +139,10 @@ class GpuDevice(Device):
     def synchronize(self) -> None:
         self._dev.synchronize()
 
+    def wait_event(self, event, stream=None) -> None:
+        s = stream.raw if isinstance(stream, _GpuStream) else (stream or self.cupy.cuda.get_current_stream())
+        s.wait_event(event.ev)
+
     def load_module(self, source: str, options: Sequence[str] = (), name: str = "module.cu") -> GpuModule:
         key = (source, tuple(options), name)
         if key not in self._modules:

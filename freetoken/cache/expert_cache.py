@@ -1,0 +1,255 @@
+"""The global expert cache: S slots shared by every MoE layer, admitted on the device (``cuda/cache.cu``).
+
+Decode, per MoE layer::
+
+    cache.admit(layer, ids)   # ids [T, k] expert indices -> slot ids, in place, on the device
+    cache.copy_missing()      # pull the missed records from the host pool into their slots
+    ... routed expert kernels over cache.slot_banks ...
+
+Prefill streams whole layers through two buffers borrowed from the first 2E slots::
+
+    cache.begin_prefill()
+    cache.prefetch_layer(0)
+    for l in range(L):
+        if l + 1 < L: cache.prefetch_layer(l + 1)   # copies on the transfer stream, overlapping layer l
+        first = cache.wait_layer(l)                 # the compute stream waits for layer l's records
+        ... expert kernels with slot ids = expert ids + first ...
+        cache.release_layer(l)                      # the buffer may be refilled once these kernels finish
+
+Statistics count unique active records per admit call (a record used by several tokens is one hit or miss).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from freetoken.cache.host_pool import HostPool
+from freetoken.ops._common import cuda_kernel
+
+MAX_ACTIVE = 1024  # FT_CACHE_MAX_PAIRS in cuda/cache.cu: routed pairs per admit call
+MAX_BANKS = 16  # FT_CACHE_MAX_BANKS
+
+#: cache.cu's BankTable.
+BANK_TABLE = np.dtype([("src", np.uint64, MAX_BANKS), ("dst", np.uint64, MAX_BANKS), ("bytes", np.uint64, MAX_BANKS),
+                       ("n", np.int32)], align=True)
+
+
+class CacheError(RuntimeError):
+    """The device reported an admission error (an id out of range, or no slot left to evict)."""
+
+
+class ExpertCache:
+    """S slots of expert records on ``pool.device``, with LRU admission, pinning and prefill double buffers.
+
+    Parameters
+    ----------
+    pool : the host pool (authoritative records)
+    slots : number of device slots
+    max_active : the most routed pairs one admit call may carry (tokens x top-k), at most 1024
+    prefill_overlap : reserve the first 2E slots as prefill's double buffers
+    """
+
+    def __init__(self, pool: HostPool, slots: int, *, max_active: int, prefill_overlap: bool = True):
+        dev = pool.device
+        if dev.kind == "cpu":
+            raise ValueError("the expert cache runs on the gpu or emu device; the cpu device reads the host pool")
+        e = pool.num_experts
+        if not 1 <= max_active <= MAX_ACTIVE:
+            raise ValueError(f"max_active={max_active} must be in [1, {MAX_ACTIVE}]")
+        need = max(max_active, 2 * e if prefill_overlap else 0)
+        if slots < need:
+            why = (f"prefill overlap needs 2 x {e} experts = {2 * e} slots" if prefill_overlap and 2 * e >= max_active
+                   else f"one step can route {max_active} distinct experts")
+            raise ValueError(f"{slots} slots cannot work: {why}; use at least {need}")
+        if len(pool.specs) > MAX_BANKS:
+            raise ValueError(f"record layouts of more than {MAX_BANKS} banks are not supported")
+        self.device, self.pool, self.slots = dev, pool, slots
+        self.num_layers, self.num_experts = pool.num_layers, e
+        self.max_active, self.prefill_overlap = max_active, prefill_overlap
+        xp = dev.xp
+        self.slot_banks = {s.name: dev.zeros((slots, *s.shape), s.dtype) for s in pool.specs}
+        self.record_bytes = sum(s.nbytes for s in pool.specs)
+        self.slot_for_id = xp.empty(pool.num_records, np.int32)
+        self.id_of_slot = xp.empty(slots, np.int32)
+        self.recency = xp.empty(slots, np.int64)
+        self.pinned = xp.empty(slots, np.uint8)
+        self.clock = xp.empty(1, np.int64)
+        self.hits = xp.empty(self.num_layers, np.int64)
+        self.misses = xp.empty(self.num_layers, np.int64)
+        self.err = xp.empty(1, np.int32)
+        self.worklist = xp.empty(2 * max_active, np.int32)
+        self.n_work = xp.empty(1, np.int32)
+        self.prefill_worklists = [xp.empty(2 * e, np.int32) for _ in range(2)]
+        self.prefill_n_work = [xp.empty(1, np.int32) for _ in range(2)]
+        self.transfer = dev.stream()
+        table = np.zeros((), BANK_TABLE)
+        for i, s in enumerate(pool.specs):
+            table["src"][i] = pool.banks[s.name].device_ptr
+            table["dst"][i] = dev.pointer_of(self.slot_banks[s.name])
+            table["bytes"][i] = s.nbytes
+        table["n"] = len(pool.specs)
+        self._table = table[()]
+        self.reset()
+
+    # ---- state ---------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget everything: empty slots, no pins, zero statistics (slot bytes are left as they are)."""
+        for a in (self.slot_for_id, self.id_of_slot, self.recency):
+            a[...] = -1
+        for a in (self.pinned, self.clock, self.hits, self.misses, self.err, self.n_work):
+            a[...] = 0
+        self.prefill_bytes = 0
+        self._pinned_slots: list[int] = []
+        self._ready = [None, None]
+        self._release = [None, None]
+
+    def stats(self) -> dict:
+        """Hits, misses and bytes copied, in total and per layer (synchronises)."""
+        hits = self.device.to_host(self.hits).astype(int)
+        misses = self.device.to_host(self.misses).astype(int)
+        total = int(hits.sum() + misses.sum())
+        return {"hits": int(hits.sum()), "misses": int(misses.sum()),
+                "hit_rate": float(hits.sum() / total) if total else 0.0,
+                "bytes_copied": int(misses.sum()) * self.record_bytes, "prefill_bytes": self.prefill_bytes,
+                "per_layer": [{"layer": i, "hits": int(h), "misses": int(m)} for i, (h, m) in
+                              enumerate(zip(hits, misses, strict=True))]}
+
+    def check_errors(self) -> None:
+        """Raise if an admission since the last check failed (synchronises)."""
+        code = int(self.device.to_host(self.err)[0])
+        if code:
+            self.err[...] = 0
+            raise CacheError("an expert id was out of range" if code == 1 else
+                             f"no slot left to evict: {self.slots} slots, {len(self._pinned_slots)} pinned")
+
+    # ---- decode ----------------------------------------------------------------------------------------------
+    def admit(self, layer: int, ids, stream=None) -> None:
+        """Rewrite ``ids`` (int32 [T, k] on the device, expert indices of ``layer``) in place to slot ids."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range ({self.num_layers} MoE layers)")
+        if ids.dtype != np.int32 or not ids.flags.c_contiguous:
+            raise TypeError("ids must be a C-contiguous int32 array")
+        pairs = int(ids.size)
+        if pairs > self.max_active:
+            raise ValueError(f"{pairs} routed pairs exceed max_active={self.max_active}")
+        threads = min(MAX_ACTIVE, 32 * -(-max(pairs, self.slots, 32) // 32))
+        i32 = np.int32
+        cuda_kernel(self.device, "cache.cu", "cache_admit")(
+            (1,), (threads,), (ids, i32(pairs), i32(layer), i32(self.num_experts), self.slot_for_id, self.id_of_slot,
+                               self.recency, self.pinned, i32(self.slots), self.clock, self.worklist, self.n_work,
+                               self.hits, self.misses, self.err), stream=stream)
+
+    def copy_missing(self, stream=None) -> None:
+        """Copy the records the last :meth:`admit` missed from the host pool into their slots."""
+        self._copy(self.worklist, self.n_work, self.max_active, stream)
+
+    def _copy(self, worklist, n_work, max_items: int, stream) -> None:
+        cuda_kernel(self.device, "cache.cu", "cache_copy")(
+            (max_items, len(self.pool.specs)), (256,), (worklist, n_work, self._table), stream=stream)
+
+    # ---- prefill ---------------------------------------------------------------------------------------------
+    def _check_prefill(self, layer: int) -> int:
+        if not self.prefill_overlap:
+            raise RuntimeError("this cache was built with prefill_overlap=False")
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range ({self.num_layers} MoE layers)")
+        return layer % 2
+
+    def begin_prefill(self) -> None:
+        """Start a prefill pass (buffers free)."""
+        self.device.synchronize()
+        self._ready = [None, None]
+        self._release = [None, None]
+
+    def prefetch_layer(self, layer: int) -> int:
+        """Borrow buffer ``layer % 2`` and copy all of ``layer``'s records into it on the transfer stream.
+
+        Waits (on the transfer stream) for the release of the layer that used the buffer before. Returns the
+        buffer's first slot.
+        """
+        b = self._check_prefill(layer)
+        first = b * self.num_experts
+        if self._release[b] is not None:
+            self.transfer.wait_event(self._release[b])  # the fence before reuse
+        wl, nw = self.prefill_worklists[b], self.prefill_n_work[b]
+        i32 = np.int32
+        cuda_kernel(self.device, "cache.cu", "cache_borrow_layer")(
+            (-(-self.num_experts // 128),), (128,), (i32(layer), i32(first), i32(self.num_experts), self.slot_for_id,
+                                                     self.id_of_slot, self.recency, wl, nw), stream=self.transfer)
+        self._copy(wl, nw, self.num_experts, self.transfer)
+        self._ready[b] = self.device.event().record(self.transfer)
+        self.prefill_bytes += self.num_experts * self.record_bytes
+        return first
+
+    def wait_layer(self, layer: int, stream=None) -> int:
+        """Make ``stream`` (default: the current one) wait until ``layer``'s records are in their buffer."""
+        b = self._check_prefill(layer)
+        if self._ready[b] is None:
+            raise RuntimeError(f"layer {layer} was not prefetched")
+        self.device.wait_event(self._ready[b], stream)
+        return b * self.num_experts
+
+    def release_layer(self, layer: int, stream=None) -> None:
+        """Record that ``layer``'s expert kernels have been issued; its buffer is refilled after they finish."""
+        b = self._check_prefill(layer)
+        self._release[b] = self.device.event().record(stream)
+
+    # ---- pinning ---------------------------------------------------------------------------------------------
+    def pin(self, layer: int, experts) -> None:
+        """Keep ``experts`` of ``layer`` in slots that are never evicted (taken from the end of the pool)."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range ({self.num_layers} MoE layers)")
+        for e in (int(v) for v in np.atleast_1d(experts)):
+            if not 0 <= e < self.num_experts:
+                raise ValueError(f"expert {e} out of range ({self.num_experts} experts)")
+            f = layer * self.num_experts + e
+            if f in self._pinned_ids():
+                continue
+            slot = self.slots - 1 - len(self._pinned_slots)
+            floor = 2 * self.num_experts if self.prefill_overlap else 0
+            if slot < floor or self.slots - len(self._pinned_slots) - 1 < self.max_active:
+                raise ValueError(f"cannot pin more than {len(self._pinned_slots)} experts: {self.slots} slots must "
+                                 f"keep {max(floor, self.max_active)} free for admission and prefill")
+            cur = int(self.device.to_host(self.slot_for_id[f:f + 1])[0])
+            if cur >= 0 and cur != slot:
+                self.id_of_slot[cur:cur + 1] = -1
+                self.recency[cur:cur + 1] = -1
+            old = int(self.device.to_host(self.id_of_slot[slot:slot + 1])[0])
+            if old >= 0:
+                self.slot_for_id[old:old + 1] = -1
+            self.id_of_slot[slot:slot + 1] = f
+            self.slot_for_id[f:f + 1] = slot
+            self.pinned[slot:slot + 1] = 1
+            self.recency[slot:slot + 1] = self.clock
+            work = self.device.asarray(np.array([slot, f], np.int32))
+            self._copy(work, self.device.asarray(np.array([1], np.int32)), 1, None)
+            self._pinned_slots.append(slot)
+        self.device.synchronize()
+
+    def _pinned_ids(self) -> set[int]:
+        ids = self.device.to_host(self.id_of_slot)
+        return {int(ids[s]) for s in self._pinned_slots}
+
+    # ---- verification ----------------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Both maps exact inverses, pins owned, and every owned slot's bytes equal to its host record."""
+        dev = self.device
+        dev.synchronize()
+        sfi, ios = dev.to_host(self.slot_for_id), dev.to_host(self.id_of_slot)
+        pinned = dev.to_host(self.pinned)
+        for s, f in enumerate(ios):
+            if f >= 0 and sfi[f] != s:
+                raise AssertionError(f"slot {s} claims id {f}, but slot_for_id[{f}] = {sfi[f]}")
+        for f in np.nonzero(sfi >= 0)[0]:
+            if ios[sfi[f]] != f:
+                raise AssertionError(f"id {f} maps to slot {sfi[f]}, which is owned by {ios[sfi[f]]}")
+        for s in np.nonzero(pinned)[0]:
+            if ios[s] < 0:
+                raise AssertionError(f"pinned slot {s} is empty")
+        owned = np.nonzero(ios >= 0)[0]
+        for name, bank in self.slot_banks.items():
+            dev_rows = dev.to_host(bank)
+            host = self.pool.host(name)
+            for s in owned:
+                if not np.array_equal(dev_rows[s].view(np.uint8), host[ios[s]].view(np.uint8)):
+                    raise AssertionError(f"slot {s} bank {name}: bytes differ from host record {ios[s]}")
