@@ -35,6 +35,7 @@ class KernelCase:
     flops: Callable[[dict], int] = lambda inp: 0
     rel_atol: float = 0.0  # added to atol, times the largest |reference| of each output
     cuda_only: bool = False  # computes something only the CUDA kernels compute (e.g. bf16 tensor-core inputs)
+    fetch_fn: Callable[[object, dict], dict] | None = None  # outputs not held in "out_*" state entries
 
     def check(self, got: dict, want: dict) -> float:
         """Assert every output within tolerance (NaN never passes); returns the largest error."""
@@ -47,6 +48,8 @@ class KernelCase:
         return max(max_error(got[k], want[k]) for k in want)
 
     def fetch(self, dev, state: dict) -> dict:
+        if self.fetch_fn is not None:
+            return self.fetch_fn(dev, state)
         return {k[4:]: dev.to_host(v) for k, v in state.items() if k.startswith("out_")}
 
     def run(self, dev, inputs: dict) -> dict:
@@ -194,6 +197,65 @@ def _make_moe(fmt_name: str, mode: str):
 
 MOE_CASES = [_make_moe(f, m) for m in ("decode", "prefill") for f in formats.NAMES]
 
+# ---- cache.cu -------------------------------------------------------------------------------------------------
+def _cache_dims(size):
+    # (hidden, inter, layers, experts, slots, k): issue 4's benchmark point on gpu, a toy on emu
+    return (64, 32, 2, 16, 40, 8) if size == "small" else (2048, 768, 2, 128, 1024, 8)
+
+
+def _make_cache_case(fmt_name: str, what: str):
+    def make(rng, size):
+        hidden, inter, layers, experts, slots, k = _cache_dims(size)
+        layout = RecordLayout(formats.get(fmt_name), hidden, inter)
+        ids = [np.sort(rng.permutation(experts)[:k]).astype(np.int32)[None, :] for _ in range(32)]
+        return {"layout": layout, "layers": layers, "experts": experts, "slots": slots, "ids": ids, "seed": 7}
+
+    def setup(dev, inp):
+        from freetoken.cache import ExpertCache, HostPool
+
+        pool = HostPool(dev, inp["layout"], inp["layers"], inp["experts"])
+        rng = np.random.default_rng(inp["seed"])
+        for name in pool.banks:  # random record bytes: copies are checked byte for byte
+            host = pool.host(name).view(np.uint8)
+            host[...] = rng.integers(0, 256, host.shape, dtype=np.uint8)
+        cache = ExpertCache(pool, inp["slots"], max_active=inp["ids"][0].size)
+        first = dev.asarray(inp["ids"][0])
+        cache.admit(0, first)
+        cache.copy_missing()
+        dev.synchronize()
+        return {"cache": cache, "first": first, "ids": [dev.asarray(i) for i in inp["ids"]], "i": [0]}
+
+    def launch(dev, st):
+        cache = st["cache"]
+        if what == "copy":
+            cache.copy_missing()  # the first admit's worklist again: k records over PCIe
+            return
+        i = st["i"][0] = st["i"][0] + 1
+        ids = st["ids"][i % len(st["ids"])].copy()
+        cache.admit(i % cache.num_layers, ids)
+        cache.copy_missing()
+
+    def fetch(dev, st):
+        cache = st["cache"]
+        slots = dev.to_host(st["first"]).ravel()
+        flat = dev.to_host(cache.id_of_slot)[slots]
+        same = all(np.array_equal(dev.to_host(bank[int(s)]).view(np.uint8), cache.pool.host(n)[int(f)].view(np.uint8))
+                   for n, bank in cache.slot_banks.items() for s, f in zip(slots, flat, strict=True))
+        return {"first_slots": slots, "rows_match": np.array([int(same)])}
+
+    def reference(inp):
+        from freetoken.cache import CacheModel
+
+        model = CacheModel(inp["layers"], inp["experts"], inp["slots"])
+        want, _ = model.admit(0, inp["ids"][0])
+        return {"first_slots": want.ravel(), "rows_match": np.array([1])}
+
+    return KernelCase(f"cache_{what}_{fmt_name}", "cache.cu", make, setup, launch, reference, fetch_fn=fetch,
+                      cuda_only=True, bytes_moved=lambda inp: inp["ids"][0].size * inp["layout"].record_bytes)
+
+
+CACHE_CASES = [_make_cache_case(f, w) for w in ("admit_copy", "copy") for f in ("q4_0", "bf16")]
+
 CASES: list[KernelCase] = [
     KernelCase("reduce_rows_f32", "reduce.cu", _make_reduce, _setup_reduce, _launch_reduce,
                lambda inp: {"sum": inp["x"].astype(np.float64).sum(axis=1)}, atol=1e-3, rtol=1e-5,
@@ -205,4 +267,4 @@ CASES: list[KernelCase] = [
     KernelCase("transpose_u32", "transpose.cu", _make_transpose, _setup_transpose, _launch_transpose,
                lambda inp: {"out": np.ascontiguousarray(inp["x"].T)},
                bytes_moved=lambda inp: 2 * inp["x"].nbytes),
-] + MOE_CASES
+] + MOE_CASES + CACHE_CASES
