@@ -12,6 +12,7 @@ the routed experts live in host memory, the GPU caches the hot ones.
 
 Commands:
   info    what this machine offers: devices, GPU and PCIe link, CPU SIMD, library versions, cache dir
+  trace   routing traces: synthesise, summarise, and replay them through expert-cache policies
 """
 
 
@@ -34,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Show what this machine offers freetoken.")
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     info.set_defaults(func=_cmd_info)
+    from freetoken.trace.cli import add_trace_parser
+
+    add_trace_parser(sub)
     return parser
 
 

@@ -64,7 +64,9 @@ def test_gpu_check_table_on_emu():
     proc = subprocess.run([sys.executable, str(script), "--device", "emu", "--reps", "2"], capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for kernel in ("reduce_rows_f32", "topk_rows_f32", "histogram_i32", "transpose_u32"):
-        line = next(line for line in proc.stdout.splitlines() if line.startswith(kernel))
-        assert " ok " in line
-    assert "4/4 kernels match" in proc.stdout
+    from freetoken.ops.cases import CASES
+
+    for case in CASES:
+        line = next(line for line in proc.stdout.splitlines() if line.startswith(case.name + " "))
+        assert " ok " in line, line
+    assert f"{len(CASES)}/{len(CASES)} kernels match" in proc.stdout

@@ -1,0 +1,37 @@
+"""Miss rate against cache slots, one line per policy (matplotlib, drawn off-screen)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+
+def plot_miss_rates(rows: Sequence[dict], path: str | os.PathLike, title: str | None = None) -> None:
+    """Write a PNG (or any format matplotlib infers from ``path``) of miss rate % against slots."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise RuntimeError("plotting needs matplotlib: pip install matplotlib") from e
+    fig = Figure(figsize=(7, 4.5), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for r in rows:
+        series.setdefault((r["policy"], r["window"]), []).append((r["slots"], 100.0 * r["miss_rate"]))
+    windows = {w for _, w in series}
+    for (policy, window), pts in series.items():
+        pts.sort()
+        label = policy if len(windows) == 1 else f"{policy} ({window})"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=label,
+                linestyle="--" if policy.startswith("belady") else "-")
+    ax.set_xlabel("cache slots")
+    ax.set_ylabel("miss rate (%)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    if title:
+        ax.set_title(title)
+    if series:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.fspath(path))
