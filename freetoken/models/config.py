@@ -1,0 +1,107 @@
+"""Model configuration of the supported MoE families, parsed from an HF ``config.json``.
+
+One decoder serves Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE; their differences are flags here:
+q/k norms (per head for Qwen3, over the whole projection for OLMoE), qkv biases (Qwen2), a shared expert with a
+sigmoid gate (Qwen2), top-k renormalisation (always for Mixtral, ``norm_topk_prob`` otherwise) and which layers
+are MoE (``decoder_sparse_step`` / ``mlp_only_layers``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: model_type -> family name used by freetoken.
+FAMILIES = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
+
+
+class ConfigError(ValueError):
+    """A config.json freetoken cannot run: unknown architecture or a missing/invalid field (named)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    moe_inter: int
+    dense_inter: int
+    norm_topk_prob: bool
+    rms_eps: float
+    rope_theta: float
+    rope_scaling: dict | None = None
+    qk_norm: str = "none"  # "none" | "head" (Qwen3: over head_dim) | "full" (OLMoE: over the projection)
+    qkv_bias: bool = False
+    shared_inter: int = 0  # Qwen2-MoE shared expert (with a sigmoid gate)
+    moe_layers: tuple[bool, ...] = field(default=())
+    tie_word_embeddings: bool = False
+    max_position: int = 32768
+
+    def is_moe(self, layer: int) -> bool:
+        return self.moe_layers[layer]
+
+
+def _get(cfg: dict, *names, default=None, required=True):
+    for n in names:
+        if n in cfg and cfg[n] is not None:
+            return cfg[n]
+    if required and default is None:
+        raise ConfigError(f"config.json: missing field {names[0]!r}")
+    return default
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    params = cfg.get("rope_parameters")  # transformers >= 5
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        kind = params.get("rope_type", "default")
+        return theta, (None if kind == "default" else dict(params))
+    scaling = cfg.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return float(cfg.get("rope_theta", 10000.0)), scaling
+
+
+def from_hf(cfg: dict) -> ModelConfig:
+    """Parse an HF config dict; raises :class:`ConfigError` naming what is unsupported or missing."""
+    mt = cfg.get("model_type")
+    if mt not in FAMILIES:
+        raise ConfigError(f"config.json: unsupported model_type {mt!r}; freetoken runs {', '.join(FAMILIES)}")
+    family = FAMILIES[mt]
+    hidden = int(_get(cfg, "hidden_size"))
+    layers = int(_get(cfg, "num_hidden_layers"))
+    heads = int(_get(cfg, "num_attention_heads"))
+    head_dim = int(_get(cfg, "head_dim", default=hidden // heads, required=False))
+    experts = int(_get(cfg, "num_experts", "num_local_experts"))
+    if family == "mixtral":
+        moe_inter, dense_inter, norm_topk = int(_get(cfg, "intermediate_size")), 0, True
+    else:
+        moe_inter = int(_get(cfg, "moe_intermediate_size", "intermediate_size"))
+        dense_inter = int(_get(cfg, "intermediate_size", default=0, required=False))
+        norm_topk = bool(cfg.get("norm_topk_prob", False))
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    mlp_only = set(cfg.get("mlp_only_layers") or [])
+    moe_layers = tuple((i not in mlp_only) and experts > 0 and (i + 1) % step == 0 for i in range(layers))
+    theta, scaling = _rope(cfg)
+    if scaling is not None:
+        raise ConfigError(f"config.json: rope scaling {scaling.get('rope_type', scaling.get('type'))!r} is not "
+                          "supported yet")
+    if cfg.get("sliding_window") and cfg.get("use_sliding_window"):
+        raise ConfigError("config.json: sliding-window attention is not supported yet")
+    return ModelConfig(
+        family=family, vocab_size=int(_get(cfg, "vocab_size")), hidden=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=int(_get(cfg, "num_key_value_heads", default=heads, required=False)), head_dim=head_dim,
+        num_experts=experts, top_k=int(_get(cfg, "num_experts_per_tok")), moe_inter=moe_inter, dense_inter=dense_inter,
+        norm_topk_prob=norm_topk, rms_eps=float(_get(cfg, "rms_norm_eps", default=1e-6, required=False)),
+        rope_theta=theta, rope_scaling=scaling,
+        qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(family, "none"),
+        qkv_bias=family == "qwen2_moe" or bool(cfg.get("attention_bias", False)),
+        shared_inter=int(cfg.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0,
+        moe_layers=moe_layers, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position=int(cfg.get("max_position_embeddings", 32768)),
+    )

@@ -1,0 +1,149 @@
+"""The MoE decoder of the Qwen3-MoE / Qwen2-MoE / Mixtral / OLMoE families on any device.
+
+Non-expert weights live on the device as float32; routed experts are record banks in an expert format
+(``freetoken.formats``), run by :func:`freetoken.ops.moe_experts`. This first version keeps every expert of
+every layer resident (slot = expert); the expert cache takes over on gpu/emu in the runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from freetoken import formats, ops
+from freetoken.formats import RecordLayout
+from freetoken.models.config import ModelConfig
+from freetoken.models.layers import apply_rope, attention, rms_norm, rope_tables
+from freetoken.ops.moe_experts import moe_experts
+
+
+def hf_names(cfg: ModelConfig, layer: int) -> dict[str, str]:
+    """HF tensor names of one layer."""
+    p = f"model.layers.{layer}."
+    moe = "block_sparse_moe." if cfg.family == "mixtral" else "mlp."
+    return {"attn_norm": p + "input_layernorm.weight", "mlp_norm": p + "post_attention_layernorm.weight",
+            **{f"{x}_proj": p + f"self_attn.{x}_proj.weight" for x in "qkvo"},
+            **{f"{x}_bias": p + f"self_attn.{x}_proj.bias" for x in "qkv"},
+            "q_norm": p + "self_attn.q_norm.weight", "k_norm": p + "self_attn.k_norm.weight",
+            "router": p + moe + "gate.weight", "experts": p + moe + "experts.",
+            "shared": p + "mlp.shared_expert.", "shared_gate": p + "mlp.shared_expert_gate.weight", "mlp": p + "mlp."}
+
+
+def _expert_names(cfg: ModelConfig) -> tuple[str, str, str]:
+    return ("w1", "w3", "w2") if cfg.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+
+
+class MoeDecoder:
+    """Forward pass with a KV cache. ``get(name)`` returns a checkpoint tensor as a float32 NumPy array."""
+
+    def __init__(self, cfg: ModelConfig, get: Callable[[str], np.ndarray], device, expert_format: str = "bf16",
+                 max_len: int = 1024):
+        self.cfg, self.dev, self.xp = cfg, device, device.xp
+        up = lambda name: device.asarray(np.ascontiguousarray(get(name), dtype=np.float32))
+        self.embed = get("model.embed_tokens.weight").astype(np.float32)  # gathered on the host
+        self.norm = up("model.norm.weight")
+        self.lm_head = up("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
+        self.layout = RecordLayout(formats.get(expert_format), cfg.hidden, cfg.moe_inter)
+        g, u, d = _expert_names(cfg)
+        self.layers = []
+        for i in range(cfg.num_layers):
+            n = hf_names(cfg, i)
+            lay = {"attn_norm": up(n["attn_norm"]), "mlp_norm": up(n["mlp_norm"])}
+            for x in "qkvo":
+                lay[f"{x}_proj"] = up(n[f"{x}_proj"])
+            if cfg.qkv_bias:
+                lay.update({f"{x}_bias": up(n[f"{x}_bias"]) for x in "qkv"})
+            if cfg.qk_norm != "none":
+                lay["q_norm"], lay["k_norm"] = up(n["q_norm"]), up(n["k_norm"])
+            if cfg.is_moe(i):
+                lay["router"] = up(n["router"])
+                banks = self.layout.quantize(*(self._stack_experts(get, n["experts"], w) for w in (g, u, d)))
+                lay["experts"] = {k: device.asarray(v) for k, v in banks.items()}
+                if cfg.shared_inter:
+                    lay.update({f"shared_{w}": up(n["shared"] + f"{w}_proj.weight") for w in ("gate", "up", "down")})
+                    lay["shared_sigmoid"] = up(n["shared_gate"])  # the scalar gate of the shared expert
+            else:
+                lay.update({f"mlp_{w}": up(n["mlp"] + f"{w}_proj.weight") for w in ("gate", "up", "down")})
+            self.layers.append(lay)
+        self.max_len = max_len
+        shape = (max_len, cfg.num_kv_heads, cfg.head_dim)
+        self.k_cache = [self.xp.zeros(shape, np.float32) for _ in range(cfg.num_layers)]
+        self.v_cache = [self.xp.zeros(shape, np.float32) for _ in range(cfg.num_layers)]
+        self.length = 0
+        self.last_routing: list = []
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def _stack_experts(self, get, prefix: str, name: str) -> np.ndarray:
+        """float32 [E, N, K] of one projection of every expert of a layer."""
+        experts = range(self.cfg.num_experts)
+        return np.stack([np.asarray(get(f"{prefix}{j}.{name}.weight"), np.float32) for j in experts])
+
+    # ---- blocks -----------------------------------------------------------------------------------------------
+    def _attention(self, lay, x, start):
+        cfg, xp = self.cfg, self.xp
+        t = x.shape[0]
+        q, k, v = (x @ lay[f"{n}_proj"].T for n in "qkv")
+        if cfg.qkv_bias:
+            q, k, v = q + lay["q_bias"], k + lay["k_bias"], v + lay["v_bias"]
+        if cfg.qk_norm == "full":
+            q, k = rms_norm(xp, q, lay["q_norm"], cfg.rms_eps), rms_norm(xp, k, lay["k_norm"], cfg.rms_eps)
+        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm == "head":
+            q, k = rms_norm(xp, q, lay["q_norm"], cfg.rms_eps), rms_norm(xp, k, lay["k_norm"], cfg.rms_eps)
+        cos, sin = rope_tables(xp, np.arange(start, start + t), cfg.head_dim, cfg.rope_theta)
+        q, k = apply_rope(xp, q, cos, sin), apply_rope(xp, k, cos, sin)
+        return q, k, v
+
+    def route(self, logits):
+        """Router logits [T, E] -> (expert ids int32 [T, k], weights float32 [T, k]) as the family routes."""
+        xp, cfg = self.xp, self.cfg
+        z = logits - logits.max(axis=-1, keepdims=True)
+        probs = xp.exp(z)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        ids, w = ops.topk(xp.ascontiguousarray(probs, dtype=np.float32), cfg.top_k, device=self.dev)
+        if cfg.norm_topk_prob:
+            w = w / w.sum(axis=-1, keepdims=True)
+        return ids, xp.ascontiguousarray(w, dtype=np.float32)
+
+    def _mlp(self, i, lay, h):
+        cfg, xp = self.cfg, self.xp
+        silu = lambda a: a / (1.0 + xp.exp(-a))
+        if not cfg.is_moe(i):
+            return (silu(h @ lay["mlp_gate"].T) * (h @ lay["mlp_up"].T)) @ lay["mlp_down"].T
+        ids, w = self.route(h @ lay["router"].T)
+        self.last_routing.append(ids)
+        y = moe_experts(xp.ascontiguousarray(h), ids, w, lay["experts"], self.layout, device=self.dev)
+        if cfg.shared_inter:
+            s = (silu(h @ lay["shared_gate"].T) * (h @ lay["shared_up"].T)) @ lay["shared_down"].T
+            y = y + s / (1.0 + xp.exp(-(h @ lay["shared_sigmoid"].T)))
+        return y
+
+    # ---- forward ----------------------------------------------------------------------------------------------
+    def forward(self, token_ids) -> np.ndarray:
+        """Append ``token_ids`` to the sequence; returns float32 logits [T, vocab] on the host."""
+        cfg, xp = self.cfg, self.xp
+        tokens = np.asarray(token_ids, np.int64).reshape(-1)
+        if tokens.size == 0:
+            return np.zeros((0, cfg.vocab_size), np.float32)
+        if ((tokens < 0) | (tokens >= cfg.vocab_size)).any():
+            raise ValueError(f"token ids must be in [0, {cfg.vocab_size})")
+        start = self.length
+        if start + tokens.size > self.max_len:
+            raise ValueError(f"sequence of {start + tokens.size} tokens exceeds max_len={self.max_len}")
+        self.last_routing = []
+        x = xp.asarray(self.embed[tokens])
+        for i, lay in enumerate(self.layers):
+            h = rms_norm(xp, x, lay["attn_norm"], cfg.rms_eps)
+            q, k, v = self._attention(lay, h, start)
+            self.k_cache[i][start:start + tokens.size] = k
+            self.v_cache[i][start:start + tokens.size] = v
+            x = x + attention(xp, q, self.k_cache[i], self.v_cache[i], start) @ lay["o_proj"].T
+            x = x + self._mlp(i, lay, rms_norm(xp, x, lay["mlp_norm"], cfg.rms_eps))
+        self.length = start + tokens.size
+        logits = rms_norm(xp, x, self.norm, cfg.rms_eps) @ self.lm_head.T
+        return self.dev.to_host(logits).astype(np.float32)

@@ -1,0 +1,48 @@
+"""Transformer building blocks on a device's array module (``xp``: numpy or cupy), in float32."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def rms_norm(xp, x, weight, eps: float):
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last axis (HF LlamaRMSNorm semantics, fp32)."""
+    var = xp.mean(x * x, axis=-1, keepdims=True)
+    return x / xp.sqrt(var + np.float32(eps)) * weight
+
+
+def rope_tables(xp, positions, head_dim: int, theta: float):
+    """cos/sin [T, head_dim] for the default RoPE (frequencies repeated over both halves, HF convention)."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    ang = np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]
+    ang = np.concatenate([ang, ang], axis=-1)
+    return xp.asarray(np.cos(ang).astype(np.float32)), xp.asarray(np.sin(ang).astype(np.float32))
+
+
+def apply_rope(xp, x, cos, sin):
+    """Rotate x [T, heads, head_dim] by position: ``x * cos + rotate_half(x) * sin``."""
+    half = x.shape[-1] // 2
+    rotated = xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def attention(xp, q, k_cache, v_cache, start: int):
+    """Causal grouped-query attention of T new queries at positions start..start+T-1.
+
+    q [T, H, D]; k_cache, v_cache [>= start + T, Hkv, D] already holding the new keys/values. Returns [T, H * D].
+    """
+    t, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    total = start + t
+    k = k_cache[:total]
+    v = v_cache[:total]
+    group = heads // kv_heads
+    qg = q.reshape(t, kv_heads, group, dim).transpose(1, 2, 0, 3)  # [Hkv, G, T, D]
+    scores = xp.matmul(qg, k.transpose(1, 2, 0)[:, None]) * np.float32(1.0 / np.sqrt(dim))  # [Hkv, G, T, total]
+    mask = np.arange(total)[None, :] > (start + np.arange(t))[:, None]
+    scores = xp.where(xp.asarray(mask), np.float32(-np.inf), scores)
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    p = xp.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    out = xp.matmul(p, v.transpose(1, 0, 2)[:, None])  # [Hkv, G, T, D]
+    return out.transpose(2, 0, 1, 3).reshape(t, heads * dim)
