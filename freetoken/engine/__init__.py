@@ -1,0 +1,1 @@
+"""The model runner: sampling, generation, KV cache management."""
