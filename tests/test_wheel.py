@@ -32,6 +32,9 @@ def test_wheel_contents(wheel):
     assert "freetoken/cuda/emu/ftemu.h" in names
     for mod in (ROOT / "cpu_kernels").glob("*.py"):
         assert f"freetoken/cpu_kernels/{mod.name}" in names
+    for init in (ROOT / "freetoken").rglob("__init__.py"):  # every subpackage (the package list is explicit)
+        rel = init.relative_to(ROOT).as_posix()
+        assert rel in names, f"{rel} is missing from the wheel: add its package to pyproject.toml"
 
 
 @pytest.mark.slow
