@@ -1,0 +1,53 @@
+"""Streaming text: pieces are held back while they end inside a multi-byte character."""
+
+import numpy as np
+
+from freetoken.engine.generate import Model
+from freetoken.engine.sampling import SamplingParams
+
+
+class ByteTokenizer:
+    """Token i is byte i; decoding replaces incomplete UTF-8 with U+FFFD, like real BPE tokenizers."""
+
+    class _Enc:
+        def __init__(self, ids):
+            self.ids = ids
+
+    def encode(self, text):
+        return self._Enc(list(text.encode()))
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+class ScriptedDecoder:
+    """Emits a fixed byte sequence whatever the input (a stand-in for MoeDecoder)."""
+
+    def __init__(self, script: bytes, eos: int):
+        self.script, self.eos, self.length, self.max_len, self.i = list(script), eos, 0, 1000, 0
+        self.last_routing = []
+
+    def reset(self):
+        self.length, self.i = 0, 0
+
+    def forward(self, ids):
+        self.length += len(ids)
+        tok = self.script[self.i] if self.i < len(self.script) else self.eos
+        self.i += 1
+        logits = np.full((len(ids), 256), -10.0, np.float32)
+        logits[-1, tok] = 10.0
+        return logits
+
+
+def test_pieces_never_split_a_character():
+    text = "héllo → wörld"
+    model = Model(ScriptedDecoder(text.encode(), eos=0), ByteTokenizer(), eos_ids=[0])
+    pieces = list(model.generate_text("x", max_tokens=100, sampling=SamplingParams(temperature=0)))
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert model.stats.generated_tokens == len(text.encode()) + 1  # the end-of-sequence token is counted
+
+
+def test_max_tokens_stops():
+    model = Model(ScriptedDecoder(b"abcdef", eos=0), ByteTokenizer(), eos_ids=[0])
+    assert "".join(model.generate_text("x", max_tokens=3, sampling=SamplingParams(temperature=0))) == "abc"
