@@ -1,0 +1,190 @@
+"""The CPU executor's expert kernels (``cpu_kernels/moe_experts.py``) against the float64 NumPy reference.
+
+Tolerance. The kernels read the stored weights exactly (the reference is ``moe_forward_reference`` on
+``RecordLayout.dequantize``), so the only difference is float32 arithmetic: two chained dot products of length
+n <= 160 (gate/up over H, down over I, reassociated into 16-lane partial sums) and the activation, against float64.
+The worst-case float32 dot-product error is about n * u * sum|terms| (u = 2^-24 = 6e-8), i.e. 1e-5 of the size of the
+terms for n = 160; with the two chained projections and terms of the order of the largest outputs this gives
+``atol = 2e-5 * max|ref|`` (plus ``rtol = 1e-5``). Observed errors are ~4e-7 * max|ref|, and one wrongly decoded
+weight moves outputs by ~1e-2 * max|ref|, so the bound separates rounding from bugs by orders of magnitude. Outputs
+are poisoned with NaN first and ``assert_close`` never lets a NaN pass.
+"""
+
+import numba
+import numpy as np
+import pytest
+from freetoken.cpu_kernels.moe_experts import ACT_GPT_OSS, ACT_SWIGLU, forward
+
+from freetoken import formats
+from freetoken.formats import RecordLayout
+from freetoken.ops.moe_reference import moe_forward_reference
+from freetoken.testing import assert_close, poison
+
+FORMATS = ("bf16", "fp8_block", "nvfp4", "mxfp4", "ds_fp4", "q4_0")
+ACTS = {"swiglu": ACT_SWIGLU, "gpt_oss": ACT_GPT_OSS}
+# (H, I, E): multiples of 32 that are not powers of two (partial fp8 128-blocks), and a tiny one
+SHAPES = ((96, 160, 5), (64, 32, 3))
+# (T, k); with 3-5 experts, T = 17 routes up to 17 tokens to one expert (token groups of 4, 2 and 1)
+ROUTES = ((1, 1), (3, 2), (17, 8))
+
+
+def _record(fmt, hidden, inter, experts, bias, seed):
+    rng = np.random.default_rng(seed)
+    layout = RecordLayout(formats.get(fmt), hidden, inter, bias)
+    gate, up = (rng.standard_normal((experts, inter, hidden)).astype(np.float32) * 0.2 for _ in range(2))
+    down = rng.standard_normal((experts, hidden, inter)).astype(np.float32) * 0.2
+    biases = {m: rng.standard_normal((experts, n)).astype(np.float32) * 0.1
+              for m, n in (("gate", inter), ("up", inter), ("down", hidden))} if bias else None
+    banks = layout.quantize(gate, up, down, biases)
+    return banks, layout.dequantize(banks)
+
+
+def _routes(tokens, k, experts, seed):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, experts, (tokens, k)).astype(np.int32)
+    weights = rng.random((tokens, k)).astype(np.float32)
+    if k >= 2:
+        ids[0, 1] = ids[0, 0]  # the same expert twice in one token's row: both contributions count
+    if tokens >= 2 and k >= 2:
+        ids[1, 1] = (ids[1, 0] + 1) % experts
+        weights[1, :] = 0.0
+        weights[1, :2] = [0.5, -0.5]  # weights summing to zero (different experts)
+    if tokens >= 3 and k >= 2:
+        ids[2, 1] = ids[2, 0]
+        weights[2, :] = 0.0
+        weights[2, :2] = [0.75, -0.75]  # the same expert twice with cancelling weights: exactly zero
+    return ids, weights
+
+
+def _check(fmt, banks, deq, hidden, inter, act, tokens, k, seed):
+    experts = banks["gate.w"].shape[0]
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    ids, weights = _routes(tokens, k, experts, seed)
+    out = poison((tokens, hidden), np.float32)
+    forward(fmt, x, ids, weights, banks, hidden, inter, ACTS[act], out)
+    ref = moe_forward_reference(x, ids, weights, deq, act)
+    scale = float(np.abs(ref).max())
+    assert_close(out, ref, atol=2e-5 * scale, rtol=1e-5, name=f"{fmt} {act} T={tokens} k={k}")
+    return out
+
+
+@pytest.mark.parametrize("hidden,inter,experts", SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("act", ["swiglu", "gpt_oss"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_forward_matches_reference(fmt, act, hidden, inter, experts):
+    bias = act == "gpt_oss"  # gpt-oss records carry biases
+    banks, deq = _record(fmt, hidden, inter, experts, bias, seed=hidden + inter)
+    for tokens, k in ROUTES:
+        _check(fmt, banks, deq, hidden, inter, act, tokens, k, seed=tokens * 10 + k)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "q4_0"])
+def test_many_tokens_and_odd_k(fmt):
+    banks, deq = _record(fmt, 96, 160, 7, bias=False, seed=3)
+    for tokens, k in ((64, 8), (5, 3), (9, 5), (2, 7)):
+        _check(fmt, banks, deq, 96, 160, "swiglu", tokens, k, seed=tokens + k)
+
+
+def test_duplicate_ids_and_zero_weights_exact():
+    banks, deq = _record("mxfp4", 64, 32, 3, bias=True, seed=5)
+    x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+    ids = np.array([[1, 1], [2, 2]], np.int32)
+    weights = np.array([[0.25, 0.5], [0.75, -0.75]], np.float32)
+    out = poison((2, 64), np.float32)
+    forward("mxfp4", x, ids, weights, banks, 64, 32, ACT_GPT_OSS, out)
+    single = poison((2, 64), np.float32)
+    forward("mxfp4", x, ids[:, :1], np.array([[0.75], [0.0]], np.float32), banks, 64, 32, ACT_GPT_OSS, single)
+    np.testing.assert_allclose(out[0], single[0], rtol=1e-6, atol=1e-6)  # 0.25 e1 + 0.5 e1 == 0.75 e1
+    assert np.array_equal(out[1], np.zeros(64, np.float32))  # +w and -w on one expert cancel exactly
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 threads")
+def test_thread_count_does_not_change_the_result():
+    banks, _ = _record("nvfp4", 96, 160, 5, bias=True, seed=7)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    ids, weights = _routes(3, 4, 5, seed=2)
+    outs = []
+    before = numba.get_num_threads()
+    try:
+        for n in (1, 2):
+            numba.set_num_threads(n)
+            out = poison((3, 96), np.float32)
+            forward("nvfp4", x, ids, weights, banks, 96, 160, ACT_GPT_OSS, out)
+            outs.append(out)
+    finally:
+        numba.set_num_threads(before)
+    assert np.array_equal(outs[0], outs[1])  # each row is computed the same way whatever the split
+
+
+def test_read_only_banks_and_inputs_share_the_compiled_kernels():
+    from freetoken.cpu_kernels import moe_experts
+
+    banks, deq = _record("q4_0", 96, 160, 5, bias=True, seed=11)
+    _check("q4_0", banks, deq, 96, 160, "gpt_oss", 3, 2, seed=1)
+    compiled = (len(moe_experts._gate_up_kernel.signatures), len(moe_experts._down_kernel.signatures))
+    frozen = {}
+    for name, a in banks.items():  # as from a read-only memory map
+        a = a.copy()
+        a.flags.writeable = False
+        frozen[name] = a
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    x.flags.writeable = False
+    ids, weights = _routes(3, 2, 5, seed=4)
+    out = poison((3, 96), np.float32)
+    forward("q4_0", x, ids, weights, frozen, 96, 160, np.int64(ACT_GPT_OSS), out)
+    ref = moe_forward_reference(x, ids, weights, deq, "gpt_oss")
+    assert_close(out, ref, atol=2e-5 * float(np.abs(ref).max()), rtol=1e-5)
+    assert (len(moe_experts._gate_up_kernel.signatures), len(moe_experts._down_kernel.signatures)) == compiled
+
+
+def test_ids_out_of_range():
+    banks, _ = _record("q4_0", 64, 32, 3, bias=False, seed=0)
+    x = np.zeros((2, 64), np.float32)
+    out = np.zeros((2, 64), np.float32)
+    weights = np.ones((2, 2), np.float32)
+    with pytest.raises(ValueError, match=r"ids\[1, 0\] = 3 is out of range"):
+        forward("q4_0", x, np.array([[0, 1], [3, 0]], np.int32), weights, banks, 64, 32, ACT_SWIGLU, out)
+    with pytest.raises(ValueError, match=r"ids\[0, 1\] = -1 is out of range"):
+        forward("q4_0", x, np.array([[0, -1], [1, 2]], np.int32), weights, banks, 64, 32, ACT_SWIGLU, out)
+
+
+def test_input_validation():
+    banks, _ = _record("nvfp4", 64, 32, 2, bias=False, seed=0)
+    x = np.zeros((1, 64), np.float32)
+    ids = np.zeros((1, 1), np.int32)
+    w = np.ones((1, 1), np.float32)
+    out = np.zeros((1, 64), np.float32)
+
+    def call(**kw):
+        args = dict(fmt_name="nvfp4", x=x, ids=ids, weights=w, banks=banks, hidden=64, inter=32, act_code=0, out=out)
+        args.update(kw)
+        forward(**args)
+
+    call()
+    with pytest.raises(ValueError, match="x: expected dtype float32"):
+        call(x=x.astype(np.float64))
+    with pytest.raises(ValueError, match="ids: expected dtype int32"):
+        call(ids=ids.astype(np.int64))
+    with pytest.raises(ValueError, match="weights: expected shape"):
+        call(weights=np.ones((1, 2), np.float32))
+    with pytest.raises(ValueError, match="out: expected shape"):
+        call(out=np.zeros((2, 64), np.float32))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        call(x=np.zeros((1, 128), np.float32)[:, ::2])
+    with pytest.raises(ValueError, match="x: expected shape"):
+        call(x=np.zeros((1, 96), np.float32))
+    with pytest.raises(ValueError, match="unknown expert format"):
+        call(fmt_name="q8_0")
+    with pytest.raises(ValueError, match="act_code"):
+        call(act_code=5)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        call(inter=48)
+    with pytest.raises(ValueError, match="missing 'down.s'"):
+        call(banks={k: v for k, v in banks.items() if k != "down.s"})
+    with pytest.raises(ValueError, match=r"banks\['up.w'\]: expected dtype uint8"):
+        call(banks={**banks, "up.w": banks["up.w"].view(np.int8)})
+    with pytest.raises(ValueError, match=r"banks\['gate.s'\]: expected shape \[2, 32, 4\]"):
+        call(banks={**banks, "gate.s": np.zeros((2, 32, 2), np.uint8)})
