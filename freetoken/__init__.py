@@ -4,4 +4,12 @@ from freetoken.device import get_device
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "get_device"]
+
+def load(path=None, device="auto", **kwargs):
+    """Load a model (see :func:`freetoken.engine.load.load`); imported lazily to keep ``import freetoken`` light."""
+    from freetoken.engine.load import load as _load
+
+    return _load(path, device, **kwargs)
+
+
+__all__ = ["__version__", "get_device", "load"]

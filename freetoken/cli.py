@@ -11,6 +11,7 @@ freetoken runs huge Mixture-of-Experts language models on one consumer NVIDIA GP
 the routed experts live in host memory, the GPU caches the hot ones.
 
 Commands:
+  run     generate text from a prompt (the bundled model unless --model is given)
   info    what this machine offers: devices, GPU and PCIe link, CPU SIMD, library versions, cache dir
   trace   routing traces: synthesise, summarise, and replay them through expert-cache policies
 """
@@ -24,6 +25,46 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from freetoken.engine.load import load
+    from freetoken.engine.sampling import SamplingParams
+    from freetoken.loaders import LoadError
+    from freetoken.models import ConfigError
+
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                  repetition_penalty=args.repetition_penalty, seed=args.seed)
+        model = load(args.model, device=args.device, progress=sys.stderr.isatty())
+    except (LoadError, ConfigError, ValueError) as e:
+        print(f"freetoken run: error: {e}", file=sys.stderr)
+        return 1
+    record = args.record_trace is not None
+    sys.stdout.write(args.prompt)
+    for piece in model.generate_text(args.prompt, args.max_tokens, sampling, record_routing=record):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    st = model.stats
+    print(f"[{model.decoder.dev.kind}] prefill {st.prompt_tokens} tokens at {st.prefill_tps:.1f} tok/s, "
+          f"decode {st.generated_tokens} tokens at {st.decode_tps:.1f} tok/s; experts: all resident "
+          f"({model.decoder.layout.fmt.name})", file=sys.stderr)
+    if record:
+        from freetoken.trace.format import TraceRecorder
+
+        cfg = model.config
+        moe_layers = sum(cfg.moe_layers)
+        rec = TraceRecorder(moe_layers, cfg.num_experts, cfg.top_k, model.decoder.layout.record_bytes,
+                            model=cfg.family)
+        rec.begin_segment()
+        for layer, ids in enumerate(st.prefill_routing):
+            rec.add_prefill(layer, ids)
+        for step in st.routing:
+            rec.add_decode_step(step)
+        rec.save(args.record_trace)
+        print(f"routing trace: {rec.num_steps} decode steps -> {args.record_trace}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from freetoken import __version__
 
@@ -31,6 +72,21 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"freetoken {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    run = sub.add_parser("run", help="generate text from a prompt",
+                         description="Stream a continuation of PROMPT, then report prefill and decode speed.")
+    run.add_argument("prompt", help="the text to continue")
+    run.add_argument("--model", default=None, help="HF model directory (default: the bundled model)")
+    run.add_argument("--device", default="auto", choices=["auto", "gpu", "cpu", "emu"],
+                     help="where to run (auto: gpu when present, else cpu)")
+    run.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    run.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default 0.7)")
+    run.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    run.add_argument("--repetition-penalty", type=float, default=1.0, help="penalise repeats (default 1.0: off)")
+    run.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+    run.add_argument("--record-trace", metavar="FILE", default=None,
+                     help="write the routing trace (npz) for `freetoken trace simulate`")
+    run.set_defaults(func=_cmd_run)
     info = sub.add_parser("info", help="show devices, versions, GPU/CPU details and the cache directory",
                           description="Show what this machine offers freetoken.")
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")

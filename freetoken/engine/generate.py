@@ -18,6 +18,7 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     routing: list = field(default_factory=list)  # per decode step: expert ids per MoE layer (host arrays)
+    prefill_routing: list = field(default_factory=list)  # the prompt's expert ids per MoE layer ([T, k] each)
 
     @property
     def prefill_tps(self) -> float:
@@ -25,7 +26,8 @@ class GenerationStats:
 
     @property
     def decode_tps(self) -> float:
-        return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
+        """Tokens produced by decode steps (the first token comes from the prefill) per second."""
+        return max(self.generated_tokens - 1, 0) / self.decode_seconds if self.decode_seconds else 0.0
 
 
 class Model:
@@ -70,13 +72,15 @@ class Model:
         t0 = time.perf_counter()
         logits = self.decoder.forward(np.asarray(ids, np.int64))[-1]
         st.prefill_seconds = time.perf_counter() - t0
+        if record_routing:
+            st.prefill_routing = [np.asarray(self.decoder.dev.to_host(r)) for r in self.decoder.last_routing]
         history = list(ids)
         for _ in range(max_tokens):
             tok = sampler(logits, history)
             history.append(tok)
             st.generated_tokens += 1
             yield tok
-            if tok in self.eos_ids or self.decoder.length >= self.decoder.max_len:
+            if st.generated_tokens == max_tokens or tok in self.eos_ids or self.decoder.length >= self.decoder.max_len:
                 return
             t0 = time.perf_counter()
             logits = self.decoder.forward(np.array([tok], np.int64))[-1]

@@ -38,7 +38,7 @@ class MoeDecoder:
     """Forward pass with a KV cache. ``get(name)`` returns a checkpoint tensor as a float32 NumPy array."""
 
     def __init__(self, cfg: ModelConfig, get: Callable[[str], np.ndarray], device, expert_format: str = "bf16",
-                 max_len: int = 1024):
+                 max_len: int = 1024, progress: bool = False):
         self.cfg, self.dev, self.xp = cfg, device, device.xp
         up = lambda name: device.asarray(np.ascontiguousarray(get(name), dtype=np.float32))
         self.embed = get("model.embed_tokens.weight").astype(np.float32)  # gathered on the host
@@ -47,7 +47,12 @@ class MoeDecoder:
         self.layout = RecordLayout(formats.get(expert_format), cfg.hidden, cfg.moe_inter)
         g, u, d = _expert_names(cfg)
         self.layers = []
-        for i in range(cfg.num_layers):
+        layer_iter = range(cfg.num_layers)
+        if progress:
+            from tqdm import tqdm
+
+            layer_iter = tqdm(layer_iter, desc="loading layers", unit="layer", leave=False)
+        for i in layer_iter:
             n = hf_names(cfg, i)
             lay = {"attn_norm": up(n["attn_norm"]), "mlp_norm": up(n["mlp_norm"])}
             for x in "qkvo":

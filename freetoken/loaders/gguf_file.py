@@ -1,0 +1,344 @@
+"""GGUF files (llama.cpp): metadata, tensors in NumPy order, Q4_0 / MXFP4 expert banks, the embedded tokenizer.
+
+Wraps ``gguf.GGUFReader`` (which memory-maps the file). GGUF lists a tensor's dimensions in ggml order
+(``ne[0]`` = the contiguous row length); everything here uses NumPy order, the reverse: ggml ne = [D, F, E] is
+NumPy [E, F, D]. Reads past the end of the file are caught while the header is parsed, so a truncated file fails
+at open with a :class:`LoadError` naming the file (and the first tensor whose data is cut off).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import ml_dtypes
+import numpy as np
+from gguf import GGUFReader
+from gguf.constants import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize as gguf_dequantize
+
+from freetoken.formats import MATRICES
+from freetoken.loaders.errors import LoadError
+
+#: Every architecture name gguf-py knows ("llama", "qwen3moe", "deepseek2", "gpt-oss", ...).
+KNOWN_ARCHS = frozenset(MODEL_ARCH_NAMES.values())
+
+_T = GGMLQuantizationType
+#: Plain (unblocked) ggml types and their NumPy dtypes.
+PLAIN_TYPES: dict[GGMLQuantizationType, np.dtype] = {
+    _T.F32: np.dtype("<f4"), _T.F16: np.dtype("<f2"), _T.BF16: np.dtype(ml_dtypes.bfloat16),
+    _T.F64: np.dtype("<f8"), _T.I8: np.dtype(np.int8), _T.I16: np.dtype("<i2"), _T.I32: np.dtype("<i4"),
+    _T.I64: np.dtype("<i8"),
+}
+#: ggml types of expert tensors that :meth:`GGUFFile.expert_banks` converts, and the format they become.
+EXPERT_FORMATS = {_T.Q4_0: "q4_0", _T.MXFP4: "mxfp4"}
+
+#: Fixed 4-byte magic, 4-byte version, 8-byte tensor count, 8-byte kv count.
+_MIN_HEADER = 24
+
+
+class GGUFTensorInfo(NamedTuple):
+    """What :meth:`GGUFFile.info` returns: the ggml type name and the NumPy-order element shape."""
+
+    type: str
+    shape: tuple[int, ...]
+
+
+class _Truncated(Exception):
+    def __init__(self, offset: int, size: int):
+        super().__init__(f"a read at byte {offset} runs past the end of the file ({size} bytes)")
+
+
+class _Reader(GGUFReader):
+    """GGUFReader with bounds-checked reads: gguf-py slices its memmap, which silently yields short arrays past
+    the end of a truncated file (and can then loop over a corrupt array length)."""
+
+    def _get(self, offset, dtype, count=1, *args, **kwargs):
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise _Truncated(int(offset), len(self.data))
+        return super()._get(offset, dtype, count, *args, **kwargs)
+
+    def _build_tensors(self, start_offs, fields):
+        # Name the first tensor whose data is cut off. Reads gguf-py's tensor-info parts
+        # (name_len, name, n_dims, dims, type, offset); the base class re-validates everything anyway.
+        for f in fields:
+            try:
+                name = bytes(f.parts[1]).decode("utf-8", "replace")
+                ne = [int(d) for d in f.parts[3]]
+                t = GGMLQuantizationType(int(f.parts[4][0]))
+                block, size = GGML_QUANT_SIZES[t]
+                end = int(start_offs) + int(f.parts[5][0]) + math.prod(ne) * size // block
+            except Exception:  # unknown type, or a gguf-py layout change: the base class reports it
+                continue
+            if end > len(self.data):
+                raise LoadError(self._path, f"truncated: data ends at byte {end} but the file has {len(self.data)} "
+                                            "bytes", name)
+        super()._build_tensors(start_offs, fields)
+
+    def __init__(self, path):
+        self._path = os.fspath(path)
+        super().__init__(path, "r")
+
+
+def _decode(b: np.ndarray) -> str:
+    return bytes(b).decode("utf-8", "surrogateescape")
+
+
+def field_value(field) -> Any:
+    """Decode a ``gguf.ReaderField``: str, Python scalar, list of str, or a 1-D NumPy array for numeric arrays.
+
+    gguf-py keeps every component of a field in ``parts`` (key length, key, type, then the value's pieces:
+    length + bytes for a string, type + count + items for an array) and ``data`` lists the ``parts`` indices
+    that hold the value. Nested arrays come back flattened (gguf-py flattens them).
+    """
+    types = list(field.types)
+    if not types:
+        return None
+    if types[0] == GGUFValueType.STRING:
+        return _decode(field.parts[field.data[0]])
+    if types[0] == GGUFValueType.ARRAY:
+        sub = types[-1]
+        if sub == GGUFValueType.STRING:
+            return [_decode(field.parts[i]) for i in field.data]
+        if not field.data:
+            return np.zeros(0, GGUFReader.gguf_scalar_to_np.get(sub, np.uint8))
+        items = [field.parts[i] for i in field.data]
+        return np.concatenate(items).astype(items[0].dtype.newbyteorder("="))
+    return field.parts[field.data[0]][0].item()
+
+
+_MISSING = object()
+
+
+class GGUFFile:
+    """One GGUF file. ``archs``: if given, the architectures the caller accepts (LoadError for others)."""
+
+    def __init__(self, path: str | os.PathLike, archs: tuple[str, ...] | None = None):
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                magic = f.read(4)
+        except FileNotFoundError:
+            raise LoadError(self.path, "missing") from None
+        except OSError as e:
+            raise LoadError(self.path, f"cannot read: {e}") from e
+        if size < _MIN_HEADER:
+            raise LoadError(self.path, f"truncated: {size} bytes, too short for a GGUF header")
+        if magic != b"GGUF":
+            raise LoadError(self.path, f"not a GGUF file (magic {magic!r})")
+        try:
+            self._reader = _Reader(self.path)
+        except LoadError:
+            raise
+        except _Truncated as e:
+            raise LoadError(self.path, f"truncated or corrupt header: {e}") from e
+        except Exception as e:  # gguf-py raises ValueError, KeyError, IndexError... for corrupt headers
+            raise LoadError(self.path, f"corrupt GGUF header ({type(e).__name__}: {e})") from e
+        if self._reader.byte_order != "I":
+            raise LoadError(self.path, "big-endian GGUF files are not supported")
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        arch = self.meta("general.architecture", None)
+        if not isinstance(arch, str):
+            raise LoadError(self.path, "no general.architecture key")
+        if arch not in KNOWN_ARCHS:
+            raise LoadError(self.path, f"unknown architecture {arch!r}")
+        if archs is not None and arch not in archs:
+            raise LoadError(self.path, f"architecture {arch!r} is not supported here (supported: {', '.join(archs)})")
+        self.arch: str = arch
+
+    def __repr__(self) -> str:
+        return f"<GGUFFile {str(self.path)!r}: {self.arch}, {len(self._tensors)} tensors>"
+
+    # ---- metadata --------------------------------------------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        """Every metadata key (without gguf-py's synthetic ``GGUF.*`` entries)."""
+        return [k for k in self._reader.fields if not k.startswith("GGUF.")]
+
+    def _field(self, key: str):
+        f = self._reader.fields.get(key)
+        if f is None and not key.startswith(("general.", "tokenizer.")) and hasattr(self, "arch"):
+            f = self._reader.fields.get(f"{self.arch}.{key}")
+        return f
+
+    def has_meta(self, key: str) -> bool:
+        return self._field(key.replace("{arch}", getattr(self, "arch", "{arch}"))) is not None
+
+    def meta(self, key: str, default: Any = _MISSING) -> Any:
+        """A metadata value: ``"general.name"``, ``"qwen3moe.expert_count"``, ``"{arch}.expert_count"`` or just
+        ``"expert_count"`` (tried as ``{arch}.expert_count`` when no such key exists). Strings come back as str,
+        scalars as Python numbers, string arrays as lists, numeric arrays as 1-D NumPy arrays. Without a
+        ``default``, a missing key is a LoadError."""
+        key = key.replace("{arch}", getattr(self, "arch", "{arch}"))
+        f = self._field(key)
+        if f is None:
+            if default is _MISSING:
+                raise LoadError(self.path, f"no metadata key {key!r}")
+            return default
+        try:
+            return field_value(f)
+        except Exception as e:
+            raise LoadError(self.path, f"cannot decode metadata key {key!r}: {e}") from e
+
+    # ---- tensors ---------------------------------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    __contains__ = has
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def _tensor(self, name: str):
+        t = self._tensors.get(name)
+        if t is None:
+            close = difflib.get_close_matches(name, self._tensors, n=3)
+            hint = f"; similar: {close}" if close else ""
+            raise LoadError(self.path, f"missing from the file ({len(self._tensors)} tensors){hint}", name)
+        return t
+
+    @staticmethod
+    def _np_shape(t) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+    def info(self, name: str) -> GGUFTensorInfo:
+        """(ggml type name, NumPy-order element shape)."""
+        t = self._tensor(name)
+        return GGUFTensorInfo(GGMLQuantizationType(t.tensor_type).name, self._np_shape(t))
+
+    def get_raw(self, name: str) -> tuple[np.ndarray, GGMLQuantizationType, tuple[int, ...]]:
+        """(zero-copy uint8 bytes [..., bytes per row], ggml type, NumPy-order element shape)."""
+        t = self._tensor(name)
+        shape = self._np_shape(t)
+        gt = GGMLQuantizationType(t.tensor_type)
+        block, size = GGML_QUANT_SIZES[gt]
+        raw = np.asarray(t.data).reshape(-1).view(np.uint8)
+        return raw.reshape(*shape[:-1], shape[-1] // block * size), gt, shape
+
+    def get(self, name: str) -> np.ndarray:
+        """``name`` in NumPy order: plain types (F32, F16, BF16 as ``ml_dtypes.bfloat16``, F64, I8..I64) as
+        zero-copy read-only views; block-quantized types dequantized to float32 (see :meth:`get_raw`)."""
+        raw, t, shape = self.get_raw(name)
+        dt = PLAIN_TYPES.get(t)
+        if dt is None:
+            return self._dequantize(name, raw, t, shape)
+        return raw.view(dt).reshape(shape)
+
+    def get_f32(self, name: str) -> np.ndarray:
+        """``name`` as a new float32 array in NumPy order (quantized types via ``gguf.quants.dequantize``)."""
+        raw, t, shape = self.get_raw(name)
+        if t in PLAIN_TYPES:
+            return np.array(raw.view(PLAIN_TYPES[t]).reshape(shape), dtype=np.float32)
+        return self._dequantize(name, raw, t, shape)
+
+    def _dequantize(self, name, raw, t, shape) -> np.ndarray:
+        try:
+            out = gguf_dequantize(raw, t)
+        except NotImplementedError as e:
+            raise LoadError(self.path, f"gguf-py cannot dequantize {t.name}", name) from e
+        return np.asarray(out, dtype=np.float32).reshape(shape)
+
+    # ---- experts ---------------------------------------------------------------------------------------------
+
+    def expert_names(self, layer: int) -> dict[str, str]:
+        """{"gate": "blk.N.ffn_gate_exps.weight", "up": ..., "down": ...}."""
+        return {m: f"blk.{layer}.ffn_{m}_exps.weight" for m in MATRICES}
+
+    def expert_format(self, layer: int) -> str:
+        """The :mod:`freetoken.formats` name :meth:`expert_banks` produces for ``layer``."""
+        types = {}
+        for m, name in self.expert_names(layer).items():
+            t = types[m] = self._tensor(name).tensor_type
+            if t not in EXPERT_FORMATS:
+                raise LoadError(self.path, f"expert tensor is {GGMLQuantizationType(t).name}; expert banks are "
+                                           f"made from {'/'.join(x.name for x in EXPERT_FORMATS)} only", name)
+        if len(set(types.values())) != 1:
+            got = ", ".join(f"{m} {GGMLQuantizationType(t).name}" for m, t in types.items())
+            raise LoadError(self.path, f"layer {layer}: expert tensors mix types ({got})")
+        return EXPERT_FORMATS[types["gate"]]
+
+    def expert_banks(self, layer: int) -> dict[str, np.ndarray]:
+        """Routed experts of ``layer`` as record banks ``{"gate.w", "gate.s", "up.w", ..., "down.s"}`` (plus
+        float32 ``"<m>.b"`` when the file has ``blk.N.ffn_<m>_exps.bias``), bytes moved only.
+
+        gate and up are [E, F, D] (F = expert FFN width, D = embedding), down is [E, D, F], exactly the record
+        layout's gate [I, H], up [I, H], down [H, I]. Q4_0 -> ``q4_0`` banks, MXFP4 -> ``mxfp4`` banks.
+        """
+        from freetoken.formats import mxfp4, q4_0
+
+        names = self.expert_names(layer)
+        fmt = self.expert_format(layer)
+        convert = {"q4_0": q4_0.from_gguf, "mxfp4": mxfp4.from_gguf}[fmt]
+        shapes = {m: self._np_shape(self._tensors[n]) for m, n in names.items()}
+        gate = shapes["gate"]
+        if len(gate) != 3:
+            raise LoadError(self.path, f"expected [E, F, D] expert tensor, got shape {list(gate)}", names["gate"])
+        e, f, d = gate
+        want = {"gate": (e, f, d), "up": (e, f, d), "down": (e, d, f)}
+        for m in MATRICES:
+            if shapes[m] != want[m]:
+                raise LoadError(self.path, f"expected shape {list(want[m])} (gate is {list(gate)}), got "
+                                           f"{list(shapes[m])}", names[m])
+        out: dict[str, np.ndarray] = {}
+        for m in MATRICES:
+            raw, _, _ = self.get_raw(names[m])
+            try:
+                banks = convert(raw)
+            except ValueError as err:
+                raise LoadError(self.path, f"cannot convert to {fmt} banks: {err}", names[m]) from err
+            out.update({f"{m}.{k}": v for k, v in banks.items()})
+            bias = names[m].removesuffix(".weight") + ".bias"
+            if bias in self._tensors:
+                b = self.get_f32(bias)
+                if b.shape != (e, want[m][1]):
+                    raise LoadError(self.path, f"expected shape {[e, want[m][1]]}, got {list(b.shape)}", bias)
+                out[f"{m}.b"] = b
+        return out
+
+    # ---- tokenizer -------------------------------------------------------------------------------------------
+
+    def tokenizer_meta(self) -> dict[str, Any]:
+        """The embedded vocabulary: ``model`` (``tokenizer.ggml.model``: "gpt2", "llama", ...), ``pre``,
+        ``tokens`` (list of str), ``token_types`` (int32 array or None), ``scores`` (float32 array or None),
+        ``merges`` (list of "a b" strings or None), special ids (``bos_token_id``, ``eos_token_id``,
+        ``eot_token_id``, ``unknown_token_id``, ``padding_token_id``, ... or None), ``add_bos_token``,
+        ``add_eos_token`` (bool or None), ``chat_template`` (str or None) and ``chat_templates`` (named extra
+        templates, {} if none)."""
+        tk = "tokenizer.ggml."
+        model = self.meta(tk + "model", None)
+        if model is None:
+            raise LoadError(self.path, "no embedded tokenizer (tokenizer.ggml.model missing)")
+        tokens = self.meta(tk + "tokens", None)
+        if not isinstance(tokens, list) or not tokens:
+            raise LoadError(self.path, "embedded tokenizer without tokenizer.ggml.tokens")
+        out: dict[str, Any] = {"model": model, "pre": self.meta(tk + "pre", None), "tokens": tokens}
+        for key, dtype in (("token_type", np.int32), ("scores", np.float32)):
+            v = self.meta(tk + key, None)
+            if v is not None:
+                v = np.asarray(v, dtype=dtype)
+                if v.shape != (len(tokens),):
+                    raise LoadError(self.path, f"tokenizer.ggml.{key} has {v.size} entries for {len(tokens)} tokens")
+            out["token_types" if key == "token_type" else key] = v
+        out["merges"] = self.meta(tk + "merges", None)
+        for key in ("bos", "eos", "eot", "eom", "unknown", "seperator", "padding", "mask"):
+            v = self.meta(f"{tk}{key}_token_id", None)
+            if v is not None and not 0 <= int(v) < len(tokens):
+                raise LoadError(self.path, f"tokenizer.ggml.{key}_token_id {v} is outside the {len(tokens)}-token "
+                                           "vocabulary")
+            out[f"{key}_token_id"] = None if v is None else int(v)
+        for key in ("add_bos_token", "add_eos_token"):
+            v = self.meta(tk + key, None)
+            out[key] = None if v is None else bool(v)
+        out["chat_template"] = self.meta("tokenizer.chat_template", None)
+        names = self.meta("tokenizer.chat_templates", None) or []
+        out["chat_templates"] = {n: self.meta(f"tokenizer.chat_template.{n}", None) for n in names}
+        return out

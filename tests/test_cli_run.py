@@ -1,0 +1,63 @@
+"""`freetoken run` end to end on a tiny HF checkpoint with its own BPE tokenizer."""
+
+import json
+
+import pytest
+
+from freetoken.cli import main
+from freetoken.trace.format import load_trace
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    path = tmp_path_factory.mktemp("tiny")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def f(x):\n    return x + 1\n", "for i in range(10):\n    print(i)\n"] * 20, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                                      num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+                                      max_position_embeddings=256, eos_token_id=0)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("dev", ["cpu", "emu"])
+def test_run_streams_and_reports(model_dir, capsys, dev):
+    from freetoken.device import device_status
+
+    if not device_status()[dev][0]:
+        pytest.skip(f"{dev} unavailable")
+    assert main(["run", "--model", str(model_dir), "--device", dev, "--max-tokens", "6", "--seed", "0",
+                 "def f(x):"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("def f(x):")
+    assert f"[{dev}] prefill" in err and "decode" in err and "tok/s" in err
+
+
+def test_record_trace(model_dir, tmp_path, capsys):
+    trace_path = tmp_path / "t.npz"
+    assert main(["run", "--model", str(model_dir), "--device", "cpu", "--max-tokens", "5", "--temperature", "0",
+                 "--record-trace", str(trace_path), "for i in"]) == 0
+    trace = load_trace(trace_path)
+    assert trace.num_layers == 2 and trace.num_experts == 8 and trace.top_k == 2
+    assert trace.steps == 4  # 5 tokens: the first from the prefill, 4 from decode steps
+    counts = trace.prefill_counts.sum()
+    assert counts > 0 and counts % (2 * 2) == 0  # every prompt token routed to top-2 in both MoE layers
+    assert main(["trace", "info", str(trace_path)]) == 0
+
+
+def test_bad_model_path(tmp_path, capsys):
+    assert main(["run", "--model", str(tmp_path / "nope"), "hello"]) == 1
+    assert "no such model directory" in capsys.readouterr().err
