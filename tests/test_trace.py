@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from freetoken.cli import main as trace_main
 from freetoken.trace import (
     POLICIES,
     Trace,
@@ -24,7 +25,6 @@ from freetoken.trace import (
     simulate,
 )
 from freetoken.trace import policies as P
-from freetoken.trace.cli import main as trace_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -542,7 +542,7 @@ def test_cli_errors(tmp_path, capsys):
     assert e.value.code == 2 and "unknown policy fifo" in capsys.readouterr().err
     assert trace_main(["trace"]) == 2
     # through a real process: a clean message, no traceback
-    proc = subprocess.run([sys.executable, "-m", "freetoken.trace.cli", "trace", "simulate", str(bad), "--slots", "4"],
+    proc = subprocess.run([sys.executable, "-m", "freetoken", "trace", "simulate", str(bad), "--slots", "4"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 1
     assert "field 'decode_ids': expert id 9 out of range" in proc.stderr and "Traceback" not in proc.stderr

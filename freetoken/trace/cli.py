@@ -159,24 +159,3 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     info.set_defaults(func=_cmd_info)
     return trace
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """A ``freetoken`` parser with only the ``trace`` command."""
-    parser = argparse.ArgumentParser(prog="freetoken")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    add_trace_parser(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
