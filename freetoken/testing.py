@@ -49,3 +49,17 @@ def poison(shape, dtype) -> np.ndarray:
     if dtype.kind == "f":
         return np.full(shape, np.nan, dtype=dtype)
     return np.full(shape, np.iinfo(dtype).min, dtype=dtype)
+
+
+def random_record(layout, experts: int, seed: int = 0, scale: float = 0.2, bias: bool | None = None) -> dict:
+    """Gaussian expert weights for ``layout`` (``RecordLayout``), quantized into its banks [experts, ...].
+
+    Biases (``scale / 2``) are drawn when the layout has them (or ``bias`` says so)."""
+    rng = np.random.default_rng(seed)
+    hidden, inter = layout.hidden, layout.inter
+    gate, up = (rng.standard_normal((experts, inter, hidden)).astype(np.float32) * scale for _ in range(2))
+    down = rng.standard_normal((experts, hidden, inter)).astype(np.float32) * scale
+    with_bias = layout.bias if bias is None else bias
+    biases = {m: rng.standard_normal((experts, n)).astype(np.float32) * scale / 2
+              for m, n in (("gate", inter), ("up", inter), ("down", hidden))} if with_bias else None
+    return layout.quantize(gate, up, down, biases)

@@ -18,7 +18,7 @@ from freetoken.cpu_kernels.moe_experts import ACT_GPT_OSS, ACT_SWIGLU, forward
 from freetoken import formats
 from freetoken.formats import RecordLayout
 from freetoken.ops.moe_reference import moe_forward_reference
-from freetoken.testing import assert_close, poison
+from freetoken.testing import assert_close, poison, random_record
 
 FORMATS = ("bf16", "fp8_block", "nvfp4", "mxfp4", "ds_fp4", "q4_0")
 ACTS = {"swiglu": ACT_SWIGLU, "gpt_oss": ACT_GPT_OSS}
@@ -29,13 +29,8 @@ ROUTES = ((1, 1), (3, 2), (17, 8))
 
 
 def _record(fmt, hidden, inter, experts, bias, seed):
-    rng = np.random.default_rng(seed)
     layout = RecordLayout(formats.get(fmt), hidden, inter, bias)
-    gate, up = (rng.standard_normal((experts, inter, hidden)).astype(np.float32) * 0.2 for _ in range(2))
-    down = rng.standard_normal((experts, hidden, inter)).astype(np.float32) * 0.2
-    biases = {m: rng.standard_normal((experts, n)).astype(np.float32) * 0.1
-              for m, n in (("gate", inter), ("up", inter), ("down", hidden))} if bias else None
-    banks = layout.quantize(gate, up, down, biases)
+    banks = random_record(layout, experts, seed)
     return banks, layout.dequantize(banks)
 
 

@@ -13,20 +13,14 @@ from freetoken import formats
 from freetoken.formats import RecordLayout
 from freetoken.ops.moe_experts import moe_experts
 from freetoken.ops.moe_reference import moe_forward_reference, round_weights_bf16
-from freetoken.testing import assert_close, poison
+from freetoken.testing import assert_close, poison, random_record
 
 H, I, SLOTS = 96, 160, 6  # noqa: E741 (H, I as in the MoE literature): not powers of two; partial fp8 blocks
 
 
 def _record(fmt_name: str, bias: bool, seed: int = 0):
-    rng = np.random.default_rng(seed)
     layout = RecordLayout(formats.get(fmt_name), H, I, bias)
-    gate, up = (rng.standard_normal((SLOTS, I, H)).astype(np.float32) * 0.2 for _ in range(2))
-    down = rng.standard_normal((SLOTS, H, I)).astype(np.float32) * 0.2
-    biases = {m: rng.standard_normal((SLOTS, n)).astype(np.float32) * 0.1
-              for m, n in (("gate", I), ("up", I), ("down", H))} if bias else None
-    banks = layout.quantize(gate, up, down, biases)
-    return layout, banks
+    return layout, random_record(layout, SLOTS, seed)
 
 
 def _prefill_reference(x, ids, weights, layout, banks, act):

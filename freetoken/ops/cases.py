@@ -18,7 +18,7 @@ from freetoken import formats, ops
 from freetoken.formats import RecordLayout
 from freetoken.ops.moe_experts import moe_experts
 from freetoken.ops.moe_reference import moe_forward_reference, round_weights_bf16
-from freetoken.testing import assert_close, max_error, poison
+from freetoken.testing import assert_close, max_error, poison, random_record
 
 
 @dataclass(frozen=True)
@@ -149,12 +149,9 @@ def _launch_transpose(dev, st):
 @lru_cache(maxsize=2)
 def _moe_record(fmt_name: str, size: str):
     """A quantized record set shared by the decode and prefill cases of one format (quantizing is slow)."""
-    rng = np.random.default_rng(formats.NAMES.index(fmt_name))
     hidden, inter, experts = (96, 160, 6) if size == "small" else (2048, 768, 8)  # large: Qwen3-30B-A3B experts
     layout = RecordLayout(formats.get(fmt_name), hidden, inter)
-    gate, up = (rng.standard_normal((experts, inter, hidden), np.float32) * 0.05 for _ in range(2))
-    down = rng.standard_normal((experts, hidden, inter), np.float32) * 0.05
-    return layout, layout.quantize(gate, up, down), experts
+    return layout, random_record(layout, experts, seed=formats.NAMES.index(fmt_name), scale=0.05), experts
 
 
 def _make_moe(fmt_name: str, mode: str):
