@@ -46,7 +46,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     st = model.stats
     print(f"[{model.decoder.dev.kind}] prefill {st.prompt_tokens} tokens at {st.prefill_tps:.1f} tok/s, "
-          f"decode {st.generated_tokens} tokens at {st.decode_tps:.1f} tok/s; experts: all resident "
+          f"generated {st.generated_tokens} tokens, decode at {st.decode_tps:.1f} tok/s; experts: all resident "
           f"({model.decoder.layout.fmt.name})", file=sys.stderr)
     if record:
         from freetoken.trace.format import TraceRecorder

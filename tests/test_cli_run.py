@@ -43,7 +43,7 @@ def test_run_streams_and_reports(model_dir, capsys, dev):
                  "def f(x):"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("def f(x):")
-    assert f"[{dev}] prefill" in err and "decode" in err and "tok/s" in err
+    assert f"[{dev}] prefill" in err and "decode at" in err and "tok/s" in err
 
 
 def test_record_trace(model_dir, tmp_path, capsys):
