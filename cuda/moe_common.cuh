@@ -60,6 +60,20 @@ __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(_
 
 __device__ __forceinline__ uint4 load16(const unsigned char* p) { return *reinterpret_cast<const uint4*>(p); }
 
+// 32 consecutive bf16 values (64 bytes, 16-byte aligned) as floats: weights of bf16 records and bf16 activations.
+__device__ __forceinline__ void bf16x32(const unsigned char* p, float* out) {
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    const uint4 q = load16(p + 16 * v);
+    const unsigned words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      out[8 * v + 2 * i] = bf16_bits_to_float(words[i]);
+      out[8 * v + 2 * i + 1] = bf16_bits_to_float(words[i] >> 16);
+    }
+  }
+}
+
 // The 16 nibble codes of 8 bytes in a 32-bit pair, low nibble first.
 __device__ __forceinline__ void fp4x32(const uint4 q, float scale_lo, float scale_hi, float* out) {
   const unsigned words[4] = {q.x, q.y, q.z, q.w};
@@ -85,17 +99,7 @@ struct Fmt<FT_FMT_BF16> {
   __device__ static size_t w_bytes(int n, int k) { return static_cast<size_t>(n) * k * 2; }
   __device__ static size_t s_bytes(int, int) { return 0; }
   __device__ static void load32(const unsigned char* w, const unsigned char*, int, int k, int row, int k0, float* out) {
-    const unsigned char* p = w + (static_cast<size_t>(row) * k + k0) * 2;
-#pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      const uint4 q = load16(p + 16 * v);
-      const unsigned words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        out[8 * v + 2 * i] = bf16_bits_to_float(words[i]);
-        out[8 * v + 2 * i + 1] = bf16_bits_to_float(words[i] >> 16);
-      }
-    }
+    bf16x32(w + (static_cast<size_t>(row) * k + k0) * 2, out);
   }
 };
 
@@ -199,17 +203,7 @@ __device__ __forceinline__ void load_x32(const float* p, float* out) {
 }
 
 __device__ __forceinline__ void load_x32(const __nv_bfloat16* p, float* out) {
-  const unsigned char* b = reinterpret_cast<const unsigned char*>(p);
-#pragma unroll
-  for (int v = 0; v < 4; ++v) {
-    const uint4 q = load16(b + 16 * v);
-    const unsigned words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      out[8 * v + 2 * i] = bf16_bits_to_float(words[i]);
-      out[8 * v + 2 * i + 1] = bf16_bits_to_float(words[i] >> 16);
-    }
-  }
+  bf16x32(reinterpret_cast<const unsigned char*>(p), out);
 }
 
 // ---- the routing plan (built by moe_plan.cu) ----------------------------------------------------------------
