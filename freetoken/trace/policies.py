@@ -333,6 +333,17 @@ def _sift_down(hk, hv, i, size):  # pragma: no cover - compiled
 
 
 @nb.njit(cache=True)
+def _heap_rebuild(hk, hv, cached, count, key):  # pragma: no cover - compiled
+    """Heapify the resident ids ``cached[:count]`` by their next use ``key``; returns the heap size."""
+    for j in range(count):
+        hk[j] = key[cached[j]]
+        hv[j] = cached[j]
+    for j in range(count // 2 - 1, -1, -1):
+        _sift_down(hk, hv, j, count)
+    return count
+
+
+@nb.njit(cache=True)
 def _heap_push(hk, hv, size, k, v, cached, count, key):  # pragma: no cover - compiled
     """Push (k, v); when the heap is full, rebuild it from the resident ids instead (drops stale entries; v must
     already be resident with key k). Returns the new size."""
@@ -341,14 +352,7 @@ def _heap_push(hk, hv, size, k, v, cached, count, key):  # pragma: no cover - co
         hv[size] = v
         _sift_up(hk, hv, size)
         return size + 1
-    size = 0
-    for j in range(count):
-        hk[size] = key[cached[j]]
-        hv[size] = cached[j]
-        size += 1
-    for j in range(size // 2 - 1, -1, -1):
-        _sift_down(hk, hv, j, size)
-    return size
+    return _heap_rebuild(hk, hv, cached, count, key)
 
 
 @nb.njit(cache=True)
@@ -405,13 +409,7 @@ def _belady_kernel(seq, block_starts, slots, num_flat):  # pragma: no cover - co
             i += 1
         for j in range(nprev):
             was[prev[j]] = False
-        size = 0
-        for j in range(count):
-            hk[size] = key[cached[j]]
-            hv[size] = cached[j]
-            size += 1
-        for j in range(size // 2 - 1, -1, -1):
-            _sift_down(hk, hv, j, size)
+        size = _heap_rebuild(hk, hv, cached, count, key)
         for i in range(b0, b1):
             f = seq[i]
             kn = nuse[i]
