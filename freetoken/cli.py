@@ -34,7 +34,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   repetition_penalty=args.repetition_penalty, seed=args.seed)
-        model = load(args.model, device=args.device, progress=sys.stderr.isatty())
+        model = load(args.model, device=args.device, progress=sys.stderr.isatty(), cache_slots=args.cache_slots)
     except (LoadError, ConfigError, ValueError) as e:
         print(f"freetoken run: error: {e}", file=sys.stderr)
         return 1
@@ -45,9 +45,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     st = model.stats
+    cache = model.decoder.cache
+    if cache is None:
+        experts = f"experts: read in place from host memory ({model.decoder.layout.fmt.name})"
+    else:
+        cs = cache.stats()
+        experts = (f"expert cache: {cache.slots} slots, hit rate {cs['hit_rate']:.1%} ({cs['hits']} hits, "
+                   f"{cs['misses']} misses, {model.decoder.layout.fmt.name})")
     print(f"[{model.decoder.dev.kind}] prefill {st.prompt_tokens} tokens at {st.prefill_tps:.1f} tok/s, "
-          f"generated {st.generated_tokens} tokens, decode at {st.decode_tps:.1f} tok/s; experts: all resident "
-          f"({model.decoder.layout.fmt.name})", file=sys.stderr)
+          f"generated {st.generated_tokens} tokens, decode at {st.decode_tps:.1f} tok/s; {experts}", file=sys.stderr)
     if record:
         from freetoken.trace.format import TraceRecorder
 
@@ -84,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
     run.add_argument("--repetition-penalty", type=float, default=1.0, help="penalise repeats (default 1.0: off)")
     run.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+    run.add_argument("--cache-slots", type=int, default=None,
+                     help="gpu/emu: device slots of the expert cache (default: room for every expert)")
     run.add_argument("--record-trace", metavar="FILE", default=None,
                      help="write the routing trace (npz) for `freetoken trace simulate`")
     run.set_defaults(func=_cmd_run)

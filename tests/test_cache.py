@@ -38,8 +38,8 @@ def test_refuses_sizes_that_cannot_work(pool):
     p, _ = pool
     with pytest.raises(ValueError, match="prefill overlap needs 2 x 4 experts = 8 slots"):
         ExpertCache(p, 7, max_active=4)
-    with pytest.raises(ValueError, match="one step can route 9 distinct experts"):
-        ExpertCache(p, 8, max_active=9, prefill_overlap=False)
+    with pytest.raises(ValueError, match="one step can route 4 distinct experts"):  # 9 pairs, but E = 4
+        ExpertCache(p, 3, max_active=9, prefill_overlap=False)
     cache = ExpertCache(p, 10, max_active=2)
     cache.pin(0, [0])
     with pytest.raises(ValueError, match="cannot pin more than 2 experts"):

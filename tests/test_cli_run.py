@@ -39,11 +39,13 @@ def test_run_streams_and_reports(model_dir, capsys, dev):
 
     if not device_status()[dev][0]:
         pytest.skip(f"{dev} unavailable")
-    assert main(["run", "--model", str(model_dir), "--device", dev, "--max-tokens", "6", "--seed", "0",
+    extra = ["--cache-slots", "16"] if dev == "emu" else []
+    assert main(["run", "--model", str(model_dir), "--device", dev, "--max-tokens", "6", "--seed", "0", *extra,
                  "def f(x):"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("def f(x):")
     assert f"[{dev}] prefill" in err and "decode at" in err and "tok/s" in err
+    assert ("expert cache: 16 slots, hit rate" in err) if dev == "emu" else ("read in place" in err)
 
 
 def test_record_trace(model_dir, tmp_path, capsys):

@@ -93,3 +93,26 @@ def test_greedy_generation_matches_transformers(checkpoint):
     agree = sum(a == b for a, b in zip(got, want, strict=True))
     assert agree >= 7, (got, want)  # bf16 experts may flip one near-tie
     assert model.stats.prompt_tokens == PROMPT and model.stats.generated_tokens == 8
+
+
+@pytest.mark.parametrize("slots", [16, 20])
+def test_through_the_expert_cache(checkpoint, cuda_device, slots):
+    """On gpu/emu the decoder goes through the expert cache: a 20-token prompt streams through the prefill buffers,
+    decode steps admit and evict (few slots), and the logits still match transformers."""
+    from safetensors.numpy import load_file
+
+    family, path, tokens, want = checkpoint
+    cfg = from_hf(json.loads((path / "config.json").read_text()))
+    tensors = load_file(str(path / "model.safetensors"))
+    model = MoeDecoder(cfg, lambda name: tensors[name], cuda_device, max_len=64, cache_slots=slots,
+                       max_decode_tokens=4)
+    assert model.cache is not None and model.cache.slots == slots
+    got = [model.forward(tokens[:PROMPT])]  # 20 tokens x top-2 > 4 x 2: streamed through the prefill buffers
+    assert model.cache.prefill_bytes > 0
+    for t in range(STEPS):
+        got.append(model.forward(tokens[PROMPT + t:PROMPT + t + 1]))
+    got = np.concatenate(got)
+    assert _nmse(got[:PROMPT], want[:PROMPT]) < 5e-5 and _nmse(got[PROMPT:], want[PROMPT:]) < 5e-5
+    stats = model.cache.stats()
+    assert stats["misses"] > 0 and stats["hits"] + stats["misses"] > 0
+    model.cache.check_invariants()

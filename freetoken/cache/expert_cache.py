@@ -56,10 +56,13 @@ class ExpertCache:
         e = pool.num_experts
         if not 1 <= max_active <= MAX_ACTIVE:
             raise ValueError(f"max_active={max_active} must be in [1, {MAX_ACTIVE}]")
-        need = max(max_active, 2 * e if prefill_overlap else 0)
+        # One admission touches one layer: at most min(pairs, E) distinct records are active at once.
+        self.max_distinct = min(max_active, e)
+        need = max(self.max_distinct, 2 * e if prefill_overlap else 0)
         if slots < need:
-            why = (f"prefill overlap needs 2 x {e} experts = {2 * e} slots" if prefill_overlap and 2 * e >= max_active
-                   else f"one step can route {max_active} distinct experts")
+            why = (f"prefill overlap needs 2 x {e} experts = {2 * e} slots"
+                   if prefill_overlap and 2 * e >= self.max_distinct
+                   else f"one step can route {self.max_distinct} distinct experts")
             raise ValueError(f"{slots} slots cannot work: {why}; use at least {need}")
         if len(pool.specs) > MAX_BANKS:
             raise ValueError(f"record layouts of more than {MAX_BANKS} banks are not supported")
@@ -207,9 +210,9 @@ class ExpertCache:
                 continue
             slot = self.slots - 1 - len(self._pinned_slots)
             floor = 2 * self.num_experts if self.prefill_overlap else 0
-            if slot < floor or self.slots - len(self._pinned_slots) - 1 < self.max_active:
+            if slot < floor or self.slots - len(self._pinned_slots) - 1 < self.max_distinct:
                 raise ValueError(f"cannot pin more than {len(self._pinned_slots)} experts: {self.slots} slots must "
-                                 f"keep {max(floor, self.max_active)} free for admission and prefill")
+                                 f"keep {max(floor, self.max_distinct)} free for admission and prefill")
             cur = int(self.device.to_host(self.slot_for_id[f:f + 1])[0])
             if cur >= 0 and cur != slot:
                 self.id_of_slot[cur:cur + 1] = -1

@@ -26,8 +26,10 @@ def _eos_ids(config: dict, path: Path, tokenizer) -> list[int]:
 
 
 def load(path: str | Path | None = None, device="auto", expert_format: str = "bf16", max_len: int = 2048,
-         progress: bool = False) -> Model:
-    """Load a model directory (HF ``config.json`` + safetensors + ``tokenizer.json``); None: the bundled model."""
+         progress: bool = False, cache_slots: int | None = None) -> Model:
+    """Load a model directory (HF ``config.json`` + safetensors + ``tokenizer.json``); None: the bundled model.
+
+    On gpu/emu the routed experts go through an expert cache of ``cache_slots`` slots (default: room for all)."""
     p = Path(path) if path is not None else DEFAULT_MODEL
     if not p.exists():
         raise LoadError(str(p), "no such model directory or file")
@@ -40,7 +42,8 @@ def load(path: str | Path | None = None, device="auto", expert_format: str = "bf
                         "(their experts load through freetoken.formats, the non-expert linears do not)")
     cfg = from_hf(sd.config)
     dev = get_device(device)
-    decoder = MoeDecoder(cfg, sd.get_f32, dev, expert_format=expert_format, max_len=max_len, progress=progress)
+    decoder = MoeDecoder(cfg, sd.get_f32, dev, expert_format=expert_format, max_len=max_len, progress=progress,
+                         cache_slots=cache_slots)
     tokenizer = None
     if (p / "tokenizer.json").is_file():
         from tokenizers import Tokenizer

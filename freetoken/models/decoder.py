@@ -1,8 +1,10 @@
 """The MoE decoder of the Qwen3-MoE / Qwen2-MoE / Mixtral / OLMoE families on any device.
 
 Non-expert weights live on the device as float32; routed experts are record banks in an expert format
-(``freetoken.formats``), run by :func:`freetoken.ops.moe_experts`. This first version keeps every expert of
-every layer resident (slot = expert); the expert cache takes over on gpu/emu in the runner.
+(``freetoken.formats``), run by :func:`freetoken.ops.moe_experts`. On gpu/emu every routed expert lives in the host
+pool and goes through the expert cache: decode admits each layer's routed ids (hits, LRU misses copied in, ids
+rewritten to slots); a prefill too large for one admission streams whole layers through the cache's two borrowed
+buffers, copying layer m+1 while layer m computes. On cpu the Numba kernels read every layer's banks in place.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ class MoeDecoder:
     """Forward pass with a KV cache. ``get(name)`` returns a checkpoint tensor as a float32 NumPy array."""
 
     def __init__(self, cfg: ModelConfig, get: Callable[[str], np.ndarray], device, expert_format: str = "bf16",
-                 max_len: int = 1024, progress: bool = False):
+                 max_len: int = 1024, progress: bool = False, cache_slots: int | None = None,
+                 max_decode_tokens: int = 16):
         self.cfg, self.dev, self.xp = cfg, device, device.xp
         up = lambda name: device.asarray(np.ascontiguousarray(get(name), dtype=np.float32))
         self.embed = get("model.embed_tokens.weight").astype(np.float32)  # gathered on the host
@@ -46,6 +49,15 @@ class MoeDecoder:
         self.lm_head = up("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
         self.layout = RecordLayout(formats.get(expert_format), cfg.hidden, cfg.moe_inter)
         g, u, d = _expert_names(cfg)
+        self.moe_index = [sum(cfg.moe_layers[:i]) for i in range(cfg.num_layers)]  # MoE layer -> pool layer
+        n_moe = sum(cfg.moe_layers)
+        self.cache = None
+        if device.kind != "cpu" and n_moe:
+            from freetoken.cache import ExpertCache, HostPool
+
+            self.pool = HostPool(device, self.layout, n_moe, cfg.num_experts)
+            self._cache_args = (cache_slots or max(n_moe * cfg.num_experts, 2 * cfg.num_experts),
+                                min(1024, max_decode_tokens * cfg.top_k))
         self.layers = []
         layer_iter = range(cfg.num_layers)
         if progress:
@@ -64,13 +76,19 @@ class MoeDecoder:
             if cfg.is_moe(i):
                 lay["router"] = up(n["router"])
                 banks = self.layout.quantize(*(self._stack_experts(get, n["experts"], w) for w in (g, u, d)))
-                lay["experts"] = {k: device.asarray(v) for k, v in banks.items()}
+                if device.kind == "cpu":
+                    lay["experts"] = banks
+                else:
+                    self.pool.write_layer(self.moe_index[i], banks)  # host pool: the authoritative copy
                 if cfg.shared_inter:
                     lay.update({f"shared_{w}": up(n["shared"] + f"{w}_proj.weight") for w in ("gate", "up", "down")})
                     lay["shared_sigmoid"] = up(n["shared_gate"])  # the scalar gate of the shared expert
             else:
                 lay.update({f"mlp_{w}": up(n["mlp"] + f"{w}_proj.weight") for w in ("gate", "up", "down")})
             self.layers.append(lay)
+        if device.kind != "cpu" and n_moe:
+            slots, max_active = self._cache_args
+            self.cache = ExpertCache(self.pool, slots, max_active=max_active)
         self.max_len = max_len
         shape = (max_len, cfg.num_kv_heads, cfg.head_dim)
         self.k_cache = [self.xp.zeros(shape, np.float32) for _ in range(cfg.num_layers)]
@@ -122,10 +140,29 @@ class MoeDecoder:
             return (silu(h @ lay["mlp_gate"].T) * (h @ lay["mlp_up"].T)) @ lay["mlp_down"].T
         ids, w = self.route(h @ lay["router"].T)
         self.last_routing.append(ids)
-        y = moe_experts(xp.ascontiguousarray(h), ids, w, lay["experts"], self.layout, device=self.dev)
+        h = xp.ascontiguousarray(h)
+        if self.cache is None:
+            y = moe_experts(h, ids, w, lay["experts"], self.layout, device=self.dev)
+        else:
+            y = self._cached_experts(self.moe_index[i], h, ids, w)
         if cfg.shared_inter:
             s = (silu(h @ lay["shared_gate"].T) * (h @ lay["shared_up"].T)) @ lay["shared_down"].T
             y = y + s / (1.0 + xp.exp(-(h @ lay["shared_sigmoid"].T)))
+        return y
+
+    def _cached_experts(self, m: int, h, ids, w):
+        """Routed experts of pool layer ``m`` through the expert cache (decode admission or prefill streaming)."""
+        cache = self.cache
+        if not self._streaming:
+            slots = ids.copy()  # admission rewrites in place; ``ids`` stays the routing record
+            cache.admit(m, slots)
+            cache.copy_missing()
+            return moe_experts(h, slots, w, cache.slot_banks, self.layout, device=self.dev, validate=False)
+        if m + 1 < self.pool.num_layers:
+            cache.prefetch_layer(m + 1)  # overlaps this layer's compute
+        first = cache.wait_layer(m)
+        y = moe_experts(h, ids + np.int32(first), w, cache.slot_banks, self.layout, device=self.dev, validate=False)
+        cache.release_layer(m)
         return y
 
     # ---- forward ----------------------------------------------------------------------------------------------
@@ -141,6 +178,11 @@ class MoeDecoder:
         if start + tokens.size > self.max_len:
             raise ValueError(f"sequence of {start + tokens.size} tokens exceeds max_len={self.max_len}")
         self.last_routing = []
+        # A prompt whose routed pairs exceed one admission streams every MoE layer through the prefill buffers.
+        self._streaming = self.cache is not None and tokens.size * cfg.top_k > self.cache.max_active
+        if self._streaming:
+            self.cache.begin_prefill()
+            self.cache.prefetch_layer(0)
         x = xp.asarray(self.embed[tokens])
         for i, lay in enumerate(self.layers):
             h = rms_norm(xp, x, lay["attn_norm"], cfg.rms_eps)
