@@ -219,3 +219,33 @@ struct Plan {
 };
 
 }  // namespace ft
+
+// ---- kernel entry points --------------------------------------------------------------------------------------
+// moe_decode.cu and moe_prefill.cu each define MODE_gate_up<F, XT>(banks, x, plan, k_route, hidden, inter, act, h)
+// and MODE_down<F>(banks, h, plan, hidden, inter, o); these macros stamp out the same extern "C" kernels for both
+// (gate_up for fp32 and bf16 activations, down) for every kernel family, so NVRTC and the emulator see one set of
+// names: moe_<MODE>_gate_up_<family>_{f32,bf16}, moe_<MODE>_down_<family>.
+#define FT_MOE_KERNELS(MODE, NAME, F)                                                                          \
+  extern "C" __global__ void __launch_bounds__(128) moe_##MODE##_gate_up_##NAME##_f32(                         \
+      ft::ExpertBanks banks, const float* __restrict__ x, ft::Plan plan, int k_route, int hidden, int inter,   \
+      int act, float* __restrict__ h) {                                                                        \
+    MODE##_gate_up<F, float>(banks, x, plan, k_route, hidden, inter, act, h);                                  \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(128) moe_##MODE##_gate_up_##NAME##_bf16(                        \
+      ft::ExpertBanks banks, const __nv_bfloat16* __restrict__ x, ft::Plan plan, int k_route, int hidden,      \
+      int inter, int act, float* __restrict__ h) {                                                             \
+    MODE##_gate_up<F, __nv_bfloat16>(banks, x, plan, k_route, hidden, inter, act, h);                          \
+  }                                                                                                            \
+  extern "C" __global__ void __launch_bounds__(128) moe_##MODE##_down_##NAME(                                  \
+      ft::ExpertBanks banks, const float* __restrict__ h, ft::Plan plan, int hidden, int inter,                \
+      float* __restrict__ o) {                                                                                 \
+    MODE##_down<F>(banks, h, plan, hidden, inter, o);                                                          \
+  }
+
+// Every kernel family (ds_fp4 experts run the mxfp4 family).
+#define FT_MOE_KERNELS_ALL_FORMATS(MODE)    \
+  FT_MOE_KERNELS(MODE, bf16, FT_FMT_BF16)   \
+  FT_MOE_KERNELS(MODE, fp8_block, FT_FMT_FP8_BLOCK) \
+  FT_MOE_KERNELS(MODE, nvfp4, FT_FMT_NVFP4) \
+  FT_MOE_KERNELS(MODE, mxfp4, FT_FMT_MXFP4) \
+  FT_MOE_KERNELS(MODE, q4_0, FT_FMT_Q4_0)

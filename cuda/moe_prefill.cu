@@ -164,25 +164,4 @@ __device__ __forceinline__ void prefill_down(const ft::ExpertBanks& banks, const
 
 }  // namespace
 
-#define FT_PREFILL_KERNELS(NAME, F)                                                                            \
-  extern "C" __global__ void __launch_bounds__(128) moe_prefill_gate_up_##NAME##_f32(                          \
-      ft::ExpertBanks banks, const float* __restrict__ x, ft::Plan plan, int k_route, int hidden, int inter,   \
-      int act, float* __restrict__ h) {                                                                        \
-    prefill_gate_up<F, float>(banks, x, plan, k_route, hidden, inter, act, h);                                 \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(128) moe_prefill_gate_up_##NAME##_bf16(                         \
-      ft::ExpertBanks banks, const __nv_bfloat16* __restrict__ x, ft::Plan plan, int k_route, int hidden,      \
-      int inter, int act, float* __restrict__ h) {                                                             \
-    prefill_gate_up<F, __nv_bfloat16>(banks, x, plan, k_route, hidden, inter, act, h);                         \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(128) moe_prefill_down_##NAME(                                   \
-      ft::ExpertBanks banks, const float* __restrict__ h, ft::Plan plan, int hidden, int inter,                \
-      float* __restrict__ o) {                                                                                 \
-    prefill_down<F>(banks, h, plan, hidden, inter, o);                                                         \
-  }
-
-FT_PREFILL_KERNELS(bf16, FT_FMT_BF16)
-FT_PREFILL_KERNELS(fp8_block, FT_FMT_FP8_BLOCK)
-FT_PREFILL_KERNELS(nvfp4, FT_FMT_NVFP4)
-FT_PREFILL_KERNELS(mxfp4, FT_FMT_MXFP4)
-FT_PREFILL_KERNELS(q4_0, FT_FMT_Q4_0)
+FT_MOE_KERNELS_ALL_FORMATS(prefill)
