@@ -7,6 +7,23 @@ import numpy as np
 from freetoken.device.base import Device, HostEvent, HostStream, PinnedArray
 
 
+def host_pointer(a) -> int | None:
+    """The address of a host array (NumPy, PinnedArray, or anything DLPack/array-interface on the CPU); None if ``a``
+    is no array. Kernel arguments must be contiguous."""
+    if isinstance(a, PinnedArray):
+        return a.device_ptr
+    if isinstance(a, np.ndarray):
+        if not (a.flags.c_contiguous or a.flags.f_contiguous):
+            raise ValueError("kernel arguments must be contiguous arrays")
+        return a.ctypes.data
+    if hasattr(a, "__dlpack__") or hasattr(a, "__array_interface__"):
+        try:
+            return host_pointer(np.from_dlpack(a) if hasattr(a, "__dlpack__") else np.asarray(a))
+        except (TypeError, BufferError, RuntimeError):
+            return None
+    return None
+
+
 class HostDevice(Device):
     """Memory and streams shared by the cpu and emu devices: everything is a NumPy array on the host."""
 
@@ -27,9 +44,7 @@ class HostDevice(Device):
 
     def pointer_of(self, a) -> int | None:
         """The address a kernel uses for ``a`` (NumPy array or PinnedArray), None for non-arrays."""
-        from freetoken.device.emu import _host_pointer
-
-        return _host_pointer(a)
+        return host_pointer(a)
 
     def stream(self) -> HostStream:
         return HostStream()

@@ -10,12 +10,9 @@ import ctypes
 import os
 from collections.abc import Sequence
 
-import numpy as np
-
 from freetoken.device import emu_build
 from freetoken.device.args import normalize_dims, pack_args
-from freetoken.device.base import PinnedArray
-from freetoken.device.cpu import HostDevice
+from freetoken.device.cpu import HostDevice, host_pointer
 
 
 class EmuKernelError(RuntimeError):
@@ -38,21 +35,6 @@ class _LaunchArgs(ctypes.Structure):
     ]
 
 
-def _host_pointer(a) -> int | None:
-    if isinstance(a, PinnedArray):
-        return a.device_ptr
-    if isinstance(a, np.ndarray):
-        if not (a.flags.c_contiguous or a.flags.f_contiguous):
-            raise ValueError("kernel arguments must be contiguous arrays")
-        return a.ctypes.data
-    if hasattr(a, "__dlpack__") or hasattr(a, "__array_interface__"):
-        try:
-            return _host_pointer(np.from_dlpack(a) if hasattr(a, "__dlpack__") else np.asarray(a))
-        except (TypeError, BufferError, RuntimeError):
-            return None
-    return None
-
-
 def emu_workers() -> int:
     """Worker threads that run blocks in parallel: ``$FREETOKEN_EMU_THREADS`` or the CPU count."""
     return max(1, int(os.environ.get("FREETOKEN_EMU_THREADS", os.cpu_count() or 1)))
@@ -71,7 +53,7 @@ class EmuFunction:
     def __call__(self, grid, block, args: Sequence[object], shared_mem: int = 0, stream=None) -> None:
         g = normalize_dims(grid, "grid", self.name)
         b = normalize_dims(block, "block", self.name)
-        packed = pack_args(self.name, args, _host_pointer)
+        packed = pack_args(self.name, args, host_pointer)
         err = ctypes.create_string_buffer(2048)
         la = _LaunchArgs(
             (ctypes.c_uint32 * 3)(*g), (ctypes.c_uint32 * 3)(*b), int(shared_mem), emu_workers(), len(args),
