@@ -55,9 +55,9 @@ class MoeDecoder:
         if device.kind != "cpu" and n_moe:
             from freetoken.cache import ExpertCache, HostPool
 
-            self.pool = HostPool(device, self.layout, n_moe, cfg.num_experts)
-            self._cache_args = (cache_slots or max(n_moe * cfg.num_experts, 2 * cfg.num_experts),
-                                min(1024, max_decode_tokens * cfg.top_k))
+            pool = HostPool(device, self.layout, n_moe, cfg.num_experts)  # filled layer by layer below
+            self.cache = ExpertCache(pool, cache_slots or max(n_moe * cfg.num_experts, 2 * cfg.num_experts),
+                                     max_active=min(1024, max_decode_tokens * cfg.top_k))
         self.layers = []
         layer_iter = range(cfg.num_layers)
         if progress:
@@ -76,19 +76,16 @@ class MoeDecoder:
             if cfg.is_moe(i):
                 lay["router"] = up(n["router"])
                 banks = self.layout.quantize(*(self._stack_experts(get, n["experts"], w) for w in (g, u, d)))
-                if device.kind == "cpu":
+                if self.cache is None:
                     lay["experts"] = banks
                 else:
-                    self.pool.write_layer(self.moe_index[i], banks)  # host pool: the authoritative copy
+                    self.cache.pool.write_layer(self.moe_index[i], banks)  # host pool: the authoritative copy
                 if cfg.shared_inter:
                     lay.update({f"shared_{w}": up(n["shared"] + f"{w}_proj.weight") for w in ("gate", "up", "down")})
                     lay["shared_sigmoid"] = up(n["shared_gate"])  # the scalar gate of the shared expert
             else:
                 lay.update({f"mlp_{w}": up(n["mlp"] + f"{w}_proj.weight") for w in ("gate", "up", "down")})
             self.layers.append(lay)
-        if device.kind != "cpu" and n_moe:
-            slots, max_active = self._cache_args
-            self.cache = ExpertCache(self.pool, slots, max_active=max_active)
         self.max_len = max_len
         shape = (max_len, cfg.num_kv_heads, cfg.head_dim)
         self.k_cache = [self.xp.zeros(shape, np.float32) for _ in range(cfg.num_layers)]
@@ -158,7 +155,7 @@ class MoeDecoder:
             cache.admit(m, slots)
             cache.copy_missing()
             return moe_experts(h, slots, w, cache.slot_banks, self.layout, device=self.dev, validate=False)
-        if m + 1 < self.pool.num_layers:
+        if m + 1 < cache.num_layers:
             cache.prefetch_layer(m + 1)  # overlaps this layer's compute
         first = cache.wait_layer(m)
         y = moe_experts(h, ids + np.int32(first), w, cache.slot_banks, self.layout, device=self.dev, validate=False)
