@@ -12,7 +12,7 @@ import pytest
 from freetoken import formats
 from freetoken.formats import RecordLayout
 from freetoken.ops.moe_experts import moe_experts
-from freetoken.ops.moe_reference import moe_forward_reference, round_weights_bf16
+from freetoken.ops.moe_reference import moe_forward_reference, moe_prefill_reference
 from freetoken.testing import assert_close, poison, random_record
 
 H, I, SLOTS = 96, 160, 6  # noqa: E741 (H, I as in the MoE literature): not powers of two; partial fp8 blocks
@@ -21,13 +21,6 @@ H, I, SLOTS = 96, 160, 6  # noqa: E741 (H, I as in the MoE literature): not powe
 def _record(fmt_name: str, bias: bool, seed: int = 0):
     layout = RecordLayout(formats.get(fmt_name), H, I, bias)
     return layout, random_record(layout, SLOTS, seed)
-
-
-def _prefill_reference(x, ids, weights, layout, banks, act):
-    """The reference with every tensor-core input rounded to bf16 as the prefill kernel rounds it."""
-    globals_ = {m: banks[f"{m}.g"] for m in ("gate", "up", "down") if f"{m}.g" in banks}
-    deq = round_weights_bf16(layout.dequantize(banks), globals_)
-    return moe_forward_reference(x, ids, weights, deq, act, bf16_inputs=True)
 
 
 def _inputs(tokens, k, seed):
@@ -76,7 +69,7 @@ def test_prefill_matches_bf16_reference(cuda_device, fmt_name, act, bias):
     layout, banks = _record(fmt_name, bias, seed=1)
     for n, (tokens, k) in enumerate([(3, 2), (70, 2), (33, 8)]):
         x, ids, weights = _inputs(tokens, k, seed=10 + n)
-        want = _prefill_reference(x, ids, weights, layout, banks, act)
+        want = moe_prefill_reference(x, ids, weights, layout, banks, act)
         got = _run(cuda_device, layout, banks, x, ids, weights, act, "prefill")
         scale = float(np.abs(want).max())
         assert_close(got, want, atol=1e-4 * scale, rtol=1e-4, name=f"{fmt_name} T={tokens} k={k}")

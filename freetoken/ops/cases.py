@@ -17,7 +17,7 @@ import numpy as np
 from freetoken import formats, ops
 from freetoken.formats import RecordLayout
 from freetoken.ops.moe_experts import moe_experts
-from freetoken.ops.moe_reference import moe_forward_reference, round_weights_bf16
+from freetoken.ops.moe_reference import moe_forward_reference, moe_prefill_reference
 from freetoken.testing import assert_close, max_error, poison, random_record
 
 
@@ -175,11 +175,10 @@ def _make_moe(fmt_name: str, mode: str):
                     device=dev, validate=False)
 
     def reference(inp):
-        layout, banks = inp["layout"], inp["banks"]
-        deq = layout.dequantize(banks)
+        args = inp["x"], inp["ids"], inp["weights"]
         if mode == "prefill":
-            deq = round_weights_bf16(deq, {m: banks[f"{m}.g"] for m in ("gate", "up", "down") if f"{m}.g" in banks})
-        return {"y": moe_forward_reference(inp["x"], inp["ids"], inp["weights"], deq, bf16_inputs=mode == "prefill")}
+            return {"y": moe_prefill_reference(*args, inp["layout"], inp["banks"])}
+        return {"y": moe_forward_reference(*args, inp["layout"].dequantize(inp["banks"]))}
 
     def bytes_moved(inp):
         return len(np.unique(inp["ids"])) * inp["layout"].record_bytes

@@ -85,3 +85,12 @@ def moe_forward_reference(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, d
             o = o + deq["down.b"][e]
         np.add.at(y, t, weights[t, j][:, None] * o)
     return y
+
+
+def moe_prefill_reference(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, layout, banks: dict[str, np.ndarray],
+                          act: str = "swiglu") -> np.ndarray:
+    """The reference as the prefill (tensor-core) kernel computes it: x, each matrix before its per-matrix global
+    scale, and the intermediate h rounded to bf16; ``layout`` is the record's ``RecordLayout``."""
+    globals_ = {m: banks[f"{m}.g"] for m in ("gate", "up", "down") if f"{m}.g" in banks}
+    deq = round_weights_bf16(layout.dequantize(banks), globals_)
+    return moe_forward_reference(x, ids, weights, deq, act, bf16_inputs=True)
