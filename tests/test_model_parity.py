@@ -10,33 +10,15 @@ from freetoken.models import ConfigError, MoeDecoder, from_hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from tiny_models import FAMILIES, make_checkpoint  # noqa: E402
 
-COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=256, num_experts_per_tok=2, rms_norm_eps=1e-6)
-FAMILIES = {
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(head_dim=16, num_experts=8, moe_intermediate_size=32, intermediate_size=96, norm_topk_prob=True,
-                       decoder_sparse_step=1, mlp_only_layers=[1])),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  dict(num_experts=8, moe_intermediate_size=32, intermediate_size=96, norm_topk_prob=False,
-                       shared_expert_intermediate_size=64, decoder_sparse_step=1)),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=8, intermediate_size=32)),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, intermediate_size=32, norm_topk_prob=False)),
-}
 PROMPT, STEPS = 20, 8
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request, tmp_path_factory):
-    cfg_name, model_name, extra = FAMILIES[request.param]
-    torch.manual_seed(0)
-    cfg = getattr(transformers, cfg_name)(**COMMON, **extra)
-    model = getattr(transformers, model_name)(cfg).eval()
-    with torch.no_grad():  # larger weights than the 0.02 init, so routing and logits are not all near zero
-        for p in model.parameters():
-            p.mul_(5.0 if p.dim() > 1 else 1.0)
     path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
+    model = make_checkpoint(request.param, path)
     tokens = torch.randint(0, 128, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(tokens).logits[0].float().numpy()

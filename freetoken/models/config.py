@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 #: model_type -> family name used by freetoken.
 FAMILIES = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
 
@@ -104,4 +106,75 @@ def from_hf(cfg: dict) -> ModelConfig:
         shared_inter=int(cfg.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0,
         moe_layers=moe_layers, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position=int(cfg.get("max_position_embeddings", 32768)),
+    )
+
+
+#: GGUF ``general.architecture`` -> family (``llama`` with experts is Mixtral's layout in llama.cpp).
+GGUF_FAMILIES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "olmoe": "olmoe"}
+#: Whether llama.cpp renormalises the top-k router weights of each family (it hard-codes this per architecture).
+_GGUF_NORM_TOPK = {"qwen3_moe": True, "qwen2_moe": False, "mixtral": True, "olmoe": False}
+
+
+def from_gguf(gf) -> ModelConfig:
+    """The config of a :class:`freetoken.loaders.GGUFFile` from its ``{arch}.*`` metadata and tensor shapes;
+    :class:`ConfigError` (naming the file) for architectures, layouts and RoPE variants the decoder lacks."""
+    where = str(gf.path)
+    family = GGUF_FAMILIES.get(gf.arch)
+    if family is None:
+        raise ConfigError(f"{where}: unsupported GGUF architecture {gf.arch!r}; freetoken runs "
+                          f"{', '.join(GGUF_FAMILIES)}")
+
+    def meta(key, default=None):
+        v = gf.meta(f"{gf.arch}.{key}", None)
+        if v is None and default is None:
+            raise ConfigError(f"{where}: missing metadata key {gf.arch}.{key}")
+        return default if v is None else v
+
+    layers = int(meta("block_count"))
+    hidden = int(meta("embedding_length"))
+    heads = int(meta("attention.head_count"))
+    kv = meta("attention.head_count_kv", heads)
+    if not isinstance(kv, int):  # per-layer arrays exist in some files; one value is all this decoder supports
+        vals = {int(v) for v in np.asarray(kv).reshape(-1)}
+        if len(vals) != 1:
+            raise ConfigError(f"{where}: per-layer KV head counts {sorted(vals)} are not supported")
+        kv = vals.pop()
+    experts = int(meta("expert_count", 0))
+    if experts == 0:
+        raise ConfigError(f"{where}: {gf.arch} model without experts ({gf.arch}.expert_count); freetoken runs "
+                          "MoE models")
+    moe_layers = tuple(gf.has(f"blk.{i}.ffn_gate_inp.weight") for i in range(layers))
+    first = next((i for i, m in enumerate(moe_layers) if m), None)
+    if first is None:
+        raise ConfigError(f"{where}: no layer has a router (blk.N.ffn_gate_inp.weight)")
+    if not gf.has(f"blk.{first}.ffn_gate_exps.weight"):
+        raise ConfigError(f"{where}: experts stored per expert (blk.{first}.ffn_gate.0.weight, old llama.cpp "
+                          "files) are not supported; re-convert with a current converter (merged *_exps tensors)")
+    moe_inter = gf.info(f"blk.{first}.ffn_gate_exps.weight").shape[1]
+    dense = next((i for i, m in enumerate(moe_layers) if not m), None)
+    dense_inter = gf.info(f"blk.{dense}.ffn_gate.weight").shape[0] if dense is not None else 0
+    shared_inter = 0
+    if gf.has(f"blk.{first}.ffn_gate_shexp.weight"):
+        if family != "qwen2_moe":
+            raise ConfigError(f"{where}: shared experts in a {gf.arch} model are not supported")
+        shared_inter = gf.info(f"blk.{first}.ffn_gate_shexp.weight").shape[0]
+    scaling = gf.meta(f"{gf.arch}.rope.scaling.type", None)
+    if scaling not in (None, "none"):
+        raise ConfigError(f"{where}: rope scaling {scaling!r} is not supported yet")
+    scale = float(meta("expert_weights_scale", 1.0))
+    if scale != 1.0:
+        raise ConfigError(f"{where}: expert_weights_scale {scale} is not supported")
+    vocab = int(meta("vocab_size", 0)) or gf.info("token_embd.weight").shape[0]
+    qk_norm = "none"
+    if gf.has("blk.0.attn_q_norm.weight"):
+        qk_norm = "full" if family == "olmoe" else "head"
+    return ModelConfig(
+        family=family, vocab_size=vocab, hidden=hidden, num_layers=layers, num_heads=heads, num_kv_heads=int(kv),
+        head_dim=int(meta("attention.key_length", hidden // heads)), num_experts=experts,
+        top_k=int(meta("expert_used_count")), moe_inter=int(moe_inter), dense_inter=int(dense_inter),
+        norm_topk_prob=bool(meta("expert_weights_norm", _GGUF_NORM_TOPK[family])),
+        rms_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)), rope_theta=float(meta("rope.freq_base", 1e4)),
+        qk_norm=qk_norm, qkv_bias=gf.has("blk.0.attn_q.bias"), shared_inter=int(shared_inter),
+        moe_layers=moe_layers, tie_word_embeddings=not gf.has("output.weight"),
+        max_position=int(meta("context_length", 32768)),
     )

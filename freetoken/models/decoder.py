@@ -17,38 +17,26 @@ from freetoken import formats, ops
 from freetoken.formats import RecordLayout
 from freetoken.models.config import ModelConfig
 from freetoken.models.layers import apply_rope, attention, rms_norm, rope_tables
+from freetoken.models.weights import HFWeights, Weights
 from freetoken.ops.moe_experts import moe_experts
-
-
-def hf_names(cfg: ModelConfig, layer: int) -> dict[str, str]:
-    """HF tensor names of one layer."""
-    p = f"model.layers.{layer}."
-    moe = "block_sparse_moe." if cfg.family == "mixtral" else "mlp."
-    return {"attn_norm": p + "input_layernorm.weight", "mlp_norm": p + "post_attention_layernorm.weight",
-            **{f"{x}_proj": p + f"self_attn.{x}_proj.weight" for x in "qkvo"},
-            **{f"{x}_bias": p + f"self_attn.{x}_proj.bias" for x in "qkv"},
-            "q_norm": p + "self_attn.q_norm.weight", "k_norm": p + "self_attn.k_norm.weight",
-            "router": p + moe + "gate.weight", "experts": p + moe + "experts.",
-            "shared": p + "mlp.shared_expert.", "shared_gate": p + "mlp.shared_expert_gate.weight", "mlp": p + "mlp."}
-
-
-def _expert_names(cfg: ModelConfig) -> tuple[str, str, str]:
-    return ("w1", "w3", "w2") if cfg.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
 
 
 class MoeDecoder:
     """Forward pass with a KV cache. ``get(name)`` returns a checkpoint tensor as a float32 NumPy array."""
 
-    def __init__(self, cfg: ModelConfig, get: Callable[[str], np.ndarray], device, expert_format: str = "bf16",
-                 max_len: int = 1024, progress: bool = False, cache_slots: int | None = None,
-                 max_decode_tokens: int = 16):
+    def __init__(self, cfg: ModelConfig, weights: Weights | Callable[[str], np.ndarray], device,
+                 expert_format: str | None = None, max_len: int = 1024, progress: bool = False,
+                 cache_slots: int | None = None, max_decode_tokens: int = 16):
         self.cfg, self.dev, self.xp = cfg, device, device.xp
-        up = lambda name: device.asarray(np.ascontiguousarray(get(name), dtype=np.float32))
-        self.embed = get("model.embed_tokens.weight").astype(np.float32)  # gathered on the host
-        self.norm = up("model.norm.weight")
-        self.lm_head = up("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
-        self.layout = RecordLayout(formats.get(expert_format), cfg.hidden, cfg.moe_inter)
-        g, u, d = _expert_names(cfg)
+        if not isinstance(weights, Weights):  # a plain ``get(hf_name)``: an HF checkpoint held in memory
+            weights = HFWeights(cfg, weights)
+        self.weights = weights
+        up = lambda key, layer=None: device.asarray(np.ascontiguousarray(weights.get(key, layer), dtype=np.float32))
+        self.embed = np.ascontiguousarray(weights.get("embed"), dtype=np.float32)  # gathered on the host
+        self.norm = up("norm")
+        self.lm_head = up("lm_head")
+        fmt = expert_format or weights.native_expert_format or "bf16"
+        self.layout = RecordLayout(formats.get(fmt), cfg.hidden, cfg.moe_inter)
         self.moe_index = [sum(cfg.moe_layers[:i]) for i in range(cfg.num_layers)]  # MoE layer -> pool layer
         n_moe = sum(cfg.moe_layers)
         self.cache = None
@@ -65,26 +53,21 @@ class MoeDecoder:
 
             layer_iter = tqdm(layer_iter, desc="loading layers", unit="layer", leave=False)
         for i in layer_iter:
-            n = hf_names(cfg, i)
-            lay = {"attn_norm": up(n["attn_norm"]), "mlp_norm": up(n["mlp_norm"])}
-            for x in "qkvo":
-                lay[f"{x}_proj"] = up(n[f"{x}_proj"])
-            if cfg.qkv_bias:
-                lay.update({f"{x}_bias": up(n[f"{x}_bias"]) for x in "qkv"})
-            if cfg.qk_norm != "none":
-                lay["q_norm"], lay["k_norm"] = up(n["q_norm"]), up(n["k_norm"])
+            keys = ["attn_norm", "mlp_norm", "q_proj", "k_proj", "v_proj", "o_proj"]
+            keys += ["q_bias", "k_bias", "v_bias"] if cfg.qkv_bias else []
+            keys += ["q_norm", "k_norm"] if cfg.qk_norm != "none" else []
             if cfg.is_moe(i):
-                lay["router"] = up(n["router"])
-                banks = self.layout.quantize(*(self._stack_experts(get, n["experts"], w) for w in (g, u, d)))
+                keys.append("router")
+                keys += ["shared_gate", "shared_up", "shared_down", "shared_sigmoid"] if cfg.shared_inter else []
+            else:
+                keys += ["mlp_gate", "mlp_up", "mlp_down"]
+            lay = {k: up(k, i) for k in keys}
+            if cfg.is_moe(i):
+                banks = weights.expert_banks(i, self.layout)
                 if self.cache is None:
                     lay["experts"] = banks
                 else:
                     self.cache.pool.write_layer(self.moe_index[i], banks)  # host pool: the authoritative copy
-                if cfg.shared_inter:
-                    lay.update({f"shared_{w}": up(n["shared"] + f"{w}_proj.weight") for w in ("gate", "up", "down")})
-                    lay["shared_sigmoid"] = up(n["shared_gate"])  # the scalar gate of the shared expert
-            else:
-                lay.update({f"mlp_{w}": up(n["mlp"] + f"{w}_proj.weight") for w in ("gate", "up", "down")})
             self.layers.append(lay)
         self.max_len = max_len
         shape = (max_len, cfg.num_kv_heads, cfg.head_dim)
@@ -95,11 +78,6 @@ class MoeDecoder:
 
     def reset(self) -> None:
         self.length = 0
-
-    def _stack_experts(self, get, prefix: str, name: str) -> np.ndarray:
-        """float32 [E, N, K] of one projection of every expert of a layer."""
-        experts = range(self.cfg.num_experts)
-        return np.stack([np.asarray(get(f"{prefix}{j}.{name}.weight"), np.float32) for j in experts])
 
     # ---- blocks -----------------------------------------------------------------------------------------------
     def _attention(self, lay, x, start):

@@ -1,0 +1,43 @@
+"""``freetoken convert``: an HF MoE checkpoint directory -> a GGUF file llama.cpp and freetoken both load."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+CONVERT_DESCRIPTION = """\
+Write an HF MoE checkpoint (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE; bf16/f16/f32 or block-FP8 safetensors) as a
+GGUF file with llama.cpp's tensor names and metadata and the tokenizer embedded. Routed experts are quantized to
+--experts (default q4_0); embeddings, attention, shared experts and dense MLPs to --other (default f16); norms,
+biases and routers stay f32. The file appears only when complete.
+
+Example: freetoken convert path/to/Qwen3-30B-A3B qwen3-30b-a3b-q4_0.gguf
+"""
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from freetoken.convert.gguf_export import export_gguf
+    from freetoken.loaders import LoadError
+    from freetoken.models import ConfigError
+
+    try:
+        out = export_gguf(args.model, args.output, experts=args.experts, other=args.other,
+                          progress=sys.stderr.isatty())
+    except (LoadError, ConfigError, ValueError, OSError) as e:
+        print(f"freetoken convert: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+def add_convert_parser(sub) -> None:
+    from freetoken.convert.gguf_export import EXPERT_TYPES, OTHER_TYPES
+
+    p = sub.add_parser("convert", help="convert an HF MoE checkpoint to GGUF (q4_0 experts)",
+                       description=CONVERT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="HF model directory (config.json, safetensors, tokenizer.json)")
+    p.add_argument("output", help="the GGUF file to write")
+    p.add_argument("--experts", default="q4_0", choices=EXPERT_TYPES, help="routed-expert type (default q4_0)")
+    p.add_argument("--other", default="f16", choices=OTHER_TYPES,
+                   help="type of the other matrices (default f16)")
+    p.set_defaults(func=_cmd_convert)

@@ -1,0 +1,244 @@
+"""Export an HF MoE checkpoint to a llama.cpp GGUF file: routed experts in Q4_0, the rest in a chosen type.
+
+Written with gguf-py's :class:`gguf.GGUFWriter` in its streaming mode: every tensor's name, type and shape is
+declared first (all are known from the config), the header goes out, then each tensor is computed, written and
+dropped, so no second copy of the model is ever held. The file is written next to its destination under a
+temporary name and renamed only when complete: a failed export leaves nothing behind.
+
+Tensor names and metadata keys are llama.cpp's (``token_embd``, ``blk.N.attn_q``, ``blk.N.ffn_gate_exps``,
+``{arch}.expert_count``...); ``llama``-architecture (Mixtral) Q/K rows are permuted as llama.cpp's converter does.
+Expert quantization is :mod:`freetoken.formats.q4_0` (byte-identical to gguf-py's Q4_0 quantizer).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from freetoken.formats import MATRICES
+from freetoken.loaders.errors import LoadError
+from freetoken.models.config import ModelConfig
+from freetoken.models.weights import HFWeights, llama_permute
+
+#: freetoken family -> GGUF architecture.
+ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe"}
+#: Types a non-expert matrix can be written in (norms, biases and routers always stay F32).
+OTHER_TYPES = ("f32", "f16", "bf16", "q8_0")
+EXPERT_TYPES = ("q4_0", "q8_0", "f16", "bf16", "f32")
+
+
+def _ggml_type(name: str):
+    from gguf import GGMLQuantizationType as T
+
+    return {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0}[name]
+
+
+def _nbytes(type_name: str, shape: tuple[int, ...]) -> int:
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[_ggml_type(type_name)]
+    return math.prod(shape) // block * size
+
+
+def _encode(w: np.ndarray, type_name: str) -> np.ndarray:
+    """float32 array -> the bytes GGUF stores for it."""
+    if type_name == "f32":
+        return np.ascontiguousarray(w, np.float32)
+    if type_name == "f16":
+        return np.ascontiguousarray(w, np.float16)
+    if type_name == "bf16":
+        return np.ascontiguousarray(w.astype(ml_dtypes.bfloat16))
+    if type_name == "q4_0":
+        from freetoken.formats import q4_0
+
+        flat = w.reshape(-1, w.shape[-2], w.shape[-1])
+        return q4_0.to_gguf(q4_0.FORMAT.quantize(flat)).reshape(-1)
+    from gguf.quants import quantize
+
+    return quantize(np.ascontiguousarray(w, np.float32), _ggml_type(type_name))
+
+
+class _Plan:
+    """(gguf name, float32 producer, type, NumPy-order shape) for every tensor, in file order."""
+
+    def __init__(self):
+        self.items: list[tuple[str, Callable[[], np.ndarray], str, tuple[int, ...]]] = []
+
+    def add(self, name, fn, type_name, shape):
+        self.items.append((name, fn, type_name, tuple(int(d) for d in shape)))
+
+
+def _matrix_type(type_name: str, shape) -> str:
+    """Block types need rows that are whole blocks; fall back to f16 otherwise (as llama.cpp's quantizer does)."""
+    return type_name if type_name not in ("q8_0", "q4_0") or shape[-1] % 32 == 0 else "f16"
+
+
+def build_plan(cfg: ModelConfig, w: HFWeights, other: str, experts: str) -> _Plan:
+    p = _Plan()
+    arch = ARCHS[cfg.family]
+    vec = lambda key, layer=None: (lambda: w.get(key, layer).reshape(-1))
+    p.add("token_embd.weight", lambda: w.get("embed"), _matrix_type(other, (cfg.hidden,)),
+          (cfg.vocab_size, cfg.hidden))
+    for i in range(cfg.num_layers):
+        b = f"blk.{i}."
+        hd = cfg.head_dim
+        proj = {"q_proj": (cfg.num_heads * hd, cfg.hidden), "k_proj": (cfg.num_kv_heads * hd, cfg.hidden),
+                "v_proj": (cfg.num_kv_heads * hd, cfg.hidden), "o_proj": (cfg.hidden, cfg.num_heads * hd)}
+        gguf_name = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+
+        def fetch(key, layer=i):
+            t = w.get(key, layer)
+            if arch == "llama" and key[0] in "qk" and key[1:] in ("_proj", "_bias"):
+                t = llama_permute(t, cfg.num_heads if key[0] == "q" else cfg.num_kv_heads)
+            return t
+
+        p.add(b + "attn_norm.weight", vec("attn_norm", i), "f32", (cfg.hidden,))
+        for key, shape in proj.items():
+            p.add(b + gguf_name[key] + ".weight", (lambda key=key, f=fetch: f(key)), _matrix_type(other, shape), shape)
+        if cfg.qkv_bias:
+            for x in "qkv":
+                p.add(b + f"attn_{x}.bias", (lambda x=x, f=fetch: f(f"{x}_bias")), "f32", (proj[f"{x}_proj"][0],))
+        if cfg.qk_norm != "none":
+            n_q = hd if cfg.qk_norm == "head" else cfg.num_heads * hd
+            n_k = hd if cfg.qk_norm == "head" else cfg.num_kv_heads * hd
+            p.add(b + "attn_q_norm.weight", vec("q_norm", i), "f32", (n_q,))
+            p.add(b + "attn_k_norm.weight", vec("k_norm", i), "f32", (n_k,))
+        p.add(b + "ffn_norm.weight", vec("mlp_norm", i), "f32", (cfg.hidden,))
+        if cfg.is_moe(i):
+            e, h, m = cfg.num_experts, cfg.hidden, cfg.moe_inter
+            p.add(b + "ffn_gate_inp.weight", lambda i=i: w.get("router", i), "f32", (e, h))
+            names = w._expert_names(i)
+            shapes = {"gate": (e, m, h), "up": (e, m, h), "down": (e, h, m)}
+            for mat in MATRICES:
+                fn = lambda mat=mat, names=names: np.stack([w.tensor_f32(n) for n in names[mat]])
+                p.add(b + f"ffn_{mat}_exps.weight", fn, _matrix_type(experts, shapes[mat]), shapes[mat])
+            if cfg.shared_inter:
+                s = cfg.shared_inter
+                for mat, shape in (("gate", (s, h)), ("up", (s, h)), ("down", (h, s))):
+                    p.add(b + f"ffn_{mat}_shexp.weight", lambda mat=mat, i=i: w.get(f"shared_{mat}", i),
+                          _matrix_type(other, shape), shape)
+                p.add(b + "ffn_gate_inp_shexp.weight", vec("shared_sigmoid", i), "f32", (h,))
+        else:
+            d, h = cfg.dense_inter, cfg.hidden
+            for mat, shape in (("gate", (d, h)), ("up", (d, h)), ("down", (h, d))):
+                p.add(b + f"ffn_{mat}.weight", lambda mat=mat, i=i: w.get(f"mlp_{mat}", i),
+                      _matrix_type(other, shape), shape)
+    p.add("output_norm.weight", vec("norm"), "f32", (cfg.hidden,))
+    if not cfg.tie_word_embeddings:
+        p.add("output.weight", lambda: w.get("lm_head"), _matrix_type(other, (cfg.hidden,)),
+              (cfg.vocab_size, cfg.hidden))
+    return p
+
+
+def _write_metadata(writer, cfg: ModelConfig, name: str, experts: str) -> None:
+    from gguf import LlamaFileType
+
+    writer.add_name(name)
+    ftype = {"q4_0": LlamaFileType.MOSTLY_Q4_0, "q8_0": LlamaFileType.MOSTLY_Q8_0, "f16": LlamaFileType.MOSTLY_F16,
+             "bf16": LlamaFileType.MOSTLY_BF16, "f32": LlamaFileType.ALL_F32}[experts]
+    writer.add_file_type(int(ftype))
+    writer.add_context_length(cfg.max_position)
+    writer.add_embedding_length(cfg.hidden)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_feed_forward_length(cfg.dense_inter or cfg.moe_inter)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_eps)
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.top_k)
+    writer.add_expert_weights_norm(cfg.norm_topk_prob)
+    writer.add_vocab_size(cfg.vocab_size)
+    if cfg.family != "mixtral":
+        writer.add_expert_feed_forward_length(cfg.moe_inter)
+    if cfg.shared_inter:
+        writer.add_expert_shared_feed_forward_length(cfg.shared_inter)
+
+
+def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, experts: str = "q4_0", other: str = "f16",
+                progress: bool = False) -> Path:
+    """Write ``model_dir`` (an HF MoE checkpoint: bf16/f16/f32 or block FP8) as a GGUF file at ``out``.
+
+    ``experts``: type of the routed experts (default q4_0); ``other``: type of the other matrices (embedding,
+    attention, shared experts, dense MLPs; default f16). Norms, biases and routers are F32. Returns ``out``."""
+    import gguf
+
+    from freetoken.loaders import SafetensorsDir, quantization
+    from freetoken.models import from_hf
+
+    if experts not in EXPERT_TYPES:
+        raise ValueError(f"expert type {experts!r}: choose one of {', '.join(EXPERT_TYPES)}")
+    if other not in OTHER_TYPES:
+        raise ValueError(f"non-expert type {other!r}: choose one of {', '.join(OTHER_TYPES)}")
+    src = Path(model_dir)
+    out = Path(out)
+    sd = SafetensorsDir(src)
+    q = quantization(sd.config, sd.hf_quant_config)
+    if q.method not in ("none", "fp8_block"):
+        raise LoadError(src / "config.json", f"exporting {q.method} checkpoints is not supported")
+    cfg = from_hf(sd.config)
+    weights = HFWeights(cfg, sd.get, sd.has, fp8_block=q.method == "fp8_block", where=str(src))
+    tok_fields = None
+    if (src / "tokenizer.json").is_file():
+        from freetoken.loaders.gguf_tokenizer import gguf_tokenizer_fields
+
+        tc = src / "tokenizer_config.json"
+        tok_fields = gguf_tokenizer_fields(src / "tokenizer.json", tc if tc.is_file() else None)
+    else:
+        warnings.warn(f"{src}: no tokenizer.json; the GGUF file gets no vocabulary (llama.cpp will not load it)",
+                      stacklevel=2)
+    plan = build_plan(cfg, weights, other, experts)
+    for name, _, type_name, shape in plan.items:
+        if _matrix_type(type_name, shape) != type_name:
+            raise ValueError(f"{name}: rows of {shape[-1]} are not whole {type_name} blocks")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    try:
+        writer = gguf.GGUFWriter(tmp, ARCHS[cfg.family])
+        _write_metadata(writer, cfg, _model_name(src), experts)
+        if tok_fields is not None:
+            from freetoken.loaders.gguf_tokenizer import write_tokenizer
+
+            write_tokenizer(writer, tok_fields)
+        for name, _, type_name, shape in plan.items:
+            # declared up front (NumPy-order element shape; gguf-py reverses it to ggml order)
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(type_name, shape),
+                                   raw_dtype=_ggml_type(type_name))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        items = plan.items
+        if progress:
+            from tqdm import tqdm
+
+            items = tqdm(items, desc=f"writing {out.name}", unit="tensor", leave=False)
+        for name, fn, type_name, shape in items:
+            data = fn()
+            if tuple(data.shape) != shape:
+                raise LoadError(src, f"expected shape {list(shape)} for {name}, got {list(data.shape)}")
+            writer.write_tensor_data(_encode(np.asarray(data, np.float32), type_name))
+        writer.close()
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out
+
+
+def _model_name(src: Path) -> str:
+    readme = src / "config.json"
+    try:
+        arch = json.loads(readme.read_text()).get("architectures", [""])[0]
+    except (OSError, ValueError):
+        arch = ""
+    return f"{src.resolve().name} ({arch})" if arch else src.resolve().name

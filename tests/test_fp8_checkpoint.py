@@ -1,0 +1,114 @@
+"""Block-FP8 HF checkpoints (DeepSeek-V3 / Qwen3-FP8 style: e4m3 weights + a float32 ``weight_scale_inv`` per
+128x128 block). The non-expert linears are dequantized on load; the routed experts move into fp8_block banks
+without re-quantization. The oracle is transformers running the dequantized weights in fp32: since freetoken
+decodes exactly those values, the logits agree to float32 rounding."""
+
+import json
+import struct
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from freetoken.engine.load import load
+from freetoken.formats import fp8_block
+from freetoken.loaders import LoadError
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+from tiny_models import make_checkpoint  # noqa: E402
+
+# hidden 160 and head_dim 16: blocks of 128 do not divide the matrices (partial blocks on both axes)
+SHAPE = dict(hidden_size=160, moe_intermediate_size=96, intermediate_size=192)
+TOKENS = np.random.default_rng(2).integers(0, 128, 21)
+
+
+def write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
+    """A safetensors file with any dtype (the library's NumPy writer has no float8)."""
+    names = {np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3", np.dtype(np.float32): "F32",
+             np.dtype(ml_dtypes.bfloat16): "BF16"}
+    header, offset, blobs = {}, 0, []
+    for name, a in tensors.items():
+        a = np.ascontiguousarray(a)
+        header[name] = {"dtype": names[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        blobs.append(a.tobytes())
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+
+
+def _quantized(name: str, w: np.ndarray) -> bool:
+    return w.ndim == 2 and name.endswith("proj.weight")  # embeddings, norms, routers and lm_head stay as they are
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    from safetensors.numpy import load_file
+
+    root = tmp_path_factory.mktemp("fp8")
+    model = make_checkpoint("qwen3_moe", root / "bf16", **SHAPE)
+    src = load_file(str(root / "bf16" / "model.safetensors"))
+    out, dequant = {}, {}
+    for name, w in src.items():
+        w = np.asarray(w, np.float32)
+        if _quantized(name, w):
+            banks = fp8_block.FORMAT.quantize(w[None])
+            out[name] = banks["w"][0].view(ml_dtypes.float8_e4m3fn)
+            out[name + "_scale_inv"] = banks["s"][0]
+            dequant[name] = fp8_block.FORMAT.dequantize(banks)[0]
+        else:
+            out[name] = w
+            dequant[name] = w
+    (root / "fp8").mkdir()
+    write_safetensors(root / "fp8" / "model.safetensors", out)
+    cfg = json.loads((root / "bf16" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head", "gate"]}
+    (root / "fp8" / "config.json").write_text(json.dumps(cfg))
+    # the oracle: the dequantized weights saved as an fp32 checkpoint, loaded by transformers itself (its module
+    # layout may differ from the checkpoint's names, e.g. fused experts, so from_pretrained does the mapping)
+    (root / "dequant").mkdir()
+    write_safetensors(root / "dequant" / "model.safetensors", dequant)
+    (root / "dequant" / "config.json").write_text((root / "bf16" / "config.json").read_text())
+    model = type(model).from_pretrained(root / "dequant", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(torch.from_numpy(TOKENS)[None]).logits[0].float().numpy()
+    return root, want
+
+
+def test_fp8_checkpoint_matches_dequantized_transformers(fp8_checkpoint, device):
+    root, want = fp8_checkpoint
+    model = load(root / "fp8", device=device.kind)
+    assert model.decoder.layout.fmt.name == "fp8_block"  # experts kept in their native format
+    got = model.logits(TOKENS)
+    nmse = float(((got - want) ** 2).sum() / (want**2).sum())
+    # cpu: float32 rounding only (measured ~1e-13); emu's 21-token prefill rounds to bf16 for the tensor cores
+    assert nmse < (1e-10 if device.kind == "cpu" else 5e-5), nmse
+
+
+def test_fp8_experts_are_the_checkpoint_bits(fp8_checkpoint):
+    from freetoken.loaders import SafetensorsDir
+
+    root, _ = fp8_checkpoint
+    model = load(root / "fp8", device="cpu")
+    banks = model.decoder.layers[0]["experts"]
+    sd = SafetensorsDir(root / "fp8")
+    w = sd.get("model.layers.0.mlp.experts.5.up_proj.weight")
+    np.testing.assert_array_equal(banks["up.w"][5], w.view(np.uint8))
+    np.testing.assert_array_equal(banks["up.s"][5], sd.get("model.layers.0.mlp.experts.5.up_proj.weight_scale_inv"))
+
+
+def test_bad_scale_shape_is_named(fp8_checkpoint, tmp_path):
+    from freetoken.loaders import SafetensorsDir
+
+    root, _ = fp8_checkpoint
+    sd = SafetensorsDir(root / "fp8")
+    tensors = {n: np.asarray(sd.get(n)) for n in sd.names()}
+    tensors["model.layers.1.self_attn.o_proj.weight_scale_inv"] = np.ones((3, 3), np.float32)
+    (tmp_path / "m").mkdir()
+    write_safetensors(tmp_path / "m" / "model.safetensors", tensors)
+    (tmp_path / "m" / "config.json").write_text((root / "fp8" / "config.json").read_text())
+    with pytest.raises(LoadError, match=r"o_proj\.weight_scale_inv.*expected a weight_scale_inv of shape \[2, 1\]"):
+        load(tmp_path / "m", device="cpu")
