@@ -12,7 +12,9 @@ the routed experts live in host memory, the GPU caches the hot ones.
 
 Commands:
   run     generate text from a prompt (the bundled model unless --model is given)
+  chat    chat through the model's chat template, one message a line; the KV cache carries over between turns
   info    what this machine offers: devices, GPU and PCIe link, CPU SIMD, library versions, cache dir
+  convert write an HF MoE checkpoint as a GGUF file (q4_0 experts) for llama.cpp and freetoken
   trace   routing traces: synthesise, summarise, and replay them through expert-cache policies
 """
 
@@ -81,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="generate text from a prompt",
                          description="Stream a continuation of PROMPT, then report prefill and decode speed.")
     run.add_argument("prompt", help="the text to continue")
-    run.add_argument("--model", default=None, help="HF model directory (default: the bundled model)")
+    run.add_argument("--model", default=None, help="HF model directory or GGUF file (default: the bundled model)")
     run.add_argument("--device", default="auto", choices=["auto", "gpu", "cpu", "emu"],
                      help="where to run (auto: gpu when present, else cpu)")
     run.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
@@ -102,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     from freetoken.trace.cli import add_trace_parser
 
     add_trace_parser(sub)
+    from freetoken.convert.cli import add_convert_parser
+
+    add_convert_parser(sub)
+    from freetoken.engine.chat_cli import add_chat_parser
+
+    add_chat_parser(sub)
     return parser
 
 

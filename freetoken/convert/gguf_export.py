@@ -80,7 +80,9 @@ def _matrix_type(type_name: str, shape) -> str:
     return type_name if type_name not in ("q8_0", "q4_0") or shape[-1] % 32 == 0 else "f16"
 
 
-def build_plan(cfg: ModelConfig, w: HFWeights, other: str, experts: str) -> _Plan:
+def build_plan(cfg: ModelConfig, w, other: str, experts: str) -> _Plan:
+    """``w``: ``get(key, layer=None)`` and ``expert_stack(layer, matrix)`` float32 arrays (see HFWeights); a
+    producer may also return uint8 bytes already in the tensor's file encoding."""
     p = _Plan()
     arch = ARCHS[cfg.family]
     vec = lambda key, layer=None: (lambda: w.get(key, layer).reshape(-1))
@@ -114,10 +116,9 @@ def build_plan(cfg: ModelConfig, w: HFWeights, other: str, experts: str) -> _Pla
         if cfg.is_moe(i):
             e, h, m = cfg.num_experts, cfg.hidden, cfg.moe_inter
             p.add(b + "ffn_gate_inp.weight", lambda i=i: w.get("router", i), "f32", (e, h))
-            names = w._expert_names(i)
             shapes = {"gate": (e, m, h), "up": (e, m, h), "down": (e, h, m)}
             for mat in MATRICES:
-                fn = lambda mat=mat, names=names: np.stack([w.tensor_f32(n) for n in names[mat]])
+                fn = lambda mat=mat, i=i: w.expert_stack(i, mat)
                 p.add(b + f"ffn_{mat}_exps.weight", fn, _matrix_type(experts, shapes[mat]), shapes[mat])
             if cfg.shared_inter:
                 s = cfg.shared_inter
@@ -170,8 +171,6 @@ def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, experts: s
 
     ``experts``: type of the routed experts (default q4_0); ``other``: type of the other matrices (embedding,
     attention, shared experts, dense MLPs; default f16). Norms, biases and routers are F32. Returns ``out``."""
-    import gguf
-
     from freetoken.loaders import SafetensorsDir, quantization
     from freetoken.models import from_hf
 
@@ -180,7 +179,6 @@ def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, experts: s
     if other not in OTHER_TYPES:
         raise ValueError(f"non-expert type {other!r}: choose one of {', '.join(OTHER_TYPES)}")
     src = Path(model_dir)
-    out = Path(out)
     sd = SafetensorsDir(src)
     q = quantization(sd.config, sd.hf_quant_config)
     if q.method not in ("none", "fp8_block"):
@@ -192,27 +190,38 @@ def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, experts: s
         from freetoken.loaders.gguf_tokenizer import gguf_tokenizer_fields
 
         tc = src / "tokenizer_config.json"
-        tok_fields = gguf_tokenizer_fields(src / "tokenizer.json", tc if tc.is_file() else None)
+        tok_fields = gguf_tokenizer_fields(src / "tokenizer.json", tc if tc.is_file() else None, config=sd.config)
     else:
         warnings.warn(f"{src}: no tokenizer.json; the GGUF file gets no vocabulary (llama.cpp will not load it)",
                       stacklevel=2)
+    return write_gguf(cfg, weights, out, experts=experts, other=other, tokenizer=tok_fields, name=_model_name(src),
+                      progress=progress)
+
+
+def write_gguf(cfg: ModelConfig, weights, out: str | os.PathLike, experts: str = "q4_0", other: str = "f16",
+               tokenizer: dict | None = None, name: str = "freetoken export", progress: bool = False) -> Path:
+    """Write a model given as a config and a weight source (``get`` / ``expert_stack``, see :func:`build_plan`)
+    as a GGUF file; ``tokenizer``: :func:`freetoken.loaders.gguf_tokenizer.gguf_tokenizer_fields` output."""
+    import gguf
+
+    out = Path(out)
     plan = build_plan(cfg, weights, other, experts)
-    for name, _, type_name, shape in plan.items:
+    for tname, _, type_name, shape in plan.items:
         if _matrix_type(type_name, shape) != type_name:
-            raise ValueError(f"{name}: rows of {shape[-1]} are not whole {type_name} blocks")
+            raise ValueError(f"{tname}: rows of {shape[-1]} are not whole {type_name} blocks")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
         writer = gguf.GGUFWriter(tmp, ARCHS[cfg.family])
-        _write_metadata(writer, cfg, _model_name(src), experts)
-        if tok_fields is not None:
+        _write_metadata(writer, cfg, name, experts)
+        if tokenizer is not None:
             from freetoken.loaders.gguf_tokenizer import write_tokenizer
 
-            write_tokenizer(writer, tok_fields)
-        for name, _, type_name, shape in plan.items:
+            write_tokenizer(writer, tokenizer)
+        for tname, _, type_name, shape in plan.items:
             # declared up front (NumPy-order element shape; gguf-py reverses it to ggml order)
-            writer.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(type_name, shape),
+            writer.add_tensor_info(tname, shape, np.dtype(np.float32), _nbytes(type_name, shape),
                                    raw_dtype=_ggml_type(type_name))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -222,10 +231,13 @@ def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, experts: s
             from tqdm import tqdm
 
             items = tqdm(items, desc=f"writing {out.name}", unit="tensor", leave=False)
-        for name, fn, type_name, shape in items:
+        for tname, fn, type_name, shape in items:
             data = fn()
+            if data.dtype == np.uint8 and data.nbytes == _nbytes(type_name, shape):
+                writer.write_tensor_data(np.ascontiguousarray(data).reshape(-1))  # already in the file's encoding
+                continue
             if tuple(data.shape) != shape:
-                raise LoadError(src, f"expected shape {list(shape)} for {name}, got {list(data.shape)}")
+                raise ValueError(f"{tname}: expected shape {list(shape)}, got {list(data.shape)}")
             writer.write_tensor_data(_encode(np.asarray(data, np.float32), type_name))
         writer.close()
         os.replace(tmp, out)

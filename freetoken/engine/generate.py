@@ -13,7 +13,8 @@ from freetoken.engine.sampling import Sampler, SamplingParams
 
 @dataclass
 class GenerationStats:
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens prefilled by this call
+    cached_tokens: int = 0  # prompt tokens whose K/V rows were reused from the previous call (``reuse_cache``)
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -31,22 +32,33 @@ class GenerationStats:
 
 
 class Model:
-    """A loaded model: ``logits(ids)`` and ``generate(prompt, ...)``."""
+    """A loaded model: ``logits(ids)`` and ``generate(prompt, ...)``.
 
-    def __init__(self, decoder, tokenizer=None, eos_ids: Sequence[int] = ()):
+    ``cached_ids`` are the token ids whose K/V rows the decoder holds (rows ``[0, decoder.length)``);
+    ``generate(..., reuse_cache=True)`` keeps their common prefix with the new prompt and prefills only the rest.
+    This bookkeeping assumes the decoder is driven through this Model only. ``chat_template`` is the model's
+    :class:`freetoken.engine.chat.ChatTemplate` (None when the model has none)."""
+
+    def __init__(self, decoder, tokenizer=None, eos_ids: Sequence[int] = (), chat_template=None):
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.eos_ids = set(int(i) for i in eos_ids)
+        self.chat_template = chat_template
         self.stats = GenerationStats()
+        self.cached_ids: list[int] = []
 
     @property
     def config(self):
         return self.decoder.cfg
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens=False`` skips the tokenizer's BOS/EOS post-processing (for
+        text rendered by a chat template, which writes its own special tokens)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass token ids")
-        return list(self.tokenizer.encode(text).ids)
+        if add_special_tokens:
+            return list(self.tokenizer.encode(text).ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
@@ -56,22 +68,50 @@ class Model:
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """float32 [T, vocab] logits of a fresh sequence."""
         self.decoder.reset()
-        return self.decoder.forward(np.asarray(token_ids, np.int64))
+        self.cached_ids = []
+        ids = [int(i) for i in np.asarray(token_ids, np.int64).reshape(-1)]
+        out = self.decoder.forward(np.asarray(ids, np.int64))
+        self.cached_ids = ids
+        return out
+
+    def _reusable_prefix(self, ids: Sequence[int]) -> int:
+        """Length of the longest prefix of ``ids`` whose K/V rows are in the decoder (at most ``len(ids) - 1``:
+        the last prompt token is always fed again to get its logits)."""
+        length = self.decoder.length
+        if len(self.cached_ids) < length:  # the decoder ran tokens this Model did not see: trust none of them
+            return 0
+        cached = self.cached_ids[:length]
+        n = 0
+        limit = min(len(cached), len(ids) - 1)
+        while n < limit and cached[n] == ids[n]:
+            n += 1
+        return n
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 64, sampling: SamplingParams | None = None,
-                 record_routing: bool = False) -> Iterator[int]:
-        """Yield up to ``max_tokens`` new token ids (stops early at an end-of-sequence token)."""
+                 record_routing: bool = False, reuse_cache: bool = False) -> Iterator[int]:
+        """Yield up to ``max_tokens`` new token ids (stops early at an end-of-sequence token).
+
+        ``reuse_cache``: keep the K/V rows of the longest common prefix of the prompt and the tokens already in the
+        decoder (the previous prompt and the tokens generated after it) and prefill only the rest; the decoder
+        rolls back past a point where the prompts diverge. ``stats.cached_tokens`` counts the reused tokens and
+        ``stats.prompt_tokens`` the prefilled ones. Default: a fresh sequence, the whole prompt prefilled."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
         if not ids:
             raise ValueError("the prompt is empty")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         sampler = Sampler(sampling)
-        st = self.stats = GenerationStats(prompt_tokens=len(ids))
-        self.decoder.reset()
+        keep = self._reusable_prefix(ids) if reuse_cache else 0
+        st = self.stats = GenerationStats(prompt_tokens=len(ids) - keep, cached_tokens=keep)
+        if keep:
+            self.decoder.length = keep  # rows past ``keep`` are overwritten by the prefill below
+        else:
+            self.decoder.reset()
+        self.cached_ids = ids[:keep]
         t0 = time.perf_counter()
-        logits = self.decoder.forward(np.asarray(ids, np.int64))[-1]
+        logits = self.decoder.forward(np.asarray(ids[keep:], np.int64))[-1]
         st.prefill_seconds = time.perf_counter() - t0
+        self.cached_ids = list(ids)
         if record_routing:
             st.prefill_routing = [np.asarray(self.decoder.dev.to_host(r)) for r in self.decoder.last_routing]
         history = list(ids)
@@ -85,23 +125,63 @@ class Model:
             t0 = time.perf_counter()
             logits = self.decoder.forward(np.array([tok], np.int64))[-1]
             st.decode_seconds += time.perf_counter() - t0
+            self.cached_ids.append(tok)
             if record_routing:
                 st.routing.append([np.asarray(self.decoder.dev.to_host(r)) for r in self.decoder.last_routing])
 
-    def generate_text(self, prompt: str, max_tokens: int = 64, sampling: SamplingParams | None = None,
-                      record_routing: bool = False) -> Iterator[str]:
-        """Yield text pieces as tokens come (a piece is held back while it ends in an incomplete character)."""
+    def generate_text(self, prompt: str | Sequence[int], max_tokens: int = 64, sampling: SamplingParams | None = None,
+                      record_routing: bool = False, reuse_cache: bool = False,
+                      stop: Sequence[str] = ()) -> Iterator[str]:
+        """Yield text pieces as tokens come (a piece is held back while it ends in an incomplete character).
+
+        ``stop``: strings that end the text (not included). One that is a single token of the vocabulary stops at
+        that token; any of them stops when it shows up in the decoded text, so text that could be the start of a
+        stop string is held back until it is clear that it is not. ``reuse_cache``: as in :meth:`generate`."""
+        stop = [s for s in stop if s]
+        stop_ids = set(self.eos_ids)
+        to_id = getattr(self.tokenizer, "token_to_id", None)
+        for s in stop:
+            tid = to_id(s) if to_id is not None else None
+            if tid is not None:
+                stop_ids.add(int(tid))
         out: list[int] = []
         shown = ""
-        for tok in self.generate(prompt, max_tokens, sampling, record_routing):
-            if tok in self.eos_ids:
-                break
-            out.append(tok)
-            text = self.decode(out)
-            if text.endswith("\ufffd"):
-                continue
-            yield text[len(shown):]
-            shown = text
-        text = self.decode(out) if out else ""
+        tokens = self.generate(prompt, max_tokens, sampling, record_routing, reuse_cache=reuse_cache)
+        try:
+            for tok in tokens:
+                if tok in stop_ids:
+                    break
+                out.append(tok)
+                text = self.decode(out)
+                if text.endswith("\ufffd"):
+                    continue
+                text, stopped = _cut_at_stop(text, stop)
+                if len(text) > len(shown):
+                    yield text[len(shown):]
+                    shown = text
+                if stopped:
+                    return
+        finally:
+            tokens.close()  # stopping early: the decoder holds exactly the tokens it ran (``cached_ids``)
+        text = _cut_at_stop(self.decode(out), stop, final=True)[0] if out else ""
         if len(text) > len(shown):
             yield text[len(shown):]
+
+
+def _cut_at_stop(text: str, stop: Sequence[str], final: bool = False) -> tuple[str, bool]:
+    """(the text that may be shown, whether a stop string was found): the text before the first stop string, or
+    (unless ``final``) the text without a tail that a stop string could start with."""
+    if not stop:
+        return text, False
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    if cut >= 0:
+        return text[:cut], True
+    if final:
+        return text, False
+    hold = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:n]):
+                hold = n
+                break
+    return text[:len(text) - hold], False

@@ -1,4 +1,4 @@
-"""``freetoken.load(path)``: a model directory (HF safetensors) -> a ready :class:`Model`."""
+"""``freetoken.load(path)``: a model directory (HF safetensors) or a GGUF file -> a ready :class:`Model`."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 
 from freetoken.device import get_device
+from freetoken.engine.chat import ChatTemplate
 from freetoken.engine.generate import Model
 from freetoken.loaders import LoadError, SafetensorsDir, quantization
 from freetoken.models import MoeDecoder, from_hf
+from freetoken.models.weights import HFWeights
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "default_model"
 
@@ -25,28 +27,36 @@ def _eos_ids(config: dict, path: Path, tokenizer) -> list[int]:
     return sorted(set(ids))
 
 
-def load(path: str | Path | None = None, device="auto", expert_format: str = "bf16", max_len: int = 2048,
+def load(path: str | Path | None = None, device="auto", expert_format: str | None = None, max_len: int = 2048,
          progress: bool = False, cache_slots: int | None = None) -> Model:
-    """Load a model directory (HF ``config.json`` + safetensors + ``tokenizer.json``); None: the bundled model.
+    """Load a model: an HF directory (``config.json`` + safetensors + ``tokenizer.json``; bf16/f16/f32 or block
+    FP8) or a GGUF file; None: the bundled model.
 
-    On gpu/emu the routed experts go through an expert cache of ``cache_slots`` slots (default: room for all)."""
+    ``expert_format``: the :mod:`freetoken.formats` name the routed experts run in; default: as stored (bf16 for
+    unquantized HF checkpoints, fp8_block for block-FP8 ones, q4_0/mxfp4 for such GGUF files). On gpu/emu the
+    routed experts go through an expert cache of ``cache_slots`` slots (default: room for all)."""
     p = Path(path) if path is not None else DEFAULT_MODEL
     if not p.exists():
         raise LoadError(str(p), "no such model directory or file")
+    dev = get_device(device)
     if p.is_file():
-        raise LoadError(str(p), "loading single-file models (GGUF) is not supported yet; pass an HF model directory")
+        from freetoken.engine.load_gguf import load_gguf
+
+        decoder, tokenizer, eos, template = load_gguf(p, dev, expert_format, max_len, progress, cache_slots)
+        return Model(decoder, tokenizer, eos, chat_template=template)
     sd = SafetensorsDir(p)
     q = quantization(sd.config, sd.hf_quant_config)
-    if q.method != "none":
+    if q.method not in ("none", "fp8_block") or q.expert_format not in ("bf16", "fp8_block"):
         raise LoadError(str(p / "config.json"), f"{q.method} checkpoints are not supported by the runner yet "
-                        "(their experts load through freetoken.formats, the non-expert linears do not)")
+                        "(bf16/f16/f32 and block-FP8 checkpoints are; their experts load through freetoken.formats)")
     cfg = from_hf(sd.config)
-    dev = get_device(device)
-    decoder = MoeDecoder(cfg, sd.get_f32, dev, expert_format=expert_format, max_len=max_len, progress=progress,
+    weights = HFWeights(cfg, sd.get, sd.has, fp8_block=q.method == "fp8_block", where=str(p))
+    decoder = MoeDecoder(cfg, weights, dev, expert_format=expert_format, max_len=max_len, progress=progress,
                          cache_slots=cache_slots)
     tokenizer = None
     if (p / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(p / "tokenizer.json"))
-    return Model(decoder, tokenizer, _eos_ids(sd.config, p, tokenizer))
+    chat_template = ChatTemplate.from_dir(p) if tokenizer is not None else None
+    return Model(decoder, tokenizer, _eos_ids(sd.config, p, tokenizer), chat_template=chat_template)

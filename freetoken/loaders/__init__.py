@@ -5,12 +5,15 @@
   normalizes ``quantization_config`` / ``hf_quant_config.json``.
 - :class:`GGUFFile`: metadata, tensors in NumPy order, raw quantized bytes, Q4_0 / MXFP4 expert banks for
   :class:`freetoken.cache.host_pool.HostPool`, the embedded tokenizer.
+- :func:`tokenizer_from_gguf` / :func:`gguf_tokenizer_fields`: byte-level BPE tokenizers from and to a GGUF's
+  embedded vocabulary (``tokenizers.Tokenizer`` <-> ``tokenizer.ggml.*``).
 
 Every failure caused by the files themselves is a :class:`LoadError` naming the file (and tensor).
 """
 
 from freetoken.loaders.errors import LoadError
 from freetoken.loaders.gguf_file import GGUFFile, GGUFTensorInfo, field_value
+from freetoken.loaders.gguf_tokenizer import gguf_tokenizer_fields, tokenizer_from_gguf
 from freetoken.loaders.safetensors_dir import (
     DTYPES,
     Quantization,
@@ -29,6 +32,8 @@ __all__ = [
     "SafetensorsDir",
     "TensorInfo",
     "field_value",
+    "gguf_tokenizer_fields",
     "parse_header",
     "quantization",
+    "tokenizer_from_gguf",
 ]

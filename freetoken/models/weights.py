@@ -144,6 +144,10 @@ class HFWeights(Weights):
         return {m: [f"{prefix}{j}.{n}.weight" for j in range(self.cfg.num_experts)]
                 for m, n in zip(MATRICES, names, strict=True)}
 
+    def expert_stack(self, layer: int, matrix: str) -> np.ndarray:
+        """float32 [E, N, K] of one matrix ("gate", "up", "down") of every routed expert of ``layer``."""
+        return np.stack([self.tensor_f32(n) for n in self._expert_names(layer)[matrix]])
+
     def expert_banks(self, layer: int, layout: RecordLayout) -> dict[str, np.ndarray]:
         names = self._expert_names(layer)
         if layout.fmt.name == "fp8_block" and self._fp8 and all(self._scale_name(n) for n in names["gate"][:1]):
@@ -159,7 +163,7 @@ class HFWeights(Weights):
                     raise LoadError(self.where, f"layer {layer} {m} experts: {e}", names[m][0]) from e
                 out.update({f"{m}.{k}": v for k, v in banks.items()})
             return out
-        return layout.quantize(*(np.stack([self.tensor_f32(n) for n in names[m]]) for m in MATRICES))
+        return layout.quantize(*(self.expert_stack(layer, m) for m in MATRICES))
 
 
 class GGUFWeights(Weights):

@@ -1,0 +1,130 @@
+"""``freetoken chat``: an interactive conversation through the model's chat template.
+
+Reads one user message per line from stdin (a ``> `` prompt only when stdin is a terminal), streams each reply to
+stdout and a per-turn stats line to stderr. ``/reset`` starts the conversation over, ``/exit`` (or end of input)
+ends the session. The KV cache is reused from turn to turn: a turn prefills only what the previous one did not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+CHAT_DESCRIPTION = """\
+Chat with a model through its chat template, one message per input line; the reply streams to stdout and the
+turn's prefill/decode stats go to stderr. The KV cache carries over from turn to turn, so a turn prefills only
+the new part of the conversation.
+
+Commands (alone on a line):
+  /reset   forget the conversation (the --system prompt stays)
+  /exit    end the session (so does end of input)
+"""
+
+COMMANDS = ("/reset", "/exit", "/quit", "/help")
+
+
+def _error(message: str) -> None:
+    print(f"freetoken chat: error: {message}", file=sys.stderr)
+
+
+def _read_line(interactive: bool) -> str | None:
+    """The next input line without its newline; None at end of input."""
+    if interactive:
+        try:
+            return input("> ")
+        except EOFError:
+            sys.stdout.write("\n")
+            return None
+    line = sys.stdin.readline()
+    return line.rstrip("\r\n") if line else None
+
+
+def _turn_stats(model) -> str:
+    st = model.stats
+    return (f"[{model.decoder.dev.kind}] prefill {st.prompt_tokens} new tokens at {st.prefill_tps:.1f} tok/s, "
+            f"{st.cached_tokens} cached tokens reused, generated {st.generated_tokens} tokens, "
+            f"decode at {st.decode_tps:.1f} tok/s; context {model.decoder.length}/{model.decoder.max_len}")
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from freetoken.engine.chat import Chat
+    from freetoken.engine.load import load
+    from freetoken.engine.sampling import SamplingParams
+    from freetoken.loaders import LoadError
+    from freetoken.models import ConfigError
+
+    try:
+        if args.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                  repetition_penalty=args.repetition_penalty, seed=args.seed)
+        model = load(args.model, device=args.device, progress=sys.stderr.isatty(), cache_slots=args.cache_slots)
+        chat = Chat(model, system=args.system)
+    except (LoadError, ConfigError, ValueError) as e:
+        _error(str(e))
+        return 1
+    if chat.uses_fallback:
+        print("freetoken chat: warning: the model has no chat template; using ChatML "
+              "(<|im_start|>role\\n...<|im_end|>\\n)", file=sys.stderr)
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = _read_line(interactive)
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            return 130
+        if line is None:
+            return 0
+        command = line.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit"):
+            return 0
+        if command == "/reset":
+            chat.reset()
+            print("(conversation reset)", file=sys.stderr)
+            continue
+        if command == "/help":
+            print("commands: /reset (forget the conversation), /exit (end the session)", file=sys.stderr)
+            continue
+        if command.startswith("/") and " " not in command and command[1:].isalpha():
+            _error(f"unknown command {command} (commands: {', '.join(COMMANDS)})")
+            continue
+        reply = chat.send(line, args.max_tokens, sampling)
+        try:
+            for piece in reply:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            reply.close()  # the reply so far stays in the conversation
+            sys.stdout.write("\n")
+            print("(reply interrupted)", file=sys.stderr)
+            continue
+        except ValueError as e:
+            _error(str(e))
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(_turn_stats(model), file=sys.stderr)
+        if model.decoder.length >= model.decoder.max_len:
+            print("freetoken chat: warning: the context is full; /reset to go on", file=sys.stderr)
+
+
+def add_chat_parser(sub) -> argparse.ArgumentParser:
+    """Register ``freetoken chat`` on the subparsers ``sub`` of the main parser."""
+    p = sub.add_parser("chat", help="chat with a model through its chat template", description=CHAT_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF model directory (default: the bundled model)")
+    p.add_argument("--device", default="auto", choices=["auto", "gpu", "cpu", "emu"],
+                   help="where to run (auto: gpu when present, else cpu)")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per reply at most (default 256)")
+    p.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default 0.7)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="penalise repeats (default 1.0: off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
+    p.add_argument("--cache-slots", type=int, default=None,
+                   help="gpu/emu: device slots of the expert cache (default: room for every expert)")
+    p.set_defaults(func=cmd_chat)
+    return p
