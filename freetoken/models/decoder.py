@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from freetoken import formats, ops
+from freetoken.device.blas import single_threaded_blas
 from freetoken.formats import RecordLayout
 from freetoken.models.config import ModelConfig
 from freetoken.models.layers import apply_rope, attention, rms_norm, rope_tables
@@ -70,6 +71,7 @@ class MoeDecoder:
                     self.cache.pool.write_layer(self.moe_index[i], banks)  # host pool: the authoritative copy
             self.layers.append(lay)
         self.max_len = max_len
+        self.max_decode_tokens = max_decode_tokens
         shape = (max_len, cfg.num_kv_heads, cfg.head_dim)
         self.k_cache = [self.xp.zeros(shape, np.float32) for _ in range(cfg.num_layers)]
         self.v_cache = [self.xp.zeros(shape, np.float32) for _ in range(cfg.num_layers)]
@@ -140,9 +142,23 @@ class MoeDecoder:
         cache.release_layer(m)
         return y
 
+    def _attend(self, q, i: int, start: int):
+        """Causal GQA of the new queries against layer ``i``'s KV cache: the decode-attention kernel on gpu/emu for
+        decode-sized batches, array ops otherwise (the cpu device, and long prompts)."""
+        if self.dev.kind == "cpu" or q.shape[0] > self.max_decode_tokens:
+            return attention(self.xp, q, self.k_cache[i], self.v_cache[i], start)
+        return ops.attention_decode(self.xp.ascontiguousarray(q), self.k_cache[i], self.v_cache[i], start,
+                                    device=self.dev)
+
     # ---- forward ----------------------------------------------------------------------------------------------
     def forward(self, token_ids) -> np.ndarray:
         """Append ``token_ids`` to the sequence; returns float32 logits [T, vocab] on the host."""
+        if self.dev.kind == "gpu":
+            return self._forward(token_ids)
+        with single_threaded_blas():  # the host kernels' thread pool gets the cores (see freetoken.device.blas)
+            return self._forward(token_ids)
+
+    def _forward(self, token_ids) -> np.ndarray:
         cfg, xp = self.cfg, self.xp
         tokens = np.asarray(token_ids, np.int64).reshape(-1)
         if tokens.size == 0:
@@ -164,7 +180,7 @@ class MoeDecoder:
             q, k, v = self._attention(lay, h, start)
             self.k_cache[i][start:start + tokens.size] = k
             self.v_cache[i][start:start + tokens.size] = v
-            x = x + attention(xp, q, self.k_cache[i], self.v_cache[i], start) @ lay["o_proj"].T
+            x = x + self._attend(q, i, start) @ lay["o_proj"].T
             x = x + self._mlp(i, lay, rms_norm(xp, x, lay["mlp_norm"], cfg.rms_eps))
         self.length = start + tokens.size
         logits = rms_norm(xp, x, self.norm, cfg.rms_eps) @ self.lm_head.T

@@ -16,6 +16,7 @@ import numpy as np
 
 from freetoken import formats, ops
 from freetoken.formats import RecordLayout
+from freetoken.ops.attention_reference import attention_reference
 from freetoken.ops.moe_experts import moe_experts
 from freetoken.ops.moe_reference import moe_forward_reference, moe_prefill_reference
 from freetoken.testing import assert_close, max_error, poison, random_record
@@ -145,6 +146,53 @@ def _launch_transpose(dev, st):
     ops.transpose(st["x"], out=st["out_out"], device=dev)
 
 
+# ---- attention.cu -----------------------------------------------------------------------------------------
+def _make_attention(t: int):
+    def make(rng, size):
+        if size == "small":  # odd head dim (96: 3 elements per lane), a 3-head group, 3 splits on emu
+            heads, kv_heads, dim, start = (6, 2, 96, 300) if t == 1 else (8, 1, 64, 37)
+        else:  # Qwen3-30B-A3B (32 q / 4 kv heads) and Mixtral-like (32 / 8) heads at a 4096-token context
+            heads, kv_heads, dim, start = (32, 4, 128, 4096 - t) if t == 1 else (32, 8, 128, 4096 - t)
+        rows = start + t + 5  # rows past start + T - 1 are NaN: a kernel that reads them fails
+        q = (2.0 * rng.standard_normal((t, heads, dim))).astype(np.float32)  # peaky softmax: the max matters
+        k = rng.standard_normal((rows, kv_heads, dim)).astype(np.float32)
+        v = rng.standard_normal((rows, kv_heads, dim)).astype(np.float32)
+        k[start + t:] = np.nan
+        v[start + t:] = np.nan
+        return {"q": q, "k": k, "v": v, "start": start}
+
+    return make
+
+
+def _setup_attention(dev, inp):
+    t, heads, dim = inp["q"].shape
+    return {"q": dev.asarray(inp["q"]), "k": dev.asarray(inp["k"]), "v": dev.asarray(inp["v"]),
+            "start": inp["start"], "out_out": _poisoned(dev, (t, heads * dim), np.float32)}
+
+
+def _launch_attention(dev, st):
+    ops.attention_decode(st["q"], st["k"], st["v"], st["start"], out=st["out_out"], device=dev)
+
+
+def _attention_bytes(inp):
+    t, _, dim = inp["q"].shape
+    kv_bytes = 2 * (inp["start"] + t) * inp["k"].shape[1] * dim * 4
+    return kv_bytes + 2 * inp["q"].nbytes
+
+
+def _attention_flops(inp):
+    t, heads, dim = inp["q"].shape
+    return sum(4 * heads * dim * (inp["start"] + i + 1) for i in range(t))
+
+
+ATTENTION_CASES = [
+    KernelCase(f"attention_decode_t{t}", "attention.cu", _make_attention(t), _setup_attention, _launch_attention,
+               lambda inp: {"out": attention_reference(inp["q"], inp["k"], inp["v"], inp["start"])},
+               rel_atol=1e-5, bytes_moved=_attention_bytes, flops=_attention_flops)
+    for t in (1, 4)
+]
+
+
 # ---- moe_decode.cu / moe_prefill.cu (with moe_plan.cu) ----------------------------------------------------
 @lru_cache(maxsize=2)
 def _moe_record(fmt_name: str, size: str):
@@ -263,4 +311,4 @@ CASES: list[KernelCase] = [
     KernelCase("transpose_u32", "transpose.cu", _make_transpose, _setup_transpose, _launch_transpose,
                lambda inp: {"out": np.ascontiguousarray(inp["x"].T)},
                bytes_moved=lambda inp: 2 * inp["x"].nbytes),
-] + MOE_CASES + CACHE_CASES
+] + ATTENTION_CASES + MOE_CASES + CACHE_CASES
