@@ -43,12 +43,13 @@ __device__ __forceinline__ Argmin warp_argmin(Argmin v) {
 // refresh their slot's recency; then the misses, in increasing flat-id order, each take the slot with the lowest
 // recency that is not pinned and holds no id active in this call (recency == clock marks those), ties to the
 // lowest slot; the victim's old owner loses its mapping. worklist[2 * i] = slot, [2 * i + 1] = source flat id.
-// err: 1 an id out of [0, E) (its pair gets slot -1), 2 no victim left (too few slots).
+// err: 1 an id out of [0, E) (its pair gets slot -1), 2 no victim left (too few slots). count = 0 leaves the
+// per-layer hit/miss counters alone (prefetch admissions).
 extern "C" __global__ void __launch_bounds__(1024) cache_admit(
     int* __restrict__ ids, int pairs, int layer, int experts, int* __restrict__ slot_for_id,
     int* __restrict__ id_of_slot, long long* __restrict__ recency, const unsigned char* __restrict__ pinned,
     int slots, long long* __restrict__ clock, int* __restrict__ worklist, int* __restrict__ n_work,
-    long long* __restrict__ hits, long long* __restrict__ misses, int* __restrict__ err) {
+    long long* __restrict__ hits, long long* __restrict__ misses, int* __restrict__ err, int count) {
   __shared__ int flat[FT_CACHE_MAX_PAIRS];
   __shared__ int lead[FT_CACHE_MAX_PAIRS];
   __shared__ int active[FT_CACHE_MAX_PAIRS];
@@ -134,8 +135,10 @@ extern "C" __global__ void __launch_bounds__(1024) cache_admit(
   for (int p = tid; p < pairs; p += nt) ids[p] = flat[p] >= 0 ? slot_for_id[flat[p]] : -1;
   if (tid == 0) {
     *n_work = n_miss_done;
-    hits[layer] += na - n_miss;
-    misses[layer] += n_miss;
+    if (count) {  // 0 for a prefetch: its admissions are not the layer's hits and misses
+      hits[layer] += na - n_miss;
+      misses[layer] += n_miss;
+    }
   }
 }
 

@@ -126,8 +126,10 @@ class ExpertCache:
                              f"no slot left to evict: {self.slots} slots, {len(self._pinned_slots)} pinned")
 
     # ---- decode ----------------------------------------------------------------------------------------------
-    def admit(self, layer: int, ids, stream=None) -> None:
-        """Rewrite ``ids`` (int32 [T, k] on the device, expert indices of ``layer``) in place to slot ids."""
+    def admit(self, layer: int, ids, stream=None, count: bool = True) -> None:
+        """Rewrite ``ids`` (int32 [T, k] on the device, expert indices of ``layer``) in place to slot ids.
+
+        ``count=False`` (a prefetch) leaves the per-layer hit/miss statistics unchanged."""
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} out of range ({self.num_layers} MoE layers)")
         if ids.dtype != np.int32 or not ids.flags.c_contiguous:
@@ -140,7 +142,7 @@ class ExpertCache:
         cuda_kernel(self.device, "cache.cu", "cache_admit")(
             (1,), (threads,), (ids, i32(pairs), i32(layer), i32(self.num_experts), self.slot_for_id, self.id_of_slot,
                                self.recency, self.pinned, i32(self.slots), self.clock, self.worklist, self.n_work,
-                               self.hits, self.misses, self.err), stream=stream)
+                               self.hits, self.misses, self.err, i32(1 if count else 0)), stream=stream)
 
     def copy_missing(self, stream=None) -> None:
         """Copy the records the last :meth:`admit` missed from the host pool into their slots."""

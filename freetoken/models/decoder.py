@@ -1,6 +1,8 @@
 """The MoE decoder of the Qwen3-MoE / Qwen2-MoE / Mixtral / OLMoE families on any device.
 
-Non-expert weights live on the device as float32; routed experts are record banks in an expert format
+Non-expert weights live on the device as float32 (:class:`freetoken.models.linear.Linear`: on cpu with an exact
+16-bit copy for the multithreaded decode GEMV; q/k/v, and a shared expert's gate/up/sigmoid, as one matrix); routed
+experts are record banks in an expert format
 (``freetoken.formats``), run by :func:`freetoken.ops.moe_experts`. On gpu/emu every routed expert lives in the host
 pool and goes through the expert cache: decode admits each layer's routed ids (hits, LRU misses copied in, ids
 rewritten to slots); a prefill too large for one admission streams whole layers through the cache's two borrowed
@@ -14,10 +16,12 @@ from collections.abc import Callable
 import numpy as np
 
 from freetoken import formats, ops
+from freetoken.cpu_kernels.gemv import softmax_topk_rows
 from freetoken.device.blas import single_threaded_blas
 from freetoken.formats import RecordLayout
 from freetoken.models.config import ModelConfig
 from freetoken.models.layers import apply_rope, attention, rms_norm, rope_tables
+from freetoken.models.linear import Linear
 from freetoken.models.weights import HFWeights, Weights
 from freetoken.ops.moe_experts import moe_experts
 
@@ -27,15 +31,21 @@ class MoeDecoder:
 
     def __init__(self, cfg: ModelConfig, weights: Weights | Callable[[str], np.ndarray], device,
                  expert_format: str | None = None, max_len: int = 1024, progress: bool = False,
-                 cache_slots: int | None = None, max_decode_tokens: int = 16):
+                 cache_slots: int | None = None, max_decode_tokens: int = 16, moe_mode: str = "gpu",
+                 oracle=None, future_value: float = 0.0, prefetch: bool = False):
         self.cfg, self.dev, self.xp = cfg, device, device.xp
         if not isinstance(weights, Weights):  # a plain ``get(hf_name)``: an HF checkpoint held in memory
             weights = HFWeights(cfg, weights)
         self.weights = weights
         up = lambda key, layer=None: device.asarray(np.ascontiguousarray(weights.get(key, layer), dtype=np.float32))
-        self.embed = np.ascontiguousarray(weights.get("embed"), dtype=np.float32)  # gathered on the host
+        host = lambda key, layer=None: np.ascontiguousarray(weights.get(key, layer), dtype=np.float32)
+        self.embed = host("embed")  # gathered on the host
         self.norm = up("norm")
-        self.lm_head = up("lm_head")
+        lm_head = host("lm_head")
+        if lm_head.shape == self.embed.shape and np.array_equal(lm_head, self.embed):
+            lm_head = self.embed  # tied: on cpu one float32 copy serves both
+        self.lm_head = Linear(lm_head, device)
+        del lm_head
         fmt = expert_format or weights.native_expert_format or "bf16"
         self.layout = RecordLayout(formats.get(fmt), cfg.hidden, cfg.moe_inter)
         self.moe_index = [sum(cfg.moe_layers[:i]) for i in range(cfg.num_layers)]  # MoE layer -> pool layer
@@ -47,6 +57,7 @@ class MoeDecoder:
             pool = HostPool(device, self.layout, n_moe, cfg.num_experts)  # filled layer by layer below
             self.cache = ExpertCache(pool, cache_slots or max(n_moe * cfg.num_experts, 2 * cfg.num_experts),
                                      max_active=min(1024, max_decode_tokens * cfg.top_k))
+        self._init_policy(moe_mode, oracle, future_value, prefetch)
         self.layers = []
         layer_iter = range(cfg.num_layers)
         if progress:
@@ -54,15 +65,7 @@ class MoeDecoder:
 
             layer_iter = tqdm(layer_iter, desc="loading layers", unit="layer", leave=False)
         for i in layer_iter:
-            keys = ["attn_norm", "mlp_norm", "q_proj", "k_proj", "v_proj", "o_proj"]
-            keys += ["q_bias", "k_bias", "v_bias"] if cfg.qkv_bias else []
-            keys += ["q_norm", "k_norm"] if cfg.qk_norm != "none" else []
-            if cfg.is_moe(i):
-                keys.append("router")
-                keys += ["shared_gate", "shared_up", "shared_down", "shared_sigmoid"] if cfg.shared_inter else []
-            else:
-                keys += ["mlp_gate", "mlp_up", "mlp_down"]
-            lay = {k: up(k, i) for k in keys}
+            lay = self._load_layer(i, up, host)
             if cfg.is_moe(i):
                 banks = weights.expert_banks(i, self.layout)
                 if self.cache is None:
@@ -72,11 +75,36 @@ class MoeDecoder:
             self.layers.append(lay)
         self.max_len = max_len
         self.max_decode_tokens = max_decode_tokens
+        self.rope_cos, self.rope_sin = rope_tables(self.xp, np.arange(max_len), cfg.head_dim, cfg.rope_theta)
         shape = (max_len, cfg.num_kv_heads, cfg.head_dim)
         self.k_cache = [self.xp.zeros(shape, np.float32) for _ in range(cfg.num_layers)]
         self.v_cache = [self.xp.zeros(shape, np.float32) for _ in range(cfg.num_layers)]
         self.length = 0
         self.last_routing: list = []
+
+    def _load_layer(self, i: int, up, host) -> dict:
+        """Layer ``i``'s non-expert weights: norms and biases as device arrays, matrices as :class:`Linear`."""
+        cfg, dev = self.cfg, self.dev
+        lay = {k: up(k, i) for k in ("attn_norm", "mlp_norm")}
+        lay["qkv"] = Linear.concat([host(f"{n}_proj", i) for n in "qkv"], dev,
+                                   [host(f"{n}_bias", i) for n in "qkv"] if cfg.qkv_bias else None)
+        lay["o_proj"] = Linear(host("o_proj", i), dev)
+        if cfg.qk_norm == "full":
+            lay["q_norm"], lay["k_norm"] = up("q_norm", i), up("k_norm", i)
+        elif cfg.qk_norm == "head":  # q and k heads normed (and rotated) as one [T, H + Hkv, D] array
+            qn, kn = host("q_norm", i).reshape(-1), host("k_norm", i).reshape(-1)
+            lay["qk_norm"] = dev.asarray(np.concatenate([np.tile(qn, (cfg.num_heads, 1)),
+                                                         np.tile(kn, (cfg.num_kv_heads, 1))]))
+        if cfg.is_moe(i):
+            lay["router"] = Linear(host("router", i), dev)
+            if cfg.shared_inter:  # gate, up and the sigmoid gate all read h: one matrix
+                lay["shared_in"] = Linear.concat([host(k, i) for k in ("shared_gate", "shared_up", "shared_sigmoid")],
+                                                 dev)
+                lay["shared_down"] = Linear(host("shared_down", i), dev)
+        else:
+            lay["mlp_in"] = Linear.concat([host("mlp_gate", i), host("mlp_up", i)], dev)
+            lay["mlp_down"] = Linear(host("mlp_down", i), dev)
+        return lay
 
     def reset(self) -> None:
         self.length = 0
@@ -84,24 +112,30 @@ class MoeDecoder:
     # ---- blocks -----------------------------------------------------------------------------------------------
     def _attention(self, lay, x, start):
         cfg, xp = self.cfg, self.xp
-        t = x.shape[0]
-        q, k, v = (x @ lay[f"{n}_proj"].T for n in "qkv")
-        if cfg.qkv_bias:
-            q, k, v = q + lay["q_bias"], k + lay["k_bias"], v + lay["v_bias"]
+        t, heads, kv_heads, dim = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = lay["qkv"](x)  # [T, (H + 2 Hkv) D], biases included
         if cfg.qk_norm == "full":
+            q, k, v = lay["qkv"].split(qkv)
             q, k = rms_norm(xp, q, lay["q_norm"], cfg.rms_eps), rms_norm(xp, k, lay["k_norm"], cfg.rms_eps)
-        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm == "head":
-            q, k = rms_norm(xp, q, lay["q_norm"], cfg.rms_eps), rms_norm(xp, k, lay["k_norm"], cfg.rms_eps)
-        cos, sin = rope_tables(xp, np.arange(start, start + t), cfg.head_dim, cfg.rope_theta)
-        q, k = apply_rope(xp, q, cos, sin), apply_rope(xp, k, cos, sin)
-        return q, k, v
+            qk = xp.concatenate([q, k], axis=-1).reshape(t, heads + kv_heads, dim)
+            v = v.reshape(t, kv_heads, dim)
+        else:
+            qkv = qkv.reshape(t, heads + 2 * kv_heads, dim)
+            qk, v = qkv[:, :heads + kv_heads], qkv[:, heads + kv_heads:]
+            if cfg.qk_norm == "head":
+                qk = rms_norm(xp, qk, lay["qk_norm"], cfg.rms_eps)
+        qk = apply_rope(xp, qk, self.rope_cos[start:start + t], self.rope_sin[start:start + t])
+        return qk[:, :heads], qk[:, heads:], v
 
     def route(self, logits):
         """Router logits [T, E] -> (expert ids int32 [T, k], weights float32 [T, k]) as the family routes."""
         xp, cfg = self.xp, self.cfg
+        if self.dev.kind == "cpu" and 1 <= cfg.top_k <= logits.shape[-1]:  # softmax, top-k, renorm: one Numba call
+            logits = np.ascontiguousarray(logits, dtype=np.float32)
+            ids = np.empty((logits.shape[0], cfg.top_k), np.int32)
+            w = np.empty((logits.shape[0], cfg.top_k), np.float32)
+            softmax_topk_rows(logits, cfg.top_k, cfg.norm_topk_prob, ids, w)
+            return ids, w
         z = logits - logits.max(axis=-1, keepdims=True)
         probs = xp.exp(z)
         probs /= probs.sum(axis=-1, keepdims=True)
@@ -114,8 +148,9 @@ class MoeDecoder:
         cfg, xp = self.cfg, self.xp
         silu = lambda a: a / (1.0 + xp.exp(-a))
         if not cfg.is_moe(i):
-            return (silu(h @ lay["mlp_gate"].T) * (h @ lay["mlp_up"].T)) @ lay["mlp_down"].T
-        ids, w = self.route(h @ lay["router"].T)
+            g, u = lay["mlp_in"].split(lay["mlp_in"](h))
+            return lay["mlp_down"](silu(g) * u)
+        ids, w = self.route(lay["router"](h))
         self.last_routing.append(ids)
         h = xp.ascontiguousarray(h)
         if self.cache is None:
@@ -123,17 +158,23 @@ class MoeDecoder:
         else:
             y = self._cached_experts(self.moe_index[i], h, ids, w)
         if cfg.shared_inter:
-            s = (silu(h @ lay["shared_gate"].T) * (h @ lay["shared_up"].T)) @ lay["shared_down"].T
-            y = y + s / (1.0 + xp.exp(-(h @ lay["shared_sigmoid"].T)))
+            g, u, sg = lay["shared_in"].split(lay["shared_in"](h))
+            y = y + lay["shared_down"](silu(g) * u) / (1.0 + xp.exp(-sg))
         return y
 
     def _cached_experts(self, m: int, h, ids, w):
         """Routed experts of pool layer ``m`` through the expert cache (decode admission or prefill streaming)."""
         cache = self.cache
         if not self._streaming:
+            self._score_prediction(m, ids)
+            if self.executor is not None:  # misses split between PCIe and the CPU (--moe-mode cpu/hybrid)
+                return self.executor.run(m, h, ids, w, before_admit=self._wait_prefetch,
+                                         after_admit=self._prefetch_next)
             slots = ids.copy()  # admission rewrites in place; ``ids`` stays the routing record
+            self._wait_prefetch()
             cache.admit(m, slots)
             cache.copy_missing()
+            self._prefetch_next(m, h)
             return moe_experts(h, slots, w, cache.slot_banks, self.layout, device=self.dev, validate=False)
         if m + 1 < cache.num_layers:
             cache.prefetch_layer(m + 1)  # overlaps this layer's compute
@@ -141,6 +182,52 @@ class MoeDecoder:
         y = moe_experts(h, ids + np.int32(first), w, cache.slot_banks, self.layout, device=self.dev, validate=False)
         cache.release_layer(m)
         return y
+
+    # ---- miss policy: the q* executor, next-layer prefetch ---------------------------------------------------
+    def _init_policy(self, moe_mode: str, oracle, future_value: float, prefetch: bool) -> None:
+        self.moe_mode = moe_mode if self.cache is not None else "cpu"
+        self.executor = None
+        if self.cache is not None and moe_mode != "gpu":
+            from freetoken.policy.hybrid import MoeExecutor
+
+            self.executor = MoeExecutor(self.cache, self.layout, moe_mode, oracle, future_value)
+        self.prefetch = bool(prefetch) and self.cache is not None
+        self.prefetch_stats = {"predicted": 0, "correct": 0, "actual": 0}
+        self._predicted: dict[int, np.ndarray] = {}
+        self._prefetch_event = None
+        self._moe_layer_of_pool = [i for i in range(self.cfg.num_layers) if self.cfg.is_moe(i)]
+
+    def _prefetch_next(self, m: int, h) -> None:
+        """After pool layer ``m``'s admission: predict layer m+1's experts by applying its router to ``h`` (this
+        layer's MLP input) and copy them in on the transfer stream while this layer computes. A prefetch admission
+        is not counted in the cache's hit/miss statistics."""
+        if not self.prefetch or m + 1 >= self.cache.num_layers:
+            return
+        nxt = self._moe_layer_of_pool[m + 1]
+        pred, _ = self.route(h @ self.layers[nxt]["router"].T)
+        self._predicted[m + 1] = np.asarray(self.dev.to_host(pred))
+        slots = self.xp.ascontiguousarray(pred, dtype=np.int32)
+        cache = self.cache
+        cache.admit(m + 1, slots, count=False)
+        cache.copy_missing(stream=cache.transfer)
+        self._prefetch_event = self.dev.event().record(cache.transfer)
+
+    def _wait_prefetch(self) -> None:
+        if self._prefetch_event is not None:
+            self.dev.wait_event(self._prefetch_event, None)  # the prefetched slots are complete before use
+            self._prefetch_event = None
+
+    def _score_prediction(self, m: int, ids) -> None:
+        """Precision/recall of the next-layer predictor: predicted vs routed experts of pool layer ``m``."""
+        pred = self._predicted.pop(m, None)
+        if pred is None:
+            return
+        actual = np.asarray(self.dev.to_host(ids))
+        for p_row, a_row in zip(pred, actual, strict=True):
+            ps, a_set = set(p_row.tolist()), set(a_row.tolist())
+            self.prefetch_stats["predicted"] += len(ps)
+            self.prefetch_stats["actual"] += len(a_set)
+            self.prefetch_stats["correct"] += len(ps & a_set)
 
     def _attend(self, q, i: int, start: int):
         """Causal GQA of the new queries against layer ``i``'s KV cache: the decode-attention kernel on gpu/emu for
@@ -169,6 +256,7 @@ class MoeDecoder:
         if start + tokens.size > self.max_len:
             raise ValueError(f"sequence of {start + tokens.size} tokens exceeds max_len={self.max_len}")
         self.last_routing = []
+        self._predicted.clear()  # predictions never cross a forward call
         # A prompt whose routed pairs exceed one admission streams every MoE layer through the prefill buffers.
         self._streaming = self.cache is not None and tokens.size * cfg.top_k > self.cache.max_active
         if self._streaming:
@@ -180,8 +268,8 @@ class MoeDecoder:
             q, k, v = self._attention(lay, h, start)
             self.k_cache[i][start:start + tokens.size] = k
             self.v_cache[i][start:start + tokens.size] = v
-            x = x + self._attend(q, i, start) @ lay["o_proj"].T
-            x = x + self._mlp(i, lay, rms_norm(xp, x, lay["mlp_norm"], cfg.rms_eps))
+            x += lay["o_proj"](self._attend(q, i, start))
+            x += self._mlp(i, lay, rms_norm(xp, x, lay["mlp_norm"], cfg.rms_eps))
         self.length = start + tokens.size
-        logits = rms_norm(xp, x, self.norm, cfg.rms_eps) @ self.lm_head.T
+        logits = self.lm_head(rms_norm(xp, x, self.norm, cfg.rms_eps))
         return self.dev.to_host(logits).astype(np.float32)

@@ -5,6 +5,8 @@
 * :mod:`~freetoken.trace.policies`: lru (the device policy), static_frequency, prefill_placement, routing_blind,
   belady (the lower bound).
 * :mod:`~freetoken.trace.simulate`: :func:`simulate` and :func:`format_table`; :mod:`~freetoken.trace.plot`.
+* :mod:`~freetoken.trace.timing`: the decode-step time model (fetch_all, cpu_all, q*, q* + prefetch) and its sweep
+  over PCIe/CPU bandwidth ratios (import it from there: it uses :mod:`freetoken.policy`, which imports this package).
 * :mod:`~freetoken.trace.cli`: ``freetoken trace simulate | synth | info``.
 """
 

@@ -14,7 +14,8 @@ TRACE_DESCRIPTION = """\
 Routing traces and the expert-cache simulator.
 
 Subcommands:
-  simulate  replay a trace through the cache policies at several slot counts; print the table (and a plot)
+  simulate  replay a trace through the cache policies at several slot counts; print the table (and a plot);
+            with --pcie/--cpu, model decode-step time for fetch-all, cpu-all, q* and q* + prefetch instead
   synth     write a synthetic trace with tunable locality
   info      summarise a trace: shape, segments, per-layer expert-usage entropy, working set
 """
@@ -46,12 +47,98 @@ def _error(e: Exception) -> int:
     return 1
 
 
+def _gbps(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a bandwidth in GB/s, got {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive bandwidth in GB/s, got {text!r}")
+    return v
+
+
+def _future_value(text: str) -> float | str:
+    if text in ("auto", "global"):
+        return text
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto, global or seconds per fetched expert, got {text!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected auto, global or seconds >= 0, got {text!r}")
+    return v
+
+
+def _micros(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected microseconds, got {text!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected microseconds >= 0, got {text!r}")
+    return v
+
+
+def _modes(text: str) -> list[str]:
+    from freetoken.trace.timing import ALL_MODES
+
+    names = [v for v in text.replace(" ", "").split(",") if v]
+    bad = [n for n in names if n not in ALL_MODES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown mode {', '.join(bad) or repr(text)} (known: {', '.join(ALL_MODES)})")
+    return names
+
+
+def _cmd_timing(args: argparse.Namespace, trace) -> int:
+    """``simulate --pcie --cpu``: the decode-step time model per mode, optionally swept over PCIe/CPU ratios."""
+    from freetoken.trace.timing import MODES, format_sweep, format_timing, sweep, time_modes
+
+    if args.pcie is None or args.cpu is None:
+        return _error(ValueError("the time model needs both --pcie and --cpu (GB/s)"))
+    do_sweep = args.sweep or bool(args.plot)
+    modes = args.modes or list(MODES)
+    kw = dict(window=args.window, future_value=args.future_value, layer_s=args.layer_us * 1e-6,
+              predictor=args.predictor, prefetch_n=args.prefetch_n, prefill_borrow=not args.no_prefill_borrow)
+    results, rows = [], []
+    try:
+        for slots in args.slots:
+            results += time_modes(trace, slots, args.pcie, args.cpu, args.gpu, modes=modes, **kw)
+            if do_sweep:
+                rows += sweep(trace, slots, args.cpu, modes=modes, gpu_gbps=args.gpu, **kw)
+    except ValueError as e:
+        return _error(e)
+    if args.json:
+        out = {"timing": [r.as_row() for r in results]}
+        if do_sweep:
+            out["sweep"] = rows
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_timing(results))
+        if do_sweep:
+            print()
+            print(format_sweep(rows))
+    if args.plot:
+        from freetoken.trace.plot import plot_timing_sweep
+
+        try:
+            title = f"{trace.model or args.trace}: CPU {args.cpu:g} GB/s, {trace.record_bytes / 1e6:.3g} MB records"
+            plot_timing_sweep(rows, args.plot, title=title)
+        except (RuntimeError, OSError, ValueError) as e:
+            return _error(e)
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from freetoken.trace.format import TraceError, load_trace
     from freetoken.trace.simulate import format_table, simulate
 
+    timing = args.pcie is not None or args.cpu is not None or args.sweep
     try:
         trace = load_trace(args.trace)
+        if timing:
+            return _cmd_timing(args, trace)
         rows = simulate(trace, args.slots, window=args.window, policies=args.policies,
                         prefill_borrow=not args.no_prefill_borrow)
     except (TraceError, ValueError, OSError) as e:
@@ -131,8 +218,32 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
                      help="lru: do not empty the first 2*experts slots at each segment start")
     sim.add_argument("--policies", type=_names, default=list(DEFAULT_POLICIES), metavar="P[,P...]",
                      help=f"policies to run (default {','.join(DEFAULT_POLICIES)}; known: {', '.join(POLICIES)})")
-    sim.add_argument("--plot", metavar="FILE.png", help="also draw miss rate against slots (needs matplotlib)")
+    sim.add_argument("--plot", metavar="FILE.png", help="also draw miss rate against slots (needs matplotlib); with "
+                                                        "--pcie/--cpu: tokens/s against the PCIe/CPU ratio per mode "
+                                                        "(implies --sweep)")
     sim.add_argument("--json", action="store_true", help="print the rows as JSON")
+    tm = sim.add_argument_group("decode time model (freetoken/trace/timing.py)",
+                                "With --pcie and --cpu, model each decode step's time for fetch-all, cpu-all, q* and "
+                                "q* with prefetch instead of the policy table: estimated tokens/s and where the "
+                                "time goes, per slot count.")
+    tm.add_argument("--pcie", type=_gbps, metavar="GBPS", help="host-to-GPU copy bandwidth, GB/s")
+    tm.add_argument("--cpu", type=_gbps, metavar="GBPS", help="CPU expert bandwidth (weights streamed), GB/s")
+    tm.add_argument("--gpu", type=_gbps, metavar="GBPS", default=900.0, help="GPU memory bandwidth, GB/s (default 900)")
+    tm.add_argument("--future-value", type=_future_value, default="auto", metavar="S|auto|global",
+                    help="q*: seconds saved later per fetched expert; auto (default): per expert, the hits a "
+                         "residency is expected to earn (from its re-use gaps vs the cache's residency time) x the "
+                         "time a hit saves; global: hits per record lifetime so far x the time a hit saves")
+    tm.add_argument("--layer-us", type=_micros, default=0.0, metavar="US",
+                    help="non-expert GPU time per MoE layer, microseconds (default 0)")
+    tm.add_argument("--predictor", choices=("coact", "prev", "oracle"), default="coact",
+                    help="prefetch predictor: coact (cross-layer co-activation learned on the first half), prev "
+                         "(the previous step's experts), oracle (perfect); default coact")
+    tm.add_argument("--prefetch-n", type=int, default=None, metavar="N",
+                    help="experts predicted per call (default top_k x tokens)")
+    tm.add_argument("--modes", type=_modes, default=None, metavar="M[,M...]",
+                    help="modes (default fetch_all,cpu_all,qstar,qstar_prefetch; also fetch_all_prefetch)")
+    tm.add_argument("--sweep", action="store_true",
+                    help="also sweep PCIe = 0.25x .. 4x the CPU bandwidth (9 geometric steps) and print tokens/s")
     sim.set_defaults(func=_cmd_simulate)
 
     syn = sub.add_parser("synth", help="write a synthetic trace",

@@ -1,4 +1,6 @@
-"""Miss rate against cache slots, one line per policy (matplotlib, drawn off-screen)."""
+"""Plots of the simulator (matplotlib, drawn off-screen): miss rate against cache slots per policy
+(:func:`plot_miss_rates`); estimated tokens/s against the PCIe/CPU bandwidth ratio per mode
+(:func:`plot_timing_sweep`)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,42 @@ def plot_miss_rates(rows: Sequence[dict], path: str | os.PathLike, title: str | 
     ax.set_ylabel("miss rate (%)")
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
+    if title:
+        ax.set_title(title)
+    if series:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.fspath(path))
+
+
+def plot_timing_sweep(rows: Sequence[dict], path: str | os.PathLike, title: str | None = None) -> None:
+    """Write a plot of estimated tokens/s against the PCIe/CPU bandwidth ratio, one line per mode (and slot count
+    when there are several); ``rows`` from :func:`freetoken.trace.timing.sweep`."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise RuntimeError("plotting needs matplotlib: pip install matplotlib") from e
+    fig = Figure(figsize=(7, 4.5), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    series: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for r in rows:
+        series.setdefault((r["mode"], r["slots"]), []).append((r["ratio"], r["tokens_per_s"]))
+    slot_counts = sorted({s for _, s in series})
+    modes = list(dict.fromkeys(m for m, _ in series))
+    colors = {m: f"C{i}" for i, m in enumerate(modes)}
+    styles = ("-", "--", ":", "-.")
+    for (mode, slots), pts in series.items():
+        pts.sort()
+        label = mode if len(slot_counts) == 1 else f"{mode} ({slots} slots)"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=label, color=colors[mode],
+                linestyle=styles[slot_counts.index(slots) % len(styles)])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("PCIe / CPU bandwidth")
+    ax.set_ylabel("tokens/s (estimated)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3, which="both")
     if title:
         ax.set_title(title)
     if series:

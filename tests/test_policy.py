@@ -1,0 +1,176 @@
+"""The q* runtime: the bandwidth oracle, stored profiles, hot-expert pinning, next-layer prefetch, and the hybrid
+executor (misses split between PCIe copies and the CPU), whose output must equal the all-GPU path on emu."""
+
+import numpy as np
+import pytest
+
+from freetoken.policy.oracle import GB, BandwidthOracle, RollingRate
+from freetoken.policy.pinning import counts_from_routing, hottest, max_pins, pin_hot
+from freetoken.policy.profile import Profile, load_profile, recommend_mode, save_profile
+
+# ---- the oracle ------------------------------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_rate_is_the_window_median_and_ignores_outliers():
+    clock = FakeClock()
+    r = RollingRate(prior=10 * GB, clock=clock)
+    assert r.rate() == 10 * GB  # the prior until samples exist
+    for i in range(40):
+        clock.t = i * 0.002
+        r.add(20e6 if i % 10 else 20e9, 1e-3)  # 20 GB/s, every 10th sample an absurd 20 TB/s
+    assert r.rate() == pytest.approx(20 * GB)
+
+
+def test_sustained_drop_is_detected_within_300_ms():
+    """A decode loop feeding one sample per layer (every 1 ms); PCIe falls from 24 to 6 GB/s at t = 1 s."""
+    clock = FakeClock()
+    o = BandwidthOracle(pcie_gbps=24, clock=clock)
+    t_change, detected_at, followed_at = 1.0, None, None
+    for i in range(2000):
+        clock.t = i * 1e-3
+        bw = 24e9 if clock.t < t_change else 6e9
+        jitter = 1.0 + 0.1 * np.sin(i)  # +-10% noise
+        o.add_copy(bw * 1e-4 * jitter, 1e-4)
+        if clock.t >= t_change and detected_at is None and o.changes():
+            detected_at = clock.t
+        if clock.t >= t_change and followed_at is None and o.pcie_gbps() < 8:
+            followed_at = clock.t
+    assert detected_at is not None and detected_at - t_change <= 0.3, detected_at
+    assert followed_at is not None and followed_at - t_change <= 0.3, followed_at
+    what, _, old, new = o.changes()[-1]
+    assert what == "pcie" and old > 20 and new < 8
+
+
+def test_injected_figures_are_never_replaced():
+    o = BandwidthOracle()
+    o.inject(pcie_gbps=12.5, cpu_gbps=3.0)
+    o.add_copy(1e9, 1e-3)
+    o.add_cpu("q4_0", 1e9, 1e-3)
+    assert o.pcie_gbps() == 12.5 and o.cpu_gbps("q4_0") == 3.0 and o.cpu_gbps("bf16") == 3.0
+
+
+# ---- profiles --------------------------------------------------------------------------------------------------
+
+
+def test_profile_is_keyed_by_hardware(tmp_path):
+    p = Profile(gpu="RTX 4090", cpu="Ryzen 9 7950X x32", fmt="q4_0", pcie_gbps=24.0, cpu_gbps=40.0,
+                record_bytes=4718592, measured_at=0.0)
+    save_profile(p, tmp_path)
+    assert load_profile("RTX 4090", "Ryzen 9 7950X x32", "q4_0", tmp_path) == p
+    assert load_profile("RTX 3090", "Ryzen 9 7950X x32", "q4_0", tmp_path) is None  # other hardware: ignored
+    assert load_profile("RTX 4090", "Ryzen 9 7950X x32", "bf16", tmp_path) is None
+    (tmp_path / "bandwidth_profiles.json").write_text("{not json")
+    assert load_profile("RTX 4090", "Ryzen 9 7950X x32", "q4_0", tmp_path) is None  # corrupt: re-measure
+
+
+def test_recommended_mode():
+    def prof(pcie, cpu):
+        return Profile("g", "c", "q4_0", pcie, cpu, 1, 0.0)
+
+    assert recommend_mode(None) == "gpu"
+    assert recommend_mode(prof(50, 5)) == "gpu"
+    assert recommend_mode(prof(5, 50)) == "cpu"
+    assert recommend_mode(prof(20, 30)) == "hybrid"
+
+
+# ---- pinning ---------------------------------------------------------------------------------------------------
+
+
+def test_hottest_experts():
+    counts = np.array([[5, 0, 9], [9, 1, 0]])
+    assert hottest(counts, 3) == [(0, 2), (1, 0), (0, 0)]
+    assert hottest(counts, 10) == [(0, 2), (1, 0), (0, 0), (1, 1)]  # never-routed experts are not pinned
+    routing = [np.array([[0, 2], [2, 1]]), np.array([[1, 1]])]
+    np.testing.assert_array_equal(counts_from_routing(routing, 3), [[1, 1, 2], [0, 2, 0]])
+
+
+# ---- the executor and prefetch on emu ---------------------------------------------------------------------------
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+from tiny_models import make_checkpoint  # noqa: E402
+
+PROMPT, STEPS = 12, 10
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("policy")
+    make_checkpoint("qwen3_moe", path, num_hidden_layers=3, mlp_only_layers=[])
+    return path
+
+
+def _decode(path, device, **kw):
+    import json
+
+    from safetensors.numpy import load_file
+
+    from freetoken.models import MoeDecoder, from_hf
+
+    cfg = from_hf(json.loads((path / "config.json").read_text()))
+    tensors = load_file(str(path / "model.safetensors"))
+    dec = MoeDecoder(cfg, lambda n: tensors[n], device, max_len=64, max_decode_tokens=4, **kw)
+    tokens = np.random.default_rng(5).integers(0, 128, PROMPT + STEPS)
+    out = [dec.forward(tokens[:PROMPT])]
+    out += [dec.forward(tokens[i:i + 1]) for i in range(PROMPT, PROMPT + STEPS)]
+    return np.concatenate(out), dec
+
+
+@pytest.mark.parametrize("mode, pcie, cpu", [("cpu", 1, 1), ("hybrid", 1, 1), ("hybrid", 100, 1),
+                                             ("hybrid", 1, 100)])
+def test_split_output_equals_all_gpu(checkpoint, cuda_device, mode, pcie, cpu):
+    want, ref = _decode(checkpoint, cuda_device, cache_slots=16)
+    oracle = BandwidthOracle()
+    oracle.inject(pcie_gbps=pcie, cpu_gbps=cpu)
+    got, dec = _decode(checkpoint, cuda_device, cache_slots=16, moe_mode=mode, oracle=oracle)
+    st = dec.executor.stats
+    if mode == "cpu" or cpu > pcie:
+        assert st["cpu"] > 0  # the CPU really computed some misses
+    if mode == "hybrid" and pcie > cpu:
+        assert st["cpu"] == 0 and st["fetched"] > 0  # PCIe much faster: everything fetched
+    # decode and CPU kernels differ only in summation order
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    dec.cache.check_invariants()
+    dec.executor.close()
+
+
+def test_cpu_mode_leaves_residency_unchanged(checkpoint, cuda_device):
+    """A CPU-computed miss reads the host pool and leaves the cache as it was: only prefill borrows and hits."""
+    _, dec = _decode(checkpoint, cuda_device, cache_slots=16, moe_mode="cpu")
+    assert dec.cache.stats()["misses"] == 0  # decode never copied anything in
+    assert dec.executor.stats["fetched"] == 0 and dec.executor.stats["cpu"] > 0
+    dec.executor.close()
+
+
+def test_prefetch_keeps_output_and_scores_the_predictor(checkpoint, cuda_device):
+    want, _ = _decode(checkpoint, cuda_device, cache_slots=24)
+    got, dec = _decode(checkpoint, cuda_device, cache_slots=24, prefetch=True)
+    np.testing.assert_array_equal(got, want)  # prefetch changes residency, never results
+    ps = dec.prefetch_stats
+    assert ps["predicted"] > 0 and 0 <= ps["correct"] <= min(ps["predicted"], ps["actual"])
+    dec.cache.check_invariants()
+
+
+def test_pinned_hot_experts_are_never_evicted(checkpoint, cuda_device):
+    _, dec = _decode(checkpoint, cuda_device, cache_slots=20)
+    counts = np.zeros((dec.cache.num_layers, dec.cache.num_experts), np.int64)
+    counts[0, 3], counts[2, 5], counts[1, 0] = 9, 7, 5
+    assert max_pins(dec.cache) == 20 - 16
+    pinned = pin_hot(dec.cache, counts, 3)
+    assert pinned == [(0, 3), (2, 5), (1, 0)]
+    tokens = np.random.default_rng(9).integers(0, 128, 30)
+    for t in tokens:  # 30 decode steps of admissions and evictions through 20 slots
+        dec.forward(np.array([t]))
+    slot_for_id = dec.dev.to_host(dec.cache.slot_for_id)
+    for layer, e in pinned:
+        assert slot_for_id[layer * dec.cache.num_experts + e] >= 0
+    dec.cache.check_invariants()
