@@ -6,7 +6,19 @@ import numpy as np
 
 
 def rms_norm(xp, x, weight, eps: float):
-    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last axis (HF LlamaRMSNorm semantics, fp32)."""
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last axis (HF LlamaRMSNorm semantics, fp32).
+
+    NumPy float32 arrays whose ``weight`` matches the trailing axes of ``x`` run one Numba call
+    (:func:`freetoken.cpu_kernels.gemv.rms_norm_rows`) instead of six array ops."""
+    if (xp is np and isinstance(x, np.ndarray) and x.dtype == np.float32 and weight.dtype == np.float32
+            and 1 <= weight.ndim <= x.ndim and x.shape[x.ndim - weight.ndim:] == weight.shape and x.size):
+        from freetoken.cpu_kernels.gemv import rms_norm_rows
+
+        d = x.shape[-1]
+        x2 = np.ascontiguousarray(x).reshape(-1, d)
+        out = np.empty(x2.shape, np.float32)
+        rms_norm_rows(x2, np.ascontiguousarray(weight).reshape(-1, d), np.float32(eps), out)
+        return out.reshape(x.shape)
     var = xp.mean(x * x, axis=-1, keepdims=True)
     return x / xp.sqrt(var + np.float32(eps)) * weight
 
@@ -20,7 +32,16 @@ def rope_tables(xp, positions, head_dim: int, theta: float):
 
 
 def apply_rope(xp, x, cos, sin):
-    """Rotate x [T, heads, head_dim] by position: ``x * cos + rotate_half(x) * sin``."""
+    """Rotate x [T, heads, head_dim] by position: ``x * cos + rotate_half(x) * sin``.
+
+    NumPy float32 arrays run one Numba call (:func:`freetoken.cpu_kernels.gemv.rope_rows`, the same arithmetic)."""
+    if (xp is np and isinstance(x, np.ndarray) and x.ndim == 3 and x.shape[-1] % 2 == 0 and x.dtype == np.float32
+            and cos.dtype == sin.dtype == np.float32 and cos.shape == sin.shape == (x.shape[0], x.shape[2])):
+        from freetoken.cpu_kernels.gemv import rope_rows
+
+        out = np.empty(x.shape, np.float32)
+        rope_rows(x, cos, sin, out)
+        return out
     half = x.shape[-1] // 2
     rotated = xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
