@@ -14,6 +14,7 @@ Commands:
   run     generate text from a prompt (the bundled model unless --model is given)
   chat    chat through the model's chat template, one message a line; the KV cache carries over between turns
   info    what this machine offers: devices, GPU and PCIe link, CPU SIMD, library versions, cache dir
+  bench   measure this machine: `bench bw` stores PCIe/CPU bandwidth for --moe-mode auto
   convert write an HF MoE checkpoint as a GGUF file (q4_0 experts) for llama.cpp and freetoken
   trace   routing traces: synthesise, summarise, and replay them through expert-cache policies
 """
@@ -32,12 +33,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from freetoken.engine.sampling import SamplingParams
     from freetoken.loaders import LoadError
     from freetoken.models import ConfigError
+    from freetoken.policy.cli import apply_pinning, policy_kwargs
 
     try:
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   repetition_penalty=args.repetition_penalty, seed=args.seed)
-        model = load(args.model, device=args.device, progress=sys.stderr.isatty(), cache_slots=args.cache_slots)
-    except (LoadError, ConfigError, ValueError) as e:
+        model = load(args.model, device=args.device, progress=sys.stderr.isatty(), cache_slots=args.cache_slots,
+                     **policy_kwargs(args))
+        pin_note = apply_pinning(model, args, args.prompt)
+    except (LoadError, ConfigError, ValueError, OSError) as e:
         print(f"freetoken run: error: {e}", file=sys.stderr)
         return 1
     record = args.record_trace is not None
@@ -56,6 +60,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
                    f"{cs['misses']} misses, {model.decoder.layout.fmt.name})")
     print(f"[{model.decoder.dev.kind}] prefill {st.prompt_tokens} tokens at {st.prefill_tps:.1f} tok/s, "
           f"generated {st.generated_tokens} tokens, decode at {st.decode_tps:.1f} tok/s; {experts}", file=sys.stderr)
+    if cache is not None:
+        from freetoken.policy.runtime import report
+
+        print(f"[{model.decoder.dev.kind}] {report(model.decoder)}" + (f"; {pin_note}" if pin_note else ""),
+              file=sys.stderr)
     if record:
         from freetoken.trace.format import TraceRecorder
 
@@ -96,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="gpu/emu: device slots of the expert cache (default: room for every expert)")
     run.add_argument("--record-trace", metavar="FILE", default=None,
                      help="write the routing trace (npz) for `freetoken trace simulate`")
+    from freetoken.policy.cli import add_bench_parser, add_policy_args
+
+    add_policy_args(run)
     run.set_defaults(func=_cmd_run)
     info = sub.add_parser("info", help="show devices, versions, GPU/CPU details and the cache directory",
                           description="Show what this machine offers freetoken.")
@@ -107,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     from freetoken.convert.cli import add_convert_parser
 
     add_convert_parser(sub)
+    add_bench_parser(sub)
     from freetoken.engine.chat_cli import add_chat_parser
 
     add_chat_parser(sub)

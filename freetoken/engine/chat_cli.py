@@ -52,13 +52,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from freetoken.engine.sampling import SamplingParams
     from freetoken.loaders import LoadError
     from freetoken.models import ConfigError
+    from freetoken.policy.cli import apply_pinning, policy_kwargs
 
     try:
         if args.max_tokens < 1:
             raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                   repetition_penalty=args.repetition_penalty, seed=args.seed)
-        model = load(args.model, device=args.device, progress=sys.stderr.isatty(), cache_slots=args.cache_slots)
+        model = load(args.model, device=args.device, progress=sys.stderr.isatty(), cache_slots=args.cache_slots,
+                     **policy_kwargs(args))
+        if args.pin_hot and not args.pin_trace:
+            raise ValueError("freetoken chat needs --pin-trace FILE for --pin-hot (there is no prompt to warm up on)")
+        apply_pinning(model, args, None)
         chat = Chat(model, system=args.system)
     except (LoadError, ConfigError, ValueError) as e:
         _error(str(e))
@@ -126,5 +131,8 @@ def add_chat_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
     p.add_argument("--cache-slots", type=int, default=None,
                    help="gpu/emu: device slots of the expert cache (default: room for every expert)")
+    from freetoken.policy.cli import add_policy_args
+
+    add_policy_args(p)
     p.set_defaults(func=cmd_chat)
     return p

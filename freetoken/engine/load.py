@@ -28,21 +28,36 @@ def _eos_ids(config: dict, path: Path, tokenizer) -> list[int]:
 
 
 def load(path: str | Path | None = None, device="auto", expert_format: str | None = None, max_len: int = 2048,
-         progress: bool = False, cache_slots: int | None = None) -> Model:
+         progress: bool = False, cache_slots: int | None = None, moe_mode: str = "gpu",
+         pcie_gbps: float | None = None, cpu_gbps: float | None = None, future_value: float = 0.0,
+         prefetch: bool = False) -> Model:
     """Load a model: an HF directory (``config.json`` + safetensors + ``tokenizer.json``; bf16/f16/f32 or block
     FP8) or a GGUF file; None: the bundled model.
 
     ``expert_format``: the :mod:`freetoken.formats` name the routed experts run in; default: as stored (bf16 for
     unquantized HF checkpoints, fp8_block for block-FP8 ones, q4_0/mxfp4 for such GGUF files). On gpu/emu the
-    routed experts go through an expert cache of ``cache_slots`` slots (default: room for all)."""
+    routed experts go through an expert cache of ``cache_slots`` slots (default: room for all).
+
+    Miss policy (gpu/emu): ``moe_mode`` ``gpu`` (copy every miss in), ``cpu`` (compute misses on the CPU),
+    ``hybrid`` (q*: split by measured bandwidths) or ``auto`` (the stored ``freetoken bench bw`` profile's
+    choice); ``pcie_gbps`` / ``cpu_gbps`` pin the oracle's figures; ``future_value``: seconds a fetched expert
+    is worth beyond its step; ``prefetch``: copy the next layer's predicted experts while a layer computes."""
     p = Path(path) if path is not None else DEFAULT_MODEL
     if not p.exists():
         raise LoadError(str(p), "no such model directory or file")
     dev = get_device(device)
+    oracle = None
+    if pcie_gbps is not None or cpu_gbps is not None:
+        from freetoken.policy.oracle import BandwidthOracle
+
+        oracle = BandwidthOracle()
+        oracle.inject(pcie_gbps=pcie_gbps, cpu_gbps=cpu_gbps)
+    policy = dict(moe_mode=moe_mode, oracle=oracle, future_value=future_value, prefetch=prefetch)
     if p.is_file():
         from freetoken.engine.load_gguf import load_gguf
 
-        decoder, tokenizer, eos, template = load_gguf(p, dev, expert_format, max_len, progress, cache_slots)
+        decoder, tokenizer, eos, template = load_gguf(p, dev, expert_format, max_len, progress, cache_slots,
+                                                      policy)
         return Model(decoder, tokenizer, eos, chat_template=template)
     sd = SafetensorsDir(p)
     q = quantization(sd.config, sd.hf_quant_config)
@@ -52,7 +67,7 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
     cfg = from_hf(sd.config)
     weights = HFWeights(cfg, sd.get, sd.has, fp8_block=q.method == "fp8_block", where=str(p))
     decoder = MoeDecoder(cfg, weights, dev, expert_format=expert_format, max_len=max_len, progress=progress,
-                         cache_slots=cache_slots)
+                         cache_slots=cache_slots, **policy)
     tokenizer = None
     if (p / "tokenizer.json").is_file():
         from tokenizers import Tokenizer

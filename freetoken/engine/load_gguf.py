@@ -57,7 +57,7 @@ def check_tensors(gf: GGUFFile, cfg: ModelConfig, w: GGUFWeights) -> None:
 
 
 def load_gguf(path: Path, device, expert_format: str | None, max_len: int, progress: bool,
-              cache_slots: int | None):
+              cache_slots: int | None, policy: dict | None = None):
     """(decoder, tokenizer or None, eos ids, :class:`ChatTemplate` or None) of a GGUF file."""
     gf = GGUFFile(path, archs=tuple(GGUF_FAMILIES))
     cfg = from_gguf(gf)
@@ -78,5 +78,5 @@ def load_gguf(path: Path, device, expert_format: str | None, max_len: int, progr
                    if meta.get(f"{k}_token_id") is not None}
         template = ChatTemplate(meta["chat_template"], special, name=f"{path.name}: tokenizer.chat_template")
     decoder = MoeDecoder(cfg, weights, device, expert_format=expert_format, max_len=max_len, progress=progress,
-                         cache_slots=cache_slots)
+                         cache_slots=cache_slots, **(policy or {}))
     return decoder, tokenizer, eos, template

@@ -1,12 +1,13 @@
 """The MoE decoder of the Qwen3-MoE / Qwen2-MoE / Mixtral / OLMoE families on any device.
 
-Non-expert weights live on the device as float32 (:class:`freetoken.models.linear.Linear`: on cpu with an exact
-16-bit copy for the multithreaded decode GEMV; q/k/v, and a shared expert's gate/up/sigmoid, as one matrix); routed
-experts are record banks in an expert format
-(``freetoken.formats``), run by :func:`freetoken.ops.moe_experts`. On gpu/emu every routed expert lives in the host
-pool and goes through the expert cache: decode admits each layer's routed ids (hits, LRU misses copied in, ids
-rewritten to slots); a prefill too large for one admission streams whole layers through the cache's two borrowed
-buffers, copying layer m+1 while layer m computes. On cpu the Numba kernels read every layer's banks in place.
+Non-expert matrices are :class:`freetoken.models.linear.Linear` projections (q/k/v, and a shared expert's
+gate/up/sigmoid, as one matrix): float32 on gpu/emu; on cpu held in the narrowest exact storage (bf16, f16 or
+float32) and run by multithreaded Numba kernels, as are RMSNorm, RoPE (tables made once) and routing. Routed
+experts are record banks in an expert format (``freetoken.formats``), run by :func:`freetoken.ops.moe_experts`.
+On gpu/emu every routed expert lives in the host pool and goes through the expert cache: decode admits each
+layer's routed ids (hits, LRU misses copied in, ids rewritten to slots); a prefill too large for one admission
+streams whole layers through the cache's two borrowed buffers, copying layer m+1 while layer m computes. On cpu
+the Numba kernels read every layer's banks in place.
 """
 
 from __future__ import annotations
@@ -41,11 +42,8 @@ class MoeDecoder:
         host = lambda key, layer=None: np.ascontiguousarray(weights.get(key, layer), dtype=np.float32)
         self.embed = host("embed")  # gathered on the host
         self.norm = up("norm")
-        lm_head = host("lm_head")
-        if lm_head.shape == self.embed.shape and np.array_equal(lm_head, self.embed):
-            lm_head = self.embed  # tied: on cpu one float32 copy serves both
-        self.lm_head = Linear(lm_head, device)
-        del lm_head
+        # tied (what both weight sources return for "lm_head" then): a cpu Linear kept in float32 shares the array
+        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else host("lm_head"), device)
         fmt = expert_format or weights.native_expert_format or "bf16"
         self.layout = RecordLayout(formats.get(fmt), cfg.hidden, cfg.moe_inter)
         self.moe_index = [sum(cfg.moe_layers[:i]) for i in range(cfg.num_layers)]  # MoE layer -> pool layer
@@ -185,12 +183,18 @@ class MoeDecoder:
 
     # ---- miss policy: the q* executor, next-layer prefetch ---------------------------------------------------
     def _init_policy(self, moe_mode: str, oracle, future_value: float, prefetch: bool) -> None:
-        self.moe_mode = moe_mode if self.cache is not None else "cpu"
-        self.executor = None
-        if self.cache is not None and moe_mode != "gpu":
-            from freetoken.policy.hybrid import MoeExecutor
+        self.executor, self.policy_note = None, ""
+        if self.cache is None:  # the cpu device: every expert runs on the CPU from host memory
+            self.moe_mode = "cpu"
+        else:
+            from freetoken.policy.runtime import resolve_mode
 
-            self.executor = MoeExecutor(self.cache, self.layout, moe_mode, oracle, future_value)
+            moe_mode, oracle, self.policy_note = resolve_mode(moe_mode, self.dev, self.layout.fmt.name, oracle)
+            self.moe_mode = moe_mode
+            if moe_mode != "gpu":
+                from freetoken.policy.hybrid import MoeExecutor
+
+                self.executor = MoeExecutor(self.cache, self.layout, moe_mode, oracle, future_value)
         self.prefetch = bool(prefetch) and self.cache is not None
         self.prefetch_stats = {"predicted": 0, "correct": 0, "actual": 0}
         self._predicted: dict[int, np.ndarray] = {}
@@ -204,9 +208,9 @@ class MoeDecoder:
         if not self.prefetch or m + 1 >= self.cache.num_layers:
             return
         nxt = self._moe_layer_of_pool[m + 1]
-        pred, _ = self.route(h @ self.layers[nxt]["router"].T)
-        self._predicted[m + 1] = np.asarray(self.dev.to_host(pred))
-        slots = self.xp.ascontiguousarray(pred, dtype=np.int32)
+        pred, _ = self.route(self.layers[nxt]["router"](h))
+        self._predicted[m + 1] = np.array(self.dev.to_host(pred))  # a copy: admission rewrites ids in place
+        slots = pred.astype(np.int32, copy=True)
         cache = self.cache
         cache.admit(m + 1, slots, count=False)
         cache.copy_missing(stream=cache.transfer)

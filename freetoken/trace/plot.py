@@ -47,7 +47,7 @@ def plot_timing_sweep(rows: Sequence[dict], path: str | os.PathLike, title: str 
         from matplotlib.figure import Figure
     except ImportError as e:
         raise RuntimeError("plotting needs matplotlib: pip install matplotlib") from e
-    fig = Figure(figsize=(7, 4.5), dpi=120)
+    fig = Figure(figsize=(9.5, 4.5), dpi=120)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     series: dict[tuple[str, int], list[tuple[float, float]]] = {}
@@ -70,6 +70,6 @@ def plot_timing_sweep(rows: Sequence[dict], path: str | os.PathLike, title: str 
     if title:
         ax.set_title(title)
     if series:
-        ax.legend()
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     fig.tight_layout()
     fig.savefig(os.fspath(path))

@@ -1,0 +1,86 @@
+"""q* against fetch-all and cpu-all on REAL routing traces of the bundled model, across PCIe/CPU bandwidth ratios.
+
+Records a trace: the bundled model (cpu device) continues ``--prompts`` openings of standard-library modules,
+``--tokens`` sampled tokens each, every prompt a segment (its prefill routing counted, as a new turn of an agent
+loop would be); then runs the trace time model (freetoken.trace.timing) at each slot count over PCIe = 0.25x ..
+4x the CPU bandwidth and prints the table and, per slot count, the worst qstar / best-extreme ratio.
+
+    python bench/qstar_sweep.py --trace /tmp/default-trace.npz [--plot /tmp/qstar.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def record(path: Path, prompts: int, tokens: int, seed: int) -> None:
+    from freetoken.engine.load import load
+    from freetoken.engine.sampling import SamplingParams
+    from freetoken.trace.format import TraceRecorder
+
+    model = load(None, device="cpu", max_len=1024)
+    cfg = model.config
+    rec = TraceRecorder(sum(cfg.moe_layers), cfg.num_experts, cfg.top_k, model.decoder.layout.record_bytes,
+                        model="bundled qwen3_moe")
+    root = Path(os.__file__).parent
+    files = sorted(p for p in root.glob("*.py") if p.stat().st_size > 4000)[:prompts]
+    for i, f in enumerate(files):
+        prompt = f.read_text(errors="replace")[:600]
+        sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=seed + i)
+        list(model.generate(prompt, tokens, sampling, record_routing=True))
+        st = model.stats
+        rec.begin_segment()
+        for layer, ids in enumerate(st.prefill_routing):
+            rec.add_prefill(layer, ids)
+        for step in st.routing:
+            rec.add_decode_step(step)
+    rec.save(path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", type=Path, default=Path("/tmp/freetoken-default-trace.npz"))
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--slots", default="24,40,56,72", help="slot counts (the model has 96 expert records)")
+    ap.add_argument("--cpu", type=float, default=50.0, help="CPU GB/s (PCIe = ratio x this)")
+    ap.add_argument("--future-value", default="global", help="auto, global or seconds (default global)")
+    ap.add_argument("--plot", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    from freetoken.trace.format import load_trace
+    from freetoken.trace.timing import format_sweep, sweep
+
+    if not args.trace.exists():
+        record(args.trace, args.prompts, args.tokens, args.seed)
+    trace = load_trace(args.trace)
+    fv = args.future_value if args.future_value in ("auto", "global") else float(args.future_value)
+    steps = trace.decode_ids.shape[0]
+    print(f"# trace {args.trace}: {steps} decode steps, {trace.num_layers} MoE layers x {trace.num_experts} "
+          f"experts, top-{trace.top_k}, {trace.record_bytes:,}-byte records; CPU {args.cpu} GB/s")
+    worst = {}
+    all_rows = []
+    for slots in (int(s) for s in args.slots.split(",")):
+        rows = sweep(trace, slots, args.cpu, future_value=fv, window="all")
+        all_rows += [{"slots": slots, **r} for r in rows]
+        by_ratio: dict[float, dict] = {}
+        for r in rows:
+            by_ratio.setdefault(r["ratio"], {})[r["mode"]] = r["tokens_per_s"]
+        worst[slots] = min(v["qstar"] / max(v["fetch_all"], v["cpu_all"]) for v in by_ratio.values())
+    print(format_sweep(all_rows))
+    for slots, w in worst.items():
+        print(f"slots {slots}: worst qstar / best(fetch_all, cpu_all) over the sweep = {w:.4f}")
+    if args.plot:
+        from freetoken.trace.plot import plot_timing_sweep
+
+        plot_timing_sweep(all_rows, args.plot, title="bundled model: tokens/s vs PCIe/CPU bandwidth")
+        print(f"plot written to {args.plot}")
+    return 0 if min(worst.values()) >= 1 - 1e-9 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Command-line pieces of the miss policy: the ``--moe-mode`` family of flags shared by ``run`` and ``chat``,
+hot-expert pinning, and ``freetoken bench bw``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+BENCH_DESCRIPTION = """\
+Benchmarks of this machine that freetoken's decisions depend on.
+
+Subcommands:
+  bw   measure host-to-device copies of expert records and the CPU executor's throughput for one expert format,
+       store the profile (keyed by GPU, CPU and format) in the cache directory, and print the --moe-mode that
+       `--moe-mode auto` will then pick. A profile measured on other hardware is never used.
+"""
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("expert-cache misses (gpu/emu devices)")
+    g.add_argument("--moe-mode", default="gpu", choices=["gpu", "cpu", "hybrid", "auto"],
+                   help="gpu: copy every miss into the cache; cpu: compute misses on the CPU from host memory; "
+                        "hybrid: split them by measured PCIe and CPU bandwidth (q*); auto: what `freetoken bench bw` "
+                        "recommended for this machine (default gpu)")
+    g.add_argument("--pcie-gbps", type=float, default=None, help="pin the PCIe bandwidth estimate (GB/s)")
+    g.add_argument("--cpu-gbps", type=float, default=None, help="pin the CPU-executor bandwidth estimate (GB/s)")
+    g.add_argument("--future-value", type=float, default=0.0, metavar="SECONDS",
+                   help="hybrid: time a fetched expert is worth beyond its step (it may hit later; default 0)")
+    g.add_argument("--prefetch", action="store_true",
+                   help="copy the next layer's predicted experts (its router on this layer's input) while a "
+                        "layer computes; reports the predictor's precision and recall")
+    g.add_argument("--pin-hot", type=int, default=0, metavar="N",
+                   help="keep the N most frequently routed experts in slots that are never evicted "
+                        "(frequencies from --pin-trace, else from a warm-up pass over the prompt)")
+    g.add_argument("--pin-trace", metavar="FILE", default=None, help="routing trace (npz) for --pin-hot")
+
+
+def policy_kwargs(args: argparse.Namespace) -> dict:
+    """The :func:`freetoken.load` keywords of the flags above."""
+    for name in ("pcie_gbps", "cpu_gbps"):
+        v = getattr(args, name)
+        if v is not None and not v > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {v}")
+    if args.future_value < 0:
+        raise ValueError(f"--future-value must be >= 0, got {args.future_value}")
+    return dict(moe_mode=args.moe_mode, pcie_gbps=args.pcie_gbps, cpu_gbps=args.cpu_gbps,
+                future_value=args.future_value, prefetch=args.prefetch)
+
+
+def apply_pinning(model, args: argparse.Namespace, prompt: str | None) -> str:
+    """Pin ``--pin-hot`` experts; returns a note for the report ('' when nothing was asked)."""
+    if not args.pin_hot:
+        return ""
+    import numpy as np
+
+    from freetoken.policy.pinning import counts_from_routing, counts_from_trace, pin_hot
+
+    cache = model.decoder.cache
+    if cache is None:
+        return "--pin-hot ignored: the cpu device reads every expert from host memory"
+    if args.pin_trace:
+        from freetoken.trace.format import load_trace
+
+        trace = load_trace(args.pin_trace)
+        counts, source = counts_from_trace(trace), f"trace {args.pin_trace}"
+    else:
+        if not prompt:
+            raise ValueError("--pin-hot without --pin-trace needs a prompt to warm up on")
+        model.logits(model.encode(prompt))  # warm-up pass: the prompt's routing
+        counts = counts_from_routing([np.asarray(model.decoder.dev.to_host(r)) for r in model.decoder.last_routing],
+                                     cache.num_experts)
+        source = "a warm-up pass over the prompt"
+    pinned = pin_hot(cache, counts, args.pin_hot)
+    return f"pinned {len(pinned)} hot experts (asked {args.pin_hot}) from {source}"
+
+
+# ---- freetoken bench bw ---------------------------------------------------------------------------------------
+
+
+def _cmd_bw(args: argparse.Namespace) -> int:
+    from freetoken.device import get_device
+    from freetoken.policy.measure import DEFAULT_SHAPE, layout_for, measure_cpu, measure_pcie
+    from freetoken.policy.profile import Profile, now, recommend_mode, save_profile, this_hardware
+
+    try:
+        dev = get_device(args.device)
+        hidden, inter = args.hidden or DEFAULT_SHAPE[0], args.inter or DEFAULT_SHAPE[1]
+        layout = layout_for(args.format, hidden, inter)
+    except (ValueError, RuntimeError) as e:
+        print(f"freetoken bench bw: error: {e}", file=sys.stderr)
+        return 1
+    gpu, cpu = this_hardware(dev)
+    pcie = None
+    if dev.kind != "cpu":
+        pcie = measure_pcie(dev, layout, records=args.records)
+    cpu_bw = measure_cpu(layout, top_k=args.top_k)
+    out = {"gpu": gpu, "cpu": cpu, "format": args.format, "record_bytes": layout.record_bytes,
+           "pcie_gbps": pcie, "cpu_gbps": cpu_bw}
+    if pcie is not None:
+        p = Profile(gpu=gpu, cpu=cpu, fmt=args.format, pcie_gbps=pcie, cpu_gbps=cpu_bw,
+                    record_bytes=layout.record_bytes, measured_at=now())
+        out["profile"] = str(save_profile(p))
+        out["recommended_mode"] = recommend_mode(p)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"device {dev.kind} ({gpu}); CPU {cpu}; format {args.format}, records of {layout.record_bytes:,} bytes "
+          f"({hidden} x {inter})")
+    if pcie is not None:
+        print(f"PCIe (copy kernel, host pool -> slots): {pcie:8.1f} GB/s"
+              + ("   [emu: host memcpy, not a PCIe figure]" if dev.kind == "emu" else ""))
+    print(f"CPU executor (1 token, top-{args.top_k}):   {cpu_bw:8.1f} GB/s")
+    if pcie is None:
+        print("no PCIe on the cpu device: every expert runs on the CPU; no profile written")
+    else:
+        print(f"recommended: --moe-mode {out['recommended_mode']}   (profile saved to {out['profile']}; "
+              "`--moe-mode auto` uses it on this machine)")
+    return 0
+
+
+def add_bench_parser(sub) -> None:
+    from freetoken import formats
+
+    bench = sub.add_parser("bench", help="measure this machine (bw: PCIe and CPU bandwidth for --moe-mode auto)",
+                           description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bsub = bench.add_subparsers(dest="bench_command", metavar="SUBCOMMAND", required=True)
+    bw = bsub.add_parser("bw", help="PCIe and CPU-executor bandwidth; stores a profile",
+                         description="Measure PCIe copies and the CPU executor once and store the profile.")
+    bw.add_argument("--device", default="auto", choices=["auto", "gpu", "cpu", "emu"])
+    bw.add_argument("--format", default="q4_0", choices=list(formats.NAMES), help="expert format (default q4_0)")
+    bw.add_argument("--hidden", type=int, default=None, help="record shape: hidden size (default 2048)")
+    bw.add_argument("--inter", type=int, default=None, help="record shape: expert FFN size (default 768)")
+    bw.add_argument("--records", type=int, default=64, help="records per copy measurement (default 64)")
+    bw.add_argument("--top-k", type=int, default=8, help="experts per token for the CPU measurement (default 8)")
+    bw.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    bw.set_defaults(func=_cmd_bw)
