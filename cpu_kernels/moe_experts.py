@@ -649,7 +649,7 @@ def _activation(g, u, act):
     return (u + _F32(1.0)) * g / (_F32(1.0) + np.exp(_F32(-GPT_OSS_ALPHA) * g))
 
 
-@nb.njit(parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
+@nb.njit(parallel=True, nogil=True, cache=True, boundscheck=False, fastmath=FASTMATH)
 def _gate_up_kernel(fmt, gate, up, gb, ub, has_bias, act, uniq, poff, ptok, xa, hidden, inter, hperm, h, nthreads):
     """h[p, hperm[n]] = act(gate_e[n] . x[ptok[p]] + gb, up_e[n] . x[ptok[p]] + ub) for the pairs p of each e.
 
@@ -697,7 +697,7 @@ def _gate_up_kernel(fmt, gate, up, gb, ub, has_bias, act, uniq, poff, ptok, xa, 
                 n += nr
 
 
-@nb.njit(parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
+@nb.njit(parallel=True, nogil=True, cache=True, boundscheck=False, fastmath=FASTMATH)
 def _down_kernel(fmt, down, db, has_bias, uniq, poff, ptok, pw, h, hidden, inter, out, nthreads):
     """out[t, r] = sum over pairs p of token t: pw[p] * (down_e[r] . h[p] + db[e, r]); ``down``: bank addresses,
     ``db``: address of the float32 [E, H] biases."""

@@ -95,8 +95,8 @@ class Device(ABC):
         """Copy a host array to the device (no copy on host devices when already a NumPy array)."""
 
     @abstractmethod
-    def to_host(self, arr: Any, stream: Any = None) -> np.ndarray:
-        """Copy a device array to a NumPy array."""
+    def to_host(self, arr: Any, stream: Any = None, out: np.ndarray | None = None) -> np.ndarray:
+        """Copy a device array to a NumPy array (into ``out`` when given, e.g. a pinned buffer's host view)."""
 
     @abstractmethod
     def pinned_empty(self, shape, dtype) -> PinnedArray:

@@ -32,7 +32,10 @@ class HostDevice(Device):
     def asarray(self, host, stream=None):
         return np.asarray(host)
 
-    def to_host(self, arr, stream=None) -> np.ndarray:
+    def to_host(self, arr, stream=None, out=None) -> np.ndarray:
+        if out is not None:
+            np.copyto(out, arr)
+            return out
         return np.asarray(arr)
 
     def pinned_empty(self, shape, dtype) -> PinnedArray:

@@ -98,8 +98,11 @@ class GpuDevice(Device):
     def asarray(self, host, stream=None):
         return self.cupy.asarray(host)
 
-    def to_host(self, arr, stream=None) -> np.ndarray:
-        return self.cupy.asnumpy(arr, stream=stream.raw if isinstance(stream, _GpuStream) else stream)
+    def to_host(self, arr, stream=None, out=None) -> np.ndarray:
+        raw = stream.raw if isinstance(stream, _GpuStream) else stream
+        if out is not None:
+            return self.cupy.ascontiguousarray(arr).get(stream=raw, out=out)  # straight into ``out`` (pinned: DMA)
+        return self.cupy.asnumpy(arr, stream=raw)
 
     def pinned_empty(self, shape, dtype) -> PinnedArray:
         from cupy.cuda import pinned_memory
