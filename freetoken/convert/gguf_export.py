@@ -163,6 +163,17 @@ def _write_metadata(writer, cfg: ModelConfig, name: str, experts: str) -> None:
         writer.add_expert_feed_forward_length(cfg.moe_inter)
     if cfg.shared_inter:
         writer.add_expert_shared_feed_forward_length(cfg.shared_inter)
+    if cfg.rope_scaling is not None:
+        from gguf import RopeScalingType
+
+        kind = cfg.rope_scaling.get("rope_type", cfg.rope_scaling.get("type"))
+        if kind not in ("linear", "yarn"):
+            raise ValueError(f"rope scaling {kind!r} has no GGUF metadata freetoken writes (linear and yarn do)")
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR if kind == "linear" else RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(cfg.rope_scaling["factor"]))
+        orig = cfg.rope_scaling.get("original_max_position_embeddings")
+        if orig:
+            writer.add_rope_scaling_orig_ctx_len(int(orig))
 
 
 def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, experts: str = "q4_0", other: str = "f16",

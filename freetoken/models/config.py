@@ -16,6 +16,10 @@ import numpy as np
 FAMILIES = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
 
 
+#: RoPE scaling variants the decoder implements (freetoken.models.layers.rope_frequencies).
+ROPE_SCALINGS = ("linear", "yarn", "llama3")
+
+
 class ConfigError(ValueError):
     """A config.json freetoken cannot run: unknown architecture or a missing/invalid field (named)."""
 
@@ -91,8 +95,15 @@ def from_hf(cfg: dict) -> ModelConfig:
     moe_layers = tuple((i not in mlp_only) and experts > 0 and (i + 1) % step == 0 for i in range(layers))
     theta, scaling = _rope(cfg)
     if scaling is not None:
-        raise ConfigError(f"config.json: rope scaling {scaling.get('rope_type', scaling.get('type'))!r} is not "
-                          "supported yet")
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in ROPE_SCALINGS:
+            raise ConfigError(f"config.json: rope scaling {kind!r} is not supported (supported: "
+                              f"{', '.join(ROPE_SCALINGS)})")
+        need = {"linear": ("factor",), "yarn": ("factor",), "llama3": ("factor", "low_freq_factor",
+                                                                      "high_freq_factor")}[kind]
+        missing = [k for k in need if scaling.get(k) is None]
+        if missing:
+            raise ConfigError(f"config.json: rope scaling {kind!r} without {', '.join(missing)}")
     if cfg.get("sliding_window") and cfg.get("use_sliding_window"):
         raise ConfigError("config.json: sliding-window attention is not supported yet")
     return ModelConfig(
@@ -158,9 +169,17 @@ def from_gguf(gf) -> ModelConfig:
         if family != "qwen2_moe":
             raise ConfigError(f"{where}: shared experts in a {gf.arch} model are not supported")
         shared_inter = gf.info(f"blk.{first}.ffn_gate_shexp.weight").shape[0]
-    scaling = gf.meta(f"{gf.arch}.rope.scaling.type", None)
-    if scaling not in (None, "none"):
-        raise ConfigError(f"{where}: rope scaling {scaling!r} is not supported yet")
+    kind = gf.meta(f"{gf.arch}.rope.scaling.type", None)
+    rope_scaling = None
+    if kind not in (None, "none"):
+        if kind not in ("linear", "yarn"):
+            raise ConfigError(f"{where}: rope scaling {kind!r} is not supported (supported: linear, yarn)")
+        factor = gf.meta(f"{gf.arch}.rope.scaling.factor", None)
+        if factor is None:
+            raise ConfigError(f"{where}: rope scaling {kind!r} without {gf.arch}.rope.scaling.factor")
+        rope_scaling = {"rope_type": kind, "factor": float(factor),
+                        "original_max_position_embeddings": gf.meta(f"{gf.arch}.rope.scaling.original_context_length",
+                                                                    None)}
     scale = float(meta("expert_weights_scale", 1.0))
     if scale != 1.0:
         raise ConfigError(f"{where}: expert_weights_scale {scale} is not supported")
@@ -174,6 +193,7 @@ def from_gguf(gf) -> ModelConfig:
         top_k=int(meta("expert_used_count")), moe_inter=int(moe_inter), dense_inter=int(dense_inter),
         norm_topk_prob=bool(meta("expert_weights_norm", _GGUF_NORM_TOPK[family])),
         rms_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)), rope_theta=float(meta("rope.freq_base", 1e4)),
+        rope_scaling=rope_scaling,
         qk_norm=qk_norm, qkv_bias=gf.has("blk.0.attn_q.bias"), shared_inter=int(shared_inter),
         moe_layers=moe_layers, tie_word_embeddings=not gf.has("output.weight"),
         max_position=int(meta("context_length", 32768)),

@@ -73,7 +73,8 @@ class MoeDecoder:
             self.layers.append(lay)
         self.max_len = max_len
         self.max_decode_tokens = max_decode_tokens
-        self.rope_cos, self.rope_sin = rope_tables(self.xp, np.arange(max_len), cfg.head_dim, cfg.rope_theta)
+        self.rope_cos, self.rope_sin = rope_tables(self.xp, np.arange(max_len), cfg.head_dim, cfg.rope_theta,
+                                                   cfg.rope_scaling, cfg.max_position)
         shape = (max_len, cfg.num_kv_heads, cfg.head_dim)
         self.k_cache = [self.xp.zeros(shape, np.float32) for _ in range(cfg.num_layers)]
         self.v_cache = [self.xp.zeros(shape, np.float32) for _ in range(cfg.num_layers)]
