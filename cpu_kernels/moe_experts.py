@@ -47,6 +47,7 @@ writes ``h`` directly in the down matrix's order. bf16 and fp8_block use the nat
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import ml_dtypes
 import numba as nb
@@ -779,7 +780,7 @@ def _check_array(name, a, dtype, shape=None, ndim=None, contiguous=True):
 
 
 def forward(fmt_name: str, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, banks: dict, hidden: int,
-            inter: int, act_code: int, out: np.ndarray) -> None:
+            inter: int, act_code: int, out: np.ndarray, prepared: PreparedBanks | None = None) -> None:
     """Routed-expert forward on the CPU, reading the record banks in place.
 
     Parameters
@@ -794,16 +795,13 @@ def forward(fmt_name: str, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, 
     hidden, inter : H and I (multiples of 32)
     act_code : ``ACT_SWIGLU`` (0) or ``ACT_GPT_OSS`` (1)
     out : float32 [T, H], C-contiguous, overwritten with the weighted sum of the experts' outputs
+    prepared : :func:`prepare` of these banks (skips re-validating them on every call)
     """
-    if fmt_name not in FORMAT_CODES:
-        raise ValueError(f"unknown expert format {fmt_name!r}; known: {', '.join(FORMAT_CODES)}")
-    fmt = FORMAT_CODES[fmt_name]
     if act_code not in (ACT_SWIGLU, ACT_GPT_OSS):
         raise ValueError(f"act_code must be {ACT_SWIGLU} (swiglu) or {ACT_GPT_OSS} (gpt_oss), got {act_code}")
     act_code = int(act_code)  # plain ints and addresses: one compiled signature per kernel
-    hidden, inter = int(hidden), int(inter)
-    if hidden < 32 or inter < 32 or hidden % 32 or inter % 32:
-        raise ValueError(f"hidden and inter must be positive multiples of 32, got {hidden} and {inter}")
+    p = prepared if prepared is not None else prepare(fmt_name, banks, hidden, inter)
+    hidden, inter = p.hidden, p.inter
     _check_array("x", x, np.float32, ndim=2)
     t_count = x.shape[0]
     if x.shape[1] != hidden or t_count < 1:
@@ -815,6 +813,46 @@ def forward(fmt_name: str, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, 
     ids, weights = np.ascontiguousarray(ids), np.ascontiguousarray(weights)
     _check_array("out", out, np.float32, shape=(t_count, hidden))
 
+    uniq, poff, ptok, pw, bad = _group_pairs(ids, weights, p.num_experts)
+    if bad >= 0:
+        t, j = divmod(int(bad), ids.shape[1])
+        raise ValueError(f"ids[{t}, {j}] = {int(ids[t, j])} is out of range: the banks hold {p.num_experts} experts")
+
+    split = p.fmt in SPLIT_FORMATS
+    xs = np.ascontiguousarray(x[:, _perm(hidden, True)]) if split else x
+    h = np.empty((pw.shape[0], inter), np.float32)
+    nthreads = nb.get_num_threads()
+    # p.banks, xs and the biases stay referenced here while the kernels read them through their addresses
+    _gate_up_kernel(p.fmt, p.gate, p.up, p.gb, p.ub, p.has_bias, act_code, uniq, poff, ptok, xs.ctypes.data, hidden,
+                    inter, _inverse_perm(inter, split), h, nthreads)
+    _down_kernel(p.fmt, p.down, p.db, p.has_bias, uniq, poff, ptok, pw, h, hidden, inter, out, nthreads)
+
+
+class PreparedBanks(NamedTuple):
+    """Validated record banks with their kernel arguments (addresses), made once by :func:`prepare`."""
+
+    fmt: int
+    hidden: int
+    inter: int
+    has_bias: bool
+    num_experts: int
+    gate: tuple
+    up: tuple
+    down: tuple
+    gb: int
+    ub: int
+    db: int
+    banks: dict  # keeps the arrays alive while their addresses are used
+
+
+def prepare(fmt_name: str, banks: dict, hidden: int, inter: int) -> PreparedBanks:
+    """Check ``banks`` against the ``fmt_name`` record layout of ``hidden`` x ``inter`` once; the result can be
+    passed to :func:`forward` for every later call on the same (unmodified) banks."""
+    if fmt_name not in FORMAT_CODES:
+        raise ValueError(f"unknown expert format {fmt_name!r}; known: {', '.join(FORMAT_CODES)}")
+    hidden, inter = int(hidden), int(inter)
+    if hidden < 32 or inter < 32 or hidden % 32 or inter % 32:
+        raise ValueError(f"hidden and inter must be positive multiples of 32, got {hidden} and {inter}")
     has_bias = "gate.b" in banks or "up.b" in banks or "down.b" in banks
     num_experts = None
     for name, dtype, shape in _layout(fmt_name, hidden, inter, has_bias):
@@ -826,19 +864,7 @@ def forward(fmt_name: str, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, 
         _check_array(f"banks[{name!r}]", a, dtype, shape=(num_experts, *shape))
     if num_experts < 1:
         raise ValueError("banks: no experts")
-
-    uniq, poff, ptok, pw, bad = _group_pairs(ids, weights, num_experts)
-    if bad >= 0:
-        t, j = divmod(int(bad), ids.shape[1])
-        raise ValueError(f"ids[{t}, {j}] = {int(ids[t, j])} is out of range: the banks hold {num_experts} experts")
-
-    split = fmt in SPLIT_FORMATS
-    xs = np.ascontiguousarray(x[:, _perm(hidden, True)]) if split else x
-    h = np.empty((pw.shape[0], inter), np.float32)
     gate, up, down = (_matrix_args(banks, m) for m in ("gate", "up", "down"))
     gb, ub, db = (banks[f"{m}.b"].ctypes.data if has_bias else 0 for m in ("gate", "up", "down"))
-    nthreads = nb.get_num_threads()
-    # the banks, xs and the biases stay referenced here while the kernels read them through their addresses
-    _gate_up_kernel(fmt, gate, up, gb, ub, has_bias, act_code, uniq, poff, ptok, xs.ctypes.data, hidden, inter,
-                    _inverse_perm(inter, split), h, nthreads)
-    _down_kernel(fmt, down, db, has_bias, uniq, poff, ptok, pw, h, hidden, inter, out, nthreads)
+    return PreparedBanks(FORMAT_CODES[fmt_name], hidden, inter, has_bias, int(num_experts), gate, up, down,
+                         gb, ub, db, dict(banks))

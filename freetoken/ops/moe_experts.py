@@ -93,7 +93,8 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
         raise ValueError(f"x has {hidden} features, the expert records expect {layout.hidden}")
     if ids.shape[0] != tokens or weights.shape != ids.shape:
         raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [{tokens}, k]")
-    slots = layout.check(banks)
+    prepared = _prepared_cpu_banks(banks, layout) if dev.kind == "cpu" else None
+    slots = prepared.num_experts if prepared is not None else layout.check(banks)
     y = prepare_out(dev, out, (tokens, hidden), np.float32)
     if tokens == 0 or k == 0:
         y[...] = 0
@@ -110,12 +111,33 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
                 raise ValueError(f"ids[{t}, {j}] = {int(ids[t, j])} is not a slot (there are {slots})")
 
         x32 = np.asarray(x.view(np.uint16).astype(np.uint32) << 16).view(np.float32) if xk == "bf16" else x
-        forward(layout.fmt.name, np.ascontiguousarray(x32), ids, weights, banks, layout.hidden, layout.inter, code, y)
+        forward(layout.fmt.name, np.ascontiguousarray(x32), ids, weights, banks, layout.hidden, layout.inter, code, y,
+                prepared=prepared)
         return y
     if mode == "auto":
         mode = "decode" if tokens <= DECODE_MAX_TOKENS else "prefill"
     _run_cuda(dev, x, xk, ids, weights, banks, layout, code, mode, slots, y, validate)
     return y
+
+
+#: Validated cpu banks by the identity of their dict: a decoder calls every layer's (constant) banks once per
+#: token, and re-validating six banks costs as much as a small expert. Holding the dict keeps its id unique.
+_PREPARED: dict[int, tuple[dict, RecordLayout, object]] = {}
+
+
+def _prepared_cpu_banks(banks: dict, layout: RecordLayout):
+    from freetoken.cpu_kernels.moe_experts import prepare
+
+    hit = _PREPARED.get(id(banks))
+    if hit is not None and hit[0] is banks and hit[1] == layout and all(
+            hit[2].banks.get(k) is v for k, v in banks.items()):
+        return hit[2]
+    layout.check(banks)
+    p = prepare(layout.fmt.name, banks, layout.hidden, layout.inter)
+    if len(_PREPARED) >= 1024:
+        _PREPARED.clear()
+    _PREPARED[id(banks)] = (banks, layout, p)
+    return p
 
 
 def _run_cuda(dev, x, xk, ids, weights, banks, layout, code, mode, slots, y, validate):
