@@ -84,6 +84,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from freetoken import __version__
+    from freetoken.cli_args import add_model_args
 
     parser = argparse.ArgumentParser(prog="freetoken", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -92,17 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="generate text from a prompt",
                          description="Stream a continuation of PROMPT, then report prefill and decode speed.")
     run.add_argument("prompt", help="the text to continue")
-    run.add_argument("--model", default=None, help="HF model directory or GGUF file (default: the bundled model)")
-    run.add_argument("--device", default="auto", choices=["auto", "gpu", "cpu", "emu"],
-                     help="where to run (auto: gpu when present, else cpu)")
-    run.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    run.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default 0.7)")
-    run.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
-    run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
-    run.add_argument("--repetition-penalty", type=float, default=1.0, help="penalise repeats (default 1.0: off)")
-    run.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
-    run.add_argument("--cache-slots", type=int, default=None,
-                     help="gpu/emu: device slots of the expert cache (default: room for every expert)")
+    add_model_args(run, 128, "to generate")
     run.add_argument("--record-trace", metavar="FILE", default=None,
                      help="write the routing trace (npz) for `freetoken trace simulate`")
     from freetoken.policy.cli import add_bench_parser, add_policy_args

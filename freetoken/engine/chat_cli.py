@@ -117,20 +117,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def add_chat_parser(sub) -> argparse.ArgumentParser:
     """Register ``freetoken chat`` on the subparsers ``sub`` of the main parser."""
+    from freetoken.cli_args import add_model_args
+
     p = sub.add_parser("chat", help="chat with a model through its chat template", description=CHAT_DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF model directory (default: the bundled model)")
-    p.add_argument("--device", default="auto", choices=["auto", "gpu", "cpu", "emu"],
-                   help="where to run (auto: gpu when present, else cpu)")
-    p.add_argument("--max-tokens", type=int, default=256, help="tokens per reply at most (default 256)")
-    p.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default 0.7)")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="penalise repeats (default 1.0: off)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+    add_model_args(p, 256, "per reply")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
-    p.add_argument("--cache-slots", type=int, default=None,
-                   help="gpu/emu: device slots of the expert cache (default: room for every expert)")
     from freetoken.policy.cli import add_policy_args
 
     add_policy_args(p)

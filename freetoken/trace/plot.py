@@ -8,16 +8,21 @@ import os
 from collections.abc import Sequence
 
 
-def plot_miss_rates(rows: Sequence[dict], path: str | os.PathLike, title: str | None = None) -> None:
-    """Write a PNG (or any format matplotlib infers from ``path``) of miss rate % against slots."""
+def _figure(width: float):
+    """A matplotlib figure and axes on the Agg canvas (no display needed); RuntimeError without matplotlib."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as e:
         raise RuntimeError("plotting needs matplotlib: pip install matplotlib") from e
-    fig = Figure(figsize=(7, 4.5), dpi=120)
+    fig = Figure(figsize=(width, 4.5), dpi=120)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    return fig, fig.add_subplot()
+
+
+def plot_miss_rates(rows: Sequence[dict], path: str | os.PathLike, title: str | None = None) -> None:
+    """Write a PNG (or any format matplotlib infers from ``path``) of miss rate % against slots."""
+    fig, ax = _figure(7)
     series: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for r in rows:
         series.setdefault((r["policy"], r["window"]), []).append((r["slots"], 100.0 * r["miss_rate"]))
@@ -42,14 +47,7 @@ def plot_miss_rates(rows: Sequence[dict], path: str | os.PathLike, title: str | 
 def plot_timing_sweep(rows: Sequence[dict], path: str | os.PathLike, title: str | None = None) -> None:
     """Write a plot of estimated tokens/s against the PCIe/CPU bandwidth ratio, one line per mode (and slot count
     when there are several); ``rows`` from :func:`freetoken.trace.timing.sweep`."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise RuntimeError("plotting needs matplotlib: pip install matplotlib") from e
-    fig = Figure(figsize=(9.5, 4.5), dpi=120)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    fig, ax = _figure(9.5)
     series: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for r in rows:
         series.setdefault((r["mode"], r["slots"]), []).append((r["ratio"], r["tokens_per_s"]))

@@ -29,6 +29,7 @@ import numba as nb
 import numpy as np
 
 from freetoken.trace.format import Trace
+from freetoken.trace.lru_list import append_sorted, push_least_recent, unlink
 
 WINDOWS = ("all", "second_half")
 
@@ -159,14 +160,9 @@ def _lru_kernel(active, counts, seg_start, slots, num_flat, borrow_n):  # pragma
                 if o >= 0:
                     slot_of[o] = -1
                     owner[s] = -1
-                nxt[prv[s]] = nxt[s]
-                prv[nxt[s]] = prv[s]
+                unlink(nxt, prv, s)
             for s in range(borrow_n - 1, -1, -1):
-                n = nxt[head]
-                nxt[head] = s
-                prv[s] = head
-                nxt[s] = n
-                prv[n] = s
+                push_least_recent(nxt, prv, head, s)
         m_t = 0
         for layer in range(layers):
             cnt = counts[t, layer]
@@ -174,8 +170,7 @@ def _lru_kernel(active, counts, seg_start, slots, num_flat, borrow_n):  # pragma
             for j in range(cnt):  # hits first: they leave the victim list
                 s = slot_of[active[t, layer, j]]
                 if s >= 0:
-                    nxt[prv[s]] = nxt[s]
-                    prv[nxt[s]] = prv[s]
+                    unlink(nxt, prv, s)
                     touched[nt] = s
                     nt += 1
             for j in range(cnt):  # misses in increasing flat-id order take the least recent non-active slot
@@ -193,20 +188,7 @@ def _lru_kernel(active, counts, seg_start, slots, num_flat, borrow_n):  # pragma
                 touched[nt] = s
                 nt += 1
                 m_t += 1
-            for a in range(1, nt):  # this call's slots share recency c: order them by slot index
-                v = touched[a]
-                b = a - 1
-                while b >= 0 and touched[b] > v:
-                    touched[b + 1] = touched[b]
-                    b -= 1
-                touched[b + 1] = v
-            for a in range(nt):
-                s = touched[a]
-                p = prv[head]
-                nxt[p] = s
-                prv[s] = p
-                nxt[s] = head
-                prv[head] = s
+            append_sorted(nxt, prv, head, touched, nt)  # this call's slots share recency c: by slot index
         misses[t] = m_t
     return misses, owner
 

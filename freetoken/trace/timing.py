@@ -102,6 +102,7 @@ from freetoken.policy.qstar import (
     marginal_hit_value,
 )
 from freetoken.trace.format import Trace
+from freetoken.trace.lru_list import append_sorted, push_least_recent, sort_ids, unlink
 from freetoken.trace.policies import WINDOWS, _check_slots, prepare, window_steps
 
 MODES = ("fetch_all", "cpu_all", "qstar", "qstar_prefetch")
@@ -120,42 +121,6 @@ _FIELDS = ("time", "transfer", "prefetch", "cpu", "gpu", "stall", "hits", "misse
 
 
 # ---------------------------------------------------------------------------------------------------- kernel
-
-
-@nb.njit(cache=True, inline="always")
-def _unlink(nxt, prv, s):  # pragma: no cover - compiled
-    nxt[prv[s]] = nxt[s]
-    prv[nxt[s]] = prv[s]
-
-
-@nb.njit(cache=True)
-def _append_sorted(nxt, prv, head, touched, nt):  # pragma: no cover - compiled
-    """Order the call's touched slots by slot index (they share the call's recency) and append them."""
-    for a in range(1, nt):
-        v = touched[a]
-        b = a - 1
-        while b >= 0 and touched[b] > v:
-            touched[b + 1] = touched[b]
-            b -= 1
-        touched[b + 1] = v
-    for a in range(nt):
-        s = touched[a]
-        p = prv[head]
-        nxt[p] = s
-        prv[s] = p
-        nxt[s] = head
-        prv[head] = s
-
-
-@nb.njit(cache=True)
-def _sort_ids(a, n):  # pragma: no cover - compiled
-    for i in range(1, n):
-        v = a[i]
-        j = i - 1
-        while j >= 0 and a[j] > v:
-            a[j + 1] = a[j]
-            j -= 1
-        a[j + 1] = v
 
 
 @nb.njit(cache=True)
@@ -235,13 +200,9 @@ def _timing_kernel(active, counts, tokcnt, seg_start, slots, num_flat, num_exper
                         pf_mark[o] = False
                     else:
                         tot_life += 1.0
-                _unlink(nxt, prv, s)
+                unlink(nxt, prv, s)
             for s in range(borrow_n - 1, -1, -1):
-                n = nxt[head]
-                nxt[head] = s
-                prv[s] = head
-                nxt[s] = n
-                prv[n] = s
+                push_least_recent(nxt, prv, head, s)
         step_time = step_s
         step_gpu = step_s
         for layer in range(layers):
@@ -254,7 +215,7 @@ def _timing_kernel(active, counts, tokcnt, seg_start, slots, num_flat, num_exper
                 f = active[t, layer, j]
                 s = slot_of[f]
                 if s >= 0:
-                    _unlink(nxt, prv, s)
+                    unlink(nxt, prv, s)
                     touched[nt] = s
                     nt += 1
                     h += 1
@@ -307,11 +268,11 @@ def _timing_kernel(active, counts, tokcnt, seg_start, slots, num_flat, num_exper
                 qdiag[t, layer, 2] = _critical(x, c, g, hand, ctok, m, h, m, 0)
             for i in range(q):
                 fetch[i] = miss_id[i]
-            _sort_ids(fetch, q)
+            sort_ids(fetch, q)
             for i in range(q):  # admit the fetched misses in increasing id order into LRU victims
                 f = fetch[i]
                 s = nxt[head]
-                _unlink(nxt, prv, s)
+                unlink(nxt, prv, s)
                 o = owner[s]
                 if o >= 0:
                     slot_of[o] = -1
@@ -349,7 +310,7 @@ def _timing_kernel(active, counts, tokcnt, seg_start, slots, num_flat, num_exper
                         n_within[f] += 1.0
                         g_within += 1.0
                 last_used[f] = t
-            _append_sorted(nxt, prv, head, touched, nt)
+            append_sorted(nxt, prv, head, touched, nt)
             if not use_pf:
                 continue
             # prefetch the next call's predicted experts on the idle transfer stream
@@ -412,11 +373,11 @@ def _timing_kernel(active, counts, tokcnt, seg_start, slots, num_flat, num_exper
             if nc <= 0:
                 continue
             for a in range(hp):  # an admit call on the predicted set: resident ones are refreshed
-                _unlink(nxt, prv, ptouched[a])
+                unlink(nxt, prv, ptouched[a])
             npt = hp
             for a in range(nt):
                 busy[touched[a]] = True
-            _sort_ids(fetch, nc)
+            sort_ids(fetch, nc)
             nadm = 0
             for i in range(nc):
                 f = fetch[i]
@@ -425,7 +386,7 @@ def _timing_kernel(active, counts, tokcnt, seg_start, slots, num_flat, num_exper
                     s = nxt[s]
                 if s == head:
                     break
-                _unlink(nxt, prv, s)
+                unlink(nxt, prv, s)
                 o = owner[s]
                 if o >= 0:
                     slot_of[o] = -1
@@ -441,7 +402,7 @@ def _timing_kernel(active, counts, tokcnt, seg_start, slots, num_flat, num_exper
                 ptouched[npt] = s
                 npt += 1
                 nadm += 1
-            _append_sorted(nxt, prv, head, ptouched, npt)
+            append_sorted(nxt, prv, head, ptouched, npt)
             for a in range(nt):
                 busy[touched[a]] = False
             out[2, t] += nadm * x
