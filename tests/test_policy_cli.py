@@ -6,6 +6,7 @@ import json
 import pytest
 
 from freetoken.cli import main
+from freetoken.engine.load import DEFAULT_MODEL
 
 PROMPT = "def fibonacci(n):"
 RUN = ["run", "--device", "emu", "--max-tokens", "12", "--temperature", "0", "--cache-slots", "40"]
@@ -32,9 +33,9 @@ def test_hybrid_and_cpu_modes_write_the_gpu_modes_text(capsys, cache_home):
 
 
 def test_bench_bw_profile_is_reused_by_auto(capsys, cache_home):
-    assert main(["bench", "bw", "--device", "emu", "--hidden", "256", "--inter", "128", "--records", "8",
-                 "--format", "bf16", "--json"]) == 0
+    assert main(["bench", "bw", "--device", "emu", "--model", str(DEFAULT_MODEL), "--records", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
+    assert out["format"] == "bf16" and out["record_bytes"] == 3 * 192 * 96 * 2  # the bundled model's records
     assert out["pcie_gbps"] > 0 and out["cpu_gbps"] > 0 and out["recommended_mode"] in ("gpu", "cpu", "hybrid")
     stored = json.loads((cache_home / "bandwidth_profiles.json").read_text())
     assert len(stored) == 1 and next(iter(stored.values()))["gpu"] == "emu"

@@ -85,9 +85,12 @@ def _cmd_bw(args: argparse.Namespace) -> int:
 
     try:
         dev = get_device(args.device)
-        hidden, inter = args.hidden or DEFAULT_SHAPE[0], args.inter or DEFAULT_SHAPE[1]
-        layout = layout_for(args.format, hidden, inter)
-    except (ValueError, RuntimeError) as e:
+        fmt, hidden, inter = args.format, args.hidden or DEFAULT_SHAPE[0], args.inter or DEFAULT_SHAPE[1]
+        if args.model is not None:
+            fmt, hidden, inter = _model_record(args.model)
+        args.format = fmt
+        layout = layout_for(fmt, hidden, inter)
+    except (ValueError, RuntimeError, OSError) as e:
         print(f"freetoken bench bw: error: {e}", file=sys.stderr)
         return 1
     gpu, cpu = this_hardware(dev)
@@ -119,6 +122,28 @@ def _cmd_bw(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_record(path: str) -> tuple[str, int, int]:
+    """(expert format, hidden, expert FFN) of a model as ``freetoken run`` would load it, from its config only."""
+    from pathlib import Path
+
+    from freetoken.loaders import GGUFFile, SafetensorsDir, quantization
+    from freetoken.models.config import GGUF_FAMILIES, from_gguf, from_hf
+
+    p = Path(path)
+    if p.is_file():
+        gf = GGUFFile(p, archs=tuple(GGUF_FAMILIES))
+        cfg = from_gguf(gf)
+        first = next(i for i in range(cfg.num_layers) if cfg.is_moe(i))
+        try:
+            fmt = gf.expert_format(first)
+        except Exception:
+            fmt = "bf16"
+        return fmt, cfg.hidden, cfg.moe_inter
+    sd = SafetensorsDir(p)
+    cfg = from_hf(sd.config)
+    return quantization(sd.config, sd.hf_quant_config).expert_format, cfg.hidden, cfg.moe_inter
+
+
 def add_bench_parser(sub) -> None:
     from freetoken import formats
 
@@ -128,6 +153,8 @@ def add_bench_parser(sub) -> None:
     bw = bsub.add_parser("bw", help="PCIe and CPU-executor bandwidth; stores a profile",
                          description="Measure PCIe copies and the CPU executor once and store the profile.")
     bw.add_argument("--device", default="auto", choices=["auto", "gpu", "cpu", "emu"])
+    bw.add_argument("--model", default=None,
+                    help="measure with this model's expert format and record shape (overrides the three below)")
     bw.add_argument("--format", default="q4_0", choices=list(formats.NAMES), help="expert format (default q4_0)")
     bw.add_argument("--hidden", type=int, default=None, help="record shape: hidden size (default 2048)")
     bw.add_argument("--inter", type=int, default=None, help="record shape: expert FFN size (default 768)")

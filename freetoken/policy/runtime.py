@@ -20,7 +20,8 @@ def resolve_mode(mode: str, device, fmt: str, oracle: BandwidthOracle | None):
     if mode == "auto":
         mode = recommend_mode(profile)
         note = (f"auto -> {mode} (profile: PCIe {profile.pcie_gbps:.1f} GB/s, CPU {profile.cpu_gbps:.1f} GB/s)"
-                if profile else "auto -> gpu (no bandwidth profile for this machine: run `freetoken bench bw`)")
+                if profile else f"auto -> gpu (no bandwidth profile for {fmt} experts on this machine: run "
+                f"`freetoken bench bw --model MODEL` or `--format {fmt}`)")
     if oracle is None:
         oracle = (BandwidthOracle(pcie_gbps=profile.pcie_gbps, cpu_gbps=profile.cpu_gbps) if profile
                   else BandwidthOracle())
