@@ -61,7 +61,7 @@ class MoeExecutor:
     def costs(self) -> StepCosts:
         o = self.oracle
         return StepCosts.from_bandwidths(self.layout.record_bytes, o.pcie_gbps(), o.cpu_gbps(self.fmt),
-                                         gpu_gbps=self.gpu_gbps)
+                                         gpu_gbps=self.gpu_gbps, cpu_handoff_s=o.handoff_seconds())
 
     # ---- the split -------------------------------------------------------------------------------------------
     def plan(self, layer: int, ids_host: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -120,10 +120,14 @@ class MoeExecutor:
             self.oracle.add_copy(nbytes, start.elapsed_ms(stop) / 1e3)
         if job is not None:
             tokens, part = job.result()
+            t0 = time.perf_counter()
             part_dev = dev.asarray(part)
             if y is None:
                 y = xp.zeros(h.shape, np.float32)
             y[dev.asarray(tokens)] += part_dev  # GPU share first, then the CPU share: a fixed merge order
+            dev.synchronize()
+            # the hand-off sample: activations out (timed at submit) + partial outputs back and merged
+            self.oracle.add_handoff(self._x_seconds + time.perf_counter() - t0)
         if y is None:
             y = xp.zeros(h.shape, np.float32)
         return y
@@ -131,7 +135,9 @@ class MoeExecutor:
     def _submit_cpu(self, layer, h, ids_host, w_host, cpu_pair):
         """Start the CPU share on the worker: the tokens with a CPU pair, their CPU pairs (others weight 0)."""
         tokens = np.flatnonzero(cpu_pair.any(axis=1)).astype(np.int64)
+        t0 = time.perf_counter()
         x = self.dev.to_host(h[self.dev.asarray(tokens)], out=self._x_pinned.host[: tokens.size])
+        self._x_seconds = time.perf_counter() - t0
         ids_c, w_c = _substitute(ids_host[tokens], w_host[tokens], cpu_pair[tokens])
         flat = (ids_c + layer * self.cache.num_experts).astype(np.int32)
         n_experts = len(np.unique(ids_host[cpu_pair]))

@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from freetoken.policy.qstar import DEFAULT_CPU_HANDOFF_S
+
 GB = 1e9
 
 
@@ -105,6 +107,9 @@ class BandwidthOracle:
         self._cpu_prior = cpu_gbps * GB
         self._cpu_pin: float | None = None  # inject(cpu_gbps=...) for every format
         self._cpu: dict[str, RollingRate] = {}
+        # the CPU path's fixed cost per call (activations out, partial outputs back, merge), as a "rate" of 1 unit
+        # per second so the same windowed median applies: rate = 1 / seconds
+        self.handoff = RollingRate(prior=1.0 / DEFAULT_CPU_HANDOFF_S, window_s=window_s, clock=clock)
 
     def cpu(self, fmt: str) -> RollingRate:
         r = self._cpu.get(fmt)
@@ -118,6 +123,13 @@ class BandwidthOracle:
 
     def add_cpu(self, fmt: str, nbytes: float, seconds: float, now: float | None = None) -> None:
         self.cpu(fmt).add(nbytes, seconds, now)
+
+    def add_handoff(self, seconds: float, now: float | None = None) -> None:
+        self.handoff.add(1.0, seconds, now)
+
+    def handoff_seconds(self) -> float:
+        """The CPU path's per-call cost (moving activations and partial outputs, merging), median of the window."""
+        return 1.0 / self.handoff.rate()
 
     def inject(self, pcie_gbps: float | None = None, cpu_gbps: float | None = None, fmt: str | None = None) -> None:
         """Pin figures (GB/s): measurements no longer change them. ``fmt=None`` pins every format's CPU rate."""
