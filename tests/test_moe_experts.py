@@ -102,3 +102,21 @@ def test_shape_errors(device):
         moe_experts(x, ids, weights, {**banks, "gate.s": banks["gate.s"][:, :, :1]}, layout, device=device)
     with pytest.raises(ValueError, match="unknown activation"):
         moe_experts(x, ids, weights, banks, layout, act="relu", device=device)
+
+
+@pytest.mark.parametrize("fmt_name", ["q4_0", "bf16"])
+def test_workspace_reuse_equals_fresh_buffers(cuda_device, fmt_name):
+    """One MoeWorkspace serves call after call (counters reset, plan rebuilt) with exactly the results of fresh
+    buffers, in decode and prefill modes; a call larger than it was made for falls back to fresh buffers."""
+    from freetoken.ops.moe_experts import MoeWorkspace
+
+    layout, banks = _record(fmt_name, False)
+    dev_banks = {name: cuda_device.asarray(a) for name, a in banks.items()}
+    ws = MoeWorkspace(cuda_device, layout, dev_banks, max_pairs=40)
+    for n, (tokens, k, mode) in enumerate([(1, 8, "decode"), (3, 2, "decode"), (17, 2, "prefill"), (1, 1, "decode"),
+                                           (30, 2, "prefill")]):  # the last one has 60 pairs > 40
+        x, ids, weights = _inputs(tokens, k, seed=10 + n)
+        args = (cuda_device.asarray(x), cuda_device.asarray(ids), cuda_device.asarray(weights), dev_banks, layout)
+        want = cuda_device.to_host(moe_experts(*args, mode=mode, device=cuda_device))
+        got = cuda_device.to_host(moe_experts(*args, mode=mode, device=cuda_device, workspace=ws))
+        np.testing.assert_array_equal(got, want)

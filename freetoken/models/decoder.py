@@ -24,7 +24,7 @@ from freetoken.models.config import ModelConfig
 from freetoken.models.layers import apply_rope, attention, rms_norm, rope_tables
 from freetoken.models.linear import Linear
 from freetoken.models.weights import HFWeights, Weights
-from freetoken.ops.moe_experts import moe_experts
+from freetoken.ops.moe_experts import MoeWorkspace, moe_experts
 
 
 class MoeDecoder:
@@ -174,7 +174,8 @@ class MoeDecoder:
             cache.admit(m, slots)
             cache.copy_missing()
             self._prefetch_next(m, h)
-            return moe_experts(h, slots, w, cache.slot_banks, self.layout, device=self.dev, validate=False)
+            return moe_experts(h, slots, w, cache.slot_banks, self.layout, device=self.dev, validate=False,
+                               workspace=self.workspace)
         if m + 1 < cache.num_layers:
             cache.prefetch_layer(m + 1)  # overlaps this layer's compute
         first = cache.wait_layer(m)
@@ -184,7 +185,7 @@ class MoeDecoder:
 
     # ---- miss policy: the q* executor, next-layer prefetch ---------------------------------------------------
     def _init_policy(self, moe_mode: str, oracle, future_value: float, prefetch: bool) -> None:
-        self.executor, self.policy_note = None, ""
+        self.executor, self.policy_note, self.workspace = None, "", None
         if self.cache is None:  # the cpu device: every expert runs on the CPU from host memory
             self.moe_mode = "cpu"
         else:
@@ -192,10 +193,13 @@ class MoeDecoder:
 
             moe_mode, oracle, self.policy_note = resolve_mode(moe_mode, self.dev, self.layout.fmt.name, oracle)
             self.moe_mode = moe_mode
+            # decode's plan and expert buffers, allocated once over the slot banks (see ops.moe_experts)
+            self.workspace = MoeWorkspace(self.dev, self.layout, self.cache.slot_banks, self.cache.max_active)
             if moe_mode != "gpu":
                 from freetoken.policy.hybrid import MoeExecutor
 
-                self.executor = MoeExecutor(self.cache, self.layout, moe_mode, oracle, future_value)
+                self.executor = MoeExecutor(self.cache, self.layout, moe_mode, oracle, future_value,
+                                            workspace=self.workspace)
         self.prefetch = bool(prefetch) and self.cache is not None
         self.prefetch_stats = {"predicted": 0, "correct": 0, "actual": 0}
         self._predicted: dict[int, np.ndarray] = {}

@@ -62,7 +62,7 @@ def _x_kind(x) -> str:
 
 
 def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str = "swiglu", mode: str = "auto",
-                out=None, device=None, validate: bool = True):
+                out=None, device=None, validate: bool = True, workspace: MoeWorkspace | None = None):
     """Routed expert forward over slot-indexed record banks.
 
     Parameters
@@ -76,6 +76,8 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
     mode : "decode", "prefill" or "auto" (decode up to 16 tokens); gpu/emu only
     out : float32 [T, H], optional
     validate : check that every id names a slot (synchronises on gpu; off inside captured graphs)
+    workspace : a :class:`MoeWorkspace` for these banks (gpu/emu): the plan and intermediate buffers are reused,
+        so a call allocates nothing but ``out`` (pass ``out`` too for an allocation-free, capturable call)
 
     Returns
     -------
@@ -116,7 +118,10 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
         return y
     if mode == "auto":
         mode = "decode" if tokens <= DECODE_MAX_TOKENS else "prefill"
-    _run_cuda(dev, x, xk, ids, weights, banks, layout, code, mode, slots, y, validate)
+    if workspace is not None and not workspace.fits(dev, banks, layout, tokens * k, slots):
+        workspace = None  # a larger batch (a prompt) than the workspace was made for: plain buffers
+    _run_cuda(dev, x, xk, ids, weights, banks, layout, code, mode, slots, y, validate,
+              workspace or MoeWorkspace(dev, layout, banks, tokens * k))
     return y
 
 
@@ -140,22 +145,56 @@ def _prepared_cpu_banks(banks: dict, layout: RecordLayout):
     return p
 
 
-def _run_cuda(dev, x, xk, ids, weights, banks, layout, code, mode, slots, y, validate):
-    xp = dev.xp
+class MoeWorkspace:
+    """The routing plan's and the expert kernels' buffers for calls of up to ``max_pairs`` (token, expert) pairs
+    over one set of slot banks, allocated once (the decode loop reuses them every layer and step), with the plan
+    and bank structs built once. A call then launches kernels only (plus one memset of the counters): nothing is
+    allocated or copied from the host, as a captured CUDA graph requires."""
+
+    def __init__(self, dev, layout: RecordLayout, banks: dict, max_pairs: int):
+        xp, i32 = dev.xp, np.int32
+        slots = layout.check(banks)
+        self.dev, self.layout, self.banks, self.slots, self.max_pairs = dev, layout, banks, slots, int(max_pairs)
+        pairs = self.max_pairs
+        self.max_tiles = -(-pairs // TILE_M) + min(pairs, slots)
+        self.counts, self.bad = xp.zeros(slots, i32), xp.zeros(1, i32)
+        self.slot_off, self.cursor = xp.empty(slots, i32), xp.empty(slots, i32)
+        self.n_unique, self.n_tiles = xp.empty(1, i32), xp.empty(1, i32)
+        self.unique_slot, self.unique_off = xp.empty(pairs, i32), xp.empty(pairs + 1, i32)
+        self.pair_list = xp.empty(pairs, i32)
+        self.tile_unique, self.tile_start = xp.empty(self.max_tiles, i32), xp.empty(self.max_tiles, i32)
+        self.h = xp.empty((pairs, layout.inter), np.float32)
+        self.o = xp.empty((pairs, layout.hidden), np.float32)
+        plan = np.zeros((), PLAN)
+        for name in ("n_unique", "unique_slot", "unique_off", "pair_list", "n_tiles", "tile_unique", "tile_start"):
+            plan[name] = dev.pointer_of(getattr(self, name))
+        self.plan = plan[()]
+        self.bank_struct = _bank_struct(dev, layout, banks)
+        self._fresh = True  # counters are zero as allocated
+
+    def fits(self, dev, banks: dict, layout: RecordLayout, pairs: int, slots: int) -> bool:
+        return (dev is self.dev and banks is self.banks and layout == self.layout and pairs <= self.max_pairs
+                and slots == self.slots)
+
+    def reset_counters(self) -> None:
+        if not self._fresh:
+            self.counts.fill(0)
+            self.bad.fill(0)
+        self._fresh = False
+
+
+def _run_cuda(dev, x, xk, ids, weights, banks, layout, code, mode, slots, y, validate, ws: MoeWorkspace):
     tokens, hidden = x.shape
     k = ids.shape[1]
     inter = layout.inter
     pairs = tokens * k
     max_tiles = -(-pairs // TILE_M) + min(pairs, slots)
     i32 = np.int32
-    counts = xp.zeros(slots, i32)
-    bad = xp.zeros(1, i32)
-    slot_off, cursor = xp.empty(slots, i32), xp.empty(slots, i32)
-    n_unique, n_tiles = xp.empty(1, i32), xp.empty(1, i32)
-    unique_slot, unique_off, pair_list = xp.empty(pairs, i32), xp.empty(pairs + 1, i32), xp.empty(pairs, i32)
-    tile_unique, tile_start = xp.empty(max_tiles, i32), xp.empty(max_tiles, i32)
-    h = xp.empty((pairs, inter), np.float32)
-    o = xp.empty((pairs, hidden), np.float32)
+    ws.reset_counters()
+    counts, bad = ws.counts, ws.bad
+    slot_off, cursor, n_unique, unique_slot = ws.slot_off, ws.cursor, ws.n_unique, ws.unique_slot
+    unique_off, n_tiles, tile_unique, tile_start = ws.unique_off, ws.n_tiles, ws.tile_unique, ws.tile_start
+    pair_list, h, o = ws.pair_list, ws.h, ws.o
 
     np_pairs, np_slots = check_int32("pairs", pairs), check_int32("slots", slots)
     grid_pairs = (-(-pairs // 256),)
@@ -173,13 +212,7 @@ def _run_cuda(dev, x, xk, ids, weights, banks, layout, code, mode, slots, y, val
             bad_id = int(dev.to_host(ids.reshape(-1)[p:p + 1])[0])
             raise ValueError(f"ids[{p // k}, {p % k}] = {bad_id} is not a slot (there are {slots})")
 
-    plan = np.zeros((), PLAN)
-    for name, arr in (("n_unique", n_unique), ("unique_slot", unique_slot), ("unique_off", unique_off),
-                      ("pair_list", pair_list), ("n_tiles", n_tiles), ("tile_unique", tile_unique),
-                      ("tile_start", tile_start)):
-        plan[name] = dev.pointer_of(arr)
-    plan = plan[()]
-    bank_struct = _bank_struct(dev, layout, banks)
+    plan, bank_struct = ws.plan, ws.bank_struct
     fam = KERNEL_FAMILY[layout.fmt.name]
     src = f"moe_{mode}.cu"
     # FREETOKEN_NO_MMA=1 builds the prefill kernels with their plain fallback instead of tensor cores (to tell a

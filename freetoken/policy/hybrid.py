@@ -38,7 +38,7 @@ class MoeExecutor:
     """Routed experts of decode steps through ``cache`` with the misses split per ``mode``."""
 
     def __init__(self, cache, layout, mode: str = "hybrid", oracle: BandwidthOracle | None = None,
-                 future_value: float = 0.0, gpu_gbps: float = 900.0):
+                 future_value: float = 0.0, gpu_gbps: float = 900.0, workspace=None):
         if mode not in ("gpu", "cpu", "hybrid"):
             raise ValueError(f"moe mode {mode!r}: choose gpu, cpu or hybrid (auto resolves to one of them)")
         self.cache, self.layout, self.mode = cache, layout, mode
@@ -47,6 +47,7 @@ class MoeExecutor:
         self.future_value = float(future_value)
         self.gpu_gbps = gpu_gbps
         self.fmt = layout.fmt.name
+        self.workspace = workspace  # the decoder's MoeWorkspace over the slot banks (None: per-call buffers)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freetoken-cpu-experts")
         self.host_banks = {name: cache.pool.host(name) for name in cache.pool.banks}  # [L * E, ...] views
         # hand-off buffers in page-locked memory: activations out, partial outputs back (DMA, no staging copy)
@@ -113,7 +114,7 @@ class MoeExecutor:
             if after_admit is not None:
                 after_admit(layer, h)
             y = moe_experts(h, slots_dev, dev.asarray(wg), self.cache.slot_banks, self.layout, device=dev,
-                            validate=False)
+                            validate=False, workspace=self.workspace)
         if timing is not None:  # the copy's event-timed duration is the oracle's PCIe sample (read once done)
             start, stop, nbytes = timing
             stop.synchronize()
