@@ -8,6 +8,9 @@ Columns: kernel, max error against the NumPy reference, pass/FAIL, median time, 
 fraction of the card's device-to-device copy bandwidth measured in the same run. Without a GPU it says so and
 exits 0 (exit 1 with --require-gpu). Exit 1 when any case fails. If only moe_prefill_* fail, rerun with
 FREETOKEN_NO_MMA=1 (the prefill kernels' plain fallback): passing then points at the tensor-core path.
+On a GPU it then runs the bundled model end to end (--model-check, bench/gpu_model_check.py): logits against the
+cpu device, decode tokens/s by cache size and --moe-mode, and bench bw's PCIe and CPU figures;
+--synthetic FILE.gguf adds a decode table on a larger model.
 """
 
 from __future__ import annotations
@@ -56,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="case sizes (default: large on gpu, small on emu)")
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions per case (median reported)")
     parser.add_argument("--require-gpu", action="store_true", help="exit 1 instead of 0 when there is no GPU")
+    parser.add_argument("--model-check", action=argparse.BooleanOptionalAction, default=None,
+                        help="also run the bundled model end to end on the device (bench/gpu_model_check.py; "
+                             "default: on for gpu, off for emu)")
+    parser.add_argument("--synthetic", default=None, metavar="GGUF",
+                        help="with --model-check: also time decode on this GGUF (bench/make_synthetic_gguf.py)")
     args = parser.parse_args(argv)
 
     from freetoken.device import device_status, get_device
@@ -115,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{tflops:>8.3f}")
     print(f"\n{len(CASES) - failed}/{len(CASES)} kernels match their NumPy reference "
           f"({size} shapes, median of {args.reps}; times include the op's Python launch overhead)")
+    if args.model_check if args.model_check is not None else dev.kind == "gpu":
+        import os
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from gpu_model_check import run as model_check
+
+        failed += model_check(dev.kind, args.synthetic)
     return 1 if failed else 0
 
 

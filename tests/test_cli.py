@@ -61,8 +61,8 @@ def test_gpu_check_says_no_gpu():
 @pytest.mark.skipif(not device_status()["emu"][0], reason="emu device unavailable")
 def test_gpu_check_table_on_emu():
     script = ROOT / "bench" / "gpu_check.py"
-    proc = subprocess.run([sys.executable, str(script), "--device", "emu", "--reps", "2"], capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(script), "--device", "emu", "--reps", "2", "--model-check"],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     from freetoken.ops.cases import CASES
 
@@ -70,3 +70,7 @@ def test_gpu_check_table_on_emu():
         line = next(line for line in proc.stdout.splitlines() if line.startswith(case.name + " "))
         assert " ok " in line, line
     assert f"{len(CASES)}/{len(CASES)} kernels match" in proc.stdout
+    # the end-to-end half: the bundled model on the emulated device against the cpu device, decode per mode
+    assert "logits vs cpu: NMSE" in proc.stdout and "  ok  " in proc.stdout
+    for mode in ("gpu", "hybrid", "cpu"):
+        assert f"  {mode} " in proc.stdout

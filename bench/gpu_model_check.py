@@ -1,0 +1,101 @@
+"""The end-to-end half of the GPU check (``bench/gpu_check.py --model-check``): the runner on the device.
+
+1. The bundled model's logits on the device against the cpu device (NMSE; a 32-token prompt then 8 decode steps
+   through the KV cache) and greedy generation agreement.
+2. Decode tokens/s on the device: all experts cached, then a small expert cache (misses copied in every step),
+   in each --moe-mode (gpu, hybrid, cpu), with hit rates and what the oracle measured.
+3. ``bench bw``'s two measurements at Qwen3-30B-A3B's record shape (q4_0): PCIe copy kernel and CPU executor.
+4. With ``--synthetic FILE``: the same decode table on a synthetic Qwen3-MoE q4_0 GGUF
+   (``bench/make_synthetic_gguf.py``), big enough that PCIe matters.
+
+Prints one block of lines; returns the number of failed checks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+NMSE_BOUND = 5e-5  # the bound tests/test_model_parity.py holds against transformers
+
+
+def _logits(model, tokens, prompt: int) -> np.ndarray:
+    dec = model.decoder
+    dec.reset()
+    out = [dec.forward(tokens[:prompt])]
+    out += [dec.forward(tokens[i:i + 1]) for i in range(prompt, tokens.size)]
+    return np.concatenate(out)
+
+
+def _decode_rate(model, prompt_ids, steps: int) -> float:
+    from freetoken.engine.sampling import SamplingParams
+
+    list(model.generate(prompt_ids, max_tokens=4, sampling=SamplingParams(temperature=0)))  # warm-up
+    list(model.generate(prompt_ids, max_tokens=steps, sampling=SamplingParams(temperature=0)))
+    return model.stats.decode_tps
+
+
+def _decode_table(path, dev_kind: str, slots_list, steps: int, label: str) -> None:
+    from freetoken.engine.load import load
+    from freetoken.policy.runtime import report
+
+    prompt = list(np.random.default_rng(7).integers(2, 4000, 16))
+    for slots in slots_list:
+        for mode in ("gpu", "hybrid", "cpu"):
+            model = load(path, device=dev_kind, cache_slots=slots, moe_mode=mode, max_len=256)
+            rate = _decode_rate(model, prompt, steps)
+            cs = model.decoder.cache.stats()
+            print(f"  {label:<10} slots {model.decoder.cache.slots:>5}  {mode:<7} decode {rate:8.1f} tok/s  "
+                  f"hit rate {cs['hit_rate']:6.1%}  [{report(model.decoder)}]")
+            if model.decoder.executor is not None:
+                model.decoder.executor.close()
+
+
+def run(dev_kind: str, synthetic=None, steps: int = 32) -> int:
+    from freetoken.engine.load import load
+    from freetoken.policy.measure import DEFAULT_SHAPE, layout_for, measure_cpu, measure_pcie
+    from freetoken.policy.profile import recommend_mode
+
+    failed = 0
+    print("\nend to end: the bundled model on the device")
+    ref = load(None, device="cpu")
+    tokens = np.asarray(ref.encode("import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser("
+                                   "description=__doc__)\n    parser.add_argument('--verbose')\n"))[:40]
+    want = _logits(ref, tokens, tokens.size - 8)
+    t0 = time.perf_counter()
+    model = load(None, device=dev_kind)
+    got = _logits(model, tokens, tokens.size - 8)
+    nmse = float(((got - want) ** 2).sum() / (want**2).sum())
+    top1 = float((got.argmax(-1) == want.argmax(-1)).mean())
+    status = "ok" if nmse < NMSE_BOUND and top1 >= 0.95 else "FAIL"
+    failed += status != "ok"
+    print(f"  logits vs cpu: NMSE {nmse:.2e} (bound {NMSE_BOUND:.0e}), top-1 agreement {top1:.1%}  {status}  "
+          f"(load + {tokens.size} tokens: {time.perf_counter() - t0:.1f}s)")
+
+    from freetoken.engine.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0)
+    a = list(ref.generate(tokens[:16].tolist(), max_tokens=24, sampling=greedy))
+    b = list(model.generate(tokens[:16].tolist(), max_tokens=24, sampling=greedy))
+    agree = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+    print(f"  greedy generation: the first {agree} of {len(a)} tokens equal the cpu device's")
+
+    print("\ndecode tokens/s by cache size and --moe-mode (bundled model, 96 expert records)")
+    _decode_table(None, dev_kind, [None, 40], steps, "bundled")
+
+    print("\nbench bw at Qwen3-30B-A3B's record shape (q4_0)")
+    layout = layout_for("q4_0", *DEFAULT_SHAPE)
+    from freetoken.device import get_device
+
+    pcie = measure_pcie(get_device(dev_kind), layout, records=64 if dev_kind == "gpu" else 8)
+    cpu = measure_cpu(layout)
+    from freetoken.policy.profile import Profile
+
+    mode = recommend_mode(Profile("", "", "q4_0", pcie, cpu, layout.record_bytes, 0.0))
+    print(f"  PCIe copy kernel {pcie:.1f} GB/s, CPU executor {cpu:.1f} GB/s -> --moe-mode {mode}"
+          + ("   [emu: a host memcpy]" if dev_kind == "emu" else ""))
+    if synthetic is not None:
+        print(f"\ndecode tokens/s on {synthetic}")
+        _decode_table(synthetic, dev_kind, [None, 256], steps, "synthetic")
+    return failed
