@@ -55,9 +55,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if cache is None:
         experts = f"experts: read in place from host memory ({model.decoder.layout.fmt.name})"
     else:
-        cs = cache.stats()
-        experts = (f"expert cache: {cache.slots} slots, hit rate {cs['hit_rate']:.1%} ({cs['hits']} hits, "
-                   f"{cs['misses']} misses, {model.decoder.layout.fmt.name})")
+        from freetoken.policy.runtime import hit_stats
+
+        rate, hits, misses = hit_stats(model.decoder)
+        experts = (f"expert cache: {cache.slots} slots, hit rate {rate:.1%} ({hits} hits, {misses} misses, "
+                   f"{model.decoder.layout.fmt.name})")
     print(f"[{model.decoder.dev.kind}] prefill {st.prompt_tokens} tokens at {st.prefill_tps:.1f} tok/s, "
           f"generated {st.generated_tokens} tokens, decode at {st.decode_tps:.1f} tok/s; {experts}", file=sys.stderr)
     if cache is not None:

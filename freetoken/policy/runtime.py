@@ -28,6 +28,19 @@ def resolve_mode(mode: str, device, fmt: str, oracle: BandwidthOracle | None):
     return mode, oracle, note
 
 
+def hit_stats(decoder) -> tuple[float, int, int]:
+    """(hit rate, hits, misses) of the routed experts of decode steps: with a split policy a miss is fetched or
+    computed on the CPU (the cache's own counters see only the fetched ones), else the cache's counters."""
+    ex = decoder.executor
+    if ex is not None:
+        st = ex.stats
+        misses = st["fetched"] + st["cpu"]
+        total = st["hits"] + misses
+        return (st["hits"] / total if total else 0.0), st["hits"], misses
+    cs = decoder.cache.stats()
+    return cs["hit_rate"], cs["hits"], cs["misses"]
+
+
 def report(decoder) -> str:
     """What the miss policy did: mode, split counts, current bandwidth estimates, prefetch precision/recall."""
     parts = [f"moe mode {decoder.moe_mode}"]
