@@ -1,8 +1,9 @@
 """The MoE decoder of the Qwen3-MoE / Qwen2-MoE / Mixtral / OLMoE families on any device.
 
 Non-expert matrices are :class:`freetoken.models.linear.Linear` projections (q/k/v, and a shared expert's
-gate/up/sigmoid, as one matrix): float32 on gpu/emu; on cpu held in the narrowest exact storage (bf16, f16 or
-float32) and run by multithreaded Numba kernels, as are RMSNorm, RoPE (tables made once) and routing. Routed
+gate/up/sigmoid, as one matrix) held in the narrowest exact storage (bf16, f16 or float32) on every device: the
+dense GEMV kernel (cuda/dense.cu) for decode on gpu/emu, multithreaded Numba kernels on cpu, as are RMSNorm, RoPE
+(tables made once) and routing there. Routed
 experts are record banks in an expert format (``freetoken.formats``), run by :func:`freetoken.ops.moe_experts`.
 On gpu/emu every routed expert lives in the host pool and goes through the expert cache: decode admits each
 layer's routed ids (hits, LRU misses copied in, ids rewritten to slots); a prefill too large for one admission

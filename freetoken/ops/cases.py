@@ -17,6 +17,7 @@ import numpy as np
 from freetoken import formats, ops
 from freetoken.formats import RecordLayout
 from freetoken.ops.attention_reference import attention_reference
+from freetoken.ops.dense import dense_gemv
 from freetoken.ops.moe_experts import moe_experts
 from freetoken.ops.moe_reference import moe_forward_reference, moe_prefill_reference
 from freetoken.testing import assert_close, max_error, poison, random_record
@@ -193,6 +194,63 @@ ATTENTION_CASES = [
 ]
 
 
+# ---- dense.cu ---------------------------------------------------------------------------------------------
+# (N, K, bias) per shape: "sq" a square projection with a bias (qkv-like), "lm" an lm_head. The small shapes have
+# odd N; small "sq" K takes the vector path of every storage, small "lm" K (not a multiple of 4) the scalar path.
+_DENSE_SHAPES = {"small": {"sq": (37, 104, True), "lm": (301, 66, False)},
+                 "large": {"sq": (4096, 4096, True), "lm": (151936, 2048, False)}}
+
+
+def dense_weights(storage: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(stored weights, their exact float32 values): Gaussian [N, K] rounded to ``storage`` (bf16 as uint16 bits)."""
+    w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
+    if storage == "bf16":
+        bits = (w.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+        return bits, (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    if storage == "f16":
+        h = w.astype(np.float16)
+        return h, h.astype(np.float32)
+    return w, w
+
+
+def dense_reference(x: np.ndarray, w32: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """``x @ w32.T (+ bias)`` in float64, in row chunks (bounds the float64 copy of a large matrix)."""
+    x64 = x.astype(np.float64)
+    out = np.empty((x.shape[0], w32.shape[0]), np.float64)
+    step = max(1, (1 << 24) // max(1, w32.shape[1]))
+    for r0 in range(0, w32.shape[0], step):
+        out[:, r0:r0 + step] = x64 @ w32[r0:r0 + step].astype(np.float64).T
+    return out if bias is None else out + bias
+
+
+@lru_cache(maxsize=2)
+def _dense_matrix(storage: str, n: int, k: int):
+    return dense_weights(storage, n, k, seed=("bf16", "f16", "f32").index(storage))
+
+
+def _make_dense(storage: str, shape: str, t: int):
+    def make(rng, size):
+        n, k, with_bias = _DENSE_SHAPES[size][shape]
+        w, w32 = _dense_matrix(storage, n, k)
+        return {"w": w, "w32": w32, "storage": storage, "x": rng.standard_normal((t, k), dtype=np.float32),
+                "bias": rng.standard_normal(n, dtype=np.float32) if with_bias else None}
+
+    def setup(dev, inp):
+        return {"w": dev.asarray(inp["w"]), "x": dev.asarray(inp["x"]), "storage": inp["storage"],
+                "bias": None if inp["bias"] is None else dev.asarray(inp["bias"]),
+                "out_y": _poisoned(dev, (t, inp["w"].shape[0]), np.float32)}
+
+    def launch(dev, st):
+        dense_gemv(st["x"], st["w"], st["storage"], bias=st["bias"], out=st["out_y"], device=dev)
+
+    return KernelCase(f"dense_gemv_{storage}_{shape}_t{t}", "dense.cu", make, setup, launch,
+                      lambda inp: {"y": dense_reference(inp["x"], inp["w32"], inp["bias"])}, rel_atol=1e-5,
+                      bytes_moved=lambda inp: inp["w"].nbytes, flops=lambda inp: 2 * inp["x"].size * inp["w"].shape[0])
+
+
+DENSE_CASES = [_make_dense(s, shape, t) for s in ("bf16", "f16", "f32") for shape in ("sq", "lm") for t in (1, 4)]
+
+
 # ---- moe_decode.cu / moe_prefill.cu (with moe_plan.cu) ----------------------------------------------------
 @lru_cache(maxsize=2)
 def _moe_record(fmt_name: str, size: str):
@@ -311,4 +369,4 @@ CASES: list[KernelCase] = [
     KernelCase("transpose_u32", "transpose.cu", _make_transpose, _setup_transpose, _launch_transpose,
                lambda inp: {"out": np.ascontiguousarray(inp["x"].T)},
                bytes_moved=lambda inp: 2 * inp["x"].nbytes),
-] + ATTENTION_CASES + MOE_CASES + CACHE_CASES
+] + ATTENTION_CASES + DENSE_CASES + MOE_CASES + CACHE_CASES

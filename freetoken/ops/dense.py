@@ -1,0 +1,75 @@
+"""Dense decode GEMV with the weights in their checkpoint storage (``cuda/dense.cu``, ``cpu_kernels/gemv.py``).
+
+``y[T, N] = x[T, K] @ W[N, K].T (+ bias)`` for a few tokens (decode: bound by reading the weights, each read once
+per call). ``W`` is held as bf16 (uint16 bits: the high halves of the float32 values), float16 or float32 and
+widened in registers; accumulation is float32. :class:`freetoken.models.linear.Linear` calls it for T <=
+:data:`MAX_TOKENS` and runs a chunked product beyond.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from freetoken.ops._common import as_input, check_int32, cuda_kernel, prepare_out, resolve
+
+#: The most tokens one call takes (DENSE_MAX_T in dense.cu).
+MAX_TOKENS = 8
+_WARPS_PER_BLOCK = 4  # DENSE_WARPS in dense.cu: one warp per output row
+#: The weight dtype of each storage.
+STORAGE_DTYPES = {"bf16": np.dtype(np.uint16), "f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
+
+
+def dense_gemv(x, w, storage: str, bias=None, out=None, device=None):
+    """``x @ widen(w).T (+ bias)`` for T <= 8 tokens; every weight read once per call.
+
+    Parameters
+    ----------
+    x : float32 array [T, K], 1 <= T <= 8 (T = 0 returns the empty output)
+    w : array [N, K]: uint16 bf16 bits (storage "bf16"), float16 ("f16") or float32 ("f32")
+    storage : "bf16", "f16" or "f32"
+    bias : float32 array [N], optional (added after the dot product)
+    out : float32 array [T, N], optional
+    device : Device or name, optional (default: auto)
+
+    Returns
+    -------
+    float32 array [T, N] on the device (``out`` when given).
+    """
+    dev = resolve(device)
+    if storage not in STORAGE_DTYPES:
+        raise ValueError(f"unknown storage {storage!r}; choose bf16, f16 or f32")
+    x = as_input(dev, x, "x", np.float32, 2)
+    want = STORAGE_DTYPES[storage]
+    w = dev.as_array(w)
+    if w.dtype != want:
+        what = "uint16 (bf16 bits)" if storage == "bf16" else str(want)
+        raise TypeError(f"w must be {what} for storage {storage!r}, got {w.dtype}")
+    w = as_input(dev, w, "w", want, 2)
+    t, k = x.shape
+    n, wk = w.shape
+    if wk != k:
+        raise ValueError(f"w has {wk} columns but x has {k} (w must be [N, K] for x [T, K])")
+    if t > MAX_TOKENS:
+        raise ValueError(f"T={t} tokens exceed dense_gemv's {MAX_TOKENS} (decode); larger batches take a chunked "
+                         "matrix product (freetoken.models.linear.Linear)")
+    b = None
+    if bias is not None:
+        b = as_input(dev, bias, "bias", np.float32, 1)
+        if b.shape[0] != n:
+            raise ValueError(f"bias must have {n} elements (one per row of w), got shape {tuple(b.shape)}")
+    y = prepare_out(dev, out, (t, n), np.float32)
+    if t == 0 or n == 0:
+        return y
+    if dev.kind == "cpu":
+        from freetoken.cpu_kernels.gemv import matmul_into, storage_view
+
+        matmul_into(x, storage_view(w), y)
+        if b is not None:
+            y += b
+        return y
+    fn = cuda_kernel(dev, "dense.cu", f"dense_gemv_{storage}")
+    grid = -(-n // _WARPS_PER_BLOCK)
+    fn((grid,), (32 * _WARPS_PER_BLOCK,),
+       (w, x, x if b is None else b, np.int32(b is not None), y, np.int32(t), check_int32("N", n),
+        check_int32("K", k)))
+    return y
