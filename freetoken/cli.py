@@ -67,6 +67,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         print(f"[{model.decoder.dev.kind}] {report(model.decoder)}" + (f"; {pin_note}" if pin_note else ""),
               file=sys.stderr)
+    elif pin_note:
+        print(f"[{model.decoder.dev.kind}] {pin_note}", file=sys.stderr)
     if record:
         from freetoken.trace.format import TraceRecorder
 
