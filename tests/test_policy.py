@@ -201,3 +201,19 @@ def test_qstar_never_loses_on_a_real_trace_of_the_bundled_model(tmp_path):
         gains = [v["qstar"] / max(v["fetch_all"], v["cpu_all"]) for v in by_ratio.values()]
         assert min(gains) > 0.995, (slots, gains)
         assert max(gains) > 1.05, (slots, gains)  # at low PCIe/CPU ratios the split beats both extremes
+
+
+def test_prefetch_stays_only_where_it_pays(checkpoint, cuda_device, monkeypatch):
+    """A layer whose predictions stay below PREFETCH_MIN_PRECISION stops being prefetched; the output never
+    changes."""
+    import freetoken.models.decoder as decoder_mod
+
+    monkeypatch.setattr(decoder_mod, "PREFETCH_MIN_SAMPLES", 4)
+    monkeypatch.setattr(decoder_mod, "PREFETCH_MIN_PRECISION", 1.01)  # nothing is precise enough
+    want, _ = _decode(checkpoint, cuda_device, cache_slots=24)
+    got, dec = _decode(checkpoint, cuda_device, cache_slots=24, prefetch=True)
+    np.testing.assert_array_equal(got, want)
+    assert sorted(dec.prefetch_off) == [1, 2]  # every predicted layer, once it has 4 predictions
+    predicted_after = dec.prefetch_stats["predicted"]
+    dec.forward(np.array([3]))
+    assert dec.prefetch_stats["predicted"] == predicted_after  # no more predictions, no more prefetch copies

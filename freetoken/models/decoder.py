@@ -27,6 +27,11 @@ from freetoken.models.linear import Linear
 from freetoken.models.weights import HFWeights, Weights
 from freetoken.ops.moe_experts import MoeWorkspace, moe_experts
 
+#: Next-layer prefetch stays on for a layer while its predictions are at least this precise (after
+#: PREFETCH_MIN_SAMPLES predicted experts): below it the wasted copies and evictions outweigh the hits.
+PREFETCH_MIN_PRECISION = 0.3
+PREFETCH_MIN_SAMPLES = 64
+
 
 class MoeDecoder:
     """Forward pass with a KV cache. ``get(name)`` returns a checkpoint tensor as a float32 NumPy array."""
@@ -203,6 +208,9 @@ class MoeDecoder:
                                             workspace=self.workspace)
         self.prefetch = bool(prefetch) and self.cache is not None
         self.prefetch_stats = {"predicted": 0, "correct": 0, "actual": 0}
+        n_pool = self.cache.num_layers if self.cache is not None else 0
+        self._prefetch_layer_stats = np.zeros((n_pool, 2), np.int64)  # per target layer: predicted, correct
+        self.prefetch_off: list[int] = []  # target layers whose prediction did not pay (PREFETCH_MIN_PRECISION)
         self._predicted: dict[int, np.ndarray] = {}
         self._prefetch_event = None
         self._moe_layer_of_pool = [i for i in range(self.cfg.num_layers) if self.cfg.is_moe(i)]
@@ -211,7 +219,7 @@ class MoeDecoder:
         """After pool layer ``m``'s admission: predict layer m+1's experts by applying its router to ``h`` (this
         layer's MLP input) and copy them in on the transfer stream while this layer computes. A prefetch admission
         is not counted in the cache's hit/miss statistics."""
-        if not self.prefetch or m + 1 >= self.cache.num_layers:
+        if not self.prefetch or m + 1 >= self.cache.num_layers or (m + 1) in self.prefetch_off:
             return
         nxt = self._moe_layer_of_pool[m + 1]
         pred, _ = self.route(self.layers[nxt]["router"](h))
@@ -238,6 +246,12 @@ class MoeDecoder:
             self.prefetch_stats["predicted"] += len(ps)
             self.prefetch_stats["actual"] += len(a_set)
             self.prefetch_stats["correct"] += len(ps & a_set)
+            self._prefetch_layer_stats[m] += (len(ps), len(ps & a_set))
+        # keep prefetching a layer only where it pays: a wrong prediction spends PCIe time and evicts a resident
+        # expert, so a layer whose precision stays below PREFETCH_MIN_PRECISION is no longer prefetched
+        predicted, correct = self._prefetch_layer_stats[m]
+        if predicted >= PREFETCH_MIN_SAMPLES and correct < PREFETCH_MIN_PRECISION * predicted:
+            self.prefetch_off.append(m)
 
     def _attend(self, q, i: int, start: int):
         """Causal GQA of the new queries against layer ``i``'s KV cache: the decode-attention kernel on gpu/emu for

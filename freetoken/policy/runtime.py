@@ -54,6 +54,8 @@ def report(decoder) -> str:
         if ps["predicted"]:
             parts.append(f"prefetch precision {ps['correct'] / ps['predicted']:.0%}, recall "
                          f"{ps['correct'] / max(ps['actual'], 1):.0%}")
+        if decoder.prefetch_off:
+            parts.append(f"prefetch turned off for MoE layers {sorted(decoder.prefetch_off)} (too imprecise to pay)")
     if getattr(decoder, "policy_note", ""):
         parts.append(decoder.policy_note)
     return "; ".join(parts)
