@@ -23,8 +23,10 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="gpu: copy every miss into the cache; cpu: compute misses on the CPU from host memory; "
                         "hybrid: split them by measured PCIe and CPU bandwidth (q*); auto: what `freetoken bench bw` "
                         "recommended for this machine (default gpu)")
-    g.add_argument("--pcie-gbps", type=float, default=None, help="pin the PCIe bandwidth estimate (GB/s)")
-    g.add_argument("--cpu-gbps", type=float, default=None, help="pin the CPU-executor bandwidth estimate (GB/s)")
+    g.add_argument("--pcie-gbps", type=float, default=None, metavar="GBPS",
+                   help="pin the PCIe bandwidth estimate (GB/s)")
+    g.add_argument("--cpu-gbps", type=float, default=None, metavar="GBPS",
+                   help="pin the CPU-executor bandwidth estimate (GB/s)")
     g.add_argument("--future-value", type=float, default=0.0, metavar="SECONDS",
                    help="hybrid: time a fetched expert is worth beyond its step (it may hit later; default 0)")
     g.add_argument("--prefetch", action="store_true",
