@@ -12,6 +12,16 @@
 //
 // Kernels (extern "C"): dense_gemv_bf16 (W as uint16 bf16 bits), dense_gemv_f16 (IEEE half), dense_gemv_f32;
 // parameters (w, x, bias, has_bias, y, T, N, K). bias is read only when has_bias != 0.
+//
+// GGUF block-quantized W (freetoken/models/qmatrix.py): dense_gemv_q8_0 (34-byte blocks: f16 d + 32 int8,
+// w = d * q) and dense_gemv_q4_0 (18-byte blocks: f16 d + 16 bytes, element j < 16 the low nibble of byte j,
+// j + 16 its high nibble, w = d * (q - 8)); W is uint8 [N, K/32 * block bytes], K a multiple of 32, same
+// parameters. One warp per row as above; lane l handles whole blocks l, l + 32, ... (a warp reads 32
+// consecutive blocks). Blocks are only 2-byte aligned in general: the quants are read as 16-bit words when W's
+// base is even, else byte by byte. Per block and token the integer quants are dotted with x (fmaf, fixed order)
+// and the sum is scaled by d once (fmaf into the lane's accumulator).
+// dense_dequant_q8_0 / dense_dequant_q4_0 (w, out, N, K): the float32 matrix [N, K] (exact), one thread per
+// block (the chunked product of T > DENSE_MAX_T tokens).
 #include <cuda_fp16.h>
 
 #include "common.cuh"
@@ -169,3 +179,166 @@ __device__ __forceinline__ void dense_gemv(const typename W::T* __restrict__ w, 
 FT_DENSE_GEMV(bf16, Bf16W, unsigned short)
 FT_DENSE_GEMV(f16, F16W, unsigned short)
 FT_DENSE_GEMV(f32, F32W, float)
+
+// ---- GGUF Q8_0 / Q4_0 --------------------------------------------------------------------------------------
+
+namespace {
+
+// Block access: bytes per block, and the 32 weights of a block (without d) as floats (element order).
+struct Q80 {
+  static constexpr int kBytes = 34;
+  template <bool kHalf>
+  __device__ static void quants(const unsigned char* qs, float* q) {
+    if (kHalf) {
+      const unsigned short* h = reinterpret_cast<const unsigned short*>(qs);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const unsigned v = __ldg(h + i);
+        q[2 * i] = static_cast<float>(static_cast<signed char>(v & 0xFFu));
+        q[2 * i + 1] = static_cast<float>(static_cast<signed char>(v >> 8));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) q[i] = static_cast<float>(static_cast<signed char>(__ldg(qs + i)));
+    }
+  }
+};
+
+struct Q40 {
+  static constexpr int kBytes = 18;
+  template <bool kHalf>
+  __device__ static void quants(const unsigned char* qs, float* q) {
+    if (kHalf) {
+      const unsigned short* h = reinterpret_cast<const unsigned short*>(qs);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const unsigned v = __ldg(h + i);
+        const int b0 = static_cast<int>(v & 0xFFu), b1 = static_cast<int>(v >> 8);
+        q[2 * i] = static_cast<float>((b0 & 15) - 8);
+        q[2 * i + 1] = static_cast<float>((b1 & 15) - 8);
+        q[2 * i + 16] = static_cast<float>((b0 >> 4) - 8);
+        q[2 * i + 17] = static_cast<float>((b1 >> 4) - 8);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int b = static_cast<int>(__ldg(qs + i));
+        q[i] = static_cast<float>((b & 15) - 8);
+        q[i + 16] = static_cast<float>((b >> 4) - 8);
+      }
+    }
+  }
+};
+
+// The block's scale d (little-endian f16 in its first two bytes).
+template <bool kHalf>
+__device__ __forceinline__ float block_scale(const unsigned char* blk) {
+  unsigned short bits;
+  if (kHalf) {
+    bits = __ldg(reinterpret_cast<const unsigned short*>(blk));
+  } else {
+    bits = static_cast<unsigned short>(__ldg(blk) | (static_cast<unsigned>(__ldg(blk + 1)) << 8));
+  }
+  return __half2float(__ushort_as_half(bits));
+}
+
+// One warp: output row `row` for NT tokens.
+template <class Q, int NT, bool kHalf>
+__device__ __forceinline__ void qdense_row(const unsigned char* __restrict__ w, const float* __restrict__ x,
+                                           const float* __restrict__ bias, int has_bias, float* __restrict__ y,
+                                           int row, int n, int k) {
+  const int lane = threadIdx.x & 31;
+  const int nblk = k / 32;
+  const unsigned char* wr = w + static_cast<size_t>(row) * nblk * Q::kBytes;
+  float acc[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+  for (int b = lane; b < nblk; b += 32) {
+    const unsigned char* blk = wr + static_cast<size_t>(b) * Q::kBytes;
+    const float d = block_scale<kHalf>(blk);
+    float q[32];
+    Q::template quants<kHalf>(blk + 2, q);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const float* xt = x + static_cast<size_t>(t) * k + static_cast<size_t>(b) * 32;
+      float c = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) c = fmaf(q[j], __ldg(xt + j), c);
+      acc[t] = fmaf(d, c, acc[t]);
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t] = ft::warp_sum(acc[t]);
+  if (lane == 0) {
+    const float bv = has_bias ? bias[row] : 0.0f;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) y[static_cast<size_t>(t) * n + row] = acc[t] + bv;
+  }
+}
+
+template <class Q, bool kHalf>
+__device__ __forceinline__ void qdense_dispatch(const unsigned char* __restrict__ w, const float* __restrict__ x,
+                                                const float* __restrict__ bias, int has_bias,
+                                                float* __restrict__ y, int t, int row, int n, int k) {
+  switch (t) {
+    case 1: qdense_row<Q, 1, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
+    case 2: qdense_row<Q, 2, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
+    case 3: qdense_row<Q, 3, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
+    case 4: qdense_row<Q, 4, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
+    case 5: qdense_row<Q, 5, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
+    case 6: qdense_row<Q, 6, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
+    case 7: qdense_row<Q, 7, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
+    case DENSE_MAX_T: qdense_row<Q, DENSE_MAX_T, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
+    default: break;  // the host refuses T outside [1, DENSE_MAX_T]
+  }
+}
+
+template <class Q>
+__device__ __forceinline__ void qdense_gemv(const unsigned char* __restrict__ w, const float* __restrict__ x,
+                                            const float* __restrict__ bias, int has_bias, float* __restrict__ y,
+                                            int t, int n, int k) {
+  const int row = blockIdx.x * DENSE_WARPS + (threadIdx.x >> 5);
+  if (row >= n) return;  // the whole warp: no collective is left waiting
+  if ((reinterpret_cast<unsigned long long>(w) & 1ull) == 0ull) {
+    qdense_dispatch<Q, true>(w, x, bias, has_bias, y, t, row, n, k);
+  } else {
+    qdense_dispatch<Q, false>(w, x, bias, has_bias, y, t, row, n, k);
+  }
+}
+
+template <class Q>
+__device__ __forceinline__ void qdense_dequant(const unsigned char* __restrict__ w, float* __restrict__ out, int n,
+                                               int k) {
+  const int nblk = k / 32;
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<long long>(n) * nblk) return;
+  const unsigned char* blk = w + static_cast<size_t>(i) * Q::kBytes;
+  float q[32];
+  float d;
+  if ((reinterpret_cast<unsigned long long>(w) & 1ull) == 0ull) {
+    d = block_scale<true>(blk);
+    Q::template quants<true>(blk + 2, q);
+  } else {
+    d = block_scale<false>(blk);
+    Q::template quants<false>(blk + 2, q);
+  }
+  float* o = out + static_cast<size_t>(i) * 32;  // block i of row i / nblk: rows are contiguous
+#pragma unroll
+  for (int j = 0; j < 32; ++j) o[j] = d * q[j];
+}
+
+}  // namespace
+
+#define FT_QDENSE(NAME, Q)                                                                                      \
+  extern "C" __global__ void __launch_bounds__(DENSE_WARPS * 32) dense_gemv_##NAME(                             \
+      const unsigned char* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias,          \
+      int has_bias, float* __restrict__ y, int t, int n, int k) {                                               \
+    qdense_gemv<Q>(w, x, bias, has_bias, y, t, n, k);                                                            \
+  }                                                                                                              \
+  extern "C" __global__ void dense_dequant_##NAME(const unsigned char* __restrict__ w, float* __restrict__ out,  \
+                                                  int n, int k) {                                                \
+    qdense_dequant<Q>(w, out, n, k);                                                                             \
+  }
+
+FT_QDENSE(q8_0, Q80)
+FT_QDENSE(q4_0, Q40)

@@ -30,7 +30,7 @@ from freetoken.models.weights import HFWeights, llama_permute
 #: freetoken family -> GGUF architecture.
 ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe"}
 #: Types a non-expert matrix can be written in (norms, biases and routers always stay F32).
-OTHER_TYPES = ("f32", "f16", "bf16", "q8_0")
+OTHER_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 EXPERT_TYPES = ("q4_0", "q8_0", "f16", "bf16", "f32")
 
 

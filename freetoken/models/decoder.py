@@ -24,6 +24,7 @@ from freetoken.formats import RecordLayout
 from freetoken.models.config import ModelConfig
 from freetoken.models.layers import apply_rope, attention, rms_norm, rope_tables
 from freetoken.models.linear import Linear
+from freetoken.models.qmatrix import QuantizedMatrix
 from freetoken.models.weights import HFWeights, Weights
 from freetoken.ops.moe_experts import MoeWorkspace, moe_experts
 
@@ -31,6 +32,11 @@ from freetoken.ops.moe_experts import MoeWorkspace, moe_experts
 #: PREFETCH_MIN_SAMPLES predicted experts): below it the wasted copies and evictions outweigh the hits.
 PREFETCH_MIN_PRECISION = 0.3
 PREFETCH_MIN_SAMPLES = 64
+
+
+def _matrix(w):
+    """A dense projection's matrix as Linear takes it: a QuantizedMatrix as is, else float32 C-contiguous."""
+    return w if isinstance(w, QuantizedMatrix) else np.ascontiguousarray(w, dtype=np.float32)
 
 
 class MoeDecoder:
@@ -46,10 +52,17 @@ class MoeDecoder:
         self.weights = weights
         up = lambda key, layer=None: device.asarray(np.ascontiguousarray(weights.get(key, layer), dtype=np.float32))
         host = lambda key, layer=None: np.ascontiguousarray(weights.get(key, layer), dtype=np.float32)
-        self.embed = host("embed")  # gathered on the host
+        # dense projections: a QuantizedMatrix (GGUF Q8_0 / Q4_0 blocks) or float32, as Linear takes them
+        mat = lambda key, layer=None: _matrix(weights.get_matrix(key, layer))
+        self.embed = host("embed")  # gathered on the host (dequantized)
         self.norm = up("norm")
-        # tied (what both weight sources return for "lm_head" then): a cpu Linear kept in float32 shares the array
-        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else host("lm_head"), device)
+        # tied (what both weight sources return for "lm_head" then): a cpu Linear kept in float32 shares the array;
+        # a quantized embedding (GGUF Q8_0 / Q4_0) is multiplied in its blocks
+        if cfg.tie_word_embeddings:
+            head = weights.get_matrix("embed") if weights.quantized_kind("embed") else self.embed
+        else:
+            head = mat("lm_head")
+        self.lm_head = Linear(head, device)
         fmt = expert_format or weights.native_expert_format or "bf16"
         self.layout = RecordLayout(formats.get(fmt), cfg.hidden, cfg.moe_inter)
         self.moe_index = [sum(cfg.moe_layers[:i]) for i in range(cfg.num_layers)]  # MoE layer -> pool layer
@@ -69,7 +82,7 @@ class MoeDecoder:
 
             layer_iter = tqdm(layer_iter, desc="loading layers", unit="layer", leave=False)
         for i in layer_iter:
-            lay = self._load_layer(i, up, host)
+            lay = self._load_layer(i, up, host, mat)
             if cfg.is_moe(i):
                 banks = weights.expert_banks(i, self.layout)
                 if self.cache is None:
@@ -87,13 +100,13 @@ class MoeDecoder:
         self.length = 0
         self.last_routing: list = []
 
-    def _load_layer(self, i: int, up, host) -> dict:
+    def _load_layer(self, i: int, up, host, mat) -> dict:
         """Layer ``i``'s non-expert weights: norms and biases as device arrays, matrices as :class:`Linear`."""
         cfg, dev = self.cfg, self.dev
         lay = {k: up(k, i) for k in ("attn_norm", "mlp_norm")}
-        lay["qkv"] = Linear.concat([host(f"{n}_proj", i) for n in "qkv"], dev,
+        lay["qkv"] = Linear.concat([mat(f"{n}_proj", i) for n in "qkv"], dev,
                                    [host(f"{n}_bias", i) for n in "qkv"] if cfg.qkv_bias else None)
-        lay["o_proj"] = Linear(host("o_proj", i), dev)
+        lay["o_proj"] = Linear(mat("o_proj", i), dev)
         if cfg.qk_norm == "full":
             lay["q_norm"], lay["k_norm"] = up("q_norm", i), up("k_norm", i)
         elif cfg.qk_norm == "head":  # q and k heads normed (and rotated) as one [T, H + Hkv, D] array
@@ -101,14 +114,14 @@ class MoeDecoder:
             lay["qk_norm"] = dev.asarray(np.concatenate([np.tile(qn, (cfg.num_heads, 1)),
                                                          np.tile(kn, (cfg.num_kv_heads, 1))]))
         if cfg.is_moe(i):
-            lay["router"] = Linear(host("router", i), dev)
+            lay["router"] = Linear(mat("router", i), dev)
             if cfg.shared_inter:  # gate, up and the sigmoid gate all read h: one matrix
-                lay["shared_in"] = Linear.concat([host(k, i) for k in ("shared_gate", "shared_up", "shared_sigmoid")],
+                lay["shared_in"] = Linear.concat([mat(k, i) for k in ("shared_gate", "shared_up", "shared_sigmoid")],
                                                  dev)
-                lay["shared_down"] = Linear(host("shared_down", i), dev)
+                lay["shared_down"] = Linear(mat("shared_down", i), dev)
         else:
-            lay["mlp_in"] = Linear.concat([host("mlp_gate", i), host("mlp_up", i)], dev)
-            lay["mlp_down"] = Linear(host("mlp_down", i), dev)
+            lay["mlp_in"] = Linear.concat([mat("mlp_gate", i), mat("mlp_up", i)], dev)
+            lay["mlp_down"] = Linear(mat("mlp_down", i), dev)
         return lay
 
     def reset(self) -> None:

@@ -16,8 +16,16 @@ product on the device's array module (cuBLAS on gpu, NumPy on emu): row chunks o
 weights are widened to float32 into one reused buffer and multiplied, so the extra memory stays bounded (float32
 matrices are multiplied whole, as they are).
 
+GGUF Q8_0 / Q4_0 matrices (:class:`freetoken.models.qmatrix.QuantizedMatrix`) stay in their file blocks (storage
+"q8_0" / "q4_0": 34 / 18 bytes per 32 weights instead of 128 as float32): the kernels decode each block in registers
+(cpu: :mod:`freetoken.cpu_kernels.qgemv`; gpu/emu: ``dense_gemv_q8_0`` / ``dense_gemv_q4_0``), and the chunked
+product decodes its row chunks to float32 (exact: every quantized weight is a float32 value).
+
 Matrices applied to the same input (q/k/v; a shared expert's gate/up/sigmoid) can be concatenated into one Linear
 (:meth:`Linear.concat`): one call, and every output element is the same dot product as with the separate matrices.
+Quantized matrices of one kind are stacked as block rows; a concatenation that mixes storages (a quantized shared
+expert with its float32 sigmoid gate, say) keeps one Linear per run of equally stored matrices and concatenates
+their outputs (storage e.g. "q8_0+bf16"), so nothing is dequantized.
 """
 
 from __future__ import annotations
@@ -25,6 +33,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
+from freetoken.models.qmatrix import QuantizedMatrix
+from freetoken.models.qmatrix import stack as _stack_quantized
 
 #: Elements per chunk of the load-time exactness checks (bounds their temporary memory).
 _CHECK_ELEMENTS = 1 << 22
@@ -66,12 +77,18 @@ def to_storage(w: np.ndarray, storage: str) -> np.ndarray:
 class Linear:
     """``y = x @ W.T (+ b)`` for float32 activations ``x [T, K]`` on one device.
 
-    ``weight`` float32 [N, K] on the host, ``bias`` float32 [N] or None. ``storage`` is how the matrix is held on
-    the device and read by the kernels ("bf16", "f16" or "f32", see :func:`exact_storage`); None only on a device
-    that runs no kernels (an array module alone, which multiplies the float32 matrix).
+    ``weight`` float32 [N, K] on the host or a :class:`QuantizedMatrix` (kept in its blocks), ``bias`` float32 [N]
+    or None. ``storage`` is how the matrix is held on the device and read by the kernels ("bf16", "f16" or "f32",
+    see :func:`exact_storage`; "q8_0" / "q4_0" for a quantized matrix).
     """
 
-    def __init__(self, weight: np.ndarray, device, bias: np.ndarray | None = None):
+    _parts: tuple[Linear, ...] | None = None  # a concatenation of differently stored matrices (see concat)
+
+    def __init__(self, weight: np.ndarray | QuantizedMatrix, device, bias: np.ndarray | None = None):
+        if isinstance(weight, QuantizedMatrix):
+            self._init_quantized(weight, device, bias)
+            return
+        self._kind = None
         w = np.ascontiguousarray(weight, dtype=np.float32)
         if w.ndim != 2:
             raise ValueError(f"weight must be a matrix [N, K], got shape {list(w.shape)}")
@@ -88,22 +105,67 @@ class Linear:
         else:
             self.storage = exact_storage(w)
             self._w = device.asarray(to_storage(w, self.storage))
+        self._set_bias(bias)
+
+    def _init_quantized(self, q: QuantizedMatrix, device, bias) -> None:
+        self.dev, self.xp = device, device.xp
+        self.out_features, self.in_features = q.shape
+        self.sizes = (self.out_features,)
+        self._cpu = device.kind == "cpu"
+        self.storage = self._kind = q.kind
+        blocks = np.ascontiguousarray(q.blocks)
+        self._w = blocks if self._cpu else device.asarray(blocks)
+        self._set_bias(bias)
+
+    def _set_bias(self, bias) -> None:
         self.bias = None
         if bias is not None:
             b = np.ascontiguousarray(bias, dtype=np.float32).reshape(-1)
             if b.shape != (self.out_features,):
                 raise ValueError(f"bias must have {self.out_features} elements, got shape {list(bias.shape)}")
-            self.bias = b if self._cpu else device.asarray(b)
+            self.bias = b if self._cpu else self.dev.asarray(b)
 
     @classmethod
-    def concat(cls, weights: Sequence[np.ndarray], device, biases: Sequence[np.ndarray] | None = None) -> Linear:
+    def concat(cls, weights: Sequence[np.ndarray | QuantizedMatrix], device,
+               biases: Sequence[np.ndarray] | None = None) -> Linear:
         """One Linear of the matrices ``weights`` (same K) stacked along N; :meth:`split` cuts its output back.
-        ``biases``: one per matrix, or None."""
-        ws = [np.asarray(w, dtype=np.float32) for w in weights]
-        bias = None if biases is None else np.concatenate([np.asarray(b, np.float32).reshape(-1) for b in biases])
-        lin = cls(np.concatenate(ws, axis=0) if len(ws) > 1 else ws[0], device, bias)
-        lin.sizes = tuple(w.shape[0] for w in ws)
+        ``biases``: one per matrix, or None.
+
+        Float matrices are concatenated (and stored as :func:`exact_storage` says for the whole); quantized ones of
+        one kind are stacked as block rows. Mixed storages (quantized kinds, or quantized and float): one Linear
+        per run of consecutive matrices of the same storage class, their outputs concatenated per call (no
+        matrix is dequantized; each output element is the dot product its own matrix's Linear computes)."""
+        ws = [w if isinstance(w, QuantizedMatrix) else np.asarray(w, dtype=np.float32) for w in weights]
+        bs = None if biases is None else [np.asarray(b, np.float32).reshape(-1) for b in biases]
+        sizes = tuple(w.shape[0] for w in ws)
+        runs: list[list[int]] = []
+        for i, w in enumerate(ws):
+            key = w.kind if isinstance(w, QuantizedMatrix) else None
+            prev = ws[runs[-1][0]] if runs else None
+            if runs and (prev.kind if isinstance(prev, QuantizedMatrix) else None) == key:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        if len(runs) == 1:
+            lin = cls._one(ws, device, None if bs is None else np.concatenate(bs))
+        else:
+            parts = tuple(cls._one([ws[i] for i in r], device,
+                                   None if bs is None else np.concatenate([bs[i] for i in r])) for r in runs)
+            lin = cls.__new__(cls)
+            lin.dev, lin.xp, lin._cpu, lin._kind = device, device.xp, device.kind == "cpu", None
+            lin.in_features, lin.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+            if any(p.in_features != lin.in_features for p in parts):
+                raise ValueError("concatenated matrices must have the same number of columns")
+            lin._parts, lin.bias, lin._w = parts, None, None
+            lin.storage = "+".join(p.storage for p in parts)
+        lin.sizes = sizes
         return lin
+
+    @classmethod
+    def _one(cls, ws, device, bias) -> Linear:
+        if isinstance(ws[0], QuantizedMatrix):
+            return cls(_stack_quantized(ws), device, bias)
+        return cls(np.concatenate(ws, axis=0) if len(ws) > 1 else ws[0], device, bias)
 
     def split(self, y) -> tuple:
         """The output ``y [T, N]`` of a concatenated Linear cut into its matrices' outputs (views)."""
@@ -115,13 +177,19 @@ class Linear:
 
     def __call__(self, x):
         """``x [T, K]`` float32 -> ``y [T, N]`` float32 (a new array)."""
+        if self._parts is not None:
+            return self.xp.concatenate([p(x) for p in self._parts], axis=1)
         if self._cpu:
             if x.dtype != np.float32 or not x.flags.c_contiguous:
                 x = np.ascontiguousarray(x, dtype=np.float32)
             if x.ndim != 2 or x.shape[1] != self.in_features:
                 raise ValueError(f"x must be [T, {self.in_features}], got shape {list(x.shape)}")
             y = np.empty((x.shape[0], self.out_features), np.float32)
-            if x.shape[0]:
+            if x.shape[0] and self._kind is not None:
+                from freetoken.cpu_kernels.qgemv import qmatmul_into
+
+                qmatmul_into(x, self._w, self._kind, y)
+            elif x.shape[0]:
                 self._matmul(x, self._w, y)  # the kernels read unchecked: shapes checked here
         else:
             return self._device_call(x)
@@ -156,8 +224,13 @@ class Linear:
         return y
 
     def _widen_into(self, w16, out):
-        """The stored 16-bit rows ``w16`` as float32 in ``out`` (same shape, C-contiguous) on the device."""
+        """The stored 16-bit (or quantized block) rows ``w16`` as float32 in ``out`` (same shape, C-contiguous) on
+        the device."""
         xp = self.xp
+        if self._kind is not None:
+            from freetoken.ops.dense import dense_dequant
+
+            return dense_dequant(w16, self._kind, self.in_features, out=out, device=self.dev)
         if self.storage == "f16":
             xp.copyto(out, w16)
             return out
@@ -168,16 +241,24 @@ class Linear:
 
     @property
     def weight(self):
-        """The float32 matrix [N, K] on the device (a widened copy when stored in 16 bits)."""
+        """The float32 matrix [N, K] on the device (a widened copy when stored in 16 bits or quantized)."""
+        if self._parts is not None:
+            return self.xp.concatenate([p.weight for p in self._parts], axis=0)
         if self.storage == "f32":
             return self._w
+        if self._cpu and self._kind is not None:
+            from freetoken.cpu_kernels.qgemv import dequantize_rows
+
+            return dequantize_rows(self._w, self._kind, self.in_features)
         if self._cpu:
             from freetoken.cpu_kernels.gemv import widen
 
             return widen(self._w)
-        return self._widen_into(self._w, self.xp.empty(self._w.shape, np.float32))
+        return self._widen_into(self._w, self.xp.empty((self.out_features, self.in_features), np.float32))
 
     @property
     def nbytes(self) -> int:
-        """Bytes held on the device (matrix and bias)."""
+        """Bytes held on the device (matrix and bias; a quantized matrix: its file blocks)."""
+        if self._parts is not None:
+            return sum(p.nbytes for p in self._parts)
         return int(self._w.nbytes) + (int(self.bias.nbytes) if self.bias is not None else 0)

@@ -13,6 +13,10 @@ names and decodes its own storage types:
   rotates adjacent pairs, HF's rotates halves); those rows are put back in HF order here.
 
 Experts in any other storage are decoded to float32 and quantized into the requested format.
+
+``get_matrix`` serves the decoder's dense projections: GGUF Q8_0 / Q4_0 matrices as
+:class:`freetoken.models.qmatrix.QuantizedMatrix` (their file blocks, never dequantized; llama Q/K rows un-permuted
+as whole block rows), every other tensor as ``get`` returns it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 from freetoken.formats import MATRICES, RecordLayout
 from freetoken.loaders.errors import LoadError
 from freetoken.models.config import ModelConfig
+from freetoken.models.qmatrix import QuantizedMatrix
 
 #: Per-layer canonical keys -> HF names relative to ``model.layers.N.`` (``{moe}``: ``mlp.`` or Mixtral's
 #: ``block_sparse_moe.``).
@@ -78,6 +83,15 @@ class Weights:
 
     def get(self, key: str, layer: int | None = None) -> np.ndarray:
         raise NotImplementedError
+
+    def get_matrix(self, key: str, layer: int | None = None) -> np.ndarray | QuantizedMatrix:
+        """A dense projection's matrix as the decoder's :class:`freetoken.models.linear.Linear` takes it: a
+        :class:`QuantizedMatrix` when the source stores it in a block type Linear runs as is, else ``get``."""
+        return self.get(key, layer)
+
+    def quantized_kind(self, key: str, layer: int | None = None) -> str | None:
+        """The :class:`QuantizedMatrix` kind :meth:`get_matrix` returns for ``key``, or None (a float array)."""
+        return None
 
     def expert_banks(self, layer: int, layout: RecordLayout) -> dict[str, np.ndarray]:
         raise NotImplementedError
@@ -195,6 +209,33 @@ class GGUFWeights(Weights):
             heads = self.cfg.num_heads if key[0] == "q" else self.cfg.num_kv_heads
             w = llama_unpermute(w, heads)
         return w
+
+    #: ggml type -> QuantizedMatrix kind of the matrices kept quantized.
+    _QUANTIZED = {"Q8_0": "q8_0", "Q4_0": "q4_0"}
+
+    def _stored(self, key: str, layer: int | None) -> tuple[str, str]:
+        if key == "lm_head" and not self.has("lm_head"):
+            key = "embed"
+        return key, self.name(key, layer)
+
+    def quantized_kind(self, key: str, layer: int | None = None) -> str | None:
+        key, name = self._stored(key, layer)
+        info = self.gguf.info(name)
+        if len(info.shape) != 2 or info.shape[1] % 32:
+            return None  # vectors (shared_sigmoid) and partial blocks: float32
+        return self._QUANTIZED.get(info.type)
+
+    def get_matrix(self, key: str, layer: int | None = None) -> np.ndarray | QuantizedMatrix:
+        kind = self.quantized_kind(key, layer)
+        if kind is None:
+            return self.get(key, layer)
+        key, name = self._stored(key, layer)
+        raw, _, shape = self.gguf.get_raw(name)
+        blocks = np.array(raw)  # a host copy of the file's bytes (as get_f32 makes one)
+        if self.gguf.arch == "llama" and key in ("q_proj", "k_proj"):
+            heads = self.cfg.num_heads if key[0] == "q" else self.cfg.num_kv_heads
+            blocks = np.ascontiguousarray(llama_unpermute(blocks, heads))  # whole rows move: exact on block rows
+        return QuantizedMatrix(kind, blocks, shape)
 
     def expert_banks(self, layer: int, layout: RecordLayout) -> dict[str, np.ndarray]:
         fmt = layout.fmt.name

@@ -250,6 +250,60 @@ def _make_dense(storage: str, shape: str, t: int):
 
 DENSE_CASES = [_make_dense(s, shape, t) for s in ("bf16", "f16", "f32") for shape in ("sq", "lm") for t in (1, 4)]
 
+# GGUF Q8_0 / Q4_0 weights (dense_gemv_q8_0 / dense_gemv_q4_0): K a multiple of 32; small N odd.
+_QDENSE_SHAPES = {"small": {"sq": (37, 128, True), "lm": (301, 96, False)},
+                  "large": {"sq": (4096, 4096, True), "lm": (151936, 2048, False)}}
+QUANT_KINDS = ("q8_0", "q4_0")
+
+
+def quantized_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random GGUF ``kind`` blocks of an [N, K] matrix (uint8 [N, K/32 * block bytes]): every quant byte random,
+    scales float16 of magnitude 0.005 .. 0.02 with random signs."""
+    from freetoken.models.qmatrix import BLOCK_BYTES
+
+    rng = np.random.default_rng(seed)
+    nb, bb = k // 32, BLOCK_BYTES[kind]
+    blocks = rng.integers(0, 256, (n, nb, bb), dtype=np.uint8)
+    d = rng.uniform(0.005, 0.02, (n, nb)) * rng.choice(np.array([-1.0, 1.0]), (n, nb))
+    blocks[..., :2] = d.astype("<f2")[..., None].view(np.uint8)
+    return blocks.reshape(n, nb * bb)
+
+
+def gguf_dequantized(blocks: np.ndarray, kind: str) -> np.ndarray:
+    """float32 values of GGUF blocks per gguf-py (the reference decoder)."""
+    from gguf.quants import GGMLQuantizationType, dequantize
+
+    return np.asarray(dequantize(blocks, GGMLQuantizationType[kind.upper()]), dtype=np.float32)
+
+
+@lru_cache(maxsize=2)
+def _qdense_matrix(kind: str, n: int, k: int):
+    w = quantized_blocks(kind, n, k, seed=QUANT_KINDS.index(kind))
+    return w, gguf_dequantized(w, kind)
+
+
+def _make_qdense(kind: str, shape: str, t: int):
+    def make(rng, size):
+        n, k, with_bias = _QDENSE_SHAPES[size][shape]
+        w, w32 = _qdense_matrix(kind, n, k)
+        return {"w": w, "w32": w32, "storage": kind, "x": rng.standard_normal((t, k), dtype=np.float32),
+                "bias": rng.standard_normal(n, dtype=np.float32) if with_bias else None}
+
+    def setup(dev, inp):
+        return {"w": dev.asarray(inp["w"]), "x": dev.asarray(inp["x"]), "storage": inp["storage"],
+                "bias": None if inp["bias"] is None else dev.asarray(inp["bias"]),
+                "out_y": _poisoned(dev, (t, inp["w"].shape[0]), np.float32)}
+
+    def launch(dev, st):
+        dense_gemv(st["x"], st["w"], st["storage"], bias=st["bias"], out=st["out_y"], device=dev)
+
+    return KernelCase(f"dense_gemv_{kind}_{shape}_t{t}", "dense.cu", make, setup, launch,
+                      lambda inp: {"y": dense_reference(inp["x"], inp["w32"], inp["bias"])}, rel_atol=1e-5,
+                      bytes_moved=lambda inp: inp["w"].nbytes, flops=lambda inp: 2 * inp["x"].size * inp["w"].shape[0])
+
+
+QDENSE_CASES = [_make_qdense(q, shape, t) for q in QUANT_KINDS for shape in ("sq", "lm") for t in (1, 4)]
+
 
 # ---- moe_decode.cu / moe_prefill.cu (with moe_plan.cu) ----------------------------------------------------
 @lru_cache(maxsize=2)
@@ -369,4 +423,4 @@ CASES: list[KernelCase] = [
     KernelCase("transpose_u32", "transpose.cu", _make_transpose, _setup_transpose, _launch_transpose,
                lambda inp: {"out": np.ascontiguousarray(inp["x"].T)},
                bytes_moved=lambda inp: 2 * inp["x"].nbytes),
-] + ATTENTION_CASES + DENSE_CASES + MOE_CASES + CACHE_CASES
+] + ATTENTION_CASES + DENSE_CASES + QDENSE_CASES + MOE_CASES + CACHE_CASES

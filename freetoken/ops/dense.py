@@ -2,8 +2,10 @@
 
 ``y[T, N] = x[T, K] @ W[N, K].T (+ bias)`` for a few tokens (decode: bound by reading the weights, each read once
 per call). ``W`` is held as bf16 (uint16 bits: the high halves of the float32 values), float16 or float32 and
-widened in registers; accumulation is float32. :class:`freetoken.models.linear.Linear` calls it for T <=
-:data:`MAX_TOKENS` and runs a chunked product beyond.
+widened in registers; or as GGUF Q8_0 / Q4_0 blocks (uint8 [N, K/32 * block bytes], see
+:mod:`freetoken.models.qmatrix`), decoded per block in registers. Accumulation is float32.
+:class:`freetoken.models.linear.Linear` calls it for T <= :data:`MAX_TOKENS` and runs a chunked product beyond
+(quantized matrices: row chunks decoded to float32 on the device by :func:`dense_dequant`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ from freetoken.ops._common import as_input, check_int32, cuda_kernel, prepare_ou
 MAX_TOKENS = 8
 _WARPS_PER_BLOCK = 4  # DENSE_WARPS in dense.cu: one warp per output row
 #: The weight dtype of each storage.
-STORAGE_DTYPES = {"bf16": np.dtype(np.uint16), "f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
+STORAGE_DTYPES = {"bf16": np.dtype(np.uint16), "f16": np.dtype(np.float16), "f32": np.dtype(np.float32),
+                  "q8_0": np.dtype(np.uint8), "q4_0": np.dtype(np.uint8)}
+#: Bytes per block of 32 weights of the quantized storages.
+QUANT_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+_STORAGE_NAMES = "bf16, f16, f32, q8_0 or q4_0"
 
 
 def dense_gemv(x, w, storage: str, bias=None, out=None, device=None):
@@ -25,8 +31,9 @@ def dense_gemv(x, w, storage: str, bias=None, out=None, device=None):
     Parameters
     ----------
     x : float32 array [T, K], 1 <= T <= 8 (T = 0 returns the empty output)
-    w : array [N, K]: uint16 bf16 bits (storage "bf16"), float16 ("f16") or float32 ("f32")
-    storage : "bf16", "f16" or "f32"
+    w : array [N, K]: uint16 bf16 bits (storage "bf16"), float16 ("f16") or float32 ("f32"); or uint8 blocks
+        [N, K/32 * 34] ("q8_0") / [N, K/32 * 18] ("q4_0"), K a multiple of 32
+    storage : "bf16", "f16", "f32", "q8_0" or "q4_0"
     bias : float32 array [N], optional (added after the dot product)
     out : float32 array [T, N], optional
     device : Device or name, optional (default: auto)
@@ -37,7 +44,7 @@ def dense_gemv(x, w, storage: str, bias=None, out=None, device=None):
     """
     dev = resolve(device)
     if storage not in STORAGE_DTYPES:
-        raise ValueError(f"unknown storage {storage!r}; choose bf16, f16 or f32")
+        raise ValueError(f"unknown storage {storage!r}; choose {_STORAGE_NAMES}")
     x = as_input(dev, x, "x", np.float32, 2)
     want = STORAGE_DTYPES[storage]
     w = dev.as_array(w)
@@ -47,7 +54,12 @@ def dense_gemv(x, w, storage: str, bias=None, out=None, device=None):
     w = as_input(dev, w, "w", want, 2)
     t, k = x.shape
     n, wk = w.shape
-    if wk != k:
+    qbytes = QUANT_BLOCK_BYTES.get(storage)
+    if qbytes is not None:
+        if k % 32 or wk != k // 32 * qbytes:
+            raise ValueError(f"{storage} w has {wk} bytes per row but x has {k} columns (w must be "
+                             f"[N, K/32 * {qbytes}] for x [T, K], K a multiple of 32)")
+    elif wk != k:
         raise ValueError(f"w has {wk} columns but x has {k} (w must be [N, K] for x [T, K])")
     if t > MAX_TOKENS:
         raise ValueError(f"T={t} tokens exceed dense_gemv's {MAX_TOKENS} (decode); larger batches take a chunked "
@@ -61,9 +73,14 @@ def dense_gemv(x, w, storage: str, bias=None, out=None, device=None):
     if t == 0 or n == 0:
         return y
     if dev.kind == "cpu":
-        from freetoken.cpu_kernels.gemv import matmul_into, storage_view
+        if qbytes is not None:
+            from freetoken.cpu_kernels.qgemv import qmatmul_into
 
-        matmul_into(x, storage_view(w), y)
+            qmatmul_into(x, w, storage, y)
+        else:
+            from freetoken.cpu_kernels.gemv import matmul_into, storage_view
+
+            matmul_into(x, storage_view(w), y)
         if b is not None:
             y += b
         return y
@@ -72,4 +89,29 @@ def dense_gemv(x, w, storage: str, bias=None, out=None, device=None):
     fn((grid,), (32 * _WARPS_PER_BLOCK,),
        (w, x, x if b is None else b, np.int32(b is not None), y, np.int32(t), check_int32("N", n),
         check_int32("K", k)))
+    return y
+
+
+def dense_dequant(w, storage: str, k: int, out=None, device=None):
+    """GGUF blocks ``w`` (uint8 [N, K/32 * block bytes], storage "q8_0" or "q4_0") -> float32 [N, K] (exact).
+
+    ``out``: float32 [N, K] C-contiguous, optional (the chunked product passes a reused buffer)."""
+    dev = resolve(device)
+    qbytes = QUANT_BLOCK_BYTES.get(storage)
+    if qbytes is None:
+        raise ValueError(f"unknown quantized storage {storage!r}; choose q8_0 or q4_0")
+    w = as_input(dev, w, "w", np.uint8, 2)
+    n, wk = w.shape
+    if k % 32 or wk != k // 32 * qbytes:
+        raise ValueError(f"{storage} w has {wk} bytes per row, not K/32 * {qbytes} for K={k}")
+    y = prepare_out(dev, out, (n, k), np.float32)
+    if n == 0 or k == 0:
+        return y
+    if dev.kind == "cpu":
+        from freetoken.cpu_kernels.qgemv import dequantize_rows
+
+        return dequantize_rows(w, storage, k, out=y)
+    blocks = n * (k // 32)
+    fn = cuda_kernel(dev, "dense.cu", f"dense_dequant_{storage}")
+    fn((-(-blocks // 256),), (256,), (w, y, check_int32("N", n), check_int32("K", k)))
     return y
