@@ -253,16 +253,6 @@ def test_unknown_pre_tokenizer(tmp_path):
         tokenizer_from_gguf(g.tokenizer_meta(), g.path)
 
 
-def test_sentencepiece_not_supported(tmp_path):
-    fields = dict(_bundled_fields(), model="llama", pre=None, merges=None)
-    fields["scores"] = [-float(i) for i in range(len(fields["tokens"]))]
-    g = GGUFFile(_write_gguf(tmp_path / "spm.gguf", fields))
-    meta = g.tokenizer_meta()
-    assert meta["model"] == "llama" and meta["scores"] is not None
-    with pytest.raises(LoadError, match=r"spm\.gguf: SentencePiece.*'llama'.*not supported yet"):
-        tokenizer_from_gguf(meta, g.path)
-
-
 def test_missing_merges(tmp_path):
     fields = dict(_bundled_fields(), merges=None)
     g = GGUFFile(_write_gguf(tmp_path / "nomerges.gguf", fields))

@@ -5,8 +5,9 @@
   normalizes ``quantization_config`` / ``hf_quant_config.json``.
 - :class:`GGUFFile`: metadata, tensors in NumPy order, raw quantized bytes, Q4_0 / MXFP4 expert banks for
   :class:`freetoken.cache.host_pool.HostPool`, the embedded tokenizer.
-- :func:`tokenizer_from_gguf` / :func:`gguf_tokenizer_fields`: byte-level BPE tokenizers from and to a GGUF's
-  embedded vocabulary (``tokenizers.Tokenizer`` <-> ``tokenizer.ggml.*``).
+- :func:`tokenizer_from_gguf` / :func:`gguf_tokenizer_fields`: tokenizers from and to a GGUF's embedded
+  vocabulary (``tokenizers.Tokenizer`` <-> ``tokenizer.ggml.*``): byte-level BPE (``gpt2``) both ways, and
+  SentencePiece-style BPE (``llama``: Mixtral, Mistral, Llama-2 files) when loading.
 
 Every failure caused by the files themselves is a :class:`LoadError` naming the file (and tensor).
 """

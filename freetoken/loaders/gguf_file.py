@@ -311,7 +311,8 @@ class GGUFFile:
         ``tokens`` (list of str), ``token_types`` (int32 array or None), ``scores`` (float32 array or None),
         ``merges`` (list of "a b" strings or None), special ids (``bos_token_id``, ``eos_token_id``,
         ``eot_token_id``, ``unknown_token_id``, ``padding_token_id``, ... or None), ``add_bos_token``,
-        ``add_eos_token`` (bool or None), ``chat_template`` (str or None) and ``chat_templates`` (named extra
+        ``add_eos_token``, ``add_space_prefix`` (SentencePiece vocabularies; bool or None), ``chat_template``
+        (str or None) and ``chat_templates`` (named extra
         templates, {} if none)."""
         tk = "tokenizer.ggml."
         model = self.meta(tk + "model", None)
@@ -335,7 +336,7 @@ class GGUFFile:
                 raise LoadError(self.path, f"tokenizer.ggml.{key}_token_id {v} is outside the {len(tokens)}-token "
                                            "vocabulary")
             out[f"{key}_token_id"] = None if v is None else int(v)
-        for key in ("add_bos_token", "add_eos_token"):
+        for key in ("add_bos_token", "add_eos_token", "add_space_prefix"):
             v = self.meta(tk + key, None)
             out[key] = None if v is None else bool(v)
         out["chat_template"] = self.meta("tokenizer.chat_template", None)

@@ -21,14 +21,21 @@ models they come from spells it:
   ``ignore_merges`` (a word that is a whole token is not merged up) and BOS added by default, as llama.cpp does.
 - ``"deepseek-v3"``: DeepSeek-V3 / R1's three isolated splits (digit groups, CJK / kana runs, the main regex).
 
-Any other name is a :class:`LoadError` naming the pre-tokenizer and the file. So are SentencePiece-style ("llama")
-and other non-BPE vocabularies.
+Any other name is a :class:`LoadError` naming the pre-tokenizer and the file.
+
+SentencePiece-style vocabularies (``tokenizer.ggml.model`` "llama": Llama 2, Mistral, Mixtral) carry tokens, a score
+per token and token types, but no merges. :func:`tokenizer_from_gguf` rebuilds them the way llama.cpp's SPM tokenizer
+works and Hugging Face's Llama converter spells it: a BPE model whose merges are every split ``(a, b)`` of a token
+``a + b`` (all three in the vocabulary), ranked by that token's score, best first; ``<0xXX>`` byte fallback; spaces
+escaped to "▁" with one "▁" put in front of each run of text (``tokenizer.ggml.add_space_prefix``, default true); a
+decoder undoing both. Other vocabulary models (``bert``, ``t5``, ...) are a :class:`LoadError`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,7 +112,8 @@ def _where(path) -> str:
 
 
 def tokenizer_from_gguf(meta: dict[str, Any], path: str | os.PathLike | None = None) -> Tokenizer:
-    """A ``tokenizers.Tokenizer`` for an embedded byte-level BPE vocabulary.
+    """A ``tokenizers.Tokenizer`` for an embedded vocabulary: byte-level BPE ("gpt2") or SentencePiece-style BPE
+    ("llama", see :func:`_spm_tokenizer`).
 
     ``meta``: :meth:`GGUFFile.tokenizer_meta` (or :func:`gguf_tokenizer_fields`); ``path``: the file, for errors.
     Tokens typed control (3) become special added tokens and user-defined ones (4) plain added tokens, so text
@@ -117,22 +125,16 @@ def tokenizer_from_gguf(meta: dict[str, Any], path: str | os.PathLike | None = N
     where = _where(path)
     model = meta.get("model")
     if model == "llama":
-        raise LoadError(where, "SentencePiece-style vocabularies (tokenizer.ggml.model 'llama') are not supported "
-                               "yet; only byte-level BPE ('gpt2')")
+        return _spm_tokenizer(meta, where)
     if model != "gpt2":
-        raise LoadError(where, f"tokenizer.ggml.model {model!r} is not supported; only byte-level BPE ('gpt2')")
+        raise LoadError(where, f"tokenizer.ggml.model {model!r} is not supported; only byte-level BPE ('gpt2') and "
+                               "SentencePiece-style BPE ('llama')")
     pre_name = meta.get("pre")
     pre = PRE_TOKENIZERS.get("gpt-2" if pre_name is None else pre_name)
     if pre is None:
         raise LoadError(where, f"pre-tokenizer {pre_name!r} (tokenizer.ggml.pre) is not supported; supported: "
                                f"{', '.join(PRE_TOKENIZERS)}")
-    tokens = list(meta.get("tokens") or [])
-    if not tokens:
-        raise LoadError(where, "embedded tokenizer without tokens")
-    types = meta.get("token_types")
-    types = [NORMAL] * len(tokens) if types is None else [int(t) for t in types]
-    if len(types) != len(tokens):
-        raise LoadError(where, f"{len(types)} token types for {len(tokens)} tokens")
+    tokens, types = _tokens_and_types(meta, where)
     raw_merges = meta.get("merges")
     if raw_merges is None:
         raise LoadError(where, "byte-level BPE vocabulary without merges (tokenizer.ggml.merges missing)")
@@ -143,9 +145,7 @@ def tokenizer_from_gguf(meta: dict[str, Any], path: str | os.PathLike | None = N
             raise LoadError(where, f"tokenizer.ggml.merges[{i}] {m!r} is not two tokens separated by a space")
         merges.append((m[:cut], m[cut + 1:]))
 
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)  # a duplicate string keeps its first id
+    vocab = _vocab(tokens)
     kwargs = {"ignore_merges": True} if pre.ignore_merges else {}
     try:
         tok = Tokenizer(models.BPE(vocab, merges, dropout=None, unk_token=None, fuse_unk=False, byte_fallback=False,
@@ -156,11 +156,38 @@ def tokenizer_from_gguf(meta: dict[str, Any], path: str | os.PathLike | None = N
         tok.normalizer = pre.normalizer()
     tok.pre_tokenizer = pre.pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
+    _add_vocab_tokens(tok, tokens, types, vocab, where, special_types=(CONTROL,))
+    _add_bos_eos(tok, meta, tokens, pre.add_bos, where)
+    return tok
 
-    # Added tokens: matched whole in the raw text, before normalization and pre-tokenization. They already sit in
-    # the BPE vocabulary with their ids, so adding them keeps those ids.
-    special = [AddedToken(tokens[i], special=True, normalized=False) for i, ty in enumerate(types) if ty == CONTROL]
-    plain = [AddedToken(tokens[i], special=False, normalized=False) for i, ty in enumerate(types) if ty == USER_DEFINED]
+
+def _tokens_and_types(meta: dict[str, Any], where: str) -> tuple[list[str], list[int]]:
+    tokens = list(meta.get("tokens") or [])
+    if not tokens:
+        raise LoadError(where, "embedded tokenizer without tokens")
+    types = meta.get("token_types")
+    types = [NORMAL] * len(tokens) if types is None else [int(t) for t in types]
+    if len(types) != len(tokens):
+        raise LoadError(where, f"{len(types)} token types for {len(tokens)} tokens")
+    return tokens, types
+
+
+def _vocab(tokens: list[str]) -> dict[str, int]:
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)  # a duplicate string keeps its first id
+    return vocab
+
+
+def _add_vocab_tokens(tok: Tokenizer, tokens: list[str], types: list[int], vocab: dict[str, int], where: str,
+                      special_types: tuple[int, ...]) -> None:
+    """Added tokens: matched whole in the raw text, before normalization and pre-tokenization. They already sit in
+    the BPE vocabulary with their ids, so adding them keeps those ids. ``special_types``: the token types added as
+    special (skipped by ``decode``); user-defined ones are added as plain tokens."""
+    special = [AddedToken(tokens[i], special=True, normalized=False) for i, ty in enumerate(types)
+               if ty in special_types and vocab[tokens[i]] == i]
+    plain = [AddedToken(tokens[i], special=False, normalized=False) for i, ty in enumerate(types)
+             if ty == USER_DEFINED and vocab[tokens[i]] == i]
     if special:
         tok.add_special_tokens(special)
     if plain:
@@ -169,8 +196,12 @@ def tokenizer_from_gguf(meta: dict[str, Any], path: str | os.PathLike | None = N
     if moved:  # cannot happen with a well-formed vocabulary; guard the ids the model was trained on
         raise LoadError(where, f"added tokens changed ids: {moved[:5]}")
 
+
+def _add_bos_eos(tok: Tokenizer, meta: dict[str, Any], tokens: list[str], default_bos: bool, where: str) -> None:
+    """A template post-processor adding BOS / EOS when the file asks for them (BOS: ``default_bos`` when it does not
+    say)."""
     add_bos = meta.get("add_bos_token")
-    add_bos = pre.add_bos if add_bos is None else bool(add_bos)
+    add_bos = default_bos if add_bos is None else bool(add_bos)
     add_eos = bool(meta.get("add_eos_token"))
     around: list[tuple[str, int] | None] = []
     for flag, key in ((add_bos, "bos"), (add_eos, "eos")):
@@ -186,6 +217,94 @@ def tokenizer_from_gguf(meta: dict[str, Any], path: str | os.PathLike | None = N
         keyed = [{"id": k, "ids": [x[1]], "tokens": [x[0]]} for k, x in (("BOS", bos), ("EOS", eos)) if x]
         tok.post_processor = processors.TemplateProcessing(
             single=[*b, "$A", *e], pair=[*b, "$A", *e, *b1, "$B:1", *e1], special_tokens=keyed)
+
+
+# ---- SentencePiece-style ("llama") vocabularies ------------------------------------------------------------------
+
+#: SentencePiece's whitespace escape.
+SPIECE_SPACE = "\u2581"
+#: How SentencePiece spells a byte-fallback piece (and Hugging Face's BPE ``byte_fallback`` looks them up).
+_BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
+#: Token types SentencePiece never produces by merging (nor merges further): they are not pieces of text.
+_NOT_MERGED = (UNKNOWN, CONTROL, BYTE)
+
+
+def spm_merges(tokens: list[str], types: list[int], scores) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece's merge-by-score for a vocabulary without merges.
+
+    SentencePiece (and llama.cpp's SPM tokenizer) repeatedly joins the adjacent pair of symbols whose concatenation
+    is the vocabulary token with the highest score. As a merge list: every split ``(a, b)`` of every token ``a + b``
+    where ``a`` and ``b`` are tokens too, ranked by the score of ``a + b``, best first; unknown / control / byte
+    tokens take no part. Ties go to the lower token id, then (one token, several splits) the longer left part. A
+    merge list is a strict order, so one thing is not reproduced: where two different tokens have the same score and
+    both could be formed at once, SentencePiece takes the leftmost pair and this the lower id. Real vocabularies give
+    every mergeable token its own score; files written with one placeholder score for all tokens tokenize
+    differently (in llama.cpp too: greedily from the left).
+    Linear in the summed token lengths: one dict lookup per split (a 32k vocabulary: well under a second).
+    """
+    mergeable: dict[str, int] = {}
+    for i, (t, ty) in enumerate(zip(tokens, types, strict=True)):
+        if ty not in _NOT_MERGED:
+            mergeable.setdefault(t, i)
+    score = [float(x) for x in scores]
+    found: list[tuple[float, int, int, str, str]] = []
+    for t, i in mergeable.items():
+        for cut in range(len(t) - 1, 0, -1):  # longer left part first
+            a = t[:cut]
+            if a in mergeable:
+                b = t[cut:]
+                if b in mergeable:
+                    found.append((-score[i], i, len(found), a, b))
+    found.sort()
+    return [(a, b) for *_, a, b in found]
+
+
+def _spm_tokenizer(meta: dict[str, Any], where: str) -> Tokenizer:
+    """SentencePiece-style BPE as llama.cpp tokenizes it, built the way Hugging Face's (legacy) Llama converter does.
+
+    - model: BPE with the merges of :func:`spm_merges`, ``byte_fallback`` (characters outside the vocabulary become
+      their UTF-8 bytes' ``<0xXX>`` tokens), the unknown token (``unknown_token_id``, else the first token typed
+      unknown) for what has no byte tokens, consecutive unknowns fused;
+    - normalizer: a leading "▁" (``add_space_prefix``, i.e. ``tokenizer.ggml.add_space_prefix``; default true), then
+      every " " -> "▁". No pre-tokenizer: each run of text between added tokens is one BPE word;
+    - added tokens: control and unknown tokens special, user-defined ones plain, all cut out of the raw text first,
+      so each run of text between them gets its own "▁" prefix, as llama.cpp encodes it (and Mistral's tokenizer the
+      text between control tokens). SentencePiece itself, which matches user-defined symbols inside one normalized
+      string, prefixes only the start: "a <x>b" is "▁a▁", "<x>", "▁b" here and in llama.cpp, but "▁a▁", "<x>", "b"
+      there. (Matching them in the normalized text instead is what ``tokenizers`` cannot do reliably: its normalized
+      added-token matching misplaces pieces when the normalizer inserts or widens characters, as these do.)
+    - decoder: "▁" -> " ", byte tokens -> bytes -> text, then the prefix space stripped again;
+    - post-processor: BOS (``add_bos_token``, default true as llama.cpp) and EOS (``add_eos_token``).
+    """
+    tokens, types = _tokens_and_types(meta, where)
+    scores = meta.get("scores")
+    if scores is None:
+        raise LoadError(where, "SentencePiece-style vocabulary (tokenizer.ggml.model 'llama') without scores "
+                               "(tokenizer.ggml.scores missing): its merges cannot be recovered")
+    if len(scores) != len(tokens):
+        raise LoadError(where, f"{len(scores)} token scores for {len(tokens)} tokens")
+    vocab = _vocab(tokens)
+    merges = spm_merges(tokens, types, scores)
+    unk_id = meta.get("unknown_token_id")
+    if unk_id is None:
+        unk_id = next((i for i, ty in enumerate(types) if ty == UNKNOWN), None)
+    if unk_id is not None and not 0 <= int(unk_id) < len(tokens):
+        raise LoadError(where, f"unknown token id {unk_id} is outside the {len(tokens)}-token vocabulary")
+    unk = None if unk_id is None else tokens[int(unk_id)]
+    byte_fallback = any(_BYTE_PIECE.fullmatch(t) for t in vocab)
+    try:
+        tok = Tokenizer(models.BPE(vocab, merges, dropout=None, unk_token=unk, fuse_unk=True,
+                                   byte_fallback=byte_fallback))
+    except Exception as e:  # unencodable strings, ...
+        raise LoadError(where, f"cannot build the BPE model from the embedded vocabulary: {e}") from e
+    prefix = meta.get("add_space_prefix")
+    prefix = True if prefix is None else bool(prefix)
+    escape = [normalizers.Replace(" ", SPIECE_SPACE)]
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPIECE_SPACE), *escape] if prefix else escape)
+    steps = [decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
+    _add_vocab_tokens(tok, tokens, types, vocab, where, special_types=(CONTROL, UNKNOWN))
+    _add_bos_eos(tok, meta, tokens, True, where)
     return tok
 
 
