@@ -26,6 +26,13 @@ def _check(got, x, w32, bias):
 def test_dense_gemv_matches_float64(device, storage, shape):
     n, k = shape
     w, w32 = dense_weights(storage, n, k, seed=n * 1000 + k)
+    check_every_token_count(device, w, w32, storage)
+
+
+def check_every_token_count(device, w, w32, storage: str):
+    """dense_gemv of stored ``w`` (float32 values ``w32`` [N, K]) for T = 1..MAX_TOKENS, with and without bias,
+    into poisoned outputs, against the float64 reference (also used by tests/test_qdense.py)."""
+    n, k = w32.shape
     rng = np.random.default_rng(k)
     bias = rng.standard_normal(n, dtype=np.float32)
     dw, db = device.asarray(w), device.asarray(bias)
@@ -37,6 +44,7 @@ def test_dense_gemv_matches_float64(device, storage, shape):
             got = dense_gemv(dx, dw, storage, bias=None if b is None else db, out=out, device=device)
             assert got is out
             _check(device.to_host(got), x, w32, b)
+    return dw
 
 
 def test_dense_gemv_misaligned_views_and_special_values(device):

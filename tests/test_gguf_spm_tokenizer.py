@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 from gguf import GGUFWriter
+from tiny_models import finish_gguf
 
 from freetoken.loaders import GGUFFile, LoadError, tokenizer_from_gguf
 from freetoken.loaders.gguf_tokenizer import spm_merges
@@ -122,12 +123,7 @@ def _write_gguf(path: Path, sp, *, scores: bool = True, add_bos: bool | None = T
         w.add_add_eos_token(add_eos)
     if add_space_prefix is not None:
         w.add_add_space_prefix(add_space_prefix)
-    w.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish_gguf(w, path)
 
 
 def _load(path: Path):

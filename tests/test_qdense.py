@@ -8,13 +8,14 @@ import warnings
 import numpy as np
 import pytest
 from freetoken.cpu_kernels import qgemv
+from test_dense import check_every_token_count
 
 import freetoken.models.linear as L
 from freetoken.models.linear import Linear
 from freetoken.models.qmatrix import BLOCK_BYTES, QuantizedMatrix
 from freetoken.ops.cases import dense_reference, gguf_dequantized, quantized_blocks
 from freetoken.ops.dense import MAX_TOKENS, dense_dequant, dense_gemv
-from freetoken.testing import assert_close, poison
+from freetoken.testing import assert_close
 
 KINDS = ("q8_0", "q4_0")
 SHAPES = [(37, 32), (130, 96), (16, 256)]  # odd N; K a multiple of 32
@@ -32,17 +33,7 @@ def test_qdense_gemv_matches_gguf_float64(device, kind, shape):
     n, k = shape
     w = quantized_blocks(kind, n, k, seed=n + k)
     w32 = gguf_dequantized(w, kind)
-    rng = np.random.default_rng(k)
-    bias = rng.standard_normal(n, dtype=np.float32)
-    dw, db = device.asarray(w), device.asarray(bias)
-    for t in range(1, MAX_TOKENS + 1):
-        x = rng.standard_normal((t, k), dtype=np.float32)
-        dx = device.asarray(x)
-        for b in (None, bias):
-            out = device.asarray(poison((t, n), np.float32))
-            got = dense_gemv(dx, dw, kind, bias=None if b is None else db, out=out, device=device)
-            assert got is out
-            _check(device.to_host(got), x, w32, b)
+    dw = check_every_token_count(device, w, w32, kind)
     np.testing.assert_array_equal(device.to_host(dense_dequant(dw, kind, k, device=device)), w32)
 
 

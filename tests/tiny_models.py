@@ -32,3 +32,15 @@ def make_checkpoint(family: str, path, seed: int = 0, **overrides):
             p.mul_(5.0 if p.dim() > 1 else 1.0)
     model.save_pretrained(path)
     return model
+
+
+def finish_gguf(writer, path):
+    """Give a metadata-only GGUF writer one small dummy tensor (a valid file needs one), write it, return ``path``."""
+    import numpy as np
+
+    writer.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -229,9 +229,13 @@ def _dense_matrix(storage: str, n: int, k: int):
 
 
 def _make_dense(storage: str, shape: str, t: int):
+    """dense_gemv over one storage: bf16/f16/f32 matrices, or GGUF Q8_0/Q4_0 blocks (their own shapes)."""
+    quantized = storage in QUANT_KINDS
+    shapes, matrix = (_QDENSE_SHAPES, _qdense_matrix) if quantized else (_DENSE_SHAPES, _dense_matrix)
+
     def make(rng, size):
-        n, k, with_bias = _DENSE_SHAPES[size][shape]
-        w, w32 = _dense_matrix(storage, n, k)
+        n, k, with_bias = shapes[size][shape]
+        w, w32 = matrix(storage, n, k)
         return {"w": w, "w32": w32, "storage": storage, "x": rng.standard_normal((t, k), dtype=np.float32),
                 "bias": rng.standard_normal(n, dtype=np.float32) if with_bias else None}
 
@@ -248,7 +252,6 @@ def _make_dense(storage: str, shape: str, t: int):
                       bytes_moved=lambda inp: inp["w"].nbytes, flops=lambda inp: 2 * inp["x"].size * inp["w"].shape[0])
 
 
-DENSE_CASES = [_make_dense(s, shape, t) for s in ("bf16", "f16", "f32") for shape in ("sq", "lm") for t in (1, 4)]
 
 # GGUF Q8_0 / Q4_0 weights (dense_gemv_q8_0 / dense_gemv_q4_0): K a multiple of 32; small N odd.
 _QDENSE_SHAPES = {"small": {"sq": (37, 128, True), "lm": (301, 96, False)},
@@ -282,27 +285,8 @@ def _qdense_matrix(kind: str, n: int, k: int):
     return w, gguf_dequantized(w, kind)
 
 
-def _make_qdense(kind: str, shape: str, t: int):
-    def make(rng, size):
-        n, k, with_bias = _QDENSE_SHAPES[size][shape]
-        w, w32 = _qdense_matrix(kind, n, k)
-        return {"w": w, "w32": w32, "storage": kind, "x": rng.standard_normal((t, k), dtype=np.float32),
-                "bias": rng.standard_normal(n, dtype=np.float32) if with_bias else None}
-
-    def setup(dev, inp):
-        return {"w": dev.asarray(inp["w"]), "x": dev.asarray(inp["x"]), "storage": inp["storage"],
-                "bias": None if inp["bias"] is None else dev.asarray(inp["bias"]),
-                "out_y": _poisoned(dev, (t, inp["w"].shape[0]), np.float32)}
-
-    def launch(dev, st):
-        dense_gemv(st["x"], st["w"], st["storage"], bias=st["bias"], out=st["out_y"], device=dev)
-
-    return KernelCase(f"dense_gemv_{kind}_{shape}_t{t}", "dense.cu", make, setup, launch,
-                      lambda inp: {"y": dense_reference(inp["x"], inp["w32"], inp["bias"])}, rel_atol=1e-5,
-                      bytes_moved=lambda inp: inp["w"].nbytes, flops=lambda inp: 2 * inp["x"].size * inp["w"].shape[0])
-
-
-QDENSE_CASES = [_make_qdense(q, shape, t) for q in QUANT_KINDS for shape in ("sq", "lm") for t in (1, 4)]
+DENSE_CASES = [_make_dense(s, shape, t) for s in ("bf16", "f16", "f32") for shape in ("sq", "lm") for t in (1, 4)]
+QDENSE_CASES = [_make_dense(q, shape, t) for q in QUANT_KINDS for shape in ("sq", "lm") for t in (1, 4)]
 
 
 # ---- moe_decode.cu / moe_prefill.cu (with moe_plan.cu) ----------------------------------------------------
