@@ -15,7 +15,8 @@ STORAGES = ("bf16", "f16", "f32")
 SHAPES = [(37, 50), (64, 96), (5, 8), (130, 33), (256, 1024)]
 
 
-def _check(got, x, w32, bias):
+def check_dense(got, x, w32, bias):
+    """``got`` equals x . w32^T (+ bias) in float64 within 1e-5 of the largest output (also tests/test_qdense.py)."""
     ref = dense_reference(x, w32, bias)
     assert got.dtype == np.float32 and got.shape == ref.shape
     assert_close(got, ref, atol=1e-5 * float(np.abs(ref).max()), name="y")
@@ -43,7 +44,7 @@ def check_every_token_count(device, w, w32, storage: str):
             out = device.asarray(poison((t, n), np.float32))
             got = dense_gemv(dx, dw, storage, bias=None if b is None else db, out=out, device=device)
             assert got is out
-            _check(device.to_host(got), x, w32, b)
+            check_dense(device.to_host(got), x, w32, b)
     return dw
 
 
@@ -59,7 +60,7 @@ def test_dense_gemv_misaligned_views_and_special_values(device):
             dw = device.asarray(w.reshape(-1))[w_off:w_off + n * k].reshape(n, k)
             dx = device.asarray(x_host)[x_off:x_off + 2 * k].reshape(2, k)
             want_w = w32.reshape(-1)[w_off:w_off + n * k].reshape(n, k)
-            _check(device.to_host(dense_gemv(dx, dw, storage, device=device)), device.to_host(dx), want_w, None)
+            check_dense(device.to_host(dense_gemv(dx, dw, storage, device=device)), device.to_host(dx), want_w, None)
     wf = np.ones((4, 8), np.float32)
     wf[1, 3], wf[2, 0] = np.inf, np.nan
     for storage, w in (("bf16", (wf.view(np.uint32) >> 16).astype(np.uint16)), ("f16", wf.astype(np.float16)),

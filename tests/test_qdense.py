@@ -8,23 +8,17 @@ import warnings
 import numpy as np
 import pytest
 from freetoken.cpu_kernels import qgemv
-from test_dense import check_every_token_count
+from test_dense import check_dense, check_every_token_count
 
 import freetoken.models.linear as L
 from freetoken.models.linear import Linear
 from freetoken.models.qmatrix import BLOCK_BYTES, QuantizedMatrix
-from freetoken.ops.cases import dense_reference, gguf_dequantized, quantized_blocks
+from freetoken.ops.cases import gguf_dequantized, quantized_blocks
 from freetoken.ops.dense import MAX_TOKENS, dense_dequant, dense_gemv
 from freetoken.testing import assert_close
 
 KINDS = ("q8_0", "q4_0")
 SHAPES = [(37, 32), (130, 96), (16, 256)]  # odd N; K a multiple of 32
-
-
-def _check(got, x, w32, bias):
-    ref = dense_reference(x, w32, bias)
-    assert got.dtype == np.float32 and got.shape == ref.shape
-    assert_close(got, ref, atol=1e-5 * float(np.abs(ref).max()), name="y")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -49,7 +43,7 @@ def test_qdense_odd_base_and_special_scales(device):
         dw = flat[1:].reshape(n, row)
         x = rng.standard_normal((3, k), dtype=np.float32)
         got = device.to_host(dense_gemv(device.asarray(x), dw, kind, device=device))
-        _check(got, x, gguf_dequantized(w, kind), None)
+        check_dense(got, x, gguf_dequantized(w, kind), None)
         np.testing.assert_array_equal(device.to_host(dense_dequant(dw, kind, k, device=device)),
                                       gguf_dequantized(w, kind))
         ws = w.copy()
@@ -100,7 +94,7 @@ def test_linear_quantized(device, kind, monkeypatch):
     for t in (1, 2, 3, 5, 8, 20):
         x = rng.standard_normal((t, k), dtype=np.float32)
         got = device.to_host(lin(device.asarray(x)))
-        _check(got, x, w32, b)
+        check_dense(got, x, w32, b)
     assert device.to_host(lin(device.asarray(np.zeros((0, k), np.float32)))).shape == (0, n)
     with pytest.raises(ValueError, match=r"x must be \[T, 96\]"):
         lin(device.asarray(np.zeros((2, 95), np.float32)))
@@ -125,7 +119,7 @@ def test_linear_quantized_concat(device, kind):
             assert part.shape == (t, q.shape[0])
             if t <= MAX_TOKENS:
                 np.testing.assert_array_equal(device.to_host(part), device.to_host(Linear(q, device, b)(x)))
-            _check(device.to_host(part), device.to_host(x), w, b)
+            check_dense(device.to_host(part), device.to_host(x), w, b)
     other = "q4_0" if kind == "q8_0" else "q8_0"
     sig = rng.standard_normal((1, k), dtype=np.float32)
     q2, w2 = _qmat(other, 8, k, seed=99)
@@ -138,7 +132,7 @@ def test_linear_quantized_concat(device, kind):
         x = rng.standard_normal((t, k), dtype=np.float32)
         y = mixed(device.asarray(x))
         assert [p.shape for p in mixed.split(y)] == [(t, 32), (t, 8), (t, 8), (t, 1)]
-        _check(device.to_host(y), x, wm, None)
+        check_dense(device.to_host(y), x, wm, None)
 
 
 # -------------------------------------------------------------------------------------------- GGUF end to end

@@ -120,13 +120,19 @@ def _cmd_timing(args: argparse.Namespace, trace) -> int:
     if args.plot:
         from freetoken.trace.plot import plot_timing_sweep
 
-        try:
-            title = f"{trace.model or args.trace}: CPU {args.cpu:g} GB/s, {trace.record_bytes / 1e6:.3g} MB records"
-            plot_timing_sweep(rows, args.plot, title=title)
-        except (RuntimeError, OSError, ValueError) as e:
-            return _error(e)
-        if not args.json:
-            print(f"plot written to {args.plot}")
+        title = f"{trace.model or args.trace}: CPU {args.cpu:g} GB/s, {trace.record_bytes / 1e6:.3g} MB records"
+        return _plot(args, plot_timing_sweep, rows, title)
+    return 0
+
+
+def _plot(args: argparse.Namespace, plot_fn, rows, title: str) -> int:
+    """Draw ``rows`` with ``plot_fn`` into ``args.plot``; 1 (with the error) when it cannot."""
+    try:
+        plot_fn(rows, args.plot, title=title)
+    except (RuntimeError, OSError, ValueError) as e:
+        return _error(e)
+    if not args.json:
+        print(f"plot written to {args.plot}")
     return 0
 
 
@@ -147,13 +153,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.plot:
         from freetoken.trace.plot import plot_miss_rates
 
-        try:
-            title = f"{trace.model or args.trace}: {trace.steps:,} decode steps"
-            plot_miss_rates(rows, args.plot, title=title)
-        except (RuntimeError, OSError, ValueError) as e:
-            return _error(e)
-        if not args.json:
-            print(f"plot written to {args.plot}")
+        return _plot(args, plot_miss_rates, rows, f"{trace.model or args.trace}: {trace.steps:,} decode steps")
     return 0
 
 
