@@ -12,7 +12,6 @@ Expert quantization is :mod:`freetoken.formats.q4_0` (byte-identical to gguf-py'
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import warnings
@@ -205,8 +204,8 @@ def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, experts: s
     else:
         warnings.warn(f"{src}: no tokenizer.json; the GGUF file gets no vocabulary (llama.cpp will not load it)",
                       stacklevel=2)
-    return write_gguf(cfg, weights, out, experts=experts, other=other, tokenizer=tok_fields, name=_model_name(src),
-                      progress=progress)
+    return write_gguf(cfg, weights, out, experts=experts, other=other, tokenizer=tok_fields,
+                      name=_model_name(src, sd.config), progress=progress)
 
 
 def write_gguf(cfg: ModelConfig, weights, out: str | os.PathLike, experts: str = "q4_0", other: str = "f16",
@@ -258,10 +257,7 @@ def write_gguf(cfg: ModelConfig, weights, out: str | os.PathLike, experts: str =
     return out
 
 
-def _model_name(src: Path) -> str:
-    readme = src / "config.json"
-    try:
-        arch = json.loads(readme.read_text()).get("architectures", [""])[0]
-    except (OSError, ValueError):
-        arch = ""
-    return f"{src.resolve().name} ({arch})" if arch else src.resolve().name
+def _model_name(src: Path, config: dict) -> str:
+    """general.name: the directory's name and its HF architecture."""
+    archs = config.get("architectures") or [""]
+    return f"{src.resolve().name} ({archs[0]})" if archs[0] else src.resolve().name
