@@ -40,6 +40,7 @@ class RollingRate:
     _samples: deque = field(default_factory=deque)  # (time, rate)
     _last_window: float | None = None
     changes: list = field(default_factory=list)  # (time, old rate, new rate)
+    _cached: tuple | None = None  # (clock bucket, rate)
 
     def add(self, nbytes: float, seconds: float, now: float | None = None) -> None:
         """One measurement; non-positive or non-finite ones are dropped (a timer that read 0)."""
@@ -70,10 +71,20 @@ class RollingRate:
             self._last_window = med
 
     def rate(self, now: float | None = None) -> float | None:
-        """The current estimate in bytes/s (None: no sample and no prior)."""
+        """The current estimate in bytes/s (None: no sample and no prior). Recomputed at most once per
+        ``window_s / 20`` of clock time: the split asks per layer, and a fresh median every call would cost more
+        than the decision it informs."""
         if self.pinned is not None:
             return self.pinned
         t = self.clock() if now is None else now
+        bucket = int(t // (self.window_s / 20))
+        if self._cached is not None and self._cached[0] == bucket:
+            return self._cached[1]
+        value = self._rate(t)
+        self._cached = (bucket, value)
+        return value
+
+    def _rate(self, t: float) -> float | None:
         recent = self._window(t)
         if len(recent) >= self.min_samples:
             return _median(recent)
