@@ -9,6 +9,7 @@ import numpy as np
 
 from freetoken.trace.format import Trace
 from freetoken.trace.policies import DEFAULT_POLICIES, POLICIES, WINDOWS, prepare
+from freetoken.trace.table import text_table
 
 COLUMNS = ("policy", "slots", "window", "accesses", "misses", "miss_rate", "loads", "bytes_moved")
 
@@ -39,21 +40,7 @@ def format_table(rows: Sequence[dict]) -> str:
     body = [(r["policy"], str(r["slots"]), r["window"], f"{r['accesses']:,}", f"{r['misses']:,}",
              f"{100.0 * r['miss_rate']:.2f}%", f"{r['loads']:,}", f"{r['bytes_moved'] / 1e9:.3f}", r.get("note", ""))
             for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
-    left = {0, 2, 8}
-
-    def line(cells):
-        pairs = enumerate(zip(cells, widths, strict=True))
-        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in pairs)
-
-    out = [line(header), "  ".join("-" * w for w in widths)]
-    prev_slots = None
-    for r, b in zip(rows, body, strict=True):
-        if prev_slots is not None and r["slots"] != prev_slots:
-            out.append("")
-        prev_slots = r["slots"]
-        out.append(line(b))
-    return "\n".join(s.rstrip() for s in out)
+    return "\n".join(text_table(header, body, left={0, 2, 8}, groups=[r["slots"] for r in rows]))
 
 
 # ------------------------------------------------------------------------------------------- trace summary

@@ -104,6 +104,7 @@ from freetoken.policy.qstar import (
 from freetoken.trace.format import Trace
 from freetoken.trace.lru_list import append_sorted, push_least_recent, sort_ids, unlink
 from freetoken.trace.policies import WINDOWS, _check_slots, prepare, window_steps
+from freetoken.trace.table import text_table
 
 MODES = ("fetch_all", "cpu_all", "qstar", "qstar_prefetch")
 ALL_MODES = (*MODES, "fetch_all_prefetch")
@@ -665,20 +666,7 @@ def format_timing(results: Sequence[ModeTiming]) -> str:
         body.append((r.mode, str(r.slots), f"{r.tokens_per_s:,.2f}", _us(r.step_s), _us(r.transfer_s),
                      _us(r.prefetch_s), _us(r.cpu_s), _us(r.gpu_s), _us(r.stall_s), f"{100 * r.hit_rate:.1f}%",
                      f"{r.fetched:,}", f"{r.cpu_experts:,}", "; ".join(note)))
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
-    left = {0, 12}
-
-    def line(cells):
-        pairs = enumerate(zip(cells, widths, strict=True))
-        return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in pairs)
-
-    out = [line(header), "  ".join("-" * w for w in widths)]
-    prev = None
-    for r, b in zip(results, body, strict=True):
-        if prev is not None and r.slots != prev:
-            out.append("")
-        prev = r.slots
-        out.append(line(b))
+    out = text_table(header, body, left={0, 12}, groups=[r.slots for r in results])
     if results:
         r0 = results[0]
         out.append("")
@@ -703,9 +691,7 @@ def format_sweep(rows: Sequence[dict]) -> str:
         if extra:
             cells.append(f"{d['qstar'] / max(d['fetch_all'], d['cpu_all']):.3f}")
         body.append(cells)
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
-    out = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)), "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.rjust(w) for c, w in zip(b, widths, strict=True)) for b in body]
+    out = text_table(header, body)
     out.append("tokens/s per mode; PCIe varies, the CPU bandwidth stays")
     return "\n".join(out)
 
