@@ -1,0 +1,29 @@
+"""Test oracles (torch, transformers, llama-cpp-python, sentencepiece, ...): present, or a visible outcome.
+
+``need("torch")`` returns the imported module. Where it cannot be imported, a local run skips the test with the
+reason, while a CI run (``CI`` set to anything but ``""``/``0``/``false``) FAILS it: a broken install must not turn
+the parity tests into a green run of skips. At module level it skips or fails the whole module, so call it there
+only for modules whose every test needs the oracle.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def need(module: str, why: str = ""):
+    """The imported ``module``; skip (locally) or fail (in CI) the calling test or module when it is missing."""
+    import pytest
+
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # ImportError, or a broken install raising anything else on import
+        reason = f"test oracle {module!r} is not importable ({type(e).__name__}: {e})" + (f"; {why}" if why else "")
+        if in_ci():
+            pytest.fail(f"{reason}; CI needs every oracle (bash scripts/setup --test-oracles)", pytrace=False)
+        pytest.skip(reason, allow_module_level=True)

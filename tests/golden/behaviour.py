@@ -1,0 +1,101 @@
+"""What the golden behaviour test compares: the bundled model's logits, greedy tokens and cache statistics per
+device and expert mode, and the simulator's tables on a fixed synthetic trace.
+
+``python tests/golden/behaviour.py`` rewrites the golden files from the code as it is; do that only when a change
+of behaviour is intended, and say so in the commit.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser(description="
+DECODE_TOKENS = 16
+LOGIT_COLUMNS = 512  # the first columns of every prompt position's logits (enough to see any drift)
+
+#: name -> (device, freetoken.load keywords)
+MODEL_RUNS = {
+    "cpu": ("cpu", {}),
+    "emu_gpu_slots40": ("emu", {"cache_slots": 40}),
+    "emu_gpu_slots40_prefetch": ("emu", {"cache_slots": 40, "prefetch": True}),
+    "emu_cpu_slots40": ("emu", {"cache_slots": 40, "moe_mode": "cpu"}),
+    "emu_hybrid_slots40": ("emu", {"cache_slots": 40, "moe_mode": "hybrid", "pcie_gbps": 2.0, "cpu_gbps": 20.0}),
+}
+#: runs whose split depends on timing measured while running (the hand-off): compared by tokens and logits only
+TIMING_DEPENDENT = {"emu_hybrid_slots40"}
+
+SYNTH = ["--layers", "4", "--experts", "16", "--top-k", "2", "--steps", "300", "--segments", "3", "--seed", "1",
+         "--record-bytes", "262144"]
+SIMULATIONS = {
+    "policies": ["--slots", "12,24,40"],
+    "policies_all_window": ["--slots", "16", "--window", "all", "--policies",
+                            "lru,static_frequency,prefill_placement,routing_blind,belady,belady_start"],
+    "timing": ["--slots", "16,32", "--pcie", "16", "--cpu", "32"],
+    "timing_global": ["--slots", "16", "--pcie", "8", "--cpu", "32", "--future-value", "global", "--layer-us", "20"],
+    "timing_fixed_prev": ["--slots", "24", "--pcie", "16", "--cpu", "16", "--future-value", "0.0001",
+                          "--predictor", "prev"],
+    "sweep": ["--slots", "16", "--pcie", "16", "--cpu", "32", "--sweep"],
+}
+
+
+def run_model(name: str) -> dict:
+    """Prompt logits, greedy tokens, decode routing and expert statistics of one run."""
+    import freetoken
+    from freetoken.engine.sampling import SamplingParams
+
+    device, kw = MODEL_RUNS[name]
+    model = freetoken.load(None, device=device, **kw)
+    ids = model.encode(PROMPT)
+    logits = model.logits(ids)
+    tokens = list(model.generate(ids, DECODE_TOKENS, SamplingParams(temperature=0.0), record_routing=True))
+    out = {"prompt_ids": np.asarray(ids, np.int64), "logits": logits[:, :LOGIT_COLUMNS].copy(),
+           "tokens": np.asarray(tokens, np.int64),
+           "decode_routing": np.asarray(model.stats.routing, np.int32)}
+    out.update({f"stat_{k}": np.asarray(v, np.int64) for k, v in expert_stats(model).items()})
+    return out
+
+
+def expert_stats(model) -> dict:
+    """The counters a run reports: cache hits/misses (gpu/emu), the split's counts, prefetch precision."""
+    from freetoken.engine.report import expert_counters
+
+    return expert_counters(model)
+
+
+def run_simulation(trace_path: Path, name: str) -> str:
+    from freetoken.cli import main
+
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = main(["trace", "simulate", str(trace_path), *SIMULATIONS[name]])
+    assert rc in (0, None), rc
+    return buf.getvalue()
+
+
+def make_trace(path: Path) -> None:
+    from freetoken.cli import main
+
+    with redirect_stdout(io.StringIO()):
+        main(["trace", "synth", str(path), *SYNTH])
+
+
+def write_all() -> None:
+    import tempfile
+
+    for name in MODEL_RUNS:
+        np.savez_compressed(HERE / f"model_{name}.npz", **run_model(name))
+    with tempfile.TemporaryDirectory() as d:
+        trace = Path(d) / "t.npz"
+        make_trace(trace)
+        tables = {name: run_simulation(trace, name) for name in SIMULATIONS}
+    (HERE / "simulations.json").write_text(json.dumps(tables, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    write_all()
