@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     for name, path, gguf in rows:
         pf, dc, model = _freetoken_times(path, prompt, args.decode_tokens, args.reps)
         cfg = model.config
-        step_bytes = sum(cfg.moe_layers) * cfg.top_k * model.decoder.layout.record_bytes
+        step_bytes = sum(cfg.moe_layers) * cfg.top_k * model.experts.layout.record_bytes
         roof = bw * 1e9 / step_bytes
         ft_pf, ft_dc = len(prompt) / pf, args.decode_tokens / dc
         if gguf and have_llama:

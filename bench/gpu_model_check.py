@@ -38,18 +38,15 @@ def _decode_rate(model, prompt_ids, steps: int) -> float:
 
 def _decode_table(path, dev_kind: str, slots_list, steps: int, label: str) -> None:
     from freetoken.engine.load import load
-    from freetoken.policy.runtime import hit_stats, report
-
     prompt = list(np.random.default_rng(7).integers(2, 4000, 16))
     for slots in slots_list:
         for mode in ("gpu", "hybrid", "cpu"):
             model = load(path, device=dev_kind, cache_slots=slots, moe_mode=mode, max_len=256)
             rate = _decode_rate(model, prompt, steps)
-            hit_rate, _, _ = hit_stats(model.decoder)
-            print(f"  {label:<10} slots {model.decoder.cache.slots:>5}  {mode:<7} decode {rate:8.1f} tok/s  "
-                  f"hit rate {hit_rate:6.1%}  [{report(model.decoder)}]")
-            if model.decoder.executor is not None:
-                model.decoder.executor.close()
+            hit_rate, _, _ = model.experts.hit_stats()
+            print(f"  {label:<10} slots {model.experts.cache.slots:>5}  {mode:<7} decode {rate:8.1f} tok/s  "
+                  f"hit rate {hit_rate:6.1%}  [{model.experts.report()}]")
+            model.experts.close()
 
 
 def run(dev_kind: str, synthetic=None, steps: int = 32) -> int:

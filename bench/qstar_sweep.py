@@ -23,7 +23,7 @@ def record(path: Path, prompts: int, tokens: int, seed: int) -> None:
 
     model = load(None, device="cpu", max_len=1024)
     cfg = model.config
-    rec = TraceRecorder(sum(cfg.moe_layers), cfg.num_experts, cfg.top_k, model.decoder.layout.record_bytes,
+    rec = TraceRecorder(sum(cfg.moe_layers), cfg.num_experts, cfg.top_k, model.experts.layout.record_bytes,
                         model="bundled qwen3_moe")
     root = Path(os.__file__).parent
     files = sorted(p for p in root.glob("*.py") if p.stat().st_size > 4000)[:prompts]

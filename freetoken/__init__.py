@@ -1,8 +1,7 @@
 """freetoken: huge Mixture-of-Experts models on one consumer GPU plus host memory."""
 
 from freetoken.device import get_device
-
-__version__ = "0.1.0"
+from freetoken.version import __version__
 
 
 def load(path=None, device="auto", **kwargs):

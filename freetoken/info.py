@@ -114,8 +114,8 @@ def cpu_info() -> dict:
 
 
 def collect() -> dict:
-    from freetoken import __version__
     from freetoken.device import device_status
+    from freetoken.version import __version__
 
     return {
         "freetoken": __version__,

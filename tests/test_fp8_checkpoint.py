@@ -81,7 +81,7 @@ def fp8_checkpoint(tmp_path_factory):
 def test_fp8_checkpoint_matches_dequantized_transformers(fp8_checkpoint, device):
     root, want = fp8_checkpoint
     model = load(root / "fp8", device=device.kind)
-    assert model.decoder.layout.fmt.name == "fp8_block"  # experts kept in their native format
+    assert model.experts.layout.fmt.name == "fp8_block"  # experts kept in their native format
     got = model.logits(TOKENS)
     nmse = float(((got - want) ** 2).sum() / (want**2).sum())
     # cpu: float32 rounding only (measured ~1e-13); emu's 21-token prefill rounds to bf16 for the tensor cores
@@ -93,7 +93,7 @@ def test_fp8_experts_are_the_checkpoint_bits(fp8_checkpoint):
 
     root, _ = fp8_checkpoint
     model = load(root / "fp8", device="cpu")
-    banks = model.decoder.layers[0]["experts"]
+    banks = model.experts.banks[0]
     sd = SafetensorsDir(root / "fp8")
     w = sd.get("model.layers.0.mlp.experts.5.up_proj.weight")
     np.testing.assert_array_equal(banks["up.w"][5], w.view(np.uint8))

@@ -46,7 +46,7 @@ def test_q4_0_experts_are_moved_not_requantized(exported, device):
     _, root = exported
     want = load(root / "hf", device=device.kind, expert_format="q4_0").logits(TOKENS)
     model = load(root / "q4.gguf", device=device.kind)
-    assert model.decoder.layout.fmt.name == "q4_0"
+    assert model.experts.layout.fmt.name == "q4_0"
     got = model.logits(TOKENS)
     np.testing.assert_array_equal(got, want)
 

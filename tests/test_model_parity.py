@@ -6,7 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from freetoken.models import ConfigError, MoeDecoder, from_hf
+from freetoken.engine.build import build_decoder
+from freetoken.engine.options import ExpertOptions, LoadOptions
+from freetoken.models import ConfigError, from_hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -36,7 +38,7 @@ def test_matches_transformers(checkpoint, device):
     cfg = from_hf(json.loads((path / "config.json").read_text()))
     assert cfg.family == family
     tensors = load_file(str(path / "model.safetensors"))
-    model = MoeDecoder(cfg, lambda name: tensors[name], device, max_len=64)
+    model = build_decoder(cfg, lambda name: tensors[name], device, LoadOptions(max_len=64))
     got = [model.forward(tokens[:PROMPT])]
     for t in range(STEPS):
         got.append(model.forward(tokens[PROMPT + t:PROMPT + t + 1]))
@@ -66,7 +68,7 @@ def test_greedy_generation_matches_transformers(checkpoint):
     family, path, tokens, _ = checkpoint
     cfg = from_hf(json.loads((path / "config.json").read_text()))
     tensors = load_file(str(path / "model.safetensors"))
-    model = Model(MoeDecoder(cfg, lambda name: tensors[name], get_device("cpu"), max_len=64))
+    model = Model(build_decoder(cfg, lambda name: tensors[name], get_device("cpu"), LoadOptions(max_len=64)))
     got = list(model.generate(tokens[:PROMPT].tolist(), max_tokens=8, sampling=SamplingParams(temperature=0)))
     hf = getattr(transformers, FAMILIES[family][1]).from_pretrained(path).eval()
     with torch.no_grad():
@@ -86,15 +88,16 @@ def test_through_the_expert_cache(checkpoint, cuda_device, slots):
     family, path, tokens, want = checkpoint
     cfg = from_hf(json.loads((path / "config.json").read_text()))
     tensors = load_file(str(path / "model.safetensors"))
-    model = MoeDecoder(cfg, lambda name: tensors[name], cuda_device, max_len=64, cache_slots=slots,
-                       max_decode_tokens=4)
-    assert model.cache is not None and model.cache.slots == slots
+    model = build_decoder(cfg, lambda name: tensors[name], cuda_device,
+                          LoadOptions(max_len=64, experts=ExpertOptions(cache_slots=slots, max_decode_tokens=4)))
+    cache = model.experts.cache
+    assert cache.slots == slots
     got = [model.forward(tokens[:PROMPT])]  # 20 tokens x top-2 > 4 x 2: streamed through the prefill buffers
-    assert model.cache.prefill_bytes > 0
+    assert cache.prefill_bytes > 0
     for t in range(STEPS):
         got.append(model.forward(tokens[PROMPT + t:PROMPT + t + 1]))
     got = np.concatenate(got)
     assert _nmse(got[:PROMPT], want[:PROMPT]) < 5e-5 and _nmse(got[PROMPT:], want[PROMPT:]) < 5e-5
-    stats = model.cache.stats()
+    stats = cache.stats()
     assert stats["misses"] > 0 and stats["hits"] + stats["misses"] > 0
-    model.cache.check_invariants()
+    cache.check_invariants()

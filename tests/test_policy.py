@@ -113,11 +113,14 @@ def _decode(path, device, **kw):
 
     from safetensors.numpy import load_file
 
-    from freetoken.models import MoeDecoder, from_hf
+    from freetoken.engine.build import build_decoder
+    from freetoken.engine.options import ExpertOptions, LoadOptions
+    from freetoken.models import from_hf
 
     cfg = from_hf(json.loads((path / "config.json").read_text()))
     tensors = load_file(str(path / "model.safetensors"))
-    dec = MoeDecoder(cfg, lambda n: tensors[n], device, max_len=64, max_decode_tokens=4, **kw)
+    dec = build_decoder(cfg, lambda n: tensors[n], device,
+                        LoadOptions(max_len=64, experts=ExpertOptions(max_decode_tokens=4, **kw)))
     tokens = np.random.default_rng(5).integers(0, 128, PROMPT + STEPS)
     out = [dec.forward(tokens[:PROMPT])]
     out += [dec.forward(tokens[i:i + 1]) for i in range(PROMPT, PROMPT + STEPS)]
@@ -128,10 +131,8 @@ def _decode(path, device, **kw):
                                              ("hybrid", 1, 100)])
 def test_split_output_equals_all_gpu(checkpoint, cuda_device, mode, pcie, cpu):
     want, ref = _decode(checkpoint, cuda_device, cache_slots=16)
-    oracle = BandwidthOracle()
-    oracle.inject(pcie_gbps=pcie, cpu_gbps=cpu)
-    got, dec = _decode(checkpoint, cuda_device, cache_slots=16, moe_mode=mode, oracle=oracle)
-    st = dec.executor.stats
+    got, dec = _decode(checkpoint, cuda_device, cache_slots=16, mode=mode, pcie_gbps=pcie, cpu_gbps=cpu)
+    st = dec.experts.split.stats
     if mode == "cpu" or cpu > pcie:
         assert st["cpu"] > 0  # the CPU really computed some misses
     if mode == "hybrid" and pcie > cpu:
@@ -139,41 +140,42 @@ def test_split_output_equals_all_gpu(checkpoint, cuda_device, mode, pcie, cpu):
     # decode and CPU kernels differ only in summation order
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     assert (got.argmax(-1) == want.argmax(-1)).all()
-    dec.cache.check_invariants()
-    dec.executor.close()
+    dec.experts.cache.check_invariants()
+    dec.experts.close()
 
 
 def test_cpu_mode_leaves_residency_unchanged(checkpoint, cuda_device):
     """A CPU-computed miss reads the host pool and leaves the cache as it was: only prefill borrows and hits."""
-    _, dec = _decode(checkpoint, cuda_device, cache_slots=16, moe_mode="cpu")
-    assert dec.cache.stats()["misses"] == 0  # decode never copied anything in
-    assert dec.executor.stats["fetched"] == 0 and dec.executor.stats["cpu"] > 0
-    dec.executor.close()
+    _, dec = _decode(checkpoint, cuda_device, cache_slots=16, mode="cpu")
+    assert dec.experts.cache.stats()["misses"] == 0  # decode never copied anything in
+    assert dec.experts.split.stats["fetched"] == 0 and dec.experts.split.stats["cpu"] > 0
+    dec.experts.close()
 
 
 def test_prefetch_keeps_output_and_scores_the_predictor(checkpoint, cuda_device):
     want, _ = _decode(checkpoint, cuda_device, cache_slots=24)
     got, dec = _decode(checkpoint, cuda_device, cache_slots=24, prefetch=True)
     np.testing.assert_array_equal(got, want)  # prefetch changes residency, never results
-    ps = dec.prefetch_stats
+    ps = dec.experts.prefetch.stats
     assert ps["predicted"] > 0 and 0 <= ps["correct"] <= min(ps["predicted"], ps["actual"])
-    dec.cache.check_invariants()
+    dec.experts.cache.check_invariants()
 
 
 def test_pinned_hot_experts_are_never_evicted(checkpoint, cuda_device):
     _, dec = _decode(checkpoint, cuda_device, cache_slots=20)
-    counts = np.zeros((dec.cache.num_layers, dec.cache.num_experts), np.int64)
+    cache = dec.experts.cache
+    counts = np.zeros((cache.num_layers, cache.num_experts), np.int64)
     counts[0, 3], counts[2, 5], counts[1, 0] = 9, 7, 5
-    assert max_pins(dec.cache) == 20 - 16
-    pinned = pin_hot(dec.cache, counts, 3)
+    assert max_pins(cache) == 20 - 16
+    pinned = pin_hot(cache, counts, 3)
     assert pinned == [(0, 3), (2, 5), (1, 0)]
     tokens = np.random.default_rng(9).integers(0, 128, 30)
     for t in tokens:  # 30 decode steps of admissions and evictions through 20 slots
         dec.forward(np.array([t]))
-    slot_for_id = dec.dev.to_host(dec.cache.slot_for_id)
+    slot_for_id = dec.dev.to_host(cache.slot_for_id)
     for layer, e in pinned:
-        assert slot_for_id[layer * dec.cache.num_experts + e] >= 0
-    dec.cache.check_invariants()
+        assert slot_for_id[layer * cache.num_experts + e] >= 0
+    cache.check_invariants()
 
 
 @pytest.mark.slow
@@ -206,14 +208,15 @@ def test_qstar_never_loses_on_a_real_trace_of_the_bundled_model(tmp_path):
 def test_prefetch_stays_only_where_it_pays(checkpoint, cuda_device, monkeypatch):
     """A layer whose predictions stay below PREFETCH_MIN_PRECISION stops being prefetched; the output never
     changes."""
-    import freetoken.models.decoder as decoder_mod
+    import freetoken.engine.experts.prefetch as prefetch_mod
 
-    monkeypatch.setattr(decoder_mod, "PREFETCH_MIN_SAMPLES", 4)
-    monkeypatch.setattr(decoder_mod, "PREFETCH_MIN_PRECISION", 1.01)  # nothing is precise enough
+    monkeypatch.setattr(prefetch_mod, "MIN_SAMPLES", 4)
+    monkeypatch.setattr(prefetch_mod, "MIN_PRECISION", 1.01)  # nothing is precise enough
     want, _ = _decode(checkpoint, cuda_device, cache_slots=24)
     got, dec = _decode(checkpoint, cuda_device, cache_slots=24, prefetch=True)
     np.testing.assert_array_equal(got, want)
-    assert sorted(dec.prefetch_off) == [1, 2]  # every predicted layer, once it has 4 predictions
-    predicted_after = dec.prefetch_stats["predicted"]
+    pf = dec.experts.prefetch
+    assert sorted(pf.off) == [1, 2]  # every predicted layer, once it has 4 predictions
+    predicted_after = pf.stats["predicted"]
     dec.forward(np.array([3]))
-    assert dec.prefetch_stats["predicted"] == predicted_after  # no more predictions, no more prefetch copies
+    assert pf.stats["predicted"] == predicted_after  # no more predictions, no more prefetch copies

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from freetoken.models import ConfigError, from_hf
-from freetoken.models.layers import rope_frequencies
+from freetoken.models.rope import rope_frequencies
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -42,7 +42,8 @@ def test_yarn_model_matches_transformers(tmp_path):
     from safetensors.numpy import load_file
 
     from freetoken.device import get_device
-    from freetoken.models import MoeDecoder
+    from freetoken.engine.build import build_decoder
+    from freetoken.engine.options import LoadOptions
 
     scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}
     model = make_checkpoint("qwen3_moe", tmp_path, rope_parameters=scaling, max_position_embeddings=64)
@@ -52,7 +53,7 @@ def test_yarn_model_matches_transformers(tmp_path):
     with torch.no_grad():
         want = model(torch.from_numpy(tokens)[None]).logits[0].float().numpy()
     tensors = load_file(str(tmp_path / "model.safetensors"))
-    dec = MoeDecoder(cfg, lambda n: tensors[n], get_device("cpu"), max_len=64)
+    dec = build_decoder(cfg, lambda n: tensors[n], get_device("cpu"), LoadOptions(max_len=64))
     got = np.concatenate([dec.forward(tokens[:32]), *(dec.forward(tokens[i:i + 1]) for i in range(32, 40))])
     nmse = float(((got - want) ** 2).sum() / (want**2).sum())
     assert nmse < 5e-5, nmse  # bf16 experts, as in test_model_parity

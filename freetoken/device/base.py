@@ -130,6 +130,13 @@ class Device(ABC):
     def synchronize(self) -> None:  # noqa: B027 - host devices finish work when it is issued
         """Wait until all work issued on this device has finished."""
 
+    def kernel_scope(self):
+        """Context manager around a forward pass: on host devices NumPy's BLAS keeps to one thread so freetoken's
+        kernels get the cores (see :mod:`freetoken.device.blas`)."""
+        from freetoken.device.blas import single_threaded_blas
+
+        return single_threaded_blas()
+
     def load_module(self, source: str, options: Sequence[str] = (), name: str = "module.cu"):
         raise NotImplementedError(
             f"the {self.kind} device does not run CUDA modules (it uses Numba kernels); use gpu or emu"

@@ -7,6 +7,7 @@ them, so a launcher that passes on emu passes the same bytes here.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -75,6 +76,10 @@ class GpuModule:
 
 class GpuDevice(Device):
     kind = "gpu"
+
+    def kernel_scope(self):
+        """The GPU's work does not compete with host BLAS threads: nothing to limit."""
+        return contextlib.nullcontext()
 
     def __init__(self, index: int = 0) -> None:
         import cupy

@@ -51,6 +51,11 @@ class Model:
     def config(self):
         return self.decoder.cfg
 
+    @property
+    def experts(self):
+        """The runner of the routed experts (:mod:`freetoken.engine.experts`): residency, counters, report."""
+        return self.decoder.experts
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens=False`` skips the tokenizer's BOS/EOS post-processing (for
         text rendered by a chat template, which writes its own special tokens)."""
@@ -113,7 +118,7 @@ class Model:
         st.prefill_seconds = time.perf_counter() - t0
         self.cached_ids = list(ids)
         if record_routing:
-            st.prefill_routing = [np.asarray(self.decoder.dev.to_host(r)) for r in self.decoder.last_routing]
+            st.prefill_routing = [np.asarray(self.decoder.dev.to_host(r)) for r in self.experts.last_routing]
         history = list(ids)
         for _ in range(max_tokens):
             tok = sampler(logits, history)
@@ -127,7 +132,7 @@ class Model:
             st.decode_seconds += time.perf_counter() - t0
             self.cached_ids.append(tok)
             if record_routing:
-                st.routing.append([np.asarray(self.decoder.dev.to_host(r)) for r in self.decoder.last_routing])
+                st.routing.append([np.asarray(self.decoder.dev.to_host(r)) for r in self.experts.last_routing])
 
     def generate_text(self, prompt: str | Sequence[int], max_tokens: int = 64, sampling: SamplingParams | None = None,
                       record_routing: bool = False, reuse_cache: bool = False,

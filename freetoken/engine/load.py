@@ -6,10 +6,12 @@ import json
 from pathlib import Path
 
 from freetoken.device import get_device
+from freetoken.engine.build import build_decoder
 from freetoken.engine.chat import ChatTemplate
 from freetoken.engine.generate import Model
+from freetoken.engine.options import ExpertOptions, LoadOptions
 from freetoken.loaders import LoadError, SafetensorsDir, quantization
-from freetoken.models import MoeDecoder, from_hf
+from freetoken.models import from_hf
 from freetoken.models.weights import HFWeights
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "default_model"
@@ -30,7 +32,7 @@ def _eos_ids(config: dict, path: Path, tokenizer) -> list[int]:
 def load(path: str | Path | None = None, device="auto", expert_format: str | None = None, max_len: int = 2048,
          progress: bool = False, cache_slots: int | None = None, moe_mode: str = "gpu",
          pcie_gbps: float | None = None, cpu_gbps: float | None = None, future_value: float = 0.0,
-         prefetch: bool = False) -> Model:
+         prefetch: bool = False, options: LoadOptions | None = None) -> Model:
     """Load a model: an HF directory (``config.json`` + safetensors + ``tokenizer.json``; bf16/f16/f32 or block
     FP8) or a GGUF file; None: the bundled model.
 
@@ -41,23 +43,23 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
     Miss policy (gpu/emu): ``moe_mode`` ``gpu`` (copy every miss in), ``cpu`` (compute misses on the CPU),
     ``hybrid`` (q*: split by measured bandwidths) or ``auto`` (the stored ``freetoken bench bw`` profile's
     choice); ``pcie_gbps`` / ``cpu_gbps`` pin the oracle's figures; ``future_value``: seconds a fetched expert
-    is worth beyond its step; ``prefetch``: copy the next layer's predicted experts while a layer computes."""
+    is worth beyond its step; ``prefetch``: copy the next layer's predicted experts while a layer computes.
+
+    ``options``: all of the above as one :class:`freetoken.engine.options.LoadOptions` (then the keywords are not
+    used). Every kernel is compiled (or loaded from the on-disk caches) before this returns."""
+    if options is None:
+        options = LoadOptions(expert_format=expert_format, max_len=max_len, progress=progress,
+                              experts=ExpertOptions(mode=moe_mode, cache_slots=cache_slots, pcie_gbps=pcie_gbps,
+                                                    cpu_gbps=cpu_gbps, future_value=future_value,
+                                                    prefetch=prefetch))
     p = Path(path) if path is not None else DEFAULT_MODEL
     if not p.exists():
         raise LoadError(str(p), "no such model directory or file")
     dev = get_device(device)
-    oracle = None
-    if pcie_gbps is not None or cpu_gbps is not None:
-        from freetoken.policy.oracle import BandwidthOracle
-
-        oracle = BandwidthOracle()
-        oracle.inject(pcie_gbps=pcie_gbps, cpu_gbps=cpu_gbps)
-    policy = dict(moe_mode=moe_mode, oracle=oracle, future_value=future_value, prefetch=prefetch)
     if p.is_file():
         from freetoken.engine.load_gguf import load_gguf
 
-        decoder, tokenizer, eos, template = load_gguf(p, dev, expert_format, max_len, progress, cache_slots,
-                                                      policy)
+        decoder, tokenizer, eos, template = load_gguf(p, dev, options)
         return Model(decoder, tokenizer, eos, chat_template=template)
     sd = SafetensorsDir(p)
     q = quantization(sd.config, sd.hf_quant_config)
@@ -66,8 +68,7 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
                         "(bf16/f16/f32 and block-FP8 checkpoints are; their experts load through freetoken.formats)")
     cfg = from_hf(sd.config)
     weights = HFWeights(cfg, sd.get, sd.has, fp8_block=q.method == "fp8_block", where=str(p))
-    decoder = MoeDecoder(cfg, weights, dev, expert_format=expert_format, max_len=max_len, progress=progress,
-                         cache_slots=cache_slots, **policy)
+    decoder = build_decoder(cfg, weights, dev, options)
     tokenizer = None
     if (p / "tokenizer.json").is_file():
         from tokenizers import Tokenizer

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from freetoken.loaders import GGUFFile, LoadError
-from freetoken.models import MoeDecoder
 from freetoken.models.config import GGUF_FAMILIES, ModelConfig, from_gguf
 from freetoken.models.weights import GGUFWeights
 
@@ -56,9 +55,9 @@ def check_tensors(gf: GGUFFile, cfg: ModelConfig, w: GGUFWeights) -> None:
             raise LoadError(gf.path, f"expected shape {list(want)}, got {list(got)}", name)
 
 
-def load_gguf(path: Path, device, expert_format: str | None, max_len: int, progress: bool,
-              cache_slots: int | None, policy: dict | None = None):
-    """(decoder, tokenizer or None, eos ids, :class:`ChatTemplate` or None) of a GGUF file."""
+def load_gguf(path: Path, device, options):
+    """(decoder, tokenizer or None, eos ids, :class:`ChatTemplate` or None) of a GGUF file loaded as ``options``
+    (:class:`freetoken.engine.options.LoadOptions`) say."""
     gf = GGUFFile(path, archs=tuple(GGUF_FAMILIES))
     cfg = from_gguf(gf)
     weights = GGUFWeights(cfg, gf)
@@ -77,6 +76,7 @@ def load_gguf(path: Path, device, expert_format: str | None, max_len: int, progr
         special = {f"{k}_token": meta["tokens"][meta[f"{k}_token_id"]] for k in ("bos", "eos")
                    if meta.get(f"{k}_token_id") is not None}
         template = ChatTemplate(meta["chat_template"], special, name=f"{path.name}: tokenizer.chat_template")
-    decoder = MoeDecoder(cfg, weights, device, expert_format=expert_format, max_len=max_len, progress=progress,
-                         cache_slots=cache_slots, **(policy or {}))
+    from freetoken.engine.build import build_decoder
+
+    decoder = build_decoder(cfg, weights, device, options)
     return decoder, tokenizer, eos, template

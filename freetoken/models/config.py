@@ -16,7 +16,7 @@ import numpy as np
 FAMILIES = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
 
 
-#: RoPE scaling variants the decoder implements (freetoken.models.layers.rope_frequencies).
+#: RoPE scaling variants the decoder implements (freetoken.models.rope.rope_frequencies).
 ROPE_SCALINGS = ("linear", "yarn", "llama3")
 
 

@@ -47,12 +47,12 @@ def _turn_stats(model) -> str:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from freetoken.cli.policy import apply_pinning, policy_kwargs
     from freetoken.engine.chat import Chat
     from freetoken.engine.load import load
     from freetoken.engine.sampling import SamplingParams
     from freetoken.loaders import LoadError
     from freetoken.models import ConfigError
-    from freetoken.policy.cli import apply_pinning, policy_kwargs
 
     try:
         if args.max_tokens < 1:
@@ -117,13 +117,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def add_chat_parser(sub) -> argparse.ArgumentParser:
     """Register ``freetoken chat`` on the subparsers ``sub`` of the main parser."""
-    from freetoken.cli_args import add_model_args
+    from freetoken.cli.args import add_model_args
 
     p = sub.add_parser("chat", help="chat with a model through its chat template", description=CHAT_DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p, 256, "per reply")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
-    from freetoken.policy.cli import add_policy_args
+    from freetoken.cli.policy import add_policy_args
 
     add_policy_args(p)
     p.set_defaults(func=cmd_chat)

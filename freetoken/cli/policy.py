@@ -39,12 +39,12 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
 
 
 def policy_kwargs(args: argparse.Namespace) -> dict:
-    """The :func:`freetoken.load` keywords of the flags above."""
+    """The :func:`freetoken.load` keywords of the flags above; a bad value is a ValueError naming its flag."""
     for name in ("pcie_gbps", "cpu_gbps"):
         v = getattr(args, name)
         if v is not None and not v > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {v}")
-    if args.future_value < 0:
+    if not args.future_value >= 0:
         raise ValueError(f"--future-value must be >= 0, got {args.future_value}")
     return dict(moe_mode=args.moe_mode, pcie_gbps=args.pcie_gbps, cpu_gbps=args.cpu_gbps,
                 future_value=args.future_value, prefetch=args.prefetch)
@@ -54,13 +54,13 @@ def apply_pinning(model, args: argparse.Namespace, prompt: str | None) -> str:
     """Pin ``--pin-hot`` experts; returns a note for the report ('' when nothing was asked)."""
     if not args.pin_hot:
         return ""
+    if args.pin_hot < 0:
+        raise ValueError(f"--pin-hot must be >= 0, got {args.pin_hot}")
     import numpy as np
 
-    from freetoken.policy.pinning import counts_from_routing, counts_from_trace, pin_hot
+    from freetoken.policy.pinning import counts_from_routing, counts_from_trace
 
-    cache = model.decoder.cache
-    if cache is None:
-        return "--pin-hot ignored: the cpu device reads every expert from host memory"
+    experts = model.experts
     if args.pin_trace:
         from freetoken.trace.format import load_trace
 
@@ -70,10 +70,12 @@ def apply_pinning(model, args: argparse.Namespace, prompt: str | None) -> str:
         if not prompt:
             raise ValueError("--pin-hot without --pin-trace needs a prompt to warm up on")
         model.logits(model.encode(prompt))  # warm-up pass: the prompt's routing
-        counts = counts_from_routing([np.asarray(model.decoder.dev.to_host(r)) for r in model.decoder.last_routing],
-                                     cache.num_experts)
+        counts = counts_from_routing([np.asarray(model.decoder.dev.to_host(r)) for r in experts.last_routing],
+                                     model.config.num_experts)
         source = "a warm-up pass over the prompt"
-    pinned = pin_hot(cache, counts, args.pin_hot)
+    pinned = experts.pin_hot(counts, args.pin_hot)
+    if isinstance(pinned, str):  # the runner cannot pin (the cpu device): its note says why
+        return pinned
     return f"pinned {len(pinned)} hot experts (asked {args.pin_hot}) from {source}"
 
 

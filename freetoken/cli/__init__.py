@@ -29,11 +29,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from freetoken.cli.policy import apply_pinning, policy_kwargs
     from freetoken.engine.load import load
     from freetoken.engine.sampling import SamplingParams
     from freetoken.loaders import LoadError
     from freetoken.models import ConfigError
-    from freetoken.policy.cli import apply_pinning, policy_kwargs
 
     try:
         sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -51,30 +51,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     st = model.stats
-    cache = model.decoder.cache
-    if cache is None:
-        experts = f"experts: read in place from host memory ({model.decoder.layout.fmt.name})"
-    else:
-        from freetoken.policy.runtime import hit_stats
-
-        rate, hits, misses = hit_stats(model.decoder)
-        experts = (f"expert cache: {cache.slots} slots, hit rate {rate:.1%} ({hits} hits, {misses} misses, "
-                   f"{model.decoder.layout.fmt.name})")
-    print(f"[{model.decoder.dev.kind}] prefill {st.prompt_tokens} tokens at {st.prefill_tps:.1f} tok/s, "
-          f"generated {st.generated_tokens} tokens, decode at {st.decode_tps:.1f} tok/s; {experts}", file=sys.stderr)
-    if cache is not None:
-        from freetoken.policy.runtime import report
-
-        print(f"[{model.decoder.dev.kind}] {report(model.decoder)}" + (f"; {pin_note}" if pin_note else ""),
-              file=sys.stderr)
-    elif pin_note:
-        print(f"[{model.decoder.dev.kind}] {pin_note}", file=sys.stderr)
+    kind = model.decoder.dev.kind
+    print(f"[{kind}] prefill {st.prompt_tokens} tokens at {st.prefill_tps:.1f} tok/s, "
+          f"generated {st.generated_tokens} tokens, decode at {st.decode_tps:.1f} tok/s; {model.experts.summary()}",
+          file=sys.stderr)
+    report = "; ".join(p for p in (model.experts.report(), pin_note) if p)
+    if report:
+        print(f"[{kind}] {report}", file=sys.stderr)
     if record:
         from freetoken.trace.format import TraceRecorder
 
         cfg = model.config
         moe_layers = sum(cfg.moe_layers)
-        rec = TraceRecorder(moe_layers, cfg.num_experts, cfg.top_k, model.decoder.layout.record_bytes,
+        rec = TraceRecorder(moe_layers, cfg.num_experts, cfg.top_k, model.experts.layout.record_bytes,
                             model=cfg.family)
         rec.begin_segment()
         for layer, ids in enumerate(st.prefill_routing):
@@ -87,8 +76,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from freetoken import __version__
-    from freetoken.cli_args import add_model_args
+    from freetoken.cli.args import add_model_args
+    from freetoken.version import __version__
 
     parser = argparse.ArgumentParser(prog="freetoken", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(run, 128, "to generate")
     run.add_argument("--record-trace", metavar="FILE", default=None,
                      help="write the routing trace (npz) for `freetoken trace simulate`")
-    from freetoken.policy.cli import add_bench_parser, add_policy_args
+    from freetoken.cli.policy import add_bench_parser, add_policy_args
 
     add_policy_args(run)
     run.set_defaults(func=_cmd_run)
@@ -111,11 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     from freetoken.trace.cli import add_trace_parser
 
     add_trace_parser(sub)
-    from freetoken.convert.cli import add_convert_parser
+    from freetoken.cli.convert import add_convert_parser
 
     add_convert_parser(sub)
     add_bench_parser(sub)
-    from freetoken.engine.chat_cli import add_chat_parser
+    from freetoken.cli.chat import add_chat_parser
 
     add_chat_parser(sub)
     return parser

@@ -1,0 +1,28 @@
+"""Expert runners: the ways a loaded model's routed experts run (:class:`freetoken.models.experts.ExpertRunner`).
+
+* :class:`HostExperts`: in place on the host (the cpu device);
+* :class:`CachedExperts`: through the GPU's expert cache (gpu/emu), every miss fetched (``--moe-mode gpu``) or
+  split between PCIe copies and the CPU (``cpu``, ``hybrid``, ``auto``), with optional next-layer prefetch.
+
+:func:`make_runner` picks one for a device and :class:`freetoken.engine.options.ExpertOptions`.
+"""
+
+from __future__ import annotations
+
+from freetoken.engine.experts.base import RunnerBase
+from freetoken.engine.experts.cached import CachedExperts
+from freetoken.engine.experts.host import HostExperts
+from freetoken.engine.options import ExpertOptions
+
+
+def make_runner(device, layout, num_layers: int, num_experts: int, top_k: int,
+                opts: ExpertOptions | None = None) -> RunnerBase:
+    """The runner of ``num_layers`` MoE layers on ``device``: the host device reads experts in place, a device with
+    its own memory (gpu, or emu standing in for one) caches them."""
+    opts = opts or ExpertOptions()
+    if device.kind == "cpu" or num_layers == 0:
+        return HostExperts(device, layout, num_layers)
+    return CachedExperts(device, layout, num_layers, num_experts, top_k, opts)
+
+
+__all__ = ["CachedExperts", "HostExperts", "RunnerBase", "make_runner"]

@@ -1,0 +1,214 @@
+"""Routed experts through the GPU's expert cache (gpu/emu devices).
+
+Every expert record lives in the host pool (the authoritative copy, :class:`freetoken.cache.HostPool`); the device
+keeps :class:`freetoken.cache.ExpertCache` slots shared by all MoE layers. Per forward pass:
+
+* a prompt whose routed pairs exceed one admission **streams**: whole layers go through the cache's two prefill
+  buffers, layer m+1 copied while layer m computes;
+* a decode step **admits** each layer's routed experts (hits refresh recency, misses take LRU slots, the ids are
+  rewritten to slots, the missed records are copied in), then runs the expert kernels over the slots. With
+  ``--moe-mode cpu|hybrid`` the misses are first split (:class:`freetoken.policy.hybrid.MissSplitter`): the CPU
+  share runs on a worker from the host pool (:class:`CpuShare`) while the GPU share is admitted and computed, and
+  the partial outputs are merged in a fixed order. The gpu mode is the empty split: it never reads the routing back
+  to the host, so its steps need no synchronisation;
+* with ``--prefetch`` each admission is followed by the next layer's predicted admission on the transfer stream
+  (:class:`NextLayerPrefetch`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from freetoken import ops
+from freetoken.cache import ExpertCache, HostPool
+from freetoken.engine.experts.base import RunnerBase
+from freetoken.engine.experts.cpu_share import CpuShare, substitute
+from freetoken.engine.experts.prefetch import NextLayerPrefetch
+from freetoken.engine.options import ExpertOptions
+from freetoken.policy.hybrid import MissSplitter
+from freetoken.policy.runtime import make_oracle, resolve_mode
+
+
+class CachedExperts(RunnerBase):
+    """The expert cache of ``num_layers`` MoE layers x ``num_experts`` experts run as ``opts`` says."""
+
+    def __init__(self, device, layout, num_layers: int, num_experts: int, top_k: int, opts: ExpertOptions):
+        super().__init__(device, layout, num_layers)
+        self.top_k, self.opts = top_k, opts
+        pool = HostPool(device, layout, num_layers, num_experts)  # filled layer by layer by load_layer
+        slots = opts.cache_slots or max(num_layers * num_experts, 2 * num_experts)
+        self.cache = ExpertCache(pool, slots, max_active=min(1024, opts.max_decode_tokens * top_k))
+        # decode's plan and expert buffers, allocated once over the slot banks (see ops.moe_experts)
+        self.workspace = ops.MoeWorkspace(device, layout, self.cache.slot_banks, self.cache.max_active)
+        self.prefetch: NextLayerPrefetch | None = None
+        self._prefetch_event = None
+        self.streaming = False
+        self.split = self.cpu_share = None
+        self._setup_policy()
+
+    def _setup_policy(self) -> None:
+        """The mode (``auto`` resolved), the oracle (fresh: no samples yet) and, for a split mode, the splitter and
+        the CPU share."""
+        opts = self.opts
+        self.mode, oracle, self.policy_note = resolve_mode(opts.mode, self.dev, self.layout.fmt.name,
+                                                           make_oracle(opts.pcie_gbps, opts.cpu_gbps))
+        if self.cpu_share is not None:
+            self.cpu_share.close()
+        self.split = self.cpu_share = None
+        if self.mode != "gpu":
+            self.split = MissSplitter(self.cache, self.layout, self.mode, oracle, opts.future_value)
+            self.cpu_share = CpuShare(self.dev, self.layout, self.cache.pool, self.cache.max_active, oracle)
+
+    def set_predictor(self, predict) -> None:
+        """``predict(layer, h) -> (ids, weights)``: MoE layer ``layer``'s router; enables ``--prefetch``."""
+        if self.opts.prefetch:
+            self.prefetch = NextLayerPrefetch(self.dev, self.num_layers, predict)
+
+    def load_layer(self, layer: int, banks: dict) -> None:
+        self.cache.pool.write_layer(layer, banks)  # the host pool: the authoritative copy
+
+    # ---- a forward pass --------------------------------------------------------------------------------------
+    def begin(self, tokens: int) -> None:
+        super().begin(tokens)
+        if self.prefetch is not None:
+            self.prefetch.forget()
+        self.streaming = tokens * self.top_k > self.cache.max_active
+        if self.streaming:
+            self.cache.begin_prefill()
+            self.cache.prefetch_layer(0)
+
+    def run(self, layer: int, h, ids, weights):
+        self.record(ids)
+        if self.streaming:
+            return self._run_streaming(layer, h, ids, weights)
+        if self.prefetch is not None:
+            self.prefetch.score(layer, ids)
+        if self.split is None:
+            slots = ids.copy()  # admission rewrites in place; ``ids`` stays the routing record
+            self._admit_and_copy(layer, slots, h)
+            return self._experts(h, slots, weights)
+        return self._run_split(layer, h, ids, weights)
+
+    def _experts(self, h, slots, weights):
+        return ops.moe_experts(h, slots, weights, self.cache.slot_banks, self.layout, device=self.dev,
+                               validate=False, workspace=self.workspace)
+
+    def _run_streaming(self, layer: int, h, ids, weights):
+        cache = self.cache
+        if layer + 1 < cache.num_layers:
+            cache.prefetch_layer(layer + 1)  # overlaps this layer's compute
+        first = cache.wait_layer(layer)
+        y = ops.moe_experts(h, ids + np.int32(first), weights, cache.slot_banks, self.layout, device=self.dev,
+                            validate=False)
+        cache.release_layer(layer)
+        return y
+
+    def _admit_and_copy(self, layer: int, slots, h, timed_bytes: int = 0):
+        """The one decode admission: the pending prefetch lands first, ``slots`` (expert ids, device int32 ``[T,
+        k]``) are admitted and rewritten to slots, the misses are copied in, and the next layer's prefetch is
+        issued. Returns the copy's (start event, end event, bytes) when ``timed_bytes`` (an oracle sample)."""
+        self._wait_prefetch()
+        self.cache.admit(layer, slots)
+        start = self.dev.event().record() if timed_bytes else None
+        self.cache.copy_missing()
+        timing = (start, self.dev.event().record(), timed_bytes) if timed_bytes else None
+        self._prefetch_next(layer, h)
+        return timing
+
+    def _prefetch_next(self, layer: int, h) -> None:
+        if self.prefetch is None:
+            return
+        pred = self.prefetch.predict(layer, h)
+        if pred is None:
+            return
+        slots = pred.astype(np.int32, copy=True)
+        self.cache.admit(layer + 1, slots, count=False)  # a prefetch: not a hit or a miss of the statistics
+        self.cache.copy_missing(stream=self.cache.transfer)
+        self._prefetch_event = self.dev.event().record(self.cache.transfer)
+
+    def _wait_prefetch(self) -> None:
+        if self._prefetch_event is not None:
+            self.dev.wait_event(self._prefetch_event, None)  # the prefetched slots are complete before use
+            self._prefetch_event = None
+
+    def _run_split(self, layer: int, h, ids, weights):
+        dev = self.dev
+        self.cpu_share.harvest()
+        ids_host = np.asarray(dev.to_host(ids), np.int32)
+        w_host = np.asarray(dev.to_host(weights), np.float32)
+        uniq, resident, on_cpu = self.split.plan(layer, ids_host)
+        cpu_pair = np.isin(ids_host, uniq[on_cpu]) if on_cpu.any() else np.zeros(ids_host.shape, bool)
+        job = self.cpu_share.submit(layer, h, ids_host, w_host, cpu_pair) if cpu_pair.any() else None  # starts first
+        y = timing = None
+        gpu_pair = ~cpu_pair
+        if gpu_pair.any():
+            slots, wg = substitute(ids_host, w_host, gpu_pair)
+            slots_dev = dev.asarray(slots)
+            fetched = int((~resident & ~on_cpu).sum())
+            timing = self._admit_and_copy(layer, slots_dev, h, fetched * self.layout.record_bytes)
+            y = self._experts(h, slots_dev, dev.asarray(wg))
+        if timing is not None:  # the copy's event-timed duration is the oracle's PCIe sample
+            start, stop, nbytes = timing
+            stop.synchronize()
+            self.split.oracle.add_copy(nbytes, start.elapsed_ms(stop) / 1e3)
+        if job is not None:
+            y = self.cpu_share.merge(job, y, h)
+        if y is None:
+            y = dev.xp.zeros(h.shape, np.float32)
+        return y
+
+    # ---- state, counters, report -----------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.dev.synchronize()
+        self.cache.reset()
+        self._prefetch_event = None
+        if self.prefetch is not None:
+            self.prefetch.reset_stats()
+        self._setup_policy()
+
+    def close(self) -> None:
+        if self.cpu_share is not None:
+            self.cpu_share.close()
+
+    def pin_hot(self, counts, n: int):
+        from freetoken.policy.pinning import pin_hot
+
+        return pin_hot(self.cache, counts, n)
+
+    def hit_stats(self) -> tuple[float, int, int]:
+        """(hit rate, hits, misses) of decode steps' routed experts: with a split a miss is fetched or computed on
+        the CPU (the cache's own counters see only the fetched ones)."""
+        if self.split is not None:
+            st = self.split.stats
+            misses = st["fetched"] + st["cpu"]
+            total = st["hits"] + misses
+            return (st["hits"] / total if total else 0.0), st["hits"], misses
+        cs = self.cache.stats()
+        return cs["hit_rate"], cs["hits"], cs["misses"]
+
+    def counters(self) -> dict[str, int]:
+        cs = self.cache.stats()
+        out = {"cache_hits": cs["hits"], "cache_misses": cs["misses"]}
+        if self.split is not None:
+            st = self.split.stats
+            out.update(split_hits=st["hits"], split_fetched=st["fetched"], split_cpu=st["cpu"])
+        if self.prefetch is not None:
+            out.update({f"prefetch_{k}": v for k, v in self.prefetch.stats.items()})
+        return out
+
+    def summary(self) -> str:
+        rate, hits, misses = self.hit_stats()
+        return (f"expert cache: {self.cache.slots} slots, hit rate {rate:.1%} ({hits} hits, {misses} misses, "
+                f"{self.layout.fmt.name})")
+
+    def report(self) -> str:
+        parts = [f"moe mode {self.mode}"]
+        if self.split is not None:
+            st, o = self.split.stats, self.split.oracle
+            parts.append(f"{st['hits']} hits, {st['fetched']} fetched, {st['cpu']} on the CPU; PCIe "
+                         f"{o.pcie_gbps():.1f} GB/s, CPU {o.cpu_gbps(self.layout.fmt.name):.1f} GB/s")
+        if self.prefetch is not None and self.prefetch.report():
+            parts.append(self.prefetch.report())
+        if self.policy_note:
+            parts.append(self.policy_note)
+        return "; ".join(parts)

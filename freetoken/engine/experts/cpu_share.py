@@ -1,0 +1,92 @@
+"""The CPU share of a split decode admission: the misses the split sent to the CPU, computed on a worker thread
+from the host pool (the authoritative records; nothing becomes resident) while the GPU share runs.
+
+Hand-off: the activations of the tokens with a CPU pair go to a page-locked buffer, the format's Numba kernel
+(``nogil``: the worker really overlaps the GPU side) writes the partial outputs to another page-locked buffer, and
+:meth:`CpuShare.merge` adds them on the device AFTER the GPU share's output: a fixed order, so the result does not
+depend on which side finished first. The oracle gets the kernel's bandwidth and the hand-off's duration (read at
+the next call, when the merge is long done: no synchronisation on the hot path).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+
+def substitute(ids: np.ndarray, w: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ids/weights where every pair outside ``keep`` is replaced by a kept pair of the same token (or, for a token
+    with none, by any kept pair) with weight 0: the same experts are computed, the dropped pairs add +0.0, and the
+    kernels' shapes never change."""
+    ids, w = ids.copy(), w.copy()
+    any_kept = ids[keep][0] if keep.any() else ids.reshape(-1)[0]
+    for t in range(ids.shape[0]):
+        drop = ~keep[t]
+        if drop.any():
+            row_kept = ids[t][keep[t]]
+            ids[t][drop] = row_kept[0] if row_kept.size else any_kept
+            w[t][drop] = 0.0
+    return np.ascontiguousarray(ids, np.int32), np.ascontiguousarray(w, np.float32)
+
+
+class CpuShare:
+    """Computes (token, expert) pairs on the CPU from ``pool`` (a :class:`freetoken.cache.HostPool`) for up to
+    ``max_rows`` tokens per call, reporting to ``oracle``."""
+
+    def __init__(self, device, layout, pool, max_rows: int, oracle):
+        self.dev, self.layout, self.oracle = device, layout, oracle
+        self.fmt = layout.fmt.name
+        self.num_experts = pool.num_experts
+        self.host_banks = {name: pool.host(name) for name in pool.banks}  # [L * E, ...] views
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freetoken-cpu-experts")
+        self._x_pinned = device.pinned_empty((max_rows, layout.hidden), np.float32)
+        self._y_pinned = device.pinned_empty((max_rows, layout.hidden), np.float32)
+        self._pending_handoff = None  # (activation seconds, merge start event, merge end event) of the last merge
+        self._x_seconds = 0.0
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+    def submit(self, layer: int, h, ids_host: np.ndarray, w_host: np.ndarray, cpu_pair: np.ndarray) -> Future:
+        """Start the pairs ``cpu_pair`` (bool ``[T, k]``) of MoE layer ``layer`` on the worker: the tokens that have
+        one, with their other pairs at weight 0. The future's result is (token indices, partial outputs)."""
+        tokens = np.flatnonzero(cpu_pair.any(axis=1)).astype(np.int64)
+        t0 = time.perf_counter()
+        x = self.dev.to_host(h[self.dev.asarray(tokens)], out=self._x_pinned.host[: tokens.size])
+        self._x_seconds = time.perf_counter() - t0
+        ids_c, w_c = substitute(ids_host[tokens], w_host[tokens], cpu_pair[tokens])
+        flat = (ids_c + layer * self.num_experts).astype(np.int32)
+        nbytes = len(np.unique(ids_host[cpu_pair])) * self.layout.record_bytes
+
+        def work():
+            from freetoken.cpu_kernels.moe_experts import forward
+
+            out = self._y_pinned.host[: tokens.size]
+            t0 = time.perf_counter()
+            forward(self.fmt, x, flat, w_c, self.host_banks, self.layout.hidden, self.layout.inter, 0, out)
+            self.oracle.add_cpu(self.fmt, nbytes, time.perf_counter() - t0)
+            return tokens, out
+
+        return self._worker.submit(work)
+
+    def merge(self, job: Future, y, h):
+        """``y`` (the GPU share's output, or None when every pair ran on the CPU) plus the CPU share's partials."""
+        dev, xp = self.dev, self.dev.xp
+        tokens, part = job.result()
+        start = dev.event().record()
+        part_dev = dev.asarray(part)
+        if y is None:
+            y = xp.zeros(h.shape, np.float32)
+        y[dev.asarray(tokens)] += part_dev  # GPU share first, then the CPU share: a fixed merge order
+        self._pending_handoff = (self._x_seconds, start, dev.event().record())
+        return y
+
+    def harvest(self) -> None:
+        """The previous hand-off's duration (activations out + partial outputs back and merged) to the oracle."""
+        if self._pending_handoff is not None:
+            x_seconds, start, stop = self._pending_handoff
+            self._pending_handoff = None
+            stop.synchronize()
+            self.oracle.add_handoff(x_seconds + start.elapsed_ms(stop) / 1e3)

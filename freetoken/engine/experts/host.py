@@ -1,0 +1,22 @@
+"""Routed experts read in place from host memory: the cpu device (every layer's banks stay where they loaded)."""
+
+from __future__ import annotations
+
+from freetoken import ops
+from freetoken.engine.experts.base import RunnerBase
+
+
+class HostExperts(RunnerBase):
+    """The Numba expert kernels over each layer's host banks; nothing is copied or cached."""
+
+    def __init__(self, device, layout, num_layers: int):
+        super().__init__(device, layout, num_layers)
+        self.banks: list[dict | None] = [None] * num_layers
+
+    def load_layer(self, layer: int, banks: dict) -> None:
+        self.banks[layer] = banks
+
+    def run(self, layer: int, h, ids, weights):
+        self.record(ids)
+        # the ids come from the model's top-k: in range by construction, so the kernel skips re-checking them
+        return ops.moe_experts(h, ids, weights, self.banks[layer], self.layout, device=self.dev, validate=False)

@@ -1,0 +1,72 @@
+"""Typed options between ``freetoken.load`` and the model: how routed experts run, and how a model is loaded.
+
+Checked when made, so a bad value is reported with its option's name before anything is loaded."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+#: How misses of the expert cache are served (gpu/emu devices): ``gpu`` copies every miss in, ``cpu`` computes
+#: misses on the CPU from host memory, ``hybrid`` splits them by measured bandwidth (q*), ``auto`` is what the
+#: stored ``freetoken bench bw`` profile recommends.
+MOE_MODES = ("gpu", "cpu", "hybrid", "auto")
+
+
+def _positive(name: str, value, integer: bool = False, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        raise ValueError(f"{name} must be a {'whole ' if integer else ''}number, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ExpertOptions:
+    """How the routed experts run on a gpu/emu device (the cpu device reads them in place and ignores these).
+
+    ``cache_slots``: device slots of the expert cache (None: room for every expert). ``mode``: see
+    :data:`MOE_MODES`. ``pcie_gbps`` / ``cpu_gbps``: pin the bandwidth estimates (GB/s) instead of measuring.
+    ``future_value``: what a fetched expert is worth beyond its step, in seconds (q*'s tunable term).
+    ``prefetch``: copy the next MoE layer's predicted experts while a layer computes. ``max_decode_tokens``: the
+    most tokens one decode admission carries (a longer prompt streams whole layers through the prefill buffers)."""
+
+    mode: str = "gpu"
+    cache_slots: int | None = None
+    pcie_gbps: float | None = None
+    cpu_gbps: float | None = None
+    future_value: float = 0.0
+    prefetch: bool = False
+    max_decode_tokens: int = 16
+
+    def __post_init__(self):
+        if self.mode not in MOE_MODES:
+            raise ValueError(f"moe mode {self.mode!r}: choose one of {', '.join(MOE_MODES)}")
+        _positive("cache_slots", self.cache_slots, integer=True)
+        _positive("pcie_gbps", self.pcie_gbps)
+        _positive("cpu_gbps", self.cpu_gbps)
+        fv = self.future_value
+        if isinstance(fv, bool) or not isinstance(fv, (int, float)) or not (math.isfinite(fv) and fv >= 0):
+            raise ValueError(f"future_value must be a number of seconds >= 0, got {fv!r}")
+        _positive("max_decode_tokens", self.max_decode_tokens, integer=True, optional=False)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """``expert_format``: the :mod:`freetoken.formats` name the routed experts run in (None: as stored).
+    ``max_len``: the longest sequence (prompt + generated) the KV cache holds. ``progress``: progress lines on
+    stderr while loading and preparing kernels."""
+
+    expert_format: str | None = None
+    max_len: int = 2048
+    progress: bool = False
+    experts: ExpertOptions = field(default_factory=ExpertOptions)
+
+    def __post_init__(self):
+        _positive("max_len", self.max_len, integer=True, optional=False)
+        if self.expert_format is not None:
+            from freetoken import formats
+
+            if self.expert_format not in formats.NAMES:
+                raise ValueError(f"expert format {self.expert_format!r}: choose one of {', '.join(formats.NAMES)}")

@@ -1,0 +1,159 @@
+"""The blocks a decoder layer is made of, each chosen from the config once at load time.
+
+* attention: a fused q/k/v projection, a q/k treatment (:class:`PlainQK`, Qwen3's per-head norms :class:`HeadNormQK`,
+  OLMoE's whole-projection norms :class:`ProjectionNormQK`), RoPE, causal GQA over the layer's KV rows, the output
+  projection;
+* routers: :class:`SoftmaxTopKRouter` (softmax over the experts, top-k, optional renormalisation);
+* MLPs: :class:`DenseMLP` (SwiGLU), :class:`MoeMLP` (router + routed experts through the model's expert runner +
+  an optional :class:`SharedExpert` with a sigmoid gate).
+
+A new attention kind or router is a new block here and one line where :mod:`freetoken.models.decoder` picks blocks
+from the config. Blocks compute with ``freetoken.ops`` (each op picks its implementation per device) and the
+device's array module for elementwise arithmetic; none of them knows which device it runs on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from freetoken import ops
+from freetoken.models.experts import ExpertRunner
+from freetoken.models.linear import Linear
+
+
+def silu(xp, a):
+    return a / (1.0 + xp.exp(-a))
+
+
+# ---- attention ---------------------------------------------------------------------------------------------------
+class PlainQK:
+    """q and k heads as projected: ``qkv [T, (H + 2 Hkv) D]`` -> (q and k heads ``[T, H + Hkv, D]``, v ``[T, Hkv,
+    D]``)."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int):
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+
+    def split(self, qkv):
+        t = qkv.shape[0]
+        qkv = qkv.reshape(t, self.heads + 2 * self.kv_heads, self.head_dim)
+        return qkv[:, :self.heads + self.kv_heads], qkv[:, self.heads + self.kv_heads:]
+
+    def __call__(self, qkv_proj: Linear, qkv):
+        return self.split(qkv)
+
+
+class HeadNormQK(PlainQK):
+    """Qwen3: every q and k head RMS-normed over ``head_dim`` (q heads with ``q_norm``, k heads with ``k_norm``;
+    both held as one ``[H + Hkv, D]`` weight so the q and k heads are normed in one call)."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, q_norm: np.ndarray, k_norm: np.ndarray, eps: float,
+                 device):
+        super().__init__(heads, kv_heads, head_dim)
+        self.weight = device.asarray(np.concatenate([np.tile(q_norm.reshape(-1), (heads, 1)),
+                                                     np.tile(k_norm.reshape(-1), (kv_heads, 1))]))
+        self.eps, self.dev = eps, device
+
+    def __call__(self, qkv_proj: Linear, qkv):
+        qk, v = self.split(qkv)
+        return ops.rms_norm(qk, self.weight, self.eps, device=self.dev), v
+
+
+class ProjectionNormQK(PlainQK):
+    """OLMoE: the whole q projection and the whole k projection RMS-normed (over ``H * D`` and ``Hkv * D``)."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, q_norm: np.ndarray, k_norm: np.ndarray, eps: float,
+                 device):
+        super().__init__(heads, kv_heads, head_dim)
+        self.q_norm, self.k_norm = device.asarray(q_norm), device.asarray(k_norm)
+        self.eps, self.dev = eps, device
+
+    def __call__(self, qkv_proj: Linear, qkv):
+        t, xp = qkv.shape[0], self.dev.xp
+        q, k, v = qkv_proj.split(qkv)
+        q = ops.rms_norm(q, self.q_norm, self.eps, device=self.dev)
+        k = ops.rms_norm(k, self.k_norm, self.eps, device=self.dev)
+        qk = xp.concatenate([q, k], axis=-1).reshape(t, self.heads + self.kv_heads, self.head_dim)
+        return qk, v.reshape(t, self.kv_heads, self.head_dim)
+
+
+class Attention:
+    """Causal grouped-query self-attention with RoPE over the layer's KV rows."""
+
+    def __init__(self, qkv: Linear, qk, o_proj: Linear, device):
+        self.qkv, self.qk, self.o_proj, self.dev = qkv, qk, o_proj, device
+        self.heads = qk.heads
+
+    def __call__(self, x, kv, start: int, cos, sin):
+        """``x [T, hidden]`` at positions ``start ..``; appends the T keys/values to ``kv`` (the layer's
+        :class:`freetoken.models.kv.LayerKV`); returns the output projection ``[T, hidden]``."""
+        t = x.shape[0]
+        qk, v = self.qk(self.qkv, self.qkv(x))  # biases included
+        qk = ops.rope(qk, cos[start:start + t], sin[start:start + t], device=self.dev)
+        q, k = qk[:, :self.heads], qk[:, self.heads:]
+        kv.write(start, k, v)
+        return self.o_proj(ops.attention(q, kv.k, kv.v, start, device=self.dev))
+
+
+# ---- routers -----------------------------------------------------------------------------------------------------
+class SoftmaxTopKRouter:
+    """Router logits (a linear gate), softmax over the experts, the top-k, renormalised when ``renormalize``."""
+
+    def __init__(self, gate: Linear, top_k: int, renormalize: bool, device):
+        self.gate, self.top_k, self.renormalize, self.dev = gate, top_k, renormalize, device
+
+    def __call__(self, h):
+        """``h [T, hidden]`` -> (expert ids int32 ``[T, k]``, weights float32 ``[T, k]``) on the device."""
+        return ops.route_softmax_topk(self.gate(h), self.top_k, self.renormalize, device=self.dev)
+
+
+# ---- MLPs --------------------------------------------------------------------------------------------------------
+class DenseMLP:
+    """SwiGLU: ``down(silu(gate h) * up h)``, gate and up as one matrix."""
+
+    def __init__(self, gate_up: Linear, down: Linear, device):
+        self.gate_up, self.down, self.xp = gate_up, down, device.xp
+
+    def __call__(self, h):
+        g, u = self.gate_up.split(self.gate_up(h))
+        return self.down(silu(self.xp, g) * u)
+
+
+class SharedExpert:
+    """Qwen2-MoE's shared expert: a SwiGLU MLP scaled by ``sigmoid(w_gate . h)``; gate, up and the sigmoid gate
+    read ``h`` as one matrix."""
+
+    def __init__(self, gate_up_sigmoid: Linear, down: Linear, device):
+        self.inp, self.down, self.xp = gate_up_sigmoid, down, device.xp
+
+    def __call__(self, h):
+        g, u, sg = self.inp.split(self.inp(h))
+        return self.down(silu(self.xp, g) * u) / (1.0 + self.xp.exp(-sg))
+
+
+class MoeMLP:
+    """A MoE layer's MLP: route, run the routed experts through the model's :class:`ExpertRunner` (MoE layer
+    ``index``), add the shared expert when there is one."""
+
+    def __init__(self, router, experts: ExpertRunner, index: int, shared: SharedExpert | None, device):
+        self.router, self.experts, self.index, self.shared, self.xp = router, experts, index, shared, device.xp
+
+    def __call__(self, h):
+        ids, w = self.router(h)
+        h = self.xp.ascontiguousarray(h)
+        y = self.experts.run(self.index, h, ids, w)
+        if self.shared is not None:
+            y = y + self.shared(h)
+        return y
+
+
+class DecoderLayer:
+    """Pre-norm residual layer: ``x += attention(norm(x)); x += mlp(norm(x))``."""
+
+    def __init__(self, attn_norm, attention: Attention, mlp_norm, mlp, eps: float, device):
+        self.attn_norm, self.attention, self.mlp_norm, self.mlp = attn_norm, attention, mlp_norm, mlp
+        self.eps, self.dev = eps, device
+
+    def __call__(self, x, kv, start: int, cos, sin) -> None:
+        """Updates the residual stream ``x [T, hidden]`` in place."""
+        x += self.attention(ops.rms_norm(x, self.attn_norm, self.eps, device=self.dev), kv, start, cos, sin)
+        x += self.mlp(ops.rms_norm(x, self.mlp_norm, self.eps, device=self.dev))

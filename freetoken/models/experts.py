@@ -1,0 +1,36 @@
+"""The one thing a model knows about running its routed experts: an :class:`ExpertRunner`.
+
+The model routes (its router block gives expert ids and weights per token) and hands the routed-expert call to the
+runner it was given. Whether an expert was resident on the GPU, copied in over PCIe, computed on the CPU from host
+memory or read in place is the runner's business (``freetoken.engine.experts``): the model holds math, not policy.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from freetoken.formats import RecordLayout
+
+
+class ExpertRunner(ABC):
+    """Runs the routed experts of a model's MoE layers (numbered 0 .. n_moe - 1 in model order).
+
+    A forward pass calls :meth:`begin` once with its token count, then :meth:`run` once per MoE layer in order, then
+    :meth:`end`. ``layout`` is the record layout (expert format and shape) every layer's experts are held in."""
+
+    layout: RecordLayout
+
+    @abstractmethod
+    def load_layer(self, layer: int, banks: dict) -> None:
+        """Take MoE layer ``layer``'s expert records (host banks ``[E, ...]`` per ``layout.bank_specs()``)."""
+
+    def begin(self, tokens: int) -> None:  # noqa: B027 - runners without per-pass state need nothing here
+        """A forward pass of ``tokens`` tokens starts (a prompt or a decode step)."""
+
+    @abstractmethod
+    def run(self, layer: int, h, ids, weights):
+        """``y [T, H]`` float32 on the device: ``sum_j weights[t, j] * expert_{ids[t, j]}(h[t])`` for MoE layer
+        ``layer``; ``h [T, H]`` float32, ``ids`` int32 ``[T, k]`` expert indices, ``weights`` float32 ``[T, k]``."""
+
+    def end(self) -> None:  # noqa: B027
+        """The forward pass finished."""
