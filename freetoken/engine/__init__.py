@@ -1,1 +1,2 @@
-"""The model runner: sampling, generation, KV cache management."""
+"""Running a loaded model: load (files -> options -> decoder + expert runner, kernels warmed), the expert runners
+(:mod:`freetoken.engine.experts`), sampling, generation and chat."""

@@ -4,7 +4,8 @@
   misses to fetch over PCIe; the rest run on the CPU), :func:`which_to_fetch` (which ones), the future-value term.
 * :mod:`~freetoken.policy.oracle`: rolling PCIe / CPU-executor bandwidth estimates with change detection.
 * :mod:`~freetoken.policy.profile`: ``freetoken bench bw`` profiles per (GPU, CPU, format) and ``auto``'s choice.
-* :mod:`~freetoken.policy.hybrid`: the decode-time executor that splits misses and merges CPU partial outputs.
+* :mod:`~freetoken.policy.hybrid`: the per-call miss split (which misses go to the CPU); the expert runner
+  (:mod:`freetoken.engine.experts`) executes it.
 * :mod:`~freetoken.policy.pinning`: hot-expert pinning (``--pin-hot``).
 * :mod:`~freetoken.policy.predict`: next-layer expert predictors on traces and their precision / recall.
 
