@@ -1,6 +1,11 @@
 """freetoken: huge Mixture-of-Experts models on one consumer GPU plus host memory."""
 
-from freetoken.device import get_device
+# First: Numba's cache directory, keyed by every kernel source, must be set before any module defines a cached kernel.
+from freetoken.device.numba_cache import configure as _configure_numba_cache
+
+_configure_numba_cache()
+
+from freetoken.device import get_device  # noqa: E402
 
 __version__ = "0.1.0"
 
