@@ -15,7 +15,7 @@ directory named by a hash of every source that can end up in a kernel, as the NV
 
 Any edit moves the cache to a fresh directory; old ones are pruned (the :data:`KEEP` most recently used stay, and
 none used within the last :data:`MIN_AGE_S` seconds is removed, so concurrent processes of other checkouts keep
-theirs). The key costs one read of ~100 small files, about a millisecond or two.
+theirs). The key costs one read of ~100 small files: a few milliseconds at import.
 
 Where: ``<freetoken cache>/numba/<key>`` (:func:`freetoken.paths.cache_dir`, ``FREETOKEN_CACHE_DIR``); when the user
 set ``NUMBA_CACHE_DIR``, ``$NUMBA_CACHE_DIR/freetoken-<key>``.
@@ -193,14 +193,14 @@ def configure(sources: Mapping[str, Path] | Iterable[Path] | None = None, keep: 
     """Point Numba's cache at the directory keyed by ``sources`` (default :func:`kernel_sources`): set
     ``NUMBA_CACHE_DIR``, and ``numba.config.CACHE_DIR`` when numba is already imported; prune stale siblings.
 
-    Only functions decorated afterwards use it. Returns the directory, or None when it cannot be created (then
-    Numba's own default applies)."""
+    Only functions decorated afterwards use it. Returns the directory, or None when the sources cannot be read or the
+    directory cannot be created (then Numba's own default applies)."""
     global _configured
-    if sources is None:
-        sources = kernel_sources()
-    elif not isinstance(sources, Mapping):
-        sources = {str(Path(p).resolve()): Path(p) for p in sources}
     try:
+        if sources is None:
+            sources = kernel_sources()
+        elif not isinstance(sources, Mapping):
+            sources = {str(Path(p).resolve()): Path(p) for p in sources}
         key = source_key(sources)
         env = os.environ.get("NUMBA_CACHE_DIR", "")
         user = os.environ.get(_USER_VAR, "") if env and env == os.environ.get(_SET_VAR) else env
