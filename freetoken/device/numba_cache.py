@@ -212,7 +212,7 @@ def configure(sources: Mapping[str, Path] | Iterable[Path] | None = None, keep: 
         path.mkdir(parents=True, exist_ok=True)
         os.utime(path)  # last use, for pruning
         prune(base, pattern, path, keep=keep)
-    except OSError:
+    except (OSError, RuntimeError, ValueError):  # RuntimeError: Path.home() without a home directory
         return None
     os.environ["NUMBA_CACHE_DIR"] = str(path)
     os.environ[_SET_VAR] = str(path)
