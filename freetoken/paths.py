@@ -30,6 +30,22 @@ def cuda_source(name: str) -> Path:
     return path
 
 
+def cpu_kernels_dir() -> Path:
+    """The directory of the Numba kernels, the package ``freetoken.cpu_kernels``.
+
+    In a wheel it is ``freetoken/cpu_kernels``; in a source checkout (editable install) the top-level
+    ``cpu_kernels/`` beside the package. Found without importing it.
+    """
+    here = Path(__file__).resolve().parent
+    for cand in (here / "cpu_kernels", here.parent / "cpu_kernels"):
+        if (cand / "__init__.py").is_file():
+            return cand
+    raise FileNotFoundError(
+        f"freetoken's Numba kernels are missing (looked in {here / 'cpu_kernels'} and {here.parent / 'cpu_kernels'}); "
+        "reinstall the package"
+    )
+
+
 def cache_dir() -> Path:
     """Root of freetoken's on-disk caches: ``$FREETOKEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/freetoken``."""
     env = os.environ.get("FREETOKEN_CACHE_DIR")

@@ -50,6 +50,11 @@ def test_installed_wheel_finds_sources_and_kernels(wheel, tmp_path):
         from freetoken import ops
         from freetoken.device import device_status
         assert freetoken.__file__.startswith(sys.argv[1]), freetoken.__file__
+        from freetoken.device import numba_cache
+        assert str(numba_cache.kernel_sources()["freetoken.cpu_kernels.reduce"]).startswith(sys.argv[1])
+        numba_dir = numba_cache.configured_dir()
+        assert numba_dir.parent == freetoken.paths.cache_dir() / "numba", numba_dir
+        assert row_sum_f32._cache.cache_path.startswith(str(numba_dir)), row_sum_f32._cache.cache_path
         print("cuda_dir", freetoken.paths.cuda_dir())
         x = np.arange(12, dtype=np.float32).reshape(3, 4)
         assert np.allclose(ops.row_sum(x, device="cpu"), x.sum(1))

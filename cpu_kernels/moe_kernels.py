@@ -1,0 +1,175 @@
+"""The gate/up and down kernels of the CPU expert forward (:func:`freetoken.cpu_kernels.moe_experts.forward`).
+
+One call:
+
+1. groups the (token, expert) pairs by unique expert; a duplicate id in one token's row becomes one pair whose weight
+   is the sum of both (the two contributions are identical, so this is exact up to rounding);
+2. gate/up: ``prange`` over (unique expert, block of 8 rows). Each gate and up row is read from memory once, decoded in
+   registers and dotted with every token routed to the expert (groups of 4, 2, 1 tokens; later groups re-read the
+   row from L1/L2); the activation is applied per (row, token) into ``h [pairs, I]``;
+3. down: ``prange`` over contiguous ranges of output rows; each thread streams every unique expert's rows of its range
+   (experts outer: one long stream per expert) and accumulates into the ``y`` rows it owns (no atomics, a
+   deterministic order).
+
+Every record byte is read once per call; nothing is dequantized into memory; fp32 accumulation throughout. The row
+dots come from :mod:`freetoken.cpu_kernels.moe_rows`; arguments are raw addresses
+(:mod:`freetoken.cpu_kernels.moe_memory`), already checked by the driver.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+from freetoken.cpu_kernels.moe_memory import addr, load_f32
+from freetoken.cpu_kernels.moe_rows import FASTMATH, FMT_MXFP4, FMT_NVFP4, FMT_Q4_0, rows_dot
+
+from freetoken.ops.moe_reference import ACT_SWIGLU, GPT_OSS_ALPHA, GPT_OSS_LIMIT
+
+#: Rows of the gate/up matrices per work item.
+ROWS_GATE_UP = 8
+
+_F32 = np.float32
+
+
+@nb.njit(cache=True)
+def group_pairs(ids, weights, num_experts):
+    """Unique experts (ascending) and their tokens; duplicate (token, expert) pairs merged by summing weights.
+
+    Returns ``uniq [U]``, ``poff [U + 1]`` (pairs of ``uniq[u]`` are ``poff[u]:poff[u + 1]``), ``ptok [P]``,
+    ``pw [P]`` (float32) and ``bad``: -1, or the flat position ``t * k + j`` of the first out-of-range id.
+    """
+    t_count, k = ids.shape
+    m = t_count * k
+    keys = np.empty(m, np.int64)
+    for t in range(t_count):
+        for j in range(k):
+            e = ids[t, j]
+            if e < 0 or e >= num_experts:
+                return (np.empty(0, np.int32), np.empty(1, np.int32), np.empty(0, np.int32),
+                        np.empty(0, np.float32), np.int64(t * k + j))
+            keys[t * k + j] = np.int64(e) * t_count + t
+    order = np.argsort(keys, kind="mergesort")
+    uniq = np.empty(m, np.int32)
+    poff = np.empty(m + 1, np.int32)
+    ptok = np.empty(m, np.int32)
+    pw = np.empty(m, np.float32)
+    u = -1
+    p = -1
+    prev_key = np.int64(-1)
+    for q in range(m):
+        i = order[q]
+        key = keys[i]
+        w = weights[i // k, i % k]
+        if key == prev_key:
+            pw[p] += w
+            continue
+        e = key // t_count
+        p += 1
+        if u < 0 or e != uniq[u]:
+            u += 1
+            uniq[u] = e
+            poff[u] = p
+        ptok[p] = key % t_count
+        pw[p] = w
+        prev_key = key
+    poff[u + 1] = p + 1
+    return uniq[:u + 1], poff[:u + 2], ptok[:p + 1], pw[:p + 1], np.int64(-1)
+
+
+@nb.njit(inline="always")
+def _activation(g, u, act):
+    if act == ACT_SWIGLU:
+        return g / (_F32(1.0) + np.exp(-g)) * u
+    lim = _F32(GPT_OSS_LIMIT)
+    g = lim if g > lim else g  # comparisons written so that NaN passes through, as np.minimum/np.clip do
+    u = lim if u > lim else (-lim if u < -lim else u)
+    return (u + _F32(1.0)) * g / (_F32(1.0) + np.exp(_F32(-GPT_OSS_ALPHA) * g))
+
+
+@nb.njit(parallel=True, nogil=True, cache=True, boundscheck=False, fastmath=FASTMATH)
+def gate_up_kernel(fmt, gate, up, gb, ub, has_bias, act, uniq, poff, ptok, xa, hidden, inter, hperm, h, nthreads):
+    """h[p, hperm[n]] = act(gate_e[n] . x[ptok[p]] + gb, up_e[n] . x[ptok[p]] + ub) for the pairs p of each e.
+
+    ``gate``/``up``: addresses (values, scales, globals) of the matrices' banks; ``gb``/``ub``: addresses of the
+    float32 [E, I] biases; ``xa``: address of the float32 [T, H] tokens in K order."""
+    gw, gs, gg = gate
+    uw, us, ug = up
+    n_uniq = uniq.shape[0]
+    nrb = (inter + ROWS_GATE_UP - 1) // ROWS_GATE_UP
+    nitems = n_uniq * nrb
+    pair_rows = fmt == FMT_MXFP4 or fmt == FMT_NVFP4 or fmt == FMT_Q4_0  # two rows per call for a single token
+    max_pairs = 2  # >= 2: the two-row single-token path
+    for ui in range(n_uniq):
+        max_pairs = max(max_pairs, poff[ui + 1] - poff[ui])
+    for wk in nb.prange(nthreads):
+        accg = np.empty(max_pairs, np.float32)
+        accu = np.empty(max_pairs, np.float32)
+        offs = np.empty(max_pairs, np.int64)
+        accg_a, accu_a, offs_a = addr(accg), addr(accu), addr(offs)
+        for it in range(wk * nitems // nthreads, (wk + 1) * nitems // nthreads):
+            ui = it // nrb
+            r0 = (it % nrb) * ROWS_GATE_UP
+            r_end = min(inter, r0 + ROWS_GATE_UP)
+            e = uniq[ui]
+            p0 = poff[ui]
+            npairs = poff[ui + 1] - p0
+            for q in range(npairs):
+                offs[q] = ptok[p0 + q] * hidden
+            n = r0
+            while n < r_end:
+                nr = 2 if pair_rows and npairs == 1 and n + 1 < r_end else 1
+                for m in range(2):  # one inlined call site for gate and up: half the compile time
+                    if m == 0:
+                        w, s, g, acc = gw, gs, gg, accg_a
+                    else:
+                        w, s, g, acc = uw, us, ug, accu_a
+                    rows_dot(fmt, w, s, g, e, n, nr, inter, hidden, xa, offs_a, npairs, acc)
+                for rr in range(nr):
+                    gbias = load_f32(gb, e * inter + n + rr) if has_bias else _F32(0.0)
+                    ubias = load_f32(ub, e * inter + n + rr) if has_bias else _F32(0.0)
+                    col = hperm[n + rr]
+                    for q in range(npairs):
+                        i = rr * npairs + q
+                        h[p0 + q, col] = _activation(accg[i] + gbias, accu[i] + ubias, act)
+                n += nr
+
+
+@nb.njit(parallel=True, nogil=True, cache=True, boundscheck=False, fastmath=FASTMATH)
+def down_kernel(fmt, down, db, has_bias, uniq, poff, ptok, pw, h, hidden, inter, out, nthreads):
+    """out[t, r] = sum over pairs p of token t: pw[p] * (down_e[r] . h[p] + db[e, r]); ``down``: bank addresses,
+    ``db``: address of the float32 [E, H] biases."""
+    dw, ds, dg = down
+    ha = addr(h)
+    n_uniq = uniq.shape[0]
+    t_count = out.shape[0]
+    pair_rows = fmt == FMT_MXFP4 or fmt == FMT_NVFP4 or fmt == FMT_Q4_0  # two rows per call for a single token
+    max_pairs = 2  # >= 2: the two-row single-token path
+    for ui in range(n_uniq):
+        max_pairs = max(max_pairs, poff[ui + 1] - poff[ui])
+    for wk in nb.prange(nthreads):
+        acc = np.empty(max_pairs, np.float32)
+        offs = np.empty(max_pairs, np.int64)
+        acc_a, offs_a = addr(acc), addr(offs)
+        # each worker owns a contiguous range of output rows (whole 16-row groups: 64-byte lines of out, even
+        # counts for the row pairs); experts outer: one long stream per expert
+        r0 = wk * (hidden // 16) // nthreads * 16
+        r1 = (wk + 1) * (hidden // 16) // nthreads * 16
+        for t in range(t_count):
+            for r in range(r0, r1):
+                out[t, r] = 0.0
+        for ui in range(n_uniq):
+            e = uniq[ui]
+            p0 = poff[ui]
+            npairs = poff[ui + 1] - p0
+            for q in range(npairs):
+                offs[q] = (p0 + q) * inter
+            r = r0
+            while r < r1:
+                nr = 2 if pair_rows and npairs == 1 and r + 1 < r1 else 1
+                rows_dot(fmt, dw, ds, dg, e, r, nr, hidden, inter, ha, offs_a, npairs, acc_a)
+                for rr in range(nr):
+                    bias = load_f32(db, e * hidden + r + rr) if has_bias else _F32(0.0)
+                    for q in range(npairs):
+                        out[ptok[p0 + q], r + rr] += pw[p0 + q] * (acc[rr * npairs + q] + bias)
+                r += nr
+

@@ -1,0 +1,302 @@
+"""Per-format row kernels of the CPU expert forward: one row of an expert matrix dotted with 1, 2 or 4 token vectors.
+
+Format codes and decode tables, the bf16 and fp8_block row dots in plain Numba (they vectorise as written), and the
+per-row dispatch over every format (:func:`rows_dot`), which the gate/up and down kernels
+(:mod:`freetoken.cpu_kernels.moe_kernels`) inline. The nibble formats' dots are LLVM IR intrinsics
+(:mod:`freetoken.cpu_kernels.moe_nibble`); every access goes through raw addresses
+(:mod:`freetoken.cpu_kernels.moe_memory`).
+
+K order: bf16 and fp8_block read the natural element order; the nibble formats read "block split" order (each group
+of 32 elements as its 16 low nibbles, then its 16 high nibbles), which for nvfp4/mxfp4/ds_fp4 (low nibble = even
+element) is :func:`block_split_perm` of the elements.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numba as nb
+import numpy as np
+from freetoken.cpu_kernels.moe_memory import (
+    PREFETCH_BYTES,
+    addr,
+    load_f32,
+    load_i64,
+    load_u8,
+    load_u16,
+    prefetch,
+    store_f32,
+)
+from freetoken.cpu_kernels.moe_nibble import (
+    mx_dot1,
+    mx_dot1x2,
+    mx_dot2,
+    mx_dot4,
+    nv_dot1,
+    nv_dot1x2,
+    nv_dot2,
+    nv_dot4,
+    q4_dot1,
+    q4_dot1x2,
+    q4_dot2,
+    q4_dot4,
+)
+
+# Format codes of the kernels (mxfp4 and ds_fp4 share banks and kernel).
+FMT_BF16 = 0
+FMT_FP8_BLOCK = 1
+FMT_NVFP4 = 2
+FMT_MXFP4 = 3
+FMT_Q4_0 = 4
+FORMAT_CODES = {"bf16": FMT_BF16, "fp8_block": FMT_FP8_BLOCK, "nvfp4": FMT_NVFP4, "mxfp4": FMT_MXFP4,
+                "ds_fp4": FMT_MXFP4, "q4_0": FMT_Q4_0}
+#: Formats whose K order is block split relative to the elements (token vectors and h permuted).
+SPLIT_FORMATS = (FMT_NVFP4, FMT_MXFP4)
+
+_CODES = np.arange(256, dtype=np.uint8)
+#: e2m1 value of each 4-bit code (bit 3 is the sign).
+E2M1_TABLE = _CODES[:16].view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+#: q4_0 quant value (q - 8) of each 4-bit code.
+Q4_TABLE = np.arange(-8, 8, dtype=np.float32)
+#: float32 value of each e4m3fn byte (0x7F/0xFF are NaN).
+E4M3_TABLE = _CODES.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+#: float32 value of each e8m0 byte, 2^(e - 127) (255 is NaN).
+E8M0_TABLE = _CODES.view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+
+#: LLVM fast-math flags of every kernel: reassociation (vectorised reductions) and contraction (FMA). No nnan/ninf:
+#: NaN and inf propagate as in the reference.
+FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+_F32 = np.float32
+_U32 = np.uint32
+_U64 = np.uint64
+
+
+def block_split_perm(k: int) -> np.ndarray:
+    """``p`` with ``ordered[j] = element[p[j]]`` for the e2m1 formats (K a multiple of 32)."""
+    j = np.arange(k)
+    blk, r = j // 32, j % 32
+    return blk * 32 + np.where(r < 16, 2 * r, 2 * (r - 16) + 1)
+
+
+# ------------------------------------------------------------------------------------ bf16 and fp8_block: Numba
+
+@nb.njit(inline="always")
+def _bf16(w16, i):
+    return _U32(_U32(load_u16(w16, i)) << _U32(16)).view(_F32)
+
+
+@nb.njit(inline="always")
+def _e4m3(w8, i):
+    """e4m3fn byte -> float32 in vectorisable integer/float arithmetic (subnormals and NaN exact)."""
+    b = _U32(load_u8(w8, i))
+    mag = _U32(b & _U32(0x7F))
+    normal = _U32(_U32(mag << _U32(20)) + _U32(120 << 23)).view(_F32)
+    v = _F32(mag) * _F32(1.0 / 512.0) if mag < _U32(8) else normal  # exponent 0: m * 2^-9
+    v = _F32(np.nan) if mag == _U32(0x7F) else v
+    return -v if b >= _U32(0x80) else v
+
+
+@nb.njit(fastmath=FASTMATH, inline="always")
+def _bf16_dot1(w16, src, x, o0, n):
+    a0 = _F32(0.0)
+    for i in range(n):
+        a0 += _bf16(w16, src + i) * load_f32(x, o0 + i)
+    return a0
+
+
+@nb.njit(fastmath=FASTMATH, inline="always")
+def _bf16_dot2(w16, src, x, o0, o1, n):
+    a0 = a1 = _F32(0.0)
+    for i in range(n):
+        v = _bf16(w16, src + i)
+        a0 += v * load_f32(x, o0 + i)
+        a1 += v * load_f32(x, o1 + i)
+    return a0, a1
+
+
+@nb.njit(fastmath=FASTMATH, inline="always")
+def _bf16_dot4(w16, src, x, o0, o1, o2, o3, n):
+    a0 = a1 = a2 = a3 = _F32(0.0)
+    for i in range(n):
+        v = _bf16(w16, src + i)
+        a0 += v * load_f32(x, o0 + i)
+        a1 += v * load_f32(x, o1 + i)
+        a2 += v * load_f32(x, o2 + i)
+        a3 += v * load_f32(x, o3 + i)
+    return a0, a1, a2, a3
+
+
+@nb.njit(inline="always")
+def _fp8_row(e, n, rows, k):
+    """(first value index, first scale index, scale blocks per row) of row n of matrix e."""
+    nkb = (k + _U64(127)) >> _U64(7)
+    return (e * rows + n) * k, (e * ((rows + _U64(127)) >> _U64(7)) + (n >> _U64(7))) * nkb, nkb
+
+
+@nb.njit(fastmath=FASTMATH, inline="always")
+def _fp8_dot1(w8, s32, e, n, rows, k, x, o0):
+    src, sb, nkb = _fp8_row(e, n, rows, k)
+    a0 = _F32(0.0)
+    for kb in range(nkb):  # one 128-column scale block at a time
+        prefetch(w8 + src + (kb << _U64(7)) + _U64(PREFETCH_BYTES))
+        p0 = _F32(0.0)
+        for i in range(kb << _U64(7), min((kb + _U64(1)) << _U64(7), k)):
+            p0 += _e4m3(w8, src + i) * load_f32(x, o0 + i)
+        a0 += p0 * load_f32(s32, sb + kb)
+    return a0
+
+
+@nb.njit(fastmath=FASTMATH, inline="always")
+def _fp8_dot2(w8, s32, e, n, rows, k, x, o0, o1):
+    src, sb, nkb = _fp8_row(e, n, rows, k)
+    a0 = a1 = _F32(0.0)
+    for kb in range(nkb):
+        prefetch(w8 + src + (kb << _U64(7)) + _U64(PREFETCH_BYTES))
+        p0 = p1 = _F32(0.0)
+        for i in range(kb << _U64(7), min((kb + _U64(1)) << _U64(7), k)):
+            v = _e4m3(w8, src + i)
+            p0 += v * load_f32(x, o0 + i)
+            p1 += v * load_f32(x, o1 + i)
+        sc = load_f32(s32, sb + kb)
+        a0 += p0 * sc
+        a1 += p1 * sc
+    return a0, a1
+
+
+@nb.njit(fastmath=FASTMATH, inline="always")
+def _fp8_dot4(w8, s32, e, n, rows, k, x, o0, o1, o2, o3):
+    src, sb, nkb = _fp8_row(e, n, rows, k)
+    a0 = a1 = a2 = a3 = _F32(0.0)
+    for kb in range(nkb):
+        prefetch(w8 + src + (kb << _U64(7)) + _U64(PREFETCH_BYTES))
+        p0 = p1 = p2 = p3 = _F32(0.0)
+        for i in range(kb << _U64(7), min((kb + _U64(1)) << _U64(7), k)):
+            v = _e4m3(w8, src + i)
+            p0 += v * load_f32(x, o0 + i)
+            p1 += v * load_f32(x, o1 + i)
+            p2 += v * load_f32(x, o2 + i)
+            p3 += v * load_f32(x, o3 + i)
+        sc = load_f32(s32, sb + kb)
+        a0 += p0 * sc
+        a1 += p1 * sc
+        a2 += p2 * sc
+        a3 += p3 * sc
+    return a0, a1, a2, a3
+
+
+# ---------------------------------------------------------------------------------------------------- dispatch
+# Row ``n`` of matrix ``e`` ([rows, k]) of a format, dotted with token vectors at element offsets ``o_t`` of the
+# float32 array at address ``x`` (in the format's K order). ``w``, ``s``, ``g``: addresses of the matrix's value bank,
+# scale bank and nvfp4 globals float32 [E] (a dummy where the format has none). ``fmt`` is a runtime value: the
+# branches are per row, the loops inside them are format-specific.
+
+@nb.njit(fastmath=FASTMATH, inline="always")
+def _row(e, rows, n, k):
+    return _U64(e) * _U64(rows) + _U64(n), k >> _U64(5)
+
+
+@nb.njit(fastmath=FASTMATH, inline="always")
+def row_dot1(fmt, w, s, g, e, n, rows, k, x, o0):
+    k, o0 = _U64(k), _U64(o0)
+    row, nblk = _row(e, rows, n, k)
+    if fmt == FMT_MXFP4:
+        res = mx_dot1(w + row * nblk * _U64(16), s + row * nblk, addr(E2M1_TABLE), addr(E8M0_TABLE), _F32(1.0), x,
+                      o0, nblk)
+    elif fmt == FMT_NVFP4:
+        res = nv_dot1(w + row * nblk * _U64(16), s + row * nblk * _U64(2), addr(E2M1_TABLE), addr(E4M3_TABLE),
+                      load_f32(g, _U64(e)), x, o0, nblk)
+    elif fmt == FMT_Q4_0:
+        res = q4_dot1(w + row * nblk * _U64(16), s + row * nblk * _U64(2), addr(Q4_TABLE), addr(E8M0_TABLE),
+                      _F32(1.0), x, o0, nblk)
+    elif fmt == FMT_BF16:
+        res = _bf16_dot1(w, row * k, x, o0, k)
+    else:
+        res = _fp8_dot1(w, s, _U64(e), _U64(n), _U64(rows), k, x, o0)
+    return res
+
+
+@nb.njit(fastmath=FASTMATH, inline="always")
+def row_dot2(fmt, w, s, g, e, n, rows, k, x, o0, o1):
+    k, o0, o1 = _U64(k), _U64(o0), _U64(o1)
+    row, nblk = _row(e, rows, n, k)
+    if fmt == FMT_MXFP4:
+        res = mx_dot2(w + row * nblk * _U64(16), s + row * nblk, addr(E2M1_TABLE), addr(E8M0_TABLE), _F32(1.0), x,
+                      o0, o1, nblk)
+    elif fmt == FMT_NVFP4:
+        res = nv_dot2(w + row * nblk * _U64(16), s + row * nblk * _U64(2), addr(E2M1_TABLE), addr(E4M3_TABLE),
+                      load_f32(g, _U64(e)), x, o0, o1, nblk)
+    elif fmt == FMT_Q4_0:
+        res = q4_dot2(w + row * nblk * _U64(16), s + row * nblk * _U64(2), addr(Q4_TABLE), addr(E8M0_TABLE),
+                      _F32(1.0), x, o0, o1, nblk)
+    elif fmt == FMT_BF16:
+        res = _bf16_dot2(w, row * k, x, o0, o1, k)
+    else:
+        res = _fp8_dot2(w, s, _U64(e), _U64(n), _U64(rows), k, x, o0, o1)
+    return res
+
+
+@nb.njit(fastmath=FASTMATH, inline="always")
+def row_dot4(fmt, w, s, g, e, n, rows, k, x, o0, o1, o2, o3):
+    k, o0, o1, o2, o3 = _U64(k), _U64(o0), _U64(o1), _U64(o2), _U64(o3)
+    row, nblk = _row(e, rows, n, k)
+    if fmt == FMT_MXFP4:
+        res = mx_dot4(w + row * nblk * _U64(16), s + row * nblk, addr(E2M1_TABLE), addr(E8M0_TABLE), _F32(1.0), x,
+                      o0, o1, o2, o3, nblk)
+    elif fmt == FMT_NVFP4:
+        res = nv_dot4(w + row * nblk * _U64(16), s + row * nblk * _U64(2), addr(E2M1_TABLE), addr(E4M3_TABLE),
+                      load_f32(g, _U64(e)), x, o0, o1, o2, o3, nblk)
+    elif fmt == FMT_Q4_0:
+        res = q4_dot4(w + row * nblk * _U64(16), s + row * nblk * _U64(2), addr(Q4_TABLE), addr(E8M0_TABLE),
+                      _F32(1.0), x, o0, o1, o2, o3, nblk)
+    elif fmt == FMT_BF16:
+        res = _bf16_dot4(w, row * k, x, o0, o1, o2, o3, k)
+    else:
+        res = _fp8_dot4(w, s, _U64(e), _U64(n), _U64(rows), k, x, o0, o1, o2, o3)
+    return res
+
+
+@nb.njit(fastmath=FASTMATH, inline="always")
+def row_dot1x2(fmt, w, s, g, e, n, rows, k, x, o0):
+    """Rows n and n + 1 with one token vector: (dot_n, dot_n+1). Nibble formats only."""
+    k, o0 = _U64(k), _U64(o0)
+    row, nblk = _row(e, rows, n, k)
+    if fmt == FMT_MXFP4:
+        res = mx_dot1x2(w + row * nblk * _U64(16), s + row * nblk, addr(E2M1_TABLE), addr(E8M0_TABLE), _F32(1.0),
+                        x, o0, nblk)
+    elif fmt == FMT_NVFP4:
+        res = nv_dot1x2(w + row * nblk * _U64(16), s + row * nblk * _U64(2), addr(E2M1_TABLE), addr(E4M3_TABLE),
+                        load_f32(g, _U64(e)), x, o0, nblk)
+    elif fmt == FMT_Q4_0:
+        res = q4_dot1x2(w + row * nblk * _U64(16), s + row * nblk * _U64(2), addr(Q4_TABLE), addr(E8M0_TABLE),
+                        _F32(1.0), x, o0, nblk)
+    else:  # unreachable: the kernels pair rows for the nibble formats only (bf16 already streams at full speed)
+        res = _F32(np.nan), _F32(np.nan)
+    return res
+
+
+@nb.njit(fastmath=FASTMATH, inline="always")
+def rows_dot(fmt, w, s, g, e, n, nr, rows, k, x, offs, npairs, acc):
+    """Rows ``n .. n + nr - 1`` of matrix ``e`` dotted with the vectors at ``offs[:npairs]`` (int64 address) into
+    ``acc[r * npairs + q]`` (float32 address). ``nr`` is 1, or 2 with a single vector (the T = 1 path); tokens go in
+    groups of 4, 2, 1."""
+    if nr == 2:
+        r2 = row_dot1x2(fmt, w, s, g, e, n, rows, k, x, load_i64(offs, 0))
+        store_f32(acc, 0, r2[0])
+        store_f32(acc, 1, r2[1])
+        return
+    q = 0
+    while npairs - q >= 4:
+        r4 = row_dot4(fmt, w, s, g, e, n, rows, k, x, load_i64(offs, q), load_i64(offs, q + 1),
+                      load_i64(offs, q + 2), load_i64(offs, q + 3))
+        store_f32(acc, q, r4[0])
+        store_f32(acc, q + 1, r4[1])
+        store_f32(acc, q + 2, r4[2])
+        store_f32(acc, q + 3, r4[3])
+        q += 4
+    if npairs - q >= 2:
+        r2 = row_dot2(fmt, w, s, g, e, n, rows, k, x, load_i64(offs, q), load_i64(offs, q + 1))
+        store_f32(acc, q, r2[0])
+        store_f32(acc, q + 1, r2[1])
+        q += 2
+    if npairs - q >= 1:
+        store_f32(acc, q, row_dot1(fmt, w, s, g, e, n, rows, k, x, load_i64(offs, q)))
+
