@@ -29,24 +29,28 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from freetoken.cli.args import check_text, check_writable
     from freetoken.cli.policy import apply_pinning, policy_kwargs
     from freetoken.engine.load import load
     from freetoken.engine.sampling import SamplingParams
-    from freetoken.loaders import LoadError
-    from freetoken.models import ConfigError
 
-    try:
-        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                  repetition_penalty=args.repetition_penalty, seed=args.seed)
-        model = load(args.model, device=args.device, progress=sys.stderr.isatty(), cache_slots=args.cache_slots,
-                     **policy_kwargs(args))
-        pin_note = apply_pinning(model, args, args.prompt)
-    except (LoadError, ConfigError, ValueError, OSError) as e:
-        print(f"freetoken run: error: {e}", file=sys.stderr)
-        return 1
+    prompt = check_text(args.prompt, "the prompt")
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if args.record_trace is not None:
+        check_writable(args.record_trace, "--record-trace")  # before the work, not after it
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              repetition_penalty=args.repetition_penalty, seed=args.seed)
+    model = load(args.model, device=args.device, progress=sys.stderr.isatty(), cache_slots=args.cache_slots,
+                 **policy_kwargs(args))
+    n = len(model.encode(prompt))
+    if n >= model.decoder.max_len:
+        raise ValueError(f"the prompt is {n} tokens; the context holds {model.decoder.max_len} (prompt and "
+                         "generated tokens together)")
+    pin_note = apply_pinning(model, args, prompt)
     record = args.record_trace is not None
-    sys.stdout.write(args.prompt)
-    for piece in model.generate_text(args.prompt, args.max_tokens, sampling, record_routing=record):
+    sys.stdout.write(prompt)
+    for piece in model.generate_text(prompt, args.max_tokens, sampling, record_routing=record):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -76,12 +80,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from freetoken.cli.args import add_model_args
+    from freetoken.cli.args import Parser, add_model_args
     from freetoken.version import __version__
 
-    parser = argparse.ArgumentParser(prog="freetoken", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="freetoken", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"freetoken {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error (for bug reports)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="generate text from a prompt",
                          description="Stream a continuation of PROMPT, then report prefill and decode speed.")
@@ -110,13 +114,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: What bad input raises (a file, a flag, a request the loaders or the model refuse): one line, exit code 2.
+def _input_errors() -> tuple[type[BaseException], ...]:
+    from freetoken.cache import CacheError
+    from freetoken.device import DeviceUnavailable
+    from freetoken.loaders import LoadError
+    from freetoken.models import ConfigError
+
+    return LoadError, ConfigError, ValueError, OSError, DeviceUnavailable, UnicodeError, CacheError
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``freetoken ...``: the exit code (0 ok, 2 bad input, 130 interrupted)."""
+    from freetoken.cli.args import UsageError
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        print(f"{e.prog}: error: {e}", file=sys.stderr)
+        return 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return args.func(args)
+    command = f"freetoken {args.command}" + (f" {args.bench_command}" if args.command == "bench" else "")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"\n{command}: interrupted", file=sys.stderr)
+        return 130
+    except _input_errors() as e:
+        if args.debug:
+            raise
+        print(f"{command}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+
+
+def _one_line(e: BaseException) -> str:
+    """The message of ``e`` on one line (an OSError's strerror and file included)."""
+    text = str(e) or type(e).__name__
+    return " ".join(text.split("\n")) if "\n" in text else text
 
 
 if __name__ == "__main__":

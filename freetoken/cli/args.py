@@ -1,8 +1,83 @@
-"""Flags shared by the commands that run a model (``run``, ``chat``): model, device, sampling, cache slots."""
+"""The command line's parser class and value types, and the flags shared by the commands that run a model (``run``,
+``chat``): model, device, sampling, cache slots.
+
+Bad input is one clear line on stderr and exit code 2 (:class:`Parser` for the flags, ``freetoken.cli.main`` for
+what the loaders and the model refuse); ``--debug`` shows the traceback instead."""
 
 from __future__ import annotations
 
 import argparse
+import math
+
+
+class UsageError(Exception):
+    """A flag or argument the parser refused; ``prog`` is the command it belongs to."""
+
+    def __init__(self, prog: str, message: str):
+        super().__init__(message)
+        self.prog = prog
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are a :class:`UsageError` (one line, exit code 2 in ``main``) instead of the
+    usage text and ``SystemExit``; subcommand parsers are of this class too."""
+
+    def error(self, message: str):
+        raise UsageError(self.prog, f"{message} (see {self.prog} --help)")
+
+
+def check_text(text: str, what: str) -> str:
+    """``text`` from the command line or stdin, refused when it is not valid UTF-8 (Python keeps undecodable
+    bytes as lone surrogates; the tokenizer and the terminal would fail on them later)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid UTF-8 (byte {e.start} onward)") from None
+    return text
+
+
+def check_writable(path: str, flag: str) -> None:
+    """The directory of ``path`` exists and is writable (checked before long work that ends by writing it)."""
+    import os
+    from pathlib import Path
+
+    parent = Path(path).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: the directory {parent} is not writable")
+    if Path(path).is_dir():
+        raise ValueError(f"{flag} {path}: is a directory")
+
+
+def count(minimum: int = 0):
+    """An argparse type: a whole number >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        return v
+    parse.__name__ = "count"
+    return parse
+
+
+def real(minimum: float = 0.0, maximum: float = math.inf, above: bool = False):
+    """An argparse type: a finite number in [``minimum``, ``maximum``] (``above``: strictly above ``minimum``)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        low_ok = v > minimum if above else v >= minimum
+        if not (math.isfinite(v) and low_ok and v <= maximum):
+            bound = f"{'>' if above else '>='} {minimum:g}" + (f" and <= {maximum:g}" if maximum < math.inf else "")
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return v
+    parse.__name__ = "number"
+    return parse
 
 
 def add_model_args(p: argparse.ArgumentParser, max_tokens: int, what: str) -> None:
@@ -10,11 +85,14 @@ def add_model_args(p: argparse.ArgumentParser, max_tokens: int, what: str) -> No
     p.add_argument("--model", default=None, help="HF model directory or GGUF file (default: the bundled model)")
     p.add_argument("--device", default="auto", choices=["auto", "gpu", "cpu", "emu"],
                    help="where to run (auto: gpu when present, else cpu)")
-    p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens {what} at most (default {max_tokens})")
-    p.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default 0.7)")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="penalise repeats (default 1.0: off)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
-    p.add_argument("--cache-slots", type=int, default=None,
+    p.add_argument("--max-tokens", type=count(1), default=max_tokens, metavar="N",
+                   help=f"tokens {what} at most (default {max_tokens})")
+    p.add_argument("--temperature", type=real(), default=0.7, help="0 is greedy (default 0.7)")
+    p.add_argument("--top-k", type=count(0), default=0, help="sample from the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=real(0.0, 1.0, above=True), default=1.0,
+                   help="nucleus sampling mass (default 1.0: off)")
+    p.add_argument("--repetition-penalty", type=real(0.0, above=True), default=1.0,
+                   help="penalise repeats (default 1.0: off)")
+    p.add_argument("--seed", type=count(0), default=None, help="random seed for reproducible sampling")
+    p.add_argument("--cache-slots", type=count(1), default=None, metavar="N",
                    help="gpu/emu: device slots of the expert cache (default: room for every expert)")

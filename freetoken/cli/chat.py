@@ -28,15 +28,24 @@ def _error(message: str) -> None:
 
 
 def _read_line(interactive: bool) -> str | None:
-    """The next input line without its newline; None at end of input."""
+    """The next input line without its newline; None at end of input. A line that is not valid UTF-8 is a
+    ValueError (the session ends with one clear line, not a traceback)."""
+    from freetoken.cli.args import check_text
+
     if interactive:
         try:
-            return input("> ")
+            return check_text(input("> "), "the input line")
         except EOFError:
             sys.stdout.write("\n")
             return None
-    line = sys.stdin.readline()
-    return line.rstrip("\r\n") if line else None
+    raw = sys.stdin.buffer.readline() if hasattr(sys.stdin, "buffer") else sys.stdin.readline().encode()
+    if not raw:
+        return None
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"an input line is not valid UTF-8 (byte {e.start} of the line)") from None
+    return line.rstrip("\r\n")
 
 
 def _turn_stats(model) -> str:
@@ -47,27 +56,23 @@ def _turn_stats(model) -> str:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from freetoken.cli.args import check_text
     from freetoken.cli.policy import apply_pinning, policy_kwargs
     from freetoken.engine.chat import Chat
     from freetoken.engine.load import load
     from freetoken.engine.sampling import SamplingParams
-    from freetoken.loaders import LoadError
-    from freetoken.models import ConfigError
 
-    try:
-        if args.max_tokens < 1:
-            raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                  repetition_penalty=args.repetition_penalty, seed=args.seed)
-        model = load(args.model, device=args.device, progress=sys.stderr.isatty(), cache_slots=args.cache_slots,
-                     **policy_kwargs(args))
-        if args.pin_hot and not args.pin_trace:
-            raise ValueError("freetoken chat needs --pin-trace FILE for --pin-hot (there is no prompt to warm up on)")
-        apply_pinning(model, args, None)
-        chat = Chat(model, system=args.system)
-    except (LoadError, ConfigError, ValueError) as e:
-        _error(str(e))
-        return 1
+    # bad input fails here, before the model loads; freetoken.cli.main turns it into one line and exit code 2
+    if args.system is not None:
+        check_text(args.system, "--system")
+    if args.pin_hot and not args.pin_trace:
+        raise ValueError("freetoken chat needs --pin-trace FILE for --pin-hot (there is no prompt to warm up on)")
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              repetition_penalty=args.repetition_penalty, seed=args.seed)
+    model = load(args.model, device=args.device, progress=sys.stderr.isatty(), cache_slots=args.cache_slots,
+                 **policy_kwargs(args))
+    apply_pinning(model, args, None)
+    chat = Chat(model, system=args.system)
     if chat.uses_fallback:
         print("freetoken chat: warning: the model has no chat template; using ChatML "
               "(<|im_start|>role\\n...<|im_end|>\\n)", file=sys.stderr)

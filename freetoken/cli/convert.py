@@ -17,15 +17,9 @@ Example: freetoken convert path/to/Qwen3-30B-A3B qwen3-30b-a3b-q4_0.gguf
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from freetoken.convert.gguf_export import export_gguf
-    from freetoken.loaders import LoadError
-    from freetoken.models import ConfigError
 
-    try:
-        out = export_gguf(args.model, args.output, experts=args.experts, other=args.other,
-                          progress=sys.stderr.isatty())
-    except (LoadError, ConfigError, ValueError, OSError) as e:
-        print(f"freetoken convert: error: {e}", file=sys.stderr)
-        return 1
+    out = export_gguf(args.model, args.output, experts=args.experts, other=args.other, progress=sys.stderr.isatty(),
+                      force=args.force)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
     return 0
 
@@ -40,4 +34,5 @@ def add_convert_parser(sub) -> None:
     p.add_argument("--experts", default="q4_0", choices=EXPERT_TYPES, help="routed-expert type (default q4_0)")
     p.add_argument("--other", default="f16", choices=OTHER_TYPES,
                    help="type of the other matrices (default f16)")
+    p.add_argument("--force", action="store_true", help="replace OUTPUT if it exists (never one of the inputs)")
     p.set_defaults(func=_cmd_convert)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 BENCH_DESCRIPTION = """\
 Benchmarks of this machine that freetoken's decisions depend on.
@@ -18,34 +17,30 @@ Subcommands:
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
+    from freetoken.cli.args import count, real
+
     g = p.add_argument_group("expert-cache misses (gpu/emu devices)")
     g.add_argument("--moe-mode", default="gpu", choices=["gpu", "cpu", "hybrid", "auto"],
                    help="gpu: copy every miss into the cache; cpu: compute misses on the CPU from host memory; "
                         "hybrid: split them by measured PCIe and CPU bandwidth (q*); auto: what `freetoken bench bw` "
                         "recommended for this machine (default gpu)")
-    g.add_argument("--pcie-gbps", type=float, default=None, metavar="GBPS",
+    g.add_argument("--pcie-gbps", type=real(0.0, above=True), default=None, metavar="GBPS",
                    help="pin the PCIe bandwidth estimate (GB/s)")
-    g.add_argument("--cpu-gbps", type=float, default=None, metavar="GBPS",
+    g.add_argument("--cpu-gbps", type=real(0.0, above=True), default=None, metavar="GBPS",
                    help="pin the CPU-executor bandwidth estimate (GB/s)")
-    g.add_argument("--future-value", type=float, default=0.0, metavar="SECONDS",
+    g.add_argument("--future-value", type=real(), default=0.0, metavar="SECONDS",
                    help="hybrid: time a fetched expert is worth beyond its step (it may hit later; default 0)")
     g.add_argument("--prefetch", action="store_true",
                    help="copy the next layer's predicted experts (its router on this layer's input) while a "
                         "layer computes; reports the predictor's precision and recall")
-    g.add_argument("--pin-hot", type=int, default=0, metavar="N",
+    g.add_argument("--pin-hot", type=count(0), default=0, metavar="N",
                    help="keep the N most frequently routed experts in slots that are never evicted "
                         "(frequencies from --pin-trace, else from a warm-up pass over the prompt)")
     g.add_argument("--pin-trace", metavar="FILE", default=None, help="routing trace (npz) for --pin-hot")
 
 
 def policy_kwargs(args: argparse.Namespace) -> dict:
-    """The :func:`freetoken.load` keywords of the flags above; a bad value is a ValueError naming its flag."""
-    for name in ("pcie_gbps", "cpu_gbps"):
-        v = getattr(args, name)
-        if v is not None and not v > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {v}")
-    if not args.future_value >= 0:
-        raise ValueError(f"--future-value must be >= 0, got {args.future_value}")
+    """The :func:`freetoken.load` keywords of the flags above (their types checked the values)."""
     return dict(moe_mode=args.moe_mode, pcie_gbps=args.pcie_gbps, cpu_gbps=args.cpu_gbps,
                 future_value=args.future_value, prefetch=args.prefetch)
 
@@ -54,8 +49,6 @@ def apply_pinning(model, args: argparse.Namespace, prompt: str | None) -> str:
     """Pin ``--pin-hot`` experts; returns a note for the report ('' when nothing was asked)."""
     if not args.pin_hot:
         return ""
-    if args.pin_hot < 0:
-        raise ValueError(f"--pin-hot must be >= 0, got {args.pin_hot}")
     import numpy as np
 
     from freetoken.policy.pinning import counts_from_routing, counts_from_trace
@@ -87,16 +80,12 @@ def _cmd_bw(args: argparse.Namespace) -> int:
     from freetoken.policy.measure import DEFAULT_SHAPE, layout_for, measure_cpu, measure_pcie
     from freetoken.policy.profile import Profile, now, recommend_mode, save_profile, this_hardware
 
-    try:
-        dev = get_device(args.device)
-        fmt, hidden, inter = args.format, args.hidden or DEFAULT_SHAPE[0], args.inter or DEFAULT_SHAPE[1]
-        if args.model is not None:
-            fmt, hidden, inter = _model_record(args.model)
-        args.format = fmt
-        layout = layout_for(fmt, hidden, inter)
-    except (ValueError, RuntimeError, OSError) as e:
-        print(f"freetoken bench bw: error: {e}", file=sys.stderr)
-        return 1
+    dev = get_device(args.device)
+    fmt, hidden, inter = args.format, args.hidden or DEFAULT_SHAPE[0], args.inter or DEFAULT_SHAPE[1]
+    if args.model is not None:
+        fmt, hidden, inter = _model_record(args.model)
+    args.format = fmt
+    layout = layout_for(fmt, hidden, inter)
     gpu, cpu = this_hardware(dev)
     pcie = None
     if dev.kind != "cpu":
@@ -160,9 +149,11 @@ def add_bench_parser(sub) -> None:
     bw.add_argument("--model", default=None,
                     help="measure with this model's expert format and record shape (overrides the three below)")
     bw.add_argument("--format", default="q4_0", choices=list(formats.NAMES), help="expert format (default q4_0)")
-    bw.add_argument("--hidden", type=int, default=None, help="record shape: hidden size (default 2048)")
-    bw.add_argument("--inter", type=int, default=None, help="record shape: expert FFN size (default 768)")
-    bw.add_argument("--records", type=int, default=64, help="records per copy measurement (default 64)")
-    bw.add_argument("--top-k", type=int, default=8, help="experts per token for the CPU measurement (default 8)")
+    from freetoken.cli.args import count
+
+    bw.add_argument("--hidden", type=count(1), default=None, help="record shape: hidden size (default 2048)")
+    bw.add_argument("--inter", type=count(1), default=None, help="record shape: expert FFN size (default 768)")
+    bw.add_argument("--records", type=count(1), default=64, help="records per copy measurement (default 64)")
+    bw.add_argument("--top-k", type=count(1), default=8, help="experts per token for the CPU measurement (default 8)")
     bw.add_argument("--json", action="store_true", help="print machine-readable JSON")
     bw.set_defaults(func=_cmd_bw)

@@ -175,12 +175,58 @@ def _write_metadata(writer, cfg: ModelConfig, name: str, experts: str) -> None:
             writer.add_rope_scaling_orig_ctx_len(int(orig))
 
 
+def check_output(out: Path, inputs: Path, force: bool = False) -> None:
+    """Refuse, before any work, an output that would lose data or fail at the end: one of the checkpoint's own
+    files (never, even with ``force``), an existing file (unless ``force``), a directory, a directory that does not
+    exist or is not writable."""
+    target = out.expanduser().resolve()
+    src = inputs.expanduser().resolve()
+    if target.exists() and (target == src or src in target.parents):
+        raise ValueError(f"{out}: is a file of the checkpoint {inputs} being converted; write the GGUF elsewhere")
+    if target.is_dir():
+        raise ValueError(f"{out}: is a directory; give the GGUF file's path")
+    if target.exists() and not force:
+        raise ValueError(f"{out}: exists; pass --force to replace it")
+    if not target.parent.is_dir():
+        raise ValueError(f"{out}: the directory {target.parent} does not exist")
+    if not os.access(target.parent, os.W_OK):
+        raise ValueError(f"{out}: the directory {target.parent} is not writable")
+
+
+def _partial_name(out: Path, pid: int) -> Path:
+    return out.with_name(f".{out.name}.partial-{pid}")
+
+
+def remove_stale_partials(out: Path) -> list[Path]:
+    """Delete the temporary files that killed earlier conversions to ``out`` left (their process is gone)."""
+    removed = []
+    for p in out.parent.glob(f".{out.name}.partial-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # a live conversion's file
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's live process
+        try:
+            p.unlink()
+            removed.append(p)
+        except OSError:
+            pass
+    return removed
+
+
 def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, experts: str = "q4_0", other: str = "f16",
-                progress: bool = False) -> Path:
+                progress: bool = False, force: bool = False) -> Path:
     """Write ``model_dir`` (an HF MoE checkpoint: bf16/f16/f32 or block FP8) as a GGUF file at ``out``.
 
     ``experts``: type of the routed experts (default q4_0); ``other``: type of the other matrices (embedding,
-    attention, shared experts, dense MLPs; default f16). Norms, biases and routers are F32. Returns ``out``."""
+    attention, shared experts, dense MLPs; default f16). Norms, biases and routers are F32. Returns ``out``.
+    ``out`` is never one of the checkpoint's files and an existing ``out`` is replaced only with ``force``
+    (:func:`check_output`, before any work); the file appears only when complete."""
     from freetoken.loaders import SafetensorsDir, quantization
     from freetoken.models import from_hf
 
@@ -189,6 +235,7 @@ def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, experts: s
     if other not in OTHER_TYPES:
         raise ValueError(f"non-expert type {other!r}: choose one of {', '.join(OTHER_TYPES)}")
     src = Path(model_dir)
+    check_output(Path(out), src, force)
     sd = SafetensorsDir(src)
     q = quantization(sd.config, sd.hf_quant_config)
     if q.method not in ("none", "fp8_block"):
@@ -220,8 +267,11 @@ def write_gguf(cfg: ModelConfig, weights, out: str | os.PathLike, experts: str =
         if _matrix_type(type_name, shape) != type_name:
             raise ValueError(f"{tname}: rows of {shape[-1]} are not whole {type_name} blocks")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    if not out.parent.is_dir():
+        raise ValueError(f"{out}: the directory {out.parent} does not exist")
+    remove_stale_partials(out)
+    tmp = _partial_name(out, os.getpid())
+    restore = _sigterm_as_exit()
     try:
         writer = gguf.GGUFWriter(tmp, ARCHS[cfg.family])
         _write_metadata(writer, cfg, name, experts)
@@ -252,9 +302,27 @@ def write_gguf(cfg: ModelConfig, weights, out: str | os.PathLike, experts: str =
         writer.close()
         os.replace(tmp, out)
     finally:
+        restore()
         if tmp.exists():
             tmp.unlink()
     return out
+
+
+def _sigterm_as_exit():
+    """While a file is written, SIGTERM raises SystemExit so the ``finally`` that removes the temporary file runs
+    (the main thread only; SIGKILL cannot be caught: the next run removes what it leaves). Returns the function
+    that restores the previous handler."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def on_term(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def _model_name(src: Path, config: dict) -> str:
