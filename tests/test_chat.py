@@ -389,15 +389,15 @@ def test_cli_chat_fallback_template_warns(tmp_path, monkeypatch, capsys):
 
 def test_cli_chat_errors(tmp_path, monkeypatch, capsys):
     rc, out, err = _chat(monkeypatch, capsys, "hi\n", "--model", str(tmp_path / "nope"))
-    assert rc == 1 and "freetoken chat: error:" in err and "no such model directory" in err
+    assert rc == 2 and "freetoken chat: error:" in err and "no such model directory" in err
     path = tmp_path / "gemma"
     shutil.copytree(DEFAULT_MODEL, path, ignore=shutil.ignore_patterns("__*", "*.py", "*.md"))
     config = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": GEMMA_STYLE}))
     rc, out, err = _chat(monkeypatch, capsys, "hi\n", "--model", str(path), "--system", "be brief")
-    assert rc == 1 and "freetoken chat: error:" in err and "System role not supported" in err
+    assert rc == 2 and "freetoken chat: error:" in err and "System role not supported" in err
     rc, out, err = _chat(monkeypatch, capsys, "hi\n", "--temperature", "-1")
-    assert rc == 1 and "temperature" in err
+    assert rc == 2 and "temperature" in err
 
 
 def test_chat_accepts_template_text_on_the_model():

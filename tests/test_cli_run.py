@@ -61,5 +61,5 @@ def test_record_trace(model_dir, tmp_path, capsys):
 
 
 def test_bad_model_path(tmp_path, capsys):
-    assert main(["run", "--model", str(tmp_path / "nope"), "hello"]) == 1
+    assert main(["run", "--model", str(tmp_path / "nope"), "hello"]) == 2
     assert "no such model directory" in capsys.readouterr().err

@@ -60,5 +60,5 @@ def test_pin_hot_from_a_warm_up(capsys, cache_home):
 
 
 def test_bad_policy_flags(capsys, cache_home):
-    assert main([*RUN, "--pcie-gbps", "0", PROMPT]) == 1
-    assert "--pcie-gbps must be > 0" in capsys.readouterr().err
+    assert main([*RUN, "--pcie-gbps", "0", PROMPT]) == 2
+    assert "argument --pcie-gbps: must be a finite number > 0, got 0" in capsys.readouterr().err

@@ -133,7 +133,7 @@ def _model_record(path: str) -> tuple[str, int, int]:
             fmt = "bf16"
         return fmt, cfg.hidden, cfg.moe_inter
     sd = SafetensorsDir(p)
-    cfg = from_hf(sd.config)
+    cfg = from_hf(sd.config, str(p / "config.json"))
     return quantization(sd.config, sd.hf_quant_config).expert_format, cfg.hidden, cfg.moe_inter
 
 

@@ -240,7 +240,7 @@ def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, experts: s
     q = quantization(sd.config, sd.hf_quant_config)
     if q.method not in ("none", "fp8_block"):
         raise LoadError(src / "config.json", f"exporting {q.method} checkpoints is not supported")
-    cfg = from_hf(sd.config)
+    cfg = from_hf(sd.config, str(src / "config.json"))
     weights = HFWeights(cfg, sd.get, sd.has, fp8_block=q.method == "fp8_block", where=str(src))
     tok_fields = None
     if (src / "tokenizer.json").is_file():

@@ -66,7 +66,7 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
     if q.method not in ("none", "fp8_block") or q.expert_format not in ("bf16", "fp8_block"):
         raise LoadError(str(p / "config.json"), f"{q.method} checkpoints are not supported by the runner yet "
                         "(bf16/f16/f32 and block-FP8 checkpoints are; their experts load through freetoken.formats)")
-    cfg = from_hf(sd.config)
+    cfg = from_hf(sd.config, str(p / "config.json"))
     weights = HFWeights(cfg, sd.get, sd.has, fp8_block=q.method == "fp8_block", where=str(p))
     decoder = build_decoder(cfg, weights, dev, options)
     tokenizer = None

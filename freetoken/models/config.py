@@ -8,9 +8,23 @@ are MoE (``decoder_sparse_step`` / ``mlp_only_layers``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from freetoken.models.fields import (
+    MAX_EXPERTS,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_INTERMEDIATE,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_VOCAB,
+    ConfigError,
+    Fields,
+)
 
 #: model_type -> family name used by freetoken.
 FAMILIES = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
@@ -20,8 +34,6 @@ FAMILIES = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixt
 ROPE_SCALINGS = ("linear", "yarn", "llama3")
 
 
-class ConfigError(ValueError):
-    """A config.json freetoken cannot run: unknown architecture or a missing/invalid field (named)."""
 
 
 @dataclass(frozen=True)
@@ -48,75 +60,108 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position: int = 32768
 
+    def __post_init__(self):
+        """The invariants every reader relies on (a parser names the file; a config built in code is checked too)."""
+        def bad(what):
+            raise ConfigError(f"model config: {what}")
+
+        if self.num_kv_heads > self.num_heads or self.num_heads % self.num_kv_heads:
+            bad(f"{self.num_heads} attention heads are not a multiple of {self.num_kv_heads} key/value heads")
+        if self.num_experts and not 1 <= self.top_k <= self.num_experts:
+            bad(f"{self.top_k} experts per token out of {self.num_experts}")
+        if len(self.moe_layers) != self.num_layers:
+            bad(f"{len(self.moe_layers)} MoE-layer flags for {self.num_layers} layers")
+        if any(self.moe_layers) and not (self.num_experts and self.moe_inter):
+            bad("MoE layers without experts or an expert FFN size")
+        if not all(self.moe_layers) and not self.dense_inter:
+            bad("dense layers without an FFN size (intermediate_size)")
+        if self.head_dim % 2:
+            bad(f"head_dim {self.head_dim} is odd (RoPE rotates pairs)")
+        if not (math.isfinite(self.rms_eps) and 0 < self.rms_eps < 1):
+            bad(f"rms_norm_eps {self.rms_eps} is not in (0, 1)")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            bad(f"rope theta {self.rope_theta} is not a finite number > 0")
+
     def is_moe(self, layer: int) -> bool:
         return self.moe_layers[layer]
 
 
-def _get(cfg: dict, *names, default=None, required=True):
-    for n in names:
-        if n in cfg and cfg[n] is not None:
-            return cfg[n]
-    if required and default is None:
-        raise ConfigError(f"config.json: missing field {names[0]!r}")
-    return default
-
-
-def _rope(cfg: dict) -> tuple[float, dict | None]:
-    params = cfg.get("rope_parameters")  # transformers >= 5
-    if isinstance(params, dict):
-        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        kind = params.get("rope_type", "default")
-        return theta, (None if kind == "default" else dict(params))
-    scaling = cfg.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    return float(cfg.get("rope_theta", 10000.0)), scaling
-
-
-def from_hf(cfg: dict) -> ModelConfig:
-    """Parse an HF config dict; raises :class:`ConfigError` naming what is unsupported or missing."""
-    mt = cfg.get("model_type")
-    if mt not in FAMILIES:
-        raise ConfigError(f"config.json: unsupported model_type {mt!r}; freetoken runs {', '.join(FAMILIES)}")
-    family = FAMILIES[mt]
-    hidden = int(_get(cfg, "hidden_size"))
-    layers = int(_get(cfg, "num_hidden_layers"))
-    heads = int(_get(cfg, "num_attention_heads"))
-    head_dim = int(_get(cfg, "head_dim", default=hidden // heads, required=False))
-    experts = int(_get(cfg, "num_experts", "num_local_experts"))
-    if family == "mixtral":
-        moe_inter, dense_inter, norm_topk = int(_get(cfg, "intermediate_size")), 0, True
+def _rope(f: Fields, cfg: dict) -> tuple[float, dict | None]:
+    """(theta, scaling or None) of an HF config: ``rope_parameters`` (transformers >= 5) or ``rope_theta`` +
+    ``rope_scaling``; a scaling variant the decoder lacks, or one without its parameters, is refused by name."""
+    params = f.dict("rope_parameters")
+    if params is not None:
+        theta = Fields(params.get, f.where, "rope_parameters field").float("rope_theta", default=None) \
+            if params.get("rope_theta") is not None else f.float("rope_theta", default=10000.0)
+        scaling = None if params.get("rope_type", "default") == "default" else dict(params)
     else:
-        moe_inter = int(_get(cfg, "moe_intermediate_size", "intermediate_size"))
-        dense_inter = int(_get(cfg, "intermediate_size", default=0, required=False))
-        norm_topk = bool(cfg.get("norm_topk_prob", False))
-    step = int(cfg.get("decoder_sparse_step", 1) or 1)
-    mlp_only = set(cfg.get("mlp_only_layers") or [])
-    moe_layers = tuple((i not in mlp_only) and experts > 0 and (i + 1) % step == 0 for i in range(layers))
-    theta, scaling = _rope(cfg)
+        theta = f.float("rope_theta", default=10000.0)
+        scaling = f.dict("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind not in ROPE_SCALINGS:
-            raise ConfigError(f"config.json: rope scaling {kind!r} is not supported (supported: "
+            raise ConfigError(f"{f.where}: rope scaling {kind!r} is not supported (supported: "
                               f"{', '.join(ROPE_SCALINGS)})")
         need = {"linear": ("factor",), "yarn": ("factor",), "llama3": ("factor", "low_freq_factor",
                                                                       "high_freq_factor")}[kind]
         missing = [k for k in need if scaling.get(k) is None]
         if missing:
-            raise ConfigError(f"config.json: rope scaling {kind!r} without {', '.join(missing)}")
-    if cfg.get("sliding_window") and cfg.get("use_sliding_window"):
-        raise ConfigError("config.json: sliding-window attention is not supported yet")
+            raise ConfigError(f"{f.where}: rope scaling {kind!r} without {', '.join(missing)}")
+        sf = Fields(scaling.get, f.where, "rope scaling field")
+        for k in need:
+            sf.float(k, hi=1e6)
+        for k in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+            if scaling.get(k) is not None:
+                sf.float(k, lo=0.0, hi=1e6, lo_open=False)
+        if scaling.get("original_max_position_embeddings") is not None:
+            sf.int("original_max_position_embeddings", hi=MAX_POSITIONS)
+    return theta, scaling
+
+
+def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
+    """Parse an HF config dict; raises :class:`ConfigError` naming what is unsupported, missing or invalid (field,
+    value and what was expected) before anything is allocated. ``where``: the file, for messages."""
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(cfg).__name__}")
+    f = Fields(cfg.get, where)
+    mt = cfg.get("model_type")
+    if mt not in FAMILIES:
+        raise ConfigError(f"{where}: unsupported model_type {mt!r}; freetoken runs {', '.join(FAMILIES)}")
+    family = FAMILIES[mt]
+    hidden = f.int("hidden_size", hi=MAX_HIDDEN)
+    layers = f.int("num_hidden_layers", hi=MAX_LAYERS)
+    heads = f.int("num_attention_heads", hi=MAX_HEADS)
+    kv_heads = f.int("num_key_value_heads", default=heads, hi=MAX_HEADS)
+    if cfg.get("head_dim") is None and hidden % heads:
+        f.fail("num_attention_heads", heads, f"a divisor of hidden_size {hidden} (no head_dim is given)")
+    head_dim = f.int("head_dim", default=hidden // heads, hi=MAX_HEAD_DIM)
+    experts = f.int("num_experts", "num_local_experts", hi=MAX_EXPERTS)
+    top_k = f.int("num_experts_per_tok", hi=experts)
+    if family == "mixtral":
+        moe_inter, dense_inter, norm_topk = f.int("intermediate_size", hi=MAX_INTERMEDIATE), 0, True
+    else:
+        moe_inter = f.int("moe_intermediate_size", "intermediate_size", hi=MAX_INTERMEDIATE)
+        dense_inter = f.int("intermediate_size", default=0, lo=0, hi=MAX_INTERMEDIATE)
+        norm_topk = f.bool("norm_topk_prob", False)
+    step = f.int("decoder_sparse_step", default=1, lo=0, hi=MAX_LAYERS) or 1
+    mlp_only = set(f.int_list("mlp_only_layers", 0, layers - 1))
+    moe_layers = tuple((i not in mlp_only) and (i + 1) % step == 0 for i in range(layers))
+    theta, scaling = _rope(f, cfg)
+    if cfg.get("sliding_window") and f.bool("use_sliding_window", False):
+        raise ConfigError(f"{where}: sliding-window attention is not supported yet")
+    shared = f.int("shared_expert_intermediate_size", default=0, lo=0, hi=MAX_INTERMEDIATE) \
+        if family == "qwen2_moe" else 0
     return ModelConfig(
-        family=family, vocab_size=int(_get(cfg, "vocab_size")), hidden=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=int(_get(cfg, "num_key_value_heads", default=heads, required=False)), head_dim=head_dim,
-        num_experts=experts, top_k=int(_get(cfg, "num_experts_per_tok")), moe_inter=moe_inter, dense_inter=dense_inter,
-        norm_topk_prob=norm_topk, rms_eps=float(_get(cfg, "rms_norm_eps", default=1e-6, required=False)),
-        rope_theta=theta, rope_scaling=scaling,
+        family=family, vocab_size=f.int("vocab_size", hi=MAX_VOCAB), hidden=hidden, num_layers=layers,
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, num_experts=experts, top_k=top_k,
+        moe_inter=moe_inter, dense_inter=dense_inter, norm_topk_prob=norm_topk,
+        rms_eps=f.float("rms_norm_eps", default=1e-6, hi=0.5), rope_theta=theta, rope_scaling=scaling,
         qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(family, "none"),
-        qkv_bias=family == "qwen2_moe" or bool(cfg.get("attention_bias", False)),
-        shared_inter=int(cfg.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0,
-        moe_layers=moe_layers, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position=int(cfg.get("max_position_embeddings", 32768)),
+        qkv_bias=family == "qwen2_moe" or f.bool("attention_bias", False), shared_inter=shared,
+        moe_layers=moe_layers, tie_word_embeddings=f.bool("tie_word_embeddings", False),
+        max_position=f.int("max_position_embeddings", default=32768, hi=MAX_POSITIONS),
     )
 
 
@@ -135,22 +180,22 @@ def from_gguf(gf) -> ModelConfig:
         raise ConfigError(f"{where}: unsupported GGUF architecture {gf.arch!r}; freetoken runs "
                           f"{', '.join(GGUF_FAMILIES)}")
 
-    def meta(key, default=None):
-        v = gf.meta(f"{gf.arch}.{key}", None)
-        if v is None and default is None:
-            raise ConfigError(f"{where}: missing metadata key {gf.arch}.{key}")
-        return default if v is None else v
+    m = Fields(lambda key: gf.meta(key, None), where, "metadata key")
+    arch = gf.arch
 
-    layers = int(meta("block_count"))
-    hidden = int(meta("embedding_length"))
-    heads = int(meta("attention.head_count"))
-    kv = meta("attention.head_count_kv", heads)
-    if not isinstance(kv, int):  # per-layer arrays exist in some files; one value is all this decoder supports
-        vals = {int(v) for v in np.asarray(kv).reshape(-1)}
+    layers = m.int(f"{arch}.block_count", hi=MAX_LAYERS)
+    hidden = m.int(f"{arch}.embedding_length", hi=MAX_HIDDEN)
+    heads = m.int(f"{arch}.attention.head_count", hi=MAX_HEADS)
+    kv = gf.meta(f"{arch}.attention.head_count_kv", None)
+    if kv is not None and not isinstance(kv, (int, float)):
+        # per-layer arrays exist in some files; one value is all this decoder supports
+        vals = {m.whole(f"{arch}.attention.head_count_kv[]", v, 1, MAX_HEADS) for v in np.asarray(kv).reshape(-1)}
         if len(vals) != 1:
             raise ConfigError(f"{where}: per-layer KV head counts {sorted(vals)} are not supported")
         kv = vals.pop()
-    experts = int(meta("expert_count", 0))
+    else:
+        kv = m.int(f"{arch}.attention.head_count_kv", default=heads, hi=MAX_HEADS)
+    experts = m.int(f"{arch}.expert_count", default=0, lo=0, hi=MAX_EXPERTS)
     if experts == 0:
         raise ConfigError(f"{where}: {gf.arch} model without experts ({gf.arch}.expert_count); freetoken runs "
                           "MoE models")
@@ -169,32 +214,36 @@ def from_gguf(gf) -> ModelConfig:
         if family != "qwen2_moe":
             raise ConfigError(f"{where}: shared experts in a {gf.arch} model are not supported")
         shared_inter = gf.info(f"blk.{first}.ffn_gate_shexp.weight").shape[0]
-    kind = gf.meta(f"{gf.arch}.rope.scaling.type", None)
+    kind = m.str(f"{arch}.rope.scaling.type")
     rope_scaling = None
     if kind not in (None, "none"):
         if kind not in ("linear", "yarn"):
             raise ConfigError(f"{where}: rope scaling {kind!r} is not supported (supported: linear, yarn)")
-        factor = gf.meta(f"{gf.arch}.rope.scaling.factor", None)
-        if factor is None:
-            raise ConfigError(f"{where}: rope scaling {kind!r} without {gf.arch}.rope.scaling.factor")
-        rope_scaling = {"rope_type": kind, "factor": float(factor),
-                        "original_max_position_embeddings": gf.meta(f"{gf.arch}.rope.scaling.original_context_length",
-                                                                    None)}
-    scale = float(meta("expert_weights_scale", 1.0))
+        if gf.meta(f"{arch}.rope.scaling.factor", None) is None:
+            raise ConfigError(f"{where}: rope scaling {kind!r} without {arch}.rope.scaling.factor")
+        orig = gf.meta(f"{arch}.rope.scaling.original_context_length", None)
+        rope_scaling = {"rope_type": kind, "factor": m.float(f"{arch}.rope.scaling.factor", hi=1e6),
+                        "original_max_position_embeddings": None if orig is None else
+                        m.int(f"{arch}.rope.scaling.original_context_length", hi=MAX_POSITIONS)}
+    scale = m.float(f"{arch}.expert_weights_scale", default=1.0)
     if scale != 1.0:
         raise ConfigError(f"{where}: expert_weights_scale {scale} is not supported")
-    vocab = int(meta("vocab_size", 0)) or gf.info("token_embd.weight").shape[0]
+    vocab = m.int(f"{arch}.vocab_size", default=0, lo=0, hi=MAX_VOCAB) or \
+        m.whole("token_embd.weight rows", gf.info("token_embd.weight").shape[0], 1, MAX_VOCAB)
     qk_norm = "none"
     if gf.has("blk.0.attn_q_norm.weight"):
         qk_norm = "full" if family == "olmoe" else "head"
     return ModelConfig(
         family=family, vocab_size=vocab, hidden=hidden, num_layers=layers, num_heads=heads, num_kv_heads=int(kv),
-        head_dim=int(meta("attention.key_length", hidden // heads)), num_experts=experts,
-        top_k=int(meta("expert_used_count")), moe_inter=int(moe_inter), dense_inter=int(dense_inter),
-        norm_topk_prob=bool(meta("expert_weights_norm", _GGUF_NORM_TOPK[family])),
-        rms_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)), rope_theta=float(meta("rope.freq_base", 1e4)),
+        head_dim=m.int(f"{arch}.attention.key_length", default=hidden // heads, hi=MAX_HEAD_DIM),
+        num_experts=experts, top_k=m.int(f"{arch}.expert_used_count", hi=experts),
+        moe_inter=m.whole("ffn_gate_exps rows", int(moe_inter), 1, MAX_INTERMEDIATE),
+        dense_inter=m.whole("ffn_gate rows", int(dense_inter), 0, MAX_INTERMEDIATE),
+        norm_topk_prob=m.bool(f"{arch}.expert_weights_norm", _GGUF_NORM_TOPK[family]),
+        rms_eps=m.float(f"{arch}.attention.layer_norm_rms_epsilon", default=1e-6, hi=0.5),
+        rope_theta=m.float(f"{arch}.rope.freq_base", default=1e4),
         rope_scaling=rope_scaling,
         qk_norm=qk_norm, qkv_bias=gf.has("blk.0.attn_q.bias"), shared_inter=int(shared_inter),
         moe_layers=moe_layers, tie_word_embeddings=not gf.has("output.weight"),
-        max_position=int(meta("context_length", 32768)),
+        max_position=m.int(f"{arch}.context_length", default=32768, hi=MAX_POSITIONS),
     )
