@@ -2,7 +2,7 @@
 
 Records a trace: the bundled model (cpu device) continues ``--prompts`` openings of standard-library modules,
 ``--tokens`` sampled tokens each, every prompt a segment (its prefill routing counted, as a new turn of an agent
-loop would be); then runs the trace time model (freetoken.trace.timing) at each slot count over PCIe = 0.25x ..
+loop would be); then runs the trace time model (freetoken.sim.timing) at each slot count over PCIe = 0.25x ..
 4x the CPU bandwidth and prints the table and, per slot count, the worst qstar / best-extreme ratio.
 
     python bench/qstar_sweep.py --trace /tmp/default-trace.npz [--plot /tmp/qstar.png]
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from freetoken.trace.format import load_trace
-    from freetoken.trace.timing import format_sweep, sweep
+    from freetoken.sim.timing import format_sweep, sweep
 
     if not args.trace.exists():
         record(args.trace, args.prompts, args.tokens, args.seed)
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     for slots, w in worst.items():
         print(f"slots {slots}: worst qstar / best(fetch_all, cpu_all) over the sweep = {w:.4f}")
     if args.plot:
-        from freetoken.trace.plot import plot_timing_sweep
+        from freetoken.sim.plot import plot_timing_sweep
 
         plot_timing_sweep(all_rows, args.plot, title="bundled model: tokens/s vs PCIe/CPU bandwidth")
         print(f"plot written to {args.plot}")
