@@ -52,8 +52,8 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args(argv)
 
-    from freetoken.trace.format import load_trace
     from freetoken.sim.timing import format_sweep, sweep
+    from freetoken.trace.format import load_trace
 
     if not args.trace.exists():
         record(args.trace, args.prompts, args.tokens, args.seed)

@@ -9,9 +9,9 @@ The cache-policy replay, the decode-step time model, the trace predictors and th
 in :mod:`freetoken.sim` (above :mod:`freetoken.policy`, which is above this package).
 """
 
-from freetoken.trace.derived import WINDOWS, Prepared, prepare, window_steps
+from freetoken.trace.derived import WINDOWS, Prepared, active_sets, prepare, token_counts, window_steps
 from freetoken.trace.format import Trace, TraceError, TraceRecorder, load_trace, save_trace
 from freetoken.trace.synthetic import make_trace
 
-__all__ = ["WINDOWS", "Prepared", "Trace", "TraceError", "TraceRecorder", "load_trace", "make_trace", "prepare",
-           "save_trace", "window_steps"]
+__all__ = ["WINDOWS", "Prepared", "Trace", "TraceError", "TraceRecorder", "active_sets", "load_trace", "make_trace",
+           "prepare", "save_trace", "token_counts", "window_steps"]
