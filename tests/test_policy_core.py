@@ -212,7 +212,7 @@ def _replay_runtime(trace, slots, costs, future_value):
     return hits, fetched
 
 
-@pytest.mark.parametrize("future_value", ["auto", "global", 0.0, 2e-4])
+@pytest.mark.parametrize("future_value", ["auto", "global", 0.0, 2e-5])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_runtime_split_equals_the_simulator(future_value, tokens):
     """MissPolicy's decisions over a trace equal the time model's qstar mode: same hits and fetches per step."""
