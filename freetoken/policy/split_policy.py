@@ -36,7 +36,6 @@ from freetoken.policy.estimators import (
     FV_AUTO,
     FV_FIXED,
     FV_GLOBAL,
-    LAST_USED,
     MAX_HITS,
     PRIOR_HITS,
     PRIOR_WEIGHT,
@@ -62,19 +61,49 @@ from freetoken.policy.lru import (
     lru_lookup,
     lru_new,
     lru_pin,
+    sort_ids,
 )
 from freetoken.policy.qstar import StepCosts, best_q, best_q_values, marginal_hit_value, order_misses
+
+_NONE = np.zeros(0, np.int64)
 
 #: The runtime's default future value (decided by ``bench/qstar_sweep.py`` on the bundled model's traces).
 DEFAULT_FUTURE_VALUE: float | str = "auto"
 
 
+# The entry points take the state's arrays one by one: Numba's dispatcher types a tuple of arrays far slower than
+# the arrays themselves (microseconds per call, on every MoE layer).
+
+
 @nb.njit(cache=True)
-def _split(st, est, flat, tok, n, x, c, g, hand, ctok, kind, fixed, s_hit, prior_hits, prior_weight, max_hits,
-           on_gpu):  # pragma: no cover - compiled
-    """on_gpu[:n]: hits, and the q* misses in fetch order; the rest go to the CPU."""
-    slot_of = st[SLOT_OF]
-    last_used = est[LAST_USED]
+def _flat_ids(experts, n, layer, num_experts, out, unique):  # pragma: no cover - compiled
+    """out[:k] = layer * E + experts (sorted and deduplicated when ``unique``); k, or -1 for an id out of range."""
+    for j in range(n):
+        e = experts[j]
+        if e < 0 or e >= num_experts:
+            return -1
+        out[j] = layer * num_experts + e
+    if not unique:
+        return n
+    sort_ids(out, n)
+    k = 0
+    for j in range(n):
+        if k == 0 or out[j] != out[k - 1]:
+            out[k] = out[j]
+            k += 1
+    return k
+
+
+@nb.njit(cache=True)
+def _split(slot_of, owner, nxt, prv, rec, pinned, touched, meta, last_used, pf_mark, n_reacc, n_within, acc,
+           experts, tok, n, layer, num_experts, x, c, g, hand, ctok, kind, fixed, s_hit, prior_hits, prior_weight,
+           max_hits, on_gpu):  # pragma: no cover - compiled
+    """on_gpu[:n]: hits, and the q* misses in fetch order; the rest go to the CPU. Returns q, or -1 for an expert
+    id out of range."""
+    est = (last_used, pf_mark, n_reacc, n_within, acc)
+    flat = np.empty(n, np.int64)
+    if _flat_ids(experts, n, layer, num_experts, flat, False) < 0:
+        return -1
     miss = np.empty(n, np.int64)
     miss_id = np.empty(n, np.int64)
     miss_tok = np.empty(n, np.int64)
@@ -90,7 +119,7 @@ def _split(st, est, flat, tok, n, x, c, g, hand, ctok, kind, fixed, s_hit, prior
             on_gpu[j] = False
             miss[m] = j
             miss_id[m] = f
-            miss_tok[m] = tok[j]
+            miss_tok[m] = tok[j] if tok.shape[0] > 0 else 1
             miss_ru[m] = last_used[f]
             m += 1
     if m == 0:
@@ -116,13 +145,29 @@ def _split(st, est, flat, tok, n, x, c, g, hand, ctok, kind, fixed, s_hit, prior
 
 
 @nb.njit(cache=True)
-def _admit(st, est, flat, n, step, count, routed, nr):  # pragma: no cover - compiled
-    """Mirror one device admission of the sorted unique ``flat[:n]``; feed the estimator. Returns how many misses
-    were admitted, or -1 when the slots cannot hold them (the device's error 2; nothing of the misses admitted)."""
-    slot = np.empty(n, np.int32)
+def _admit(slot_of, owner, nxt, prv, rec, pinned, touched, meta, last_used, pf_mark, n_reacc, n_within, acc,
+           experts, n, layer, num_experts, step, count, routed, nr):  # pragma: no cover - compiled
+    """Mirror one device admission of ``experts[:n]`` of ``layer``; feed the estimator (``routed[:nr]``: the
+    experts routed in the call). Returns how many misses were admitted; -1 for an id out of range; -2 when the
+    slots cannot hold the misses (the device's error 2: the ones before are admitted, as there)."""
+    st = (slot_of, owner, nxt, prv, rec, pinned, touched, meta)
+    est = (last_used, pf_mark, n_reacc, n_within, acc)
+    flat = np.empty(max(n, 1), np.int64)
+    k = _flat_ids(experts, n, layer, num_experts, flat, True)
+    if k < 0:
+        return -1
+    n = k
+    routed_flat = flat
+    nrf = n
+    if count and nr > 0:
+        routed_flat = np.empty(nr, np.int64)
+        nrf = _flat_ids(routed, nr, layer, num_experts, routed_flat, True)
+        if nrf < 0:
+            return -1
+    slot = np.empty(max(n, 1), np.int32)
     h = lru_lookup(st, flat, n, slot)
     hpf = fv_first_uses(est, flat, slot, n) if count else 0
-    misses = np.empty(n, np.int64)
+    misses = np.empty(max(n, 1), np.int64)
     m = 0
     for j in range(n):
         if slot[j] < 0:
@@ -132,11 +177,11 @@ def _admit(st, est, flat, n, step, count, routed, nr):  # pragma: no cover - com
     k = lru_insert(st, misses, m, False, evicted)
     fv_evicted(est, evicted, k, step, True)
     if count:
-        fv_end_call(est, routed, nr, step, h - hpf)
+        fv_end_call(est, routed_flat, nrf, step, h - hpf)
     else:
         fv_prefetched(est, misses, k)
     lru_end(st)
-    return k if k == m else -1
+    return k if k == m else -2
 
 
 class MissPolicy:
@@ -230,18 +275,18 @@ class MissPolicy:
         included), else ``experts``. Raises ValueError when the slots cannot hold the admission (the device would
         report "no slot left to evict")."""
         self._check_layer(layer)
-        flat = np.unique(np.asarray(experts, np.int64).reshape(-1))
-        if flat.size and (flat[0] < 0 or flat[-1] >= self.num_experts):
-            raise ValueError(f"expert ids must be in [0, {self.num_experts})")
-        flat += layer * self.num_experts
-        routed = flat
+        e = np.asarray(experts, np.int64).reshape(-1)
+        routed = _NONE
         if count and self._pending is not None and self._pending[0] == layer:
             routed = self._pending[1]
         self._pending = None
-        k = _admit(self._st, self._est, flat, flat.size, self.step, count, routed, routed.size)
-        if k < 0:
-            raise ValueError(f"no slot left to evict: {self.slots} slots cannot admit {flat.size} experts of layer "
-                             f"{layer}")
+        k = _admit(*self._st, *self._est, e, e.shape[0], layer, self.num_experts, self.step, count, routed,
+                   routed.shape[0])
+        if k == -1:
+            raise ValueError(f"expert ids must be in [0, {self.num_experts})")
+        if k == -2:
+            raise ValueError(f"no slot left to evict: {self.slots} slots cannot admit {np.unique(e).size} experts "
+                             f"of layer {layer}")
 
     def end_step(self) -> None:
         """A decode step finished: the estimator's clock (idle ages, re-use gaps) counts steps."""
@@ -262,18 +307,17 @@ class MissPolicy:
         self._check_layer(layer)
         e = np.asarray(experts, np.int64).reshape(-1)
         n = e.shape[0]
-        if n and (int(e.min()) < 0 or int(e.max()) >= self.num_experts):
-            raise ValueError(f"expert ids must be in [0, {self.num_experts})")
-        tok = np.ones(n, np.int64) if tokens is None else np.asarray(tokens, np.int64).reshape(-1)
-        if tok.shape[0] != n:
+        tok = _NONE if tokens is None else np.asarray(tokens, np.int64).reshape(-1)
+        if tokens is not None and tok.shape[0] != n:
             raise ValueError(f"tokens must have one count per expert ({n}), got {tok.shape[0]}")
-        flat = e + layer * self.num_experts
         out = np.empty(n, np.bool_)
         prior_hits, prior_weight, max_hits = self.priors
-        _split(self._st, self._est, flat, tok, n, float(costs.transfer_s), float(costs.cpu_s), float(costs.gpu_s),
-               float(costs.cpu_handoff_s), float(costs.cpu_token_s), self._kind, self._fixed,
-               marginal_hit_value(costs), prior_hits, prior_weight, max_hits, out)
-        self._pending = (layer, np.unique(flat))
+        c = costs
+        if _split(*self._st, *self._est, e, tok, n, layer, self.num_experts, c.transfer_s, c.cpu_s, c.gpu_s,
+                  c.cpu_handoff_s, c.cpu_token_s, self._kind, self._fixed, marginal_hit_value(c), prior_hits,
+                  prior_weight, max_hits, out) < 0:
+            raise ValueError(f"expert ids must be in [0, {self.num_experts})")
+        self._pending = (layer, e.copy())
         return out
 
     def future_value_now(self, costs: StepCosts) -> float:
