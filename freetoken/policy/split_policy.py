@@ -23,8 +23,13 @@ A ``gpu``-mode run (every miss fetched) needs no split and no shadow.
 
 ``future_value``: ``"auto"`` (per miss: the hits its residency is expected to earn from its re-use gaps against the
 cache's residency time), ``"global"`` (hits per record lifetime so far), or a fixed number of seconds per fetched
-expert. :data:`DEFAULT_FUTURE_VALUE` is the one the bundled model's routing traces favour (``bench/qstar_sweep.py``
-compares them).
+expert. :data:`DEFAULT_FUTURE_VALUE` is the one the bundled model's routing traces favour: ``bench/qstar_sweep.py``
+compares them through the time model, qstar / best(fetch_all, cpu_all) over 4 slot counts x 9 PCIe/CPU ratios, and
+the greedy split (0) had the highest geometric mean on every run (two recorded traces at CPU 50 GB/s: 1.0279 and
+1.0270, against 1.0247 / 1.0255 for auto and 1.0224 / 1.0220 for global; CPU 20 GB/s: 1.0986 against 1.0848 and
+1.0731), though the lowest worst point (0.992 against 0.998 for auto and 1.000 for global). On larger synthetic
+models the greedy split can lose badly to fetch_all (see :mod:`freetoken.sim.timing`); rerun the sweep on a real
+trace of the model you serve and pass ``future_value`` accordingly.
 """
 
 from __future__ import annotations
@@ -67,8 +72,9 @@ from freetoken.policy.qstar import StepCosts, best_q, best_q_values, marginal_hi
 
 _NONE = np.zeros(0, np.int64)
 
-#: The runtime's default future value (decided by ``bench/qstar_sweep.py`` on the bundled model's traces).
-DEFAULT_FUTURE_VALUE: float | str = "auto"
+#: The runtime's default future value (decided by ``bench/qstar_sweep.py`` on the bundled model's traces: see the
+#: module docstring).
+DEFAULT_FUTURE_VALUE: float | str = 0.0
 
 
 # The entry points take the state's arrays one by one: Numba's dispatcher types a tuple of arrays far slower than
@@ -223,7 +229,7 @@ class MissPolicy:
         self._st = lru_new(n, self.slots)
         self._est = fv_new(n)
         self.step = 0
-        self._pending: tuple[int, np.ndarray] | None = None  # (layer, routed flat ids) of the last split
+        self._pending: tuple[int, np.ndarray] | None = None  # (layer, expert ids) of the last split
         self._evicted = np.empty(max(2 * self.num_experts, 1), np.int32)
 
     # ---- mirrors of the device cache ---------------------------------------------------------------------
