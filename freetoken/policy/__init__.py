@@ -30,6 +30,7 @@ from freetoken.policy.qstar import (
     split_time,
     which_to_fetch,
 )
+from freetoken.policy.split_policy import DEFAULT_FUTURE_VALUE, MissPolicy
 
-__all__ = ["SplitTime", "StepCosts", "auto_future_value", "choose_fetch", "expected_hits", "fetch_order",
-           "marginal_hit_value", "objective", "split", "split_time", "which_to_fetch"]
+__all__ = ["DEFAULT_FUTURE_VALUE", "MissPolicy", "SplitTime", "StepCosts", "auto_future_value", "choose_fetch",
+           "expected_hits", "fetch_order", "marginal_hit_value", "objective", "split", "split_time", "which_to_fetch"]

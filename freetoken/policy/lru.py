@@ -19,14 +19,14 @@ function and is also usable from Python::
                                 behind the sentinel ``slots``; a call's touched slots leave it until the call ends
     recency  int64 [slots]      the clock of the slot's last call, -1 for empty (borrowed, never used)
     pinned   uint8 [slots]
-    touched  int32 [slots]      the current call's slots (``meta[TOUCHED]`` of them)
+    touched  int32 [slots]      the current call's slots (``meta[N_TOUCHED]`` of them)
     meta     int64 [3]          [clock, touched count, pinned count]
 
 One call is :func:`lru_admit` (unique flat ids in increasing order), or, when the caller decides between the hits
 and the misses (the q* split admits only the fetched misses), :func:`lru_lookup` (the hits), :func:`lru_insert`
 (the admitted misses, in increasing id order), :func:`lru_end`. Every operation is O(1) per id (a borrow or a pin
-is O(borrowed + empty slots)). The functions take whole calls, not single ids: a Numba call that unpacks the
-state costs about what a dozen ids do.
+is O(borrowed + empty slots)); :func:`lru_replay_calls` replays a trace's calls. The functions take whole calls,
+not single ids: a Numba call that unpacks the state costs about what a dozen ids do.
 """
 
 from __future__ import annotations
