@@ -278,8 +278,9 @@ class MissPolicy:
         admission (``count=True``: the GPU share of a call, the hits and the fetched misses) or a prefetch
         (``count=False``). A demand admission ends the call for the estimator, whose re-use statistics count every
         expert routed in it: those passed to the :meth:`split` just before for this layer (the CPU share
-        included), else ``experts``. Raises ValueError when the slots cannot hold the admission (the device would
-        report "no slot left to evict")."""
+        included), else ``experts``. Call it after every split, also when no expert stays on the GPU (the device
+        admission may be skipped then: an empty call changes no recency order). Raises ValueError when the slots
+        cannot hold the admission (the device would report "no slot left to evict")."""
         self._check_layer(layer)
         e = np.asarray(experts, np.int64).reshape(-1)
         routed = _NONE
