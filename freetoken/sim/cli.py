@@ -1,7 +1,6 @@
 """``freetoken trace``: simulate cache policies on a routing trace, write synthetic traces, summarise a trace.
 
-:func:`add_trace_parser` registers the command on the main ``freetoken`` parser; :func:`main` runs a parser
-with just this command (``python -m freetoken.sim.cli trace ...``).
+:func:`add_trace_parser` registers the command on the main ``freetoken`` parser (``freetoken trace ...``).
 """
 
 from __future__ import annotations
