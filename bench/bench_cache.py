@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from freetoken.trace import make_trace
-from freetoken.trace import policies as P
+from freetoken.sim import policies as P
+from freetoken.trace import make_trace, prepare
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
                        segments=args.segments, locality=args.locality, seed=args.seed, tokens=args.tokens)
     gen = time.perf_counter() - t
     t = time.perf_counter()
-    prep = P.prepare(trace)
+    prep = prepare(trace)
     prep_s = time.perf_counter() - t
     n = int(prep.seq.size)
     print(f"trace: {args.steps:,} steps x {args.layers} layers x {args.tokens} token(s) x top-{args.top_k} of "

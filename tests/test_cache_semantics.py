@@ -7,7 +7,7 @@ import pytest
 from freetoken import formats
 from freetoken.cache import CacheModel, ExpertCache, HostPool
 from freetoken.formats import RecordLayout
-from freetoken.trace.policies import lru_replay
+from freetoken.sim.policies import lru_replay
 from freetoken.trace.synthetic import make_trace
 
 LAYERS, EXPERTS, TOP_K = 3, 8, 2

@@ -191,8 +191,8 @@ def test_qstar_never_loses_on_a_real_trace_of_the_bundled_model(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from qstar_sweep import record
 
+    from freetoken.sim.timing import sweep
     from freetoken.trace.format import load_trace
-    from freetoken.trace.timing import sweep
 
     record(tmp_path / "t.npz", prompts=4, tokens=48, seed=0)
     trace = load_trace(tmp_path / "t.npz")

@@ -1,4 +1,5 @@
-"""freetoken.policy (the q* split, next-layer predictors) and freetoken.trace.timing (the decode-step time model)."""
+"""freetoken.policy (the q* split), freetoken.sim.predict (next-layer predictors) and freetoken.sim.timing (the
+decode-step time model)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import pytest
 
 from freetoken.cli import main as cli_main
 from freetoken.policy import StepCosts, choose_fetch, fetch_order, objective, split, split_time, which_to_fetch
-from freetoken.policy.predict import (
+from freetoken.policy.qstar import auto_future_value, expected_hits, marginal_hit_value
+from freetoken.sim import policies as P
+from freetoken.sim import timing as TM
+from freetoken.sim.predict import (
     fit_coactivation,
     precision_recall,
     predict_coactivation,
@@ -18,10 +22,7 @@ from freetoken.policy.predict import (
     predict_previous,
     predictions,
 )
-from freetoken.policy.qstar import auto_future_value, expected_hits, marginal_hit_value
-from freetoken.trace import Trace, make_trace, save_trace
-from freetoken.trace import policies as P
-from freetoken.trace import timing as TM
+from freetoken.trace import Trace, make_trace, prepare, save_trace
 
 
 def _critical_ref(costs: StepCosts, fetched_tokens, cpu_tokens, hits: int) -> float:
@@ -184,7 +185,7 @@ def test_predictors_by_hand():
 def test_predictors_batch_trace():
     t = make_trace(num_layers=3, num_experts=8, top_k=2, tokens=3, steps=40, locality=0.8, seed=3)
     orc = predict_oracle(t)
-    act = P.prepare(t).counts
+    act = prepare(t).counts
     assert ((orc >= 0).sum(-1) == act).all()  # the unique ids of the batch
     for name in ("coact", "prev"):
         p = predictions(t, name, 4)
@@ -292,7 +293,7 @@ def test_fetch_all_is_the_device_lru_and_cpu_all_is_closed_form():
     fa, ca = TM.time_modes(t, 12, 20, 40, modes=("fetch_all", "cpu_all"), window="all")
     lru_misses, _ = P.lru_replay(t, 12)
     assert fa.misses == fa.fetched == int(lru_misses.sum()) and fa.accesses == fa.hits + fa.misses
-    n = P.prepare(t).counts  # [steps, L]
+    n = prepare(t).counts  # [steps, L]
     want = (costs.cpu_handoff_s + n * costs.cpu_s).sum(1)
     np.testing.assert_allclose(ca.per_step, want, rtol=1e-12)
     assert ca.hits == 0 and ca.fetched == 0 and ca.gpu_s == 0.0 and ca.transfer_s == 0.0

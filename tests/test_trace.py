@@ -13,18 +13,9 @@ import numpy as np
 import pytest
 
 from freetoken.cli import main as trace_main
-from freetoken.trace import (
-    POLICIES,
-    Trace,
-    TraceError,
-    TraceRecorder,
-    format_table,
-    load_trace,
-    make_trace,
-    save_trace,
-    simulate,
-)
-from freetoken.trace import policies as P
+from freetoken.sim import POLICIES, format_table, simulate
+from freetoken.sim import policies as P
+from freetoken.trace import Trace, TraceError, TraceRecorder, load_trace, make_trace, prepare, save_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -418,7 +409,7 @@ def test_belady_is_a_lower_bound(seed):
     rng = np.random.default_rng(seed)
     t = make_trace(num_layers=3, num_experts=8, top_k=2, steps=80, segments=int(rng.integers(1, 6)),
                    locality=float(rng.random()), seed=seed, tokens=int(rng.integers(1, 3)), prefill_tokens=16)
-    lo = P.prepare(t).max_active
+    lo = prepare(t).max_active
     for slots in (lo, 6, 10, 16, 24):
         for window in ("all", "second_half"):
             rows = simulate(t, [slots], window=window, policies=list(POLICIES))
@@ -435,7 +426,7 @@ def test_static_policies():
     t = make_trace(num_layers=2, num_experts=6, top_k=2, steps=50, segments=2, locality=0.5, seed=0)
     r = P.static_frequency(t, 12, window="all")
     assert (r.window, r.misses, r.loads) == ("second_half", 0, 12)
-    assert r.accesses == P.prepare(t).step_offsets[-1] - P.prepare(t).step_offsets[25]
+    assert r.accesses == prepare(t).step_offsets[-1] - prepare(t).step_offsets[25]
     assert P.static_frequency(t, 100).misses == 0
     assert P.static_frequency(t, 0).misses == r.accesses
     # routing_blind with S = L * E holds everything; with S < L holds nothing
@@ -481,7 +472,7 @@ def test_simulate_and_table():
 
 
 def test_summary_hand_example():
-    from freetoken.trace.simulate import format_summary, summarize
+    from freetoken.sim.simulate import format_summary, summarize
 
     # 1 layer x 4 experts, top-1: ids 0 1 0 2 | 0 0 (segments 0 and 2; segment 1 has no decode steps)
     t = _trace(_one_token([[[0]], [[1]], [[0]], [[2]], [[0]], [[0]]]), segs=[0, 0, 0, 0, 2, 2], L=1, E=4, nseg=3)

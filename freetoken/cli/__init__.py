@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Show what this machine offers freetoken.")
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     info.set_defaults(func=_cmd_info)
-    from freetoken.trace.cli import add_trace_parser
+    from freetoken.sim.cli import add_trace_parser
 
     add_trace_parser(sub)
     from freetoken.cli.convert import add_convert_parser

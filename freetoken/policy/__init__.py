@@ -1,15 +1,21 @@
 """The q* policy: what to do with expert-cache misses, measured rather than assumed.
 
-* :mod:`~freetoken.policy.qstar`: the per-call cost model (:class:`StepCosts`), :func:`choose_fetch` (how many
-  misses to fetch over PCIe; the rest run on the CPU), :func:`which_to_fetch` (which ones), the future-value term.
-* :mod:`~freetoken.policy.oracle`: rolling PCIe / CPU-executor bandwidth estimates with change detection.
-* :mod:`~freetoken.policy.profile`: ``freetoken bench bw`` profiles per (GPU, CPU, format) and ``auto``'s choice.
-* :mod:`~freetoken.policy.hybrid`: the per-call miss split (which misses go to the CPU); the expert runner
-  (:mod:`freetoken.engine.experts`) executes it.
-* :mod:`~freetoken.policy.pinning`: hot-expert pinning (``--pin-hot``).
-* :mod:`~freetoken.policy.predict`: next-layer expert predictors on traces and their precision / recall.
+The policy core, shared by the runtime and the simulators (:mod:`freetoken.sim`), each written once in Numba:
 
-The trace time model that runs the split over a routing trace is :mod:`freetoken.trace.timing`.
+* :mod:`~freetoken.policy.lru`: the device cache's LRU state machine (admission, prefill borrow, pinning).
+* :mod:`~freetoken.policy.qstar`: the per-call cost model (:class:`StepCosts`), :func:`choose_fetch` (how many
+  misses to fetch over PCIe; the rest run on the CPU), :func:`fetch_order` / :func:`which_to_fetch` (which ones).
+* :mod:`~freetoken.policy.estimators`: the future-value estimators (``auto``, ``global``).
+* :mod:`~freetoken.policy.split_policy`: :class:`MissPolicy`, the runtime's host-side shadow of the device cache
+  with the q* split (no device read per layer).
+
+Around it: :mod:`~freetoken.policy.oracle` (rolling PCIe / CPU-executor bandwidth estimates with change detection),
+:mod:`~freetoken.policy.profile` (``freetoken bench bw`` profiles per (GPU, CPU, format) and ``auto``'s choice),
+:mod:`~freetoken.policy.measure`, :mod:`~freetoken.policy.pinning` (hot-expert pinning, ``--pin-hot``),
+:mod:`~freetoken.policy.hybrid` (the per-call miss split; the expert runner of :mod:`freetoken.engine.experts`
+executes it), :mod:`~freetoken.policy.runtime` (``--moe-mode auto`` and the oracle's priors).
+
+Layering: this package imports :mod:`freetoken.trace` (the trace format), never :mod:`freetoken.sim`.
 """
 
 from freetoken.policy.qstar import (
@@ -25,6 +31,7 @@ from freetoken.policy.qstar import (
     split_time,
     which_to_fetch,
 )
+from freetoken.policy.split_policy import DEFAULT_FUTURE_VALUE, MissPolicy
 
-__all__ = ["SplitTime", "StepCosts", "auto_future_value", "choose_fetch", "expected_hits", "fetch_order",
-           "marginal_hit_value", "objective", "split", "split_time", "which_to_fetch"]
+__all__ = ["DEFAULT_FUTURE_VALUE", "MissPolicy", "SplitTime", "StepCosts", "auto_future_value", "choose_fetch",
+           "expected_hits", "fetch_order", "marginal_hit_value", "objective", "split", "split_time", "which_to_fetch"]

@@ -30,7 +30,7 @@ per fetched expert) is the explicit, tunable term for what a fetched expert is w
 later, a CPU-computed one never does. With ``future_value = 0`` the split is the greedy per-call optimum. It may
 also be one value per miss (``critical(q) - sum of the first q values``): a fetched record earns
 :func:`expected_hits` hits before eviction, each worth about :func:`marginal_hit_value`; the trace time model
-(:mod:`freetoken.trace.timing`) estimates both online.
+(:mod:`freetoken.policy.estimators`) estimates both online.
 
 :func:`fetch_order` / :func:`which_to_fetch` pick WHICH misses are fetched, deterministically: the highest
 per-miss future value first (when there are per-miss values), then the most tokens (they would cost the CPU the
@@ -40,8 +40,10 @@ which minimises the CPU path for every q; with per-miss values and ``cpu_token_s
 valuable. Either way the scan over q is then the optimum over every subset of the misses (the tests check this
 against brute force); with per-miss values and ``cpu_token_s > 0`` the order is a heuristic.
 
-The kernels (``_critical``, ``_best_q``) are Numba functions so that the trace timing model
-(:mod:`freetoken.trace.timing`) runs exactly this code per call; they are callable from Python too.
+The kernels (:func:`critical_path`, :func:`best_q`, :func:`best_q_values`, :func:`order_misses`) are Numba
+functions so that the trace time model (:mod:`freetoken.sim.timing`) and the runtime
+(:class:`freetoken.policy.split_policy.MissPolicy`) run exactly this code per call; they are callable from Python
+too.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class SplitTime:
 
 
 @nb.njit(cache=True)
-def _critical(x, c, g, hand, ctok, m, h, q, tok_rest):  # pragma: no cover - compiled (also run uncompiled)
+def critical_path(x, c, g, hand, ctok, m, h, q, tok_rest):  # pragma: no cover - compiled (also run uncompiled)
     """critical(q); ``tok_rest`` = tokens routed to the m - q CPU experts. Keep the expression order: the
     Python wrappers and the brute-force tests rely on bitwise-identical results."""
     gpu = q * x + (h + q) * g
@@ -116,17 +118,17 @@ def _critical(x, c, g, hand, ctok, m, h, q, tok_rest):  # pragma: no cover - com
 
 
 @nb.njit(cache=True)
-def _best_q(x, c, g, hand, ctok, m, h, tok_ordered, fv):  # pragma: no cover - compiled
+def best_q(x, c, g, hand, ctok, m, h, tok_ordered, fv):  # pragma: no cover - compiled
     """argmin over q = 0..m of critical(q) - fv * q (ties: the larger q). ``tok_ordered[:m]``: the misses' token
     counts in fetch order (the first q are fetched)."""
     rest = 0
     for j in range(m):
         rest += tok_ordered[j]
     best_q = 0
-    best = _critical(x, c, g, hand, ctok, m, h, 0, rest)
+    best = critical_path(x, c, g, hand, ctok, m, h, 0, rest)
     for q in range(1, m + 1):
         rest -= tok_ordered[q - 1]
-        obj = _critical(x, c, g, hand, ctok, m, h, q, rest) - fv * q
+        obj = critical_path(x, c, g, hand, ctok, m, h, q, rest) - fv * q
         if obj <= best:
             best = obj
             best_q = q
@@ -134,22 +136,70 @@ def _best_q(x, c, g, hand, ctok, m, h, tok_ordered, fv):  # pragma: no cover - c
 
 
 @nb.njit(cache=True)
-def _best_q_values(x, c, g, hand, ctok, m, h, tok_ordered, fv_ordered):  # pragma: no cover - compiled
-    """:func:`_best_q` with a future value per miss: argmin of critical(q) - sum(fv_ordered[:q])."""
+def best_q_values(x, c, g, hand, ctok, m, h, tok_ordered, fv_ordered):  # pragma: no cover - compiled
+    """:func:`best_q` with a future value per miss: argmin of critical(q) - sum(fv_ordered[:q])."""
     rest = 0
     for j in range(m):
         rest += tok_ordered[j]
     best_q = 0
-    best = _critical(x, c, g, hand, ctok, m, h, 0, rest)
+    best = critical_path(x, c, g, hand, ctok, m, h, 0, rest)
     acc = 0.0
     for q in range(1, m + 1):
         rest -= tok_ordered[q - 1]
         acc += fv_ordered[q - 1]
-        obj = _critical(x, c, g, hand, ctok, m, h, q, rest) - acc
+        obj = critical_path(x, c, g, hand, ctok, m, h, q, rest) - acc
         if obj <= best:
             best = obj
             best_q = q
     return best_q
+
+
+@nb.njit(cache=True)
+def _before(values, tokens, reuse, key, i, j):  # pragma: no cover - compiled
+    """Miss i comes before miss j in the fetch order."""
+    if values[i] != values[j]:
+        return values[i] > values[j]
+    if tokens[i] != tokens[j]:
+        return tokens[i] > tokens[j]
+    if reuse[i] != reuse[j]:
+        return reuse[i] > reuse[j]
+    return key[i] < key[j]
+
+
+@nb.njit(cache=True)
+def order_misses(values, tokens, reuse, key, n, perm, scratch):  # pragma: no cover - compiled
+    """The fetch order of ``n`` misses: ``perm[:n]`` = their indices, the highest future ``values`` first, then the
+    most ``tokens``, then the highest ``reuse`` score, then the lowest ``key`` (the id, or the prediction rank);
+    ties on every key keep the input order. A stable merge sort (``scratch``: n ints of room)."""
+    for i in range(n):
+        perm[i] = i
+    width = 1
+    while width < n:
+        lo = 0
+        while lo < n - width:
+            mid = lo + width
+            hi = min(lo + 2 * width, n)
+            a, b, k = lo, mid, lo
+            while a < mid and b < hi:
+                if _before(values, tokens, reuse, key, perm[b], perm[a]):
+                    scratch[k] = perm[b]
+                    b += 1
+                else:
+                    scratch[k] = perm[a]
+                    a += 1
+                k += 1
+            while a < mid:
+                scratch[k] = perm[a]
+                a += 1
+                k += 1
+            while b < hi:
+                scratch[k] = perm[b]
+                b += 1
+                k += 1
+            for i in range(lo, hi):
+                perm[i] = scratch[i]
+            lo += 2 * width
+        width *= 2
 
 
 # ---------------------------------------------------------------------------------------------- public API
@@ -184,7 +234,7 @@ def split_time(costs: StepCosts, q: int, misses: int, hits: int, tokens: Sequenc
     tok = _tokens(m, tokens)
     rest = int(tok[q:].sum())
     x, c, g = costs.transfer_s, costs.cpu_s, costs.gpu_s
-    crit = float(_critical(x, c, g, costs.cpu_handoff_s, costs.cpu_token_s, m, h, q, rest))
+    crit = float(critical_path(x, c, g, costs.cpu_handoff_s, costs.cpu_token_s, m, h, q, rest))
     gpu = q * x + (h + q) * g
     cpu = costs.cpu_handoff_s + (m - q) * c + costs.cpu_token_s * rest if q < m else 0.0
     return SplitTime(q=q, transfer=q * x, gpu_compute=(h + q) * g, gpu_path=gpu, cpu_path=cpu, critical=crit)
@@ -216,7 +266,7 @@ def objective(costs: StepCosts, q: int, misses: int, hits: int, future_value=0.0
     if arr is None:
         return crit - v * int(q)
     acc = 0.0
-    for j in range(int(q)):  # the order _best_q_values sums in
+    for j in range(int(q)):  # the order best_q_values sums in
         acc += float(arr[j])
     return crit - acc
 
@@ -238,7 +288,7 @@ def choose_fetch(costs: StepCosts, misses: int, hits: int, future_value=0.0,
     tok = _tokens(m, tokens)
     args = (float(costs.transfer_s), float(costs.cpu_s), float(costs.gpu_s), float(costs.cpu_handoff_s),
             float(costs.cpu_token_s), m, h, tok)
-    return int(_best_q(*args, v) if arr is None else _best_q_values(*args, arr))
+    return int(best_q(*args, v) if arr is None else best_q_values(*args, arr))
 
 
 def fetch_order(ids: Sequence[int], tokens: Sequence[int] | None = None, reuse: Sequence[float] | None = None,
@@ -255,7 +305,9 @@ def fetch_order(ids: Sequence[int], tokens: Sequence[int] | None = None, reuse: 
     val = np.zeros(n) if values is None else np.asarray(values, np.float64).reshape(-1)
     if val.shape[0] != n:
         raise ValueError(f"values must have one value per miss ({n}), got {val.shape[0]}")
-    return np.lexsort((ids, -ru, -tok, -val)).astype(np.int64)
+    perm = np.empty(n, np.int64)
+    order_misses(val, tok, ru, ids, n, perm, np.empty(n, np.int64))
+    return perm
 
 
 def which_to_fetch(ids: Sequence[int], q: int, tokens: Sequence[int] | None = None,

@@ -1,19 +1,17 @@
-"""Routing traces and the expert-cache policy simulator.
+"""Routing traces: the bottom layer under the miss policy and the simulators.
 
 * :mod:`~freetoken.trace.format`: the trace file (.npz), :class:`Trace`, :class:`TraceRecorder`.
 * :mod:`~freetoken.trace.synthetic`: :func:`make_trace`, synthetic traces with tunable locality.
-* :mod:`~freetoken.trace.policies`: lru (the device policy), static_frequency, prefill_placement, routing_blind,
-  belady (the lower bound).
-* :mod:`~freetoken.trace.simulate`: :func:`simulate` and :func:`format_table`; :mod:`~freetoken.trace.plot`.
-* :mod:`~freetoken.trace.timing`: the decode-step time model (fetch_all, cpu_all, q*, q* + prefetch) and its sweep
-  over PCIe/CPU bandwidth ratios (import it from there: it uses :mod:`freetoken.policy`, which imports this package).
-* :mod:`~freetoken.trace.cli`: ``freetoken trace simulate | synth | info``.
+* :mod:`~freetoken.trace.derived`: the arrays every policy and simulator derives from a trace (:func:`prepare`:
+  each call's active set, the access sequence; token counts; windows), cached on the trace.
+
+The cache-policy replay, the decode-step time model, the trace predictors and the ``freetoken trace`` command are
+in :mod:`freetoken.sim` (above :mod:`freetoken.policy`, which is above this package).
 """
 
+from freetoken.trace.derived import WINDOWS, Prepared, active_sets, prepare, token_counts, window_steps
 from freetoken.trace.format import Trace, TraceError, TraceRecorder, load_trace, save_trace
-from freetoken.trace.policies import DEFAULT_POLICIES, POLICIES, PolicyResult
-from freetoken.trace.simulate import format_table, simulate
 from freetoken.trace.synthetic import make_trace
 
-__all__ = ["DEFAULT_POLICIES", "POLICIES", "PolicyResult", "Trace", "TraceError", "TraceRecorder", "format_table",
-           "load_trace", "make_trace", "save_trace", "simulate"]
+__all__ = ["WINDOWS", "Prepared", "Trace", "TraceError", "TraceRecorder", "active_sets", "load_trace", "make_trace",
+           "prepare", "save_trace", "token_counts", "window_steps"]

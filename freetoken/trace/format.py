@@ -56,7 +56,7 @@ class TraceError(ValueError):
 class Trace:
     """An in-memory routing trace; see the module docstring for the fields.
 
-    Treat the arrays as read-only: the simulator caches derived arrays on the object (``_derived``).
+    Treat the arrays as read-only: derived arrays are cached on the object (:meth:`cached`).
     """
 
     decode_ids: np.ndarray
@@ -87,6 +87,12 @@ class Trace:
     def num_flat(self) -> int:
         """Number of flat expert ids, ``num_layers * num_experts``."""
         return self.num_layers * self.num_experts
+
+    def cached(self, key, compute):
+        """``compute()``, computed once per ``key`` and kept on the trace (derived arrays, predictions)."""
+        if key not in self._derived:
+            self._derived[key] = compute()
+        return self._derived[key]
 
     def validate(self, source: str | os.PathLike | None = None) -> Trace:
         """Check shapes, dtypes and ranges; raise :class:`TraceError` naming ``source`` and the field."""

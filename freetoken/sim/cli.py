@@ -1,7 +1,6 @@
 """``freetoken trace``: simulate cache policies on a routing trace, write synthetic traces, summarise a trace.
 
-:func:`add_trace_parser` registers the command on the main ``freetoken`` parser; :func:`main` runs a parser
-with just this command (``python -m freetoken.trace.cli trace ...``).
+:func:`add_trace_parser` registers the command on the main ``freetoken`` parser (``freetoken trace ...``).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ def _slots(text: str) -> list[int]:
 
 
 def _names(text: str) -> list[str]:
-    from freetoken.trace.policies import POLICIES
+    from freetoken.sim.policies import POLICIES
 
     names = [v for v in text.replace(" ", "").split(",") if v]
     bad = [n for n in names if n not in POLICIES]
@@ -80,7 +79,7 @@ def _micros(text: str) -> float:
 
 
 def _modes(text: str) -> list[str]:
-    from freetoken.trace.timing import ALL_MODES
+    from freetoken.sim.timing import ALL_MODES
 
     names = [v for v in text.replace(" ", "").split(",") if v]
     bad = [n for n in names if n not in ALL_MODES]
@@ -91,7 +90,7 @@ def _modes(text: str) -> list[str]:
 
 def _cmd_timing(args: argparse.Namespace, trace) -> int:
     """``simulate --pcie --cpu``: the decode-step time model per mode, optionally swept over PCIe/CPU ratios."""
-    from freetoken.trace.timing import MODES, format_sweep, format_timing, sweep, time_modes
+    from freetoken.sim.timing import MODES, format_sweep, format_timing, sweep, time_modes
 
     if args.pcie is None or args.cpu is None:
         return _error(ValueError("the time model needs both --pcie and --cpu (GB/s)"))
@@ -118,7 +117,7 @@ def _cmd_timing(args: argparse.Namespace, trace) -> int:
             print()
             print(format_sweep(rows))
     if args.plot:
-        from freetoken.trace.plot import plot_timing_sweep
+        from freetoken.sim.plot import plot_timing_sweep
 
         title = f"{trace.model or args.trace}: CPU {args.cpu:g} GB/s, {trace.record_bytes / 1e6:.3g} MB records"
         return _plot(args, plot_timing_sweep, rows, title)
@@ -137,8 +136,8 @@ def _plot(args: argparse.Namespace, plot_fn, rows, title: str) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    from freetoken.sim.simulate import format_table, simulate
     from freetoken.trace.format import TraceError, load_trace
-    from freetoken.trace.simulate import format_table, simulate
 
     timing = args.pcie is not None or args.cpu is not None or args.sweep
     try:
@@ -151,7 +150,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         return _error(e)
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     if args.plot:
-        from freetoken.trace.plot import plot_miss_rates
+        from freetoken.sim.plot import plot_miss_rates
 
         return _plot(args, plot_miss_rates, rows, f"{trace.model or args.trace}: {trace.steps:,} decode steps")
     return 0
@@ -174,8 +173,8 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    from freetoken.sim.simulate import format_summary, summarize
     from freetoken.trace.format import TraceError, load_trace
-    from freetoken.trace.simulate import format_summary, summarize
 
     try:
         summary = summarize(load_trace(args.trace))
@@ -192,7 +191,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def add_trace_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``trace`` (with ``simulate``, ``synth``, ``info``) on ``subparsers``; returns its parser."""
-    from freetoken.trace.policies import DEFAULT_POLICIES, POLICIES
+    from freetoken.sim.policies import DEFAULT_POLICIES, POLICIES
 
     trace = subparsers.add_parser("trace", help="routing traces and the expert-cache policy simulator",
                                   description=TRACE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -222,7 +221,7 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
                                                         "--pcie/--cpu: tokens/s against the PCIe/CPU ratio per mode "
                                                         "(implies --sweep)")
     sim.add_argument("--json", action="store_true", help="print the rows as JSON")
-    tm = sim.add_argument_group("decode time model (freetoken/trace/timing.py)",
+    tm = sim.add_argument_group("decode time model (freetoken/sim/timing.py)",
                                 "With --pcie and --cpu, model each decode step's time for fetch-all, cpu-all, q* and "
                                 "q* with prefetch instead of the policy table: estimated tokens/s and where the "
                                 "time goes, per slot count.")

@@ -46,7 +46,7 @@ def plot_miss_rates(rows: Sequence[dict], path: str | os.PathLike, title: str | 
 
 def plot_timing_sweep(rows: Sequence[dict], path: str | os.PathLike, title: str | None = None) -> None:
     """Write a plot of estimated tokens/s against the PCIe/CPU bandwidth ratio, one line per mode (and slot count
-    when there are several); ``rows`` from :func:`freetoken.trace.timing.sweep`."""
+    when there are several); ``rows`` from :func:`freetoken.sim.timing.sweep`."""
     fig, ax = _figure(9.5)
     series: dict[tuple[str, int], list[tuple[float, float]]] = {}
     for r in rows:

@@ -7,9 +7,10 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from freetoken.sim.policies import DEFAULT_POLICIES, POLICIES
+from freetoken.sim.table import text_table
+from freetoken.trace.derived import WINDOWS, prepare
 from freetoken.trace.format import Trace
-from freetoken.trace.policies import DEFAULT_POLICIES, POLICIES, WINDOWS, prepare
-from freetoken.trace.table import text_table
 
 COLUMNS = ("policy", "slots", "window", "accesses", "misses", "miss_rate", "loads", "bytes_moved")
 

@@ -28,10 +28,12 @@ from dataclasses import dataclass
 import numba as nb
 import numpy as np
 
+from freetoken.policy.lru import OWNER, lru_new, lru_replay_calls
+from freetoken.trace.derived import WINDOWS, check_slots, prepare, window_steps
 from freetoken.trace.format import Trace
-from freetoken.trace.lru_list import append_sorted, push_least_recent, unlink
 
-WINDOWS = ("all", "second_half")
+__all__ = ["DEFAULT_POLICIES", "POLICIES", "WINDOWS", "PolicyResult", "belady", "belady_sequence", "belady_start",
+           "lru", "lru_replay", "prefill_placement", "routing_blind", "static_frequency"]
 
 
 @dataclass
@@ -59,73 +61,6 @@ class PolicyResult:
                 "bytes_moved": self.bytes_moved, "note": self.note}
 
 
-# ----------------------------------------------------------------------------------------------- derived arrays
-
-
-@dataclass
-class Prepared:
-    """Per-trace arrays shared by the policies (computed once, cached on the trace)."""
-
-    active: np.ndarray  # int32 [steps, L, A]: each call's unique flat ids ascending, padded with -1
-    counts: np.ndarray  # int32 [steps, L]: active-set sizes
-    seq: np.ndarray  # int32 [n]: every access in order (steps, layers, ascending id)
-    step_offsets: np.ndarray  # int64 [steps + 1]: accesses of step t are seq[step_offsets[t]:step_offsets[t + 1]]
-    seg_start: np.ndarray  # bool [steps]: step t is the first decode step of its segment
-    max_active: int
-
-
-def prepare(trace: Trace) -> Prepared:
-    """The derived arrays of ``trace`` (cached on it: treat traces as immutable)."""
-    cached = trace._derived.get("prepared")
-    if cached is not None:
-        return cached
-    steps, L, T, k = trace.decode_ids.shape
-    A = T * k
-    offs = (np.arange(L, dtype=np.int32) * trace.num_experts)[None, :, None]
-    active = trace.decode_ids.reshape(steps, L, A).astype(np.int32) + offs
-    active.sort(axis=-1)
-    if A > 1 and T > 1:
-        dup = np.zeros(active.shape, bool)
-        dup[..., 1:] = active[..., 1:] == active[..., :-1]
-        if dup.any():
-            big = np.iinfo(np.int32).max
-            active[dup] = big
-            active.sort(axis=-1)
-            active[active == big] = -1
-        counts = (A - dup.sum(-1)).astype(np.int32)
-    else:
-        counts = np.full((steps, L), A, np.int32)
-    if (counts == A).all():
-        seq = active.reshape(-1)
-    else:
-        seq = active[active >= 0]
-    offsets = np.zeros(steps + 1, np.int64)
-    np.cumsum(counts.sum(-1, dtype=np.int64), out=offsets[1:])
-    seg = trace.step_segment
-    seg_start = np.ones(steps, bool)
-    seg_start[1:] = seg[1:] != seg[:-1]
-    p = Prepared(active=active, counts=counts, seq=seq, step_offsets=offsets, seg_start=seg_start,
-                 max_active=int(counts.max()) if counts.size else 0)
-    trace._derived["prepared"] = p
-    return p
-
-
-def window_steps(trace: Trace, window: str) -> tuple[int, int]:
-    """The decode-step range [t0, t1) that ``window`` scores."""
-    if window == "all":
-        return 0, trace.steps
-    if window == "second_half":
-        return trace.steps // 2, trace.steps
-    raise ValueError(f"unknown window {window!r} (expected one of {', '.join(WINDOWS)})")
-
-
-def _check_slots(slots) -> int:
-    s = int(slots)
-    if s != slots or s < 0:
-        raise ValueError(f"slots must be a non-negative integer, got {slots!r}")
-    return s
-
-
 def _top_ids(scores: np.ndarray, slots: int) -> np.ndarray:
     """Boolean mask of the ``slots`` highest scores (ties: lower index first)."""
     mask = np.zeros(scores.shape[0], bool)
@@ -140,69 +75,19 @@ def _static_misses(seq: np.ndarray, placed: np.ndarray) -> int:
 # ------------------------------------------------------------------------------------------------------- LRU
 
 
-@nb.njit(cache=True)
-def _lru_kernel(active, counts, seg_start, slots, num_flat, borrow_n):  # pragma: no cover - compiled
-    steps, layers, width = active.shape
-    misses = np.zeros(steps, np.int64)
-    slot_of = np.full(num_flat, -1, np.int32)
-    owner = np.full(slots, -1, np.int32)
-    head = slots  # sentinel of the circular list ordered by (recency, slot), least recent first
-    nxt = np.empty(slots + 1, np.int32)
-    prv = np.empty(slots + 1, np.int32)
-    for s in range(slots + 1):
-        nxt[s] = s + 1 if s < slots else 0
-        prv[s] = s - 1 if s > 0 else slots
-    touched = np.empty(width, np.int32)
-    for t in range(steps):
-        if seg_start[t]:
-            for s in range(borrow_n):  # prefill borrows slots [0, 2E): owners evicted, recency -1
-                o = owner[s]
-                if o >= 0:
-                    slot_of[o] = -1
-                    owner[s] = -1
-                unlink(nxt, prv, s)
-            for s in range(borrow_n - 1, -1, -1):
-                push_least_recent(nxt, prv, head, s)
-        m_t = 0
-        for layer in range(layers):
-            cnt = counts[t, layer]
-            nt = 0
-            for j in range(cnt):  # hits first: they leave the victim list
-                s = slot_of[active[t, layer, j]]
-                if s >= 0:
-                    unlink(nxt, prv, s)
-                    touched[nt] = s
-                    nt += 1
-            for j in range(cnt):  # misses in increasing flat-id order take the least recent non-active slot
-                f = active[t, layer, j]
-                if slot_of[f] >= 0:
-                    continue
-                s = nxt[head]
-                nxt[head] = nxt[s]
-                prv[nxt[s]] = head
-                o = owner[s]
-                if o >= 0:
-                    slot_of[o] = -1
-                owner[s] = f
-                slot_of[f] = s
-                touched[nt] = s
-                nt += 1
-                m_t += 1
-            append_sorted(nxt, prv, head, touched, nt)  # this call's slots share recency c: by slot index
-        misses[t] = m_t
-    return misses, owner
-
-
 def lru_replay(trace: Trace, slots: int, prefill_borrow: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Replay the device LRU over the whole trace; returns (misses per decode step int64 [steps], the final
     ``id_of_slot`` int32 [slots], -1 for empty). See :func:`lru` for the semantics."""
-    slots = _check_slots(slots)
+    slots = check_slots(slots)
     p = prepare(trace)
     if slots < max(p.max_active, 1):
         raise ValueError(f"lru needs at least as many slots as the largest active set ({p.max_active} = unique "
                          f"experts of one layer's decode batch), got {slots}")
     borrow_n = min(2 * trace.num_experts, slots) if prefill_borrow else 0
-    return _lru_kernel(p.active, p.counts, p.seg_start, slots, trace.num_flat, borrow_n)
+    st = lru_new(trace.num_flat, slots)
+    misses = np.zeros(trace.steps, np.int64)
+    lru_replay_calls(st, p.active, p.counts, p.seg_start, borrow_n, misses)
+    return misses, st[OWNER]
 
 
 def lru(trace: Trace, slots: int, window: str = "second_half", prefill_borrow: bool = True) -> PolicyResult:
@@ -230,7 +115,7 @@ def lru(trace: Trace, slots: int, window: str = "second_half", prefill_borrow: b
 def static_frequency(trace: Trace, slots: int, window: str = "second_half") -> PolicyResult:
     """Place the ``slots`` flat ids most accessed in the first half of the decode steps (ties: lower id) and
     score the second half (always, whatever ``window`` says). Loads: the one-time placement."""
-    slots = _check_slots(slots)
+    slots = check_slots(slots)
     p = prepare(trace)
     h = trace.steps // 2
     train = p.seq[: p.step_offsets[h]]
@@ -242,7 +127,7 @@ def static_frequency(trace: Trace, slots: int, window: str = "second_half") -> P
 
 def routing_blind(trace: Trace, slots: int, window: str = "second_half") -> PolicyResult:
     """``slots // num_layers`` slots per layer holding experts 0 .. slots//L - 1 of every layer. Loads: once."""
-    slots = _check_slots(slots)
+    slots = check_slots(slots)
     p = prepare(trace)
     t0, t1 = window_steps(trace, window)
     per = min(slots // trace.num_layers, trace.num_experts)
@@ -257,7 +142,7 @@ def prefill_placement(trace: Trace, slots: int, window: str = "second_half") -> 
     """At each segment start, place the ``slots`` flat ids with the highest prefill counts of that segment (ties:
     lower id); misses over the segment's decode steps. Loads: the placement live at the window start, then the
     records newly placed at each segment change (segments without decode steps in the window are skipped)."""
-    slots = _check_slots(slots)
+    slots = check_slots(slots)
     p = prepare(trace)
     t0, t1 = window_steps(trace, window)
     seg = trace.step_segment
@@ -450,7 +335,7 @@ def belady_sequence(seq: np.ndarray, slots: int, block_starts=None,
     amortised: next uses by one backward scan, a max-heap of next uses with lazy deletion, rebuilt in O(S)
     when it reaches 4S + 16 entries; O(n + S + num_ids) memory.
     """
-    slots = _check_slots(slots)
+    slots = check_slots(slots)
     seq = np.ascontiguousarray(seq, dtype=np.int32)
     if num_ids is None:
         num_ids = int(seq.max()) + 1 if seq.size else 1
@@ -479,7 +364,7 @@ def belady(trace: Trace, slots: int, window: str = "second_half", refill: str = 
     """
     if refill not in ("segment", "start"):
         raise ValueError(f"refill must be 'segment' or 'start', got {refill!r}")
-    slots = _check_slots(slots)
+    slots = check_slots(slots)
     p = prepare(trace)
     t0, t1 = window_steps(trace, window)
     base = p.step_offsets[t0]

@@ -24,24 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from freetoken.trace.derived import active_sets, prepare, window_steps
 from freetoken.trace.format import Trace
-from freetoken.trace.policies import prepare, window_steps
-
-
-def _active_sets(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
-    """(indicator bool [steps, L, E] of each call's active experts, tokens int16 [steps, L, E] per expert)."""
-    cached = trace._derived.get("active_sets")
-    if cached is not None:
-        return cached
-    steps, L, T, k = trace.decode_ids.shape
-    E = trace.num_experts
-    tok = np.zeros((steps, L, E), np.int16 if T * k < np.iinfo(np.int16).max else np.int32)
-    ids = trace.decode_ids.reshape(steps, L, T * k).astype(np.int64)
-    base = (np.arange(steps)[:, None, None] * L + np.arange(L)[None, :, None]) * E
-    np.add.at(tok.reshape(-1), (base + ids).reshape(-1), 1)
-    out = (tok > 0, tok)
-    trace._derived["active_sets"] = out
-    return out
 
 
 def _check_n(trace: Trace, n: int) -> int:
@@ -73,7 +57,7 @@ def fit_coactivation(trace: Trace, fit_steps: tuple[int, int] | None = None) -> 
     t0, t1 = (0, trace.steps // 2) if fit_steps is None else (int(fit_steps[0]), int(fit_steps[1]))
     if not 0 <= t0 <= t1 <= trace.steps:
         raise ValueError(f"fit_steps must satisfy 0 <= t0 <= t1 <= steps ({trace.steps}), got {fit_steps}")
-    act, _ = _active_sets(trace)
+    act, _ = active_sets(trace)
     L, E = trace.num_layers, trace.num_experts
     prob = np.zeros((L, E, E))
     a = act[t0:t1]  # [S, L, E]
@@ -94,7 +78,7 @@ def predict_coactivation(trace: Trace, n: int, fit_steps: tuple[int, int] | None
     ``fit_steps`` (default the first half) unless ``model`` is given."""
     n = _check_n(trace, n)
     model = fit_coactivation(trace, fit_steps) if model is None else model
-    act, _ = _active_sets(trace)
+    act, _ = active_sets(trace)
     steps, L = trace.steps, trace.num_layers
     out = np.full((steps, L, n), -1, np.int32)
     for layer in range(L):
@@ -108,7 +92,7 @@ def predict_coactivation(trace: Trace, n: int, fit_steps: tuple[int, int] | None
 def predict_previous(trace: Trace, n: int) -> np.ndarray:
     """Predict each call's experts as the previous step's at the same layer (most tokens first, then lower id)."""
     n = _check_n(trace, n)
-    _, tok = _active_sets(trace)
+    _, tok = active_sets(trace)
     out = np.full((trace.steps, trace.num_layers, n), -1, np.int32)
     for layer in range(trace.num_layers):
         if trace.steps > 1:
@@ -118,7 +102,7 @@ def predict_previous(trace: Trace, n: int) -> np.ndarray:
 
 def predict_oracle(trace: Trace, n: int | None = None) -> np.ndarray:
     """The actual active set of each call (most tokens first, then lower id); ``n`` defaults to the largest."""
-    _, tok = _active_sets(trace)
+    _, tok = active_sets(trace)
     n = _check_n(trace, prepare(trace).max_active or 1) if n is None else _check_n(trace, n)
     out = np.full((trace.steps, trace.num_layers, n), -1, np.int32)
     for layer in range(trace.num_layers):
@@ -159,7 +143,7 @@ def precision_recall(trace: Trace, pred: np.ndarray, window: str | tuple[int, in
     if pred.ndim != 3 or pred.shape[:2] != (trace.steps, trace.num_layers):
         raise ValueError(f"predictions must have shape [steps={trace.steps}, layers={trace.num_layers}, n], "
                          f"got {pred.shape}")
-    act, _ = _active_sets(trace)
+    act, _ = active_sets(trace)
     p = pred[t0:t1].astype(np.int64)
     a = act[t0:t1]
     valid = p >= 0
