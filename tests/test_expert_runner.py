@@ -72,6 +72,8 @@ def test_cached_runner_equals_the_op(cuda_device, records, mode):
         assert c["split_cpu"] > 0
         assert mode != "cpu" or c["split_fetched"] == 0 == c["cache_misses"]  # cpu: nothing becomes resident
     runner.cache.check_invariants()
+    if runner.split is not None:  # the split's host shadow of the cache never read the device, yet agrees with it
+        np.testing.assert_array_equal(runner.split.shadow.id_of_slot, cuda_device.to_host(runner.cache.id_of_slot))
     runner.reset()  # as freshly loaded
     assert all(v == 0 for v in runner.counters().values())
     runner.close()
@@ -114,6 +116,33 @@ def test_prefetch_with_a_perfect_predictor_turns_misses_into_hits(cuda_device, r
     c = runner.counters()
     assert c["cache_misses"] <= EXPERTS  # only layer 0's admissions can miss... within what fits
     runner.cache.check_invariants()
+
+
+def test_split_shadow_follows_prefill_prefetch_and_pins(cuda_device, records):
+    """hybrid with prefetch and pinned experts, prompts streamed between decode steps: after every call the split's
+    shadow owns the slots the device cache owns."""
+    runner = _runner(cuda_device, records, cache_slots=20, mode="hybrid", pcie_gbps=0.01, cpu_gbps=100.0,
+                     prefetch=True)
+    runner.set_predictor(lambda layer, h: (cuda_device.asarray(np.array([[layer, layer + 1]], np.int32)), None))
+    counts = np.zeros((LAYERS, EXPERTS), np.int64)
+    counts[1, 3], counts[2, 6] = 5, 4
+    assert runner.pin_hot(counts, 2) == [(1, 3), (2, 6)]
+    shadow = runner.split.shadow
+    for step, (layer, h, ids, w) in enumerate(_calls(seed=5, steps=8)):
+        if layer == 0:
+            runner.end()
+            if step % 9 == 0:  # a prompt now and then: whole layers borrow the prefill buffers
+                runner.begin(5)
+                for lay, hp, idp, wp in _calls(seed=step, steps=1, tokens=5):
+                    runner.run(lay, cuda_device.asarray(hp), cuda_device.asarray(idp), cuda_device.asarray(wp))
+                runner.end()
+            runner.begin(1)
+        runner.run(layer, cuda_device.asarray(h), cuda_device.asarray(ids), cuda_device.asarray(w))
+        cuda_device.synchronize()
+        np.testing.assert_array_equal(shadow.id_of_slot, cuda_device.to_host(runner.cache.id_of_slot))
+    c = runner.counters()
+    assert c["split_cpu"] > 0 and c["split_hits"] > 0 and runner.prefetch.stats["predicted"] > 0, c
+    runner.close()
 
 
 def test_prefetch_scoring_and_turn_off():

@@ -123,8 +123,8 @@ def test_no_private_names_across_packages():
     bad = []
     for module, path in MODULES.items():
         for target, name, line in _imports(module, path):
-            private = (name or "").startswith("_") or any(p.startswith("_") and p != "__init__"
-                                                          for p in target.split(".")[1:])
+            parts = [name or ""] + target.split(".")[1:]
+            private = any(p.startswith("_") and not p.startswith("__") for p in parts)  # dunders are public
             if private and _package(target) != _package(module):
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {target}{'.' + name if name else ''}")
     assert not bad, bad

@@ -16,6 +16,12 @@ Subcommands:
 """
 
 
+def _future_value(text: str) -> float | str:
+    from freetoken.cli.args import real
+
+    return text if text in ("auto", "global") else real()(text)
+
+
 def add_policy_args(p: argparse.ArgumentParser) -> None:
     from freetoken.cli.args import count, real
 
@@ -28,8 +34,10 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="pin the PCIe bandwidth estimate (GB/s)")
     g.add_argument("--cpu-gbps", type=real(0.0, above=True), default=None, metavar="GBPS",
                    help="pin the CPU-executor bandwidth estimate (GB/s)")
-    g.add_argument("--future-value", type=real(), default=0.0, metavar="SECONDS",
-                   help="hybrid: time a fetched expert is worth beyond its step (it may hit later; default 0)")
+    g.add_argument("--future-value", type=_future_value, default=0.0, metavar="S|auto|global",
+                   help="hybrid: time a fetched expert is worth beyond its step (it may hit later), in seconds, or "
+                        "estimated while running: auto (per expert, from its re-use gaps), global (hits per "
+                        "residency); default 0, the greedy split")
     g.add_argument("--prefetch", action="store_true",
                    help="copy the next layer's predicted experts (its router on this layer's input) while a "
                         "layer computes; reports the predictor's precision and recall")

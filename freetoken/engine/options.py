@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 MOE_MODES = ("gpu", "cpu", "hybrid", "auto")
 
 
+#: Future-value estimators measured while running (see freetoken.policy.estimators), besides a fixed value.
+FUTURE_VALUE_ESTIMATORS = ("auto", "global")
+
+
 def _positive(name: str, value, integer: bool = False, optional: bool = True) -> None:
     if value is None and optional:
         return
@@ -28,7 +32,9 @@ class ExpertOptions:
 
     ``cache_slots``: device slots of the expert cache (None: room for every expert). ``mode``: see
     :data:`MOE_MODES`. ``pcie_gbps`` / ``cpu_gbps``: pin the bandwidth estimates (GB/s) instead of measuring.
-    ``future_value``: what a fetched expert is worth beyond its step, in seconds (q*'s tunable term).
+    ``future_value``: what a fetched expert is worth beyond its step, in seconds (q*'s tunable term), or an
+    estimate made while running (``auto``: per expert, from its re-use gaps; ``global``: hits per residency); 0,
+    the default, is the greedy per-call split, which ``bench/qstar_sweep.py`` found best on the bundled model.
     ``prefetch``: copy the next MoE layer's predicted experts while a layer computes. ``max_decode_tokens``: the
     most tokens one decode admission carries (a longer prompt streams whole layers through the prefill buffers)."""
 
@@ -36,7 +42,7 @@ class ExpertOptions:
     cache_slots: int | None = None
     pcie_gbps: float | None = None
     cpu_gbps: float | None = None
-    future_value: float = 0.0
+    future_value: float | str = 0.0
     prefetch: bool = False
     max_decode_tokens: int = 16
 
@@ -47,8 +53,10 @@ class ExpertOptions:
         _positive("pcie_gbps", self.pcie_gbps)
         _positive("cpu_gbps", self.cpu_gbps)
         fv = self.future_value
-        if isinstance(fv, bool) or not isinstance(fv, (int, float)) or not (math.isfinite(fv) and fv >= 0):
-            raise ValueError(f"future_value must be a number of seconds >= 0, got {fv!r}")
+        if fv not in FUTURE_VALUE_ESTIMATORS and (isinstance(fv, bool) or not isinstance(fv, (int, float))
+                                                  or not (math.isfinite(fv) and fv >= 0)):
+            raise ValueError(f"future_value must be a number of seconds >= 0 or one of "
+                             f"{', '.join(FUTURE_VALUE_ESTIMATORS)}, got {fv!r}")
         _positive("max_decode_tokens", self.max_decode_tokens, integer=True, optional=False)
 
 

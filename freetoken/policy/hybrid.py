@@ -3,10 +3,12 @@ computed on the CPU (``--moe-mode cpu|hybrid``).
 
 :meth:`MissSplitter.plan` takes a layer's routed expert ids (on the host) and returns the step's unique experts, the
 resident ones, and the misses that go to the CPU: ``cpu`` sends every miss there, ``hybrid`` fetches the q* of
-them that :func:`freetoken.policy.qstar.split` chooses on the oracle's current PCIe and CPU rates (the rest run on
-the CPU). The split is a host decision on host data; executing it (the CPU share on a worker, the admission and the
-merge) is the expert runner's job (:mod:`freetoken.engine.experts`), which feeds the timings back to the
-:class:`BandwidthOracle` so the split follows the machine.
+them that :class:`freetoken.policy.split_policy.MissPolicy` chooses on the oracle's current PCIe and CPU rates and
+its future-value estimate (the rest run on the CPU). Residency comes from MissPolicy's host shadow of the device
+cache (no device read per layer), which the caller keeps in step with the device: :meth:`admitted` after every
+admission (and prefetch), :meth:`prefill_layer`, :meth:`pin`, :meth:`end_step`. Executing the split (the CPU share
+on a worker, the admission and the merge) is the expert runner's job (:mod:`freetoken.engine.experts`), which feeds
+the timings back to the :class:`BandwidthOracle` so the split follows the machine.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from freetoken.policy.oracle import BandwidthOracle
-from freetoken.policy.qstar import StepCosts, split
+from freetoken.policy.qstar import StepCosts
+from freetoken.policy.split_policy import MissPolicy
 
 MODES = ("gpu", "cpu", "hybrid", "auto")
 
@@ -23,20 +26,16 @@ class MissSplitter:
     """Per-call split of ``cache``'s misses for ``mode`` (``cpu`` or ``hybrid``), with counters of what it did."""
 
     def __init__(self, cache, layout, mode: str = "hybrid", oracle: BandwidthOracle | None = None,
-                 future_value: float = 0.0, gpu_gbps: float = 900.0):
+                 future_value: float | str | None = None, gpu_gbps: float = 900.0):
         if mode not in ("cpu", "hybrid"):
             raise ValueError(f"moe mode {mode!r}: the split runs for cpu or hybrid (gpu fetches every miss; auto "
                              "resolves to one of them)")
-        self.cache, self.layout, self.mode = cache, layout, mode
-        self.dev = cache.device
+        self.layout, self.mode = layout, mode
         self.oracle = oracle or BandwidthOracle()
-        self.future_value = float(future_value)
+        self.shadow = MissPolicy.for_cache(cache, future_value=future_value)
         self.gpu_gbps = gpu_gbps
         self.fmt = layout.fmt.name
         self.stats = {"steps": 0, "hits": 0, "fetched": 0, "cpu": 0}
-
-    def reset_stats(self) -> None:
-        self.stats = dict.fromkeys(self.stats, 0)
 
     def costs(self) -> StepCosts:
         o = self.oracle
@@ -45,20 +44,30 @@ class MissSplitter:
 
     def plan(self, layer: int, ids_host: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(unique experts of the step, resident mask, computed-on-the-CPU mask) for ``layer``'s routed ids."""
-        cache = self.cache
         uniq, counts = np.unique(ids_host, return_counts=True)
-        flat = layer * cache.num_experts + uniq
-        resident = self.dev.to_host(cache.slot_for_id[self.dev.asarray(flat.astype(np.int64))]) >= 0
-        on_cpu = np.zeros(uniq.shape[0], bool)
-        miss = np.flatnonzero(~resident)
-        if miss.size and self.mode == "cpu":
-            on_cpu[miss] = True
-        elif miss.size and self.mode == "hybrid":
-            fetch = split(self.costs(), uniq[miss], int(resident.sum()), self.future_value, counts[miss])
-            on_cpu[miss[~fetch]] = True
+        resident = self.shadow.resident(layer, uniq)
+        if self.mode == "cpu":
+            on_cpu = ~resident
+        else:
+            on_cpu = ~self.shadow.split(layer, uniq, counts, self.costs())
         st = self.stats
         st["steps"] += 1
         st["hits"] += int(resident.sum())
         st["cpu"] += int(on_cpu.sum())
-        st["fetched"] += int(miss.size - on_cpu.sum())
+        st["fetched"] += int((~resident).sum() - on_cpu.sum())
         return uniq, resident, on_cpu
+
+    # ---- keeping the shadow in step with the device cache ------------------------------------------------------
+    def admitted(self, layer: int, experts, count: bool = True) -> None:
+        """The device admitted ``experts`` of ``layer`` (the GPU share of a call; ``count=False``: a prefetch).
+        Called after every :meth:`plan`, also when every expert went to the CPU."""
+        self.shadow.admitted(layer, experts, count)
+
+    def prefill_layer(self, layer: int) -> None:
+        self.shadow.prefill_layer(layer)
+
+    def pin(self, layer: int, experts) -> None:
+        self.shadow.pin(layer, experts)
+
+    def end_step(self) -> None:
+        self.shadow.end_step()

@@ -42,6 +42,7 @@ class CachedExperts(RunnerBase):
         self.workspace = ops.MoeWorkspace(device, layout, self.cache.slot_banks, self.cache.max_active)
         self.prefetch: NextLayerPrefetch | None = None
         self._prefetch_event = None
+        self._pinned = 0
         self.streaming = False
         self.split = self.cpu_share = None
         self._setup_policy()
@@ -75,7 +76,17 @@ class CachedExperts(RunnerBase):
         self.streaming = tokens * self.top_k > self.cache.max_active
         if self.streaming:
             self.cache.begin_prefill()
-            self.cache.prefetch_layer(0)
+            self._prefill_layer(0)
+
+    def end(self) -> None:
+        if self.split is not None and not self.streaming:
+            self.split.end_step()
+
+    def _prefill_layer(self, layer: int) -> None:
+        """Copy ``layer``'s records into its prefill buffer (on the transfer stream); the shadow mirrors the borrow."""
+        self.cache.prefetch_layer(layer)
+        if self.split is not None:
+            self.split.prefill_layer(layer)
 
     def run(self, layer: int, h, ids, weights):
         self.record(ids)
@@ -96,19 +107,22 @@ class CachedExperts(RunnerBase):
     def _run_streaming(self, layer: int, h, ids, weights):
         cache = self.cache
         if layer + 1 < cache.num_layers:
-            cache.prefetch_layer(layer + 1)  # overlaps this layer's compute
+            self._prefill_layer(layer + 1)  # overlaps this layer's compute
         first = cache.wait_layer(layer)
         y = ops.moe_experts(h, ids + np.int32(first), weights, cache.slot_banks, self.layout, device=self.dev,
                             validate=False)
         cache.release_layer(layer)
         return y
 
-    def _admit_and_copy(self, layer: int, slots, h, timed_bytes: int = 0):
+    def _admit_and_copy(self, layer: int, slots, h, timed_bytes: int = 0, experts=None):
         """The one decode admission: the pending prefetch lands first, ``slots`` (expert ids, device int32 ``[T,
-        k]``) are admitted and rewritten to slots, the misses are copied in, and the next layer's prefetch is
-        issued. Returns the copy's (start event, end event, bytes) when ``timed_bytes`` (an oracle sample)."""
+        k]``) are admitted and rewritten to slots (``experts``: their unique ids on the host, for the split's
+        shadow), the misses are copied in, and the next layer's prefetch is issued. Returns the copy's (start event,
+        end event, bytes) when ``timed_bytes`` (an oracle sample)."""
         self._wait_prefetch()
         self.cache.admit(layer, slots)
+        if self.split is not None:
+            self.split.admitted(layer, experts)
         start = self.dev.event().record() if timed_bytes else None
         self.cache.copy_missing()
         timing = (start, self.dev.event().record(), timed_bytes) if timed_bytes else None
@@ -118,11 +132,21 @@ class CachedExperts(RunnerBase):
     def _prefetch_next(self, layer: int, h) -> None:
         if self.prefetch is None:
             return
-        pred = self.prefetch.predict(layer, h)
-        if pred is None:
+        # The prefetch's victims are the least recent slots not predicted; this layer's slots (just admitted, the
+        # most recent) are taken only when fewer older slots exist, and its expert kernel would then read records
+        # being overwritten. Prefetch only when the older slots certainly suffice (a, b <= min(T k, E) slots for
+        # this layer and the prediction; b victims needed among the others).
+        tk = min(h.shape[0] * self.top_k, self.cache.num_experts)
+        if self.cache.slots - self._pinned < 3 * tk:
             return
+        predicted = self.prefetch.predict(layer, h)
+        if predicted is None:
+            return
+        pred, pred_host = predicted
         slots = pred.astype(np.int32, copy=True)
         self.cache.admit(layer + 1, slots, count=False)  # a prefetch: not a hit or a miss of the statistics
+        if self.split is not None:
+            self.split.admitted(layer + 1, pred_host, count=False)
         self.cache.copy_missing(stream=self.cache.transfer)
         self._prefetch_event = self.dev.event().record(self.cache.transfer)
 
@@ -145,8 +169,10 @@ class CachedExperts(RunnerBase):
             slots, wg = substitute(ids_host, w_host, gpu_pair)
             slots_dev = dev.asarray(slots)
             fetched = int((~resident & ~on_cpu).sum())
-            timing = self._admit_and_copy(layer, slots_dev, h, fetched * self.layout.record_bytes)
+            timing = self._admit_and_copy(layer, slots_dev, h, fetched * self.layout.record_bytes, uniq[~on_cpu])
             y = self._experts(h, slots_dev, dev.asarray(wg))
+        else:
+            self.split.admitted(layer, uniq[:0])  # every expert on the CPU: the call still ends for the estimator
         if timing is not None:  # the copy's event-timed duration is the oracle's PCIe sample
             start, stop, nbytes = timing
             stop.synchronize()
@@ -162,6 +188,7 @@ class CachedExperts(RunnerBase):
         self.dev.synchronize()
         self.cache.reset()
         self._prefetch_event = None
+        self._pinned = 0
         if self.prefetch is not None:
             self.prefetch.reset_stats()
         self._setup_policy()
@@ -173,7 +200,15 @@ class CachedExperts(RunnerBase):
     def pin_hot(self, counts, n: int):
         from freetoken.policy.pinning import pin_hot
 
-        return pin_hot(self.cache, counts, n)
+        pinned = pin_hot(self.cache, counts, n)
+        by_layer: dict[int, list[int]] = {}
+        for layer, e in pinned:  # the split's shadow takes the same pins in the same order (slots from the end)
+            by_layer.setdefault(layer, []).append(e)
+        for layer, experts in sorted(by_layer.items()):
+            if self.split is not None:
+                self.split.pin(layer, experts)
+        self._pinned += len(pinned)
+        return pinned
 
     def hit_stats(self) -> tuple[float, int, int]:
         """(hit rate, hits, misses) of decode steps' routed experts: with a split a miss is fetched or computed on

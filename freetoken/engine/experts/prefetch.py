@@ -34,14 +34,16 @@ class NextLayerPrefetch:
         self._predicted.clear()
 
     def predict(self, layer: int, h):
-        """Device ids ``[T, k]`` predicted for MoE layer ``layer + 1`` from layer ``layer``'s input ``h``, or None
-        when there is no next layer or its prefetch is off. The prediction is kept to be scored."""
+        """(device ids ``[T, k]``, the same on the host) predicted for MoE layer ``layer + 1`` from layer
+        ``layer``'s input ``h``, or None when there is no next layer or its prefetch is off. The prediction is kept
+        to be scored."""
         target = layer + 1
         if target >= self.num_layers or target in self.off:
             return None
         pred, _ = self.predict_fn(target, h)
-        self._predicted[target] = np.array(self.dev.to_host(pred))  # a copy: admission rewrites ids in place
-        return pred
+        host = np.array(self.dev.to_host(pred))  # a copy: admission rewrites ids in place
+        self._predicted[target] = host
+        return pred, host
 
     def score(self, layer: int, ids) -> None:
         """Precision/recall of the prediction made for ``layer`` against its routed ``ids``."""
