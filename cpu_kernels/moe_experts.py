@@ -58,7 +58,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from freetoken.ops.moe_reference import ACT_GPT_OSS, ACT_SWIGLU, GPT_OSS_ALPHA, GPT_OSS_LIMIT
+from freetoken.ops.constants import ACT_GPT_OSS, ACT_SWIGLU, GPT_OSS_ALPHA, GPT_OSS_LIMIT
 
 __all__ = ["ACT_GPT_OSS", "ACT_SWIGLU", "FORMAT_CODES", "forward"]
 

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from freetoken import formats
-from freetoken.cache import CacheModel, ExpertCache, HostPool
+from freetoken.cache import ExpertCache, HostPool
 from freetoken.formats import RecordLayout
+from freetoken.testing.reference.cache import CacheModel
 from freetoken.trace.policies import lru_replay
 from freetoken.trace.synthetic import make_trace
 

@@ -106,18 +106,6 @@ def attention(xp, q, k_cache, v_cache, start: int):
 
     q [T, H, D]; k_cache, v_cache [>= start + T, Hkv, D] already holding the new keys/values. Returns [T, H * D].
     """
-    t, heads, dim = q.shape
-    kv_heads = k_cache.shape[1]
-    total = start + t
-    k = k_cache[:total]
-    v = v_cache[:total]
-    group = heads // kv_heads
-    qg = q.reshape(t, kv_heads, group, dim).transpose(1, 2, 0, 3)  # [Hkv, G, T, D]
-    scores = xp.matmul(qg, k.transpose(1, 2, 0)[:, None]) * np.float32(1.0 / np.sqrt(dim))  # [Hkv, G, T, total]
-    mask = np.arange(total)[None, :] > (start + np.arange(t))[:, None]
-    scores = xp.where(xp.asarray(mask), np.float32(-np.inf), scores)
-    scores = scores - scores.max(axis=-1, keepdims=True)
-    p = xp.exp(scores)
-    p /= p.sum(axis=-1, keepdims=True)
-    out = xp.matmul(p, v.transpose(1, 0, 2)[:, None])  # [Hkv, G, T, D]
-    return out.transpose(2, 0, 1, 3).reshape(t, heads * dim)
+    from freetoken.ops.attention import attention_arrays
+
+    return attention_arrays(xp, q, k_cache, v_cache, start)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+import freetoken.ops.constants  # noqa: F401 - registers the shared CUDA constants before any compile
 from freetoken.device import Device, get_device
 
 

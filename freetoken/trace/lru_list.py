@@ -1,5 +1,5 @@
 """The doubly linked recency list both trace simulators keep (Numba): slots ordered from least to most recent
-behind a sentinel ``head``; the device LRU's order (freetoken/cache/reference.py) in O(1) per operation."""
+behind a sentinel ``head``; the device LRU's order (freetoken/testing/reference/cache.py) in O(1) per operation."""
 
 from __future__ import annotations
 
