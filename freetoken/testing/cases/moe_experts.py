@@ -37,14 +37,14 @@ def _make_moe(fmt_name: str, mode: str, act: str = "swiglu"):
             ids = rng.integers(0, experts, (tokens, k)).astype(np.int32)
         else:
             ids = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]).astype(np.int32)
+        x = rng.standard_normal((tokens, layout.hidden)).astype(np.float32)
         weights = rng.random((tokens, k)).astype(np.float32)
         if bias and tokens >= 2 and k >= 2:
             ids[0, 1] = ids[0, 0]  # the same expert twice in one token's row: both contributions count
             ids[1, 1] = ids[1, 0]
             weights[1, :] = 0.0
             weights[1, :2] = [0.75, -0.75]  # cancelling weights on one expert
-        return {"layout": layout, "banks": banks, "x": rng.standard_normal((tokens, layout.hidden)).astype(np.float32),
-                "ids": ids, "weights": weights}
+        return {"layout": layout, "banks": banks, "x": x, "ids": ids, "weights": weights}
 
     def setup(dev, inp):
         return {"layout": inp["layout"], "banks": {n: dev.asarray(a) for n, a in inp["banks"].items()},
