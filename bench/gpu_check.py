@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from freetoken.device import device_status, get_device
     from freetoken.device.nvrtc import TARGET_ARCHS, compile_cubin
-    from freetoken.ops.cases import CASES
     from freetoken.paths import cuda_dir
     from freetoken.testing import max_error
+    from freetoken.testing.cases import CASES
 
     ok, why = device_status()[args.device]
     if not ok:

@@ -1,5 +1,6 @@
 """Dense ``out[T, N] = x[T, K] @ W[N, K].T`` on the CPU (the decoder's non-expert projections), and the small
-per-token ops around them (RMSNorm, RoPE, MoE routing) as single Numba calls.
+per-token ops around them (RMSNorm, RoPE, MoE routing: re-exported from :mod:`~freetoken.cpu_kernels.rms_norm`,
+:mod:`~freetoken.cpu_kernels.rope` and :mod:`~freetoken.cpu_kernels.routing`) as single Numba calls.
 
 Public entry point of the products: :func:`gemv`. ``W`` is float32, float16 or bf16 (``uint16`` bits or
 ``ml_dtypes.bfloat16``); ``x`` and ``out`` are float32; accumulation is float32 (reassociated: vector lanes, FMA).
@@ -22,6 +23,9 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from freetoken.cpu_kernels.rms_norm import rms_norm_rows
+from freetoken.cpu_kernels.rope import rope_rows
+from freetoken.cpu_kernels.routing import softmax_topk_rows
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -187,91 +191,6 @@ def matmul_into(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         return
     for t0 in range(0, t_count, panel):  # out rows of a panel are a C-contiguous block
         _gemm_kernel(x[t0:t0 + panel], w, out[t0:t0 + panel])
-
-
-@nb.njit(cache=True, boundscheck=False, fastmath={"reassoc", "contract", "nsz"})
-def rms_norm_rows(x, w, eps, out):
-    """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w[r % W] for x, out [R, D] and w [W, D] float32, C-contiguous.
-
-    The mean of squares accumulates in float64 (NumPy's float32 pairwise sum differs from it by float32 rounding);
-    the rest is NumPy's float32 arithmetic, op for op. One thread: the rows of one token are a few thousand values.
-    """
-    rows, d = x.shape
-    wrows = w.shape[0]
-    for r in range(rows):
-        acc = 0.0
-        for i in range(d):
-            v = np.float64(x[r, i])
-            acc += v * v
-        s = np.sqrt(_F32(acc / d) + eps)
-        wr = r % wrows
-        for i in range(d):
-            out[r, i] = x[r, i] / s * w[wr, i]
-
-
-@nb.njit(cache=True, boundscheck=False)
-def rope_rows(x, cos, sin, out):
-    """out = x * cos + rotate_half(x) * sin for x, out [T, H, D] (D even) and cos, sin [T, D] float32: NumPy's
-    float32 arithmetic element for element (no fast-math: no FMA contraction), so the results are identical."""
-    t_count, heads, d = x.shape
-    half = d // 2
-    for t in range(t_count):
-        for h in range(heads):
-            for i in range(half):
-                out[t, h, i] = x[t, h, i] * cos[t, i] + (-x[t, h, i + half]) * sin[t, i]
-            for i in range(half, d):
-                out[t, h, i] = x[t, h, i] * cos[t, i] + x[t, h, i - half] * sin[t, i]
-
-
-# ----------------------------------------------------------------------------------------------------- routing
-
-@nb.njit(inline="always")
-def _before(a, ia, b, ib):
-    return a > b or (a == b and ia < ib)
-
-
-@nb.njit(cache=True, boundscheck=False)
-def softmax_topk_rows(logits, k, renorm, ids, w):
-    """MoE routing of each row of ``logits [R, E]`` (float32): softmax, the k largest probabilities (largest first,
-    ties to the lower index, NaN ranked as -inf: ``cpu_kernels/topk.py``'s rule) into ``ids [R, k]`` int32 and
-    ``w [R, k]`` float32, renormalised to sum 1 when ``renorm``. Sums accumulate in float64 (NumPy's float32
-    pairwise sums differ from them by float32 rounding); a NaN logit makes the row's probabilities NaN, as in NumPy.
-    """
-    rows, n = logits.shape
-    p = np.empty(n, np.float32)
-    for r in range(rows):
-        m = logits[r, 0]
-        for c in range(1, n):
-            v = logits[r, c]
-            if v > m or v != v:
-                m = v
-            if m != m:
-                break
-        total = 0.0
-        for c in range(n):
-            e = np.exp(logits[r, c] - m)
-            p[c] = e
-            total += e
-        s = _F32(total)
-        for c in range(n):
-            p[c] = p[c] / s
-        prev, prev_i = _F32(np.inf), -1
-        sel = 0.0
-        for j in range(k):
-            best, best_i = _F32(-np.inf), 0x7FFFFFFF
-            for c in range(n):
-                v = p[c]
-                key = _F32(-np.inf) if v != v else v
-                if _before(prev, prev_i, key, c) and _before(key, c, best, best_i):
-                    best, best_i = key, c
-            ids[r, j] = best_i
-            w[r, j] = p[best_i]
-            sel += p[best_i]
-            prev, prev_i = best, best_i
-        if renorm:
-            s = _F32(sel)
-            for j in range(k):
-                w[r, j] = w[r, j] / s
 
 
 def storage_view(w: np.ndarray) -> np.ndarray:

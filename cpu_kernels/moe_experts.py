@@ -1,7 +1,7 @@
 """Routed-expert forward (the MoE FFN) on the CPU: Numba kernels reading expert records in place.
 
 The cpu executor's twin of the routed expert CUDA kernels; reference
-:func:`freetoken.ops.moe_reference.moe_forward_reference`:
+:func:`freetoken.testing.reference.moe_experts.moe_forward_reference`:
 ``y[t] = sum_j weights[t, j] * (down_e @ act(gate_e @ x[t] + gb_e, up_e @ x[t] + ub_e) + db_e)``, ``e = ids[t, j]``.
 Public entry points: :func:`prepare` (validate record banks once) and :func:`forward`. Bank layouts:
 :mod:`freetoken.formats.base`.
@@ -47,7 +47,7 @@ from freetoken.cpu_kernels.moe_rows import (
     block_split_perm,
 )
 
-from freetoken.ops.moe_reference import ACT_GPT_OSS, ACT_SWIGLU
+from freetoken.device.constants import ACT_GPT_OSS, ACT_SWIGLU
 
 __all__ = ["ACT_GPT_OSS", "ACT_SWIGLU", "FMT_BF16", "FMT_FP8_BLOCK", "FMT_MXFP4", "FMT_NVFP4", "FMT_Q4_0",
            "FORMAT_CODES", "SPLIT_FORMATS", "PreparedBanks", "block_split_perm", "forward", "prepare"]

@@ -23,7 +23,7 @@ import numpy as np
 from freetoken.cpu_kernels.moe_memory import addr, load_f32
 from freetoken.cpu_kernels.moe_rows import FASTMATH, FMT_MXFP4, FMT_NVFP4, FMT_Q4_0, rows_dot
 
-from freetoken.ops.moe_reference import ACT_SWIGLU, GPT_OSS_ALPHA, GPT_OSS_LIMIT
+from freetoken.device.constants import ACT_SWIGLU, GPT_OSS_ALPHA, GPT_OSS_LIMIT
 
 #: Rows of the gate/up matrices per work item.
 ROWS_GATE_UP = 8

@@ -4,13 +4,13 @@
 // Query t (position start + t) attends to cache rows 0..start+t; query head h reads kv head h / (H / Hkv).
 //
 // attention_decode_f32_c<NC>_g<HB> (head dim D in (32 * (NC - 1), 32 * NC], NC = 1..8, so any D <= 256; HB = 1, 2,
-// 4, 8): one block of ATT_WARPS warps per
+// 4, 8): one block of FT_ATT_WARPS warps per
 // (context split s, kv head and chunk of up to HB of its query heads, query t). Every K/V row a block reads
 // serves all HB query heads of its group.
 //   * Lane l holds elements d = c * 32 + l (c < NC) of q (pre-scaled by log2(e) / sqrt(D)), of the K/V rows
 //     and of the HB output accumulators, so every row load is a coalesced 128-byte line per c. When D is not a
 //     multiple of 32 (e.g. 48, 80) the lanes past D in the last chunk hold zeros (predicated loads).
-//   * Warp w walks 32-key tiles w, w + ATT_WARPS, ... of the split, loading K (then V) rows U at a time so that
+//   * Warp w walks 32-key tiles w, w + FT_ATT_WARPS, ... of the split, loading K (then V) rows U at a time so that
 //     several loads are in flight per warp. Per key the HB partial dot products are reduced across the warp
 //     by a reduce-scatter butterfly (HB/2 + ... + 1 shuffles, then a full reduction of the one value left:
 //     9 shuffles for HB = 8 instead of 40); the scores go to shared memory.
@@ -22,8 +22,7 @@
 // Empty splits (keys beyond a query's causal limit) write m = -inf, sum = 0, acc = 0 and weigh nothing.
 #include "common.cuh"
 
-#define ATT_WARPS 4
-#define ATT_TILE 32
+// FT_ATT_WARPS (warps per block) and FT_ATT_TILE (keys per warp tile) come from freetoken/ops/constants.py.
 
 namespace {
 
@@ -70,10 +69,10 @@ __device__ __forceinline__ void attention_block(const float* __restrict__ q, con
                                                 float qscale) {
   constexpr int DP = NC * 32;  // D padded to whole 32-lane chunks
   constexpr int U = NC <= 4 ? 8 : HB < 8 ? 4 : 2;  // K/V rows loaded per batch (memory-level parallelism)
-  __shared__ float s_p[ATT_WARPS][HB][ATT_TILE];  // a warp's tile scores, then probabilities
-  __shared__ float s_m[ATT_WARPS][HB];
-  __shared__ float s_l[ATT_WARPS][HB];
-  __shared__ float s_acc[ATT_WARPS][HB][DP];
+  __shared__ float s_p[FT_ATT_WARPS][HB][FT_ATT_TILE];  // a warp's tile scores, then probabilities
+  __shared__ float s_m[FT_ATT_WARPS][HB];
+  __shared__ float s_l[FT_ATT_WARPS][HB];
+  __shared__ float s_acc[FT_ATT_WARPS][HB][DP];
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int split = blockIdx.x, t = blockIdx.z;
@@ -105,8 +104,8 @@ __device__ __forceinline__ void attention_block(const float* __restrict__ q, con
     l[g] = 0.0f;
   }
 
-  for (int base = lo + warp * ATT_TILE; base < hi; base += ATT_WARPS * ATT_TILE) {
-    const int nk = min(ATT_TILE, hi - base);  // uniform across the warp
+  for (int base = lo + warp * FT_ATT_TILE; base < hi; base += FT_ATT_WARPS * FT_ATT_TILE) {
+    const int nk = min(FT_ATT_TILE, hi - base);  // uniform across the warp
     for (int j0 = 0; j0 < nk; j0 += U) {
       float kv[U][NC];  // U rows in flight: their loads are issued before any of them is used
 #pragma unroll
@@ -182,10 +181,10 @@ __device__ __forceinline__ void attention_block(const float* __restrict__ q, con
     const int g = i / D, d = i - g * D;
     float mx = -ft::inf();
 #pragma unroll
-    for (int w = 0; w < ATT_WARPS; ++w) mx = fmaxf(mx, s_m[w][g]);
+    for (int w = 0; w < FT_ATT_WARPS; ++w) mx = fmaxf(mx, s_m[w][g]);
     float sum = 0.0f, o = 0.0f;
 #pragma unroll
-    for (int w = 0; w < ATT_WARPS; ++w) {
+    for (int w = 0; w < FT_ATT_WARPS; ++w) {
       const float e = weight(s_m[w][g], mx);
       sum = fmaf(s_l[w][g], e, sum);
       o = fmaf(s_acc[w][g][d], e, o);
@@ -206,13 +205,13 @@ __device__ __forceinline__ void attention_block(const float* __restrict__ q, con
 
 }  // namespace
 
-// Grid (nsplit, Hkv * ceil(G / HB), T), ATT_WARPS * 32 threads, no dynamic shared memory; head dim D with
+// Grid (nsplit, Hkv * ceil(G / HB), T), FT_ATT_WARPS * 32 threads, no dynamic shared memory; head dim D with
 // 32 * (NC - 1) < D <= 32 * NC. Keys of split s:
 // [s * chunk, min(start + t + 1, (s + 1) * chunk)). With nsplit > 1 the outputs are part_o [nsplit, T, H, D] and
 // part_ml [nsplit, T, H, 2] (max in log2 units, sum) and `out` is not touched; with nsplit == 1 the reverse.
 // qscale = log2(e) / sqrt(D).
 #define FT_ATTENTION(NC, HB)                                                                                     \
-  extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32) attention_decode_f32_c##NC##_g##HB(                \
+  extern "C" __global__ void __launch_bounds__(FT_ATT_WARPS * 32) attention_decode_f32_c##NC##_g##HB(                \
       const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                     \
       float* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int T, int H, int Hkv,   \
       int D, int start, int chunk, int nsplit, float qscale) {                                                   \

@@ -9,8 +9,6 @@
 //   cache_borrow_layer prefill: invalidate a double buffer's previous owners, list the layer's records to copy
 #include "common.cuh"
 
-#define FT_CACHE_MAX_PAIRS 1024
-#define FT_CACHE_MAX_BANKS 16
 
 namespace {
 
@@ -39,7 +37,7 @@ __device__ __forceinline__ Argmin warp_argmin(Argmin v) {
 // The LRU admission of one layer's routed ids, in one block of up to 1024 threads (a multiple of 32).
 //
 // ids [pairs] (expert indices of the layer) are rewritten in place to slot ids. Semantics (the trace simulator's
-// `lru` policy and freetoken/cache/reference.py implement the same): the clock advances once per call; hits
+// `lru` policy, cpu_kernels/cache.py and freetoken/testing/reference/cache.py implement the same): the clock advances once per call; hits
 // refresh their slot's recency; then the misses, in increasing flat-id order, each take the slot with the lowest
 // recency that is not pinned and holds no id active in this call (recency == clock marks those), ties to the
 // lowest slot; the victim's old owner loses its mapping. worklist[2 * i] = slot, [2 * i + 1] = source flat id.
@@ -67,7 +65,7 @@ extern "C" __global__ void __launch_bounds__(1024) cache_admit(
   for (int p = tid; p < pairs; p += nt) {
     const int e = ids[p];
     if (e < 0 || e >= experts) {
-      atomicMax(err, 1);
+      atomicMax(err, FT_CACHE_ERR_ID_RANGE);
       flat[p] = -1;
     } else {
       flat[p] = layer * experts + e;
@@ -115,7 +113,7 @@ extern "C" __global__ void __launch_bounds__(1024) cache_admit(
       b = warp_argmin(b);
       if (lane == 0) {
         if (b.key == 0x7fffffffffffffffLL) {
-          atomicMax(err, 2);
+          atomicMax(err, FT_CACHE_ERR_NO_VICTIM);
         } else {
           const int v = b.slot, f = active[u];
           const int old = id_of_slot[v];
@@ -150,6 +148,12 @@ struct BankTable {
   unsigned long long bytes[FT_CACHE_MAX_BANKS];
   int n;
 };
+// The layout freetoken/ops/constants.py BANK_TABLE packs.
+static_assert(sizeof(BankTable) == FT_BANK_TABLE_SIZE, "BankTable size differs from constants.BANK_TABLE");
+FT_CHECK_OFFSET(BankTable, src, FT_BANK_TABLE_SRC_OFFSET);
+FT_CHECK_OFFSET(BankTable, dst, FT_BANK_TABLE_DST_OFFSET);
+FT_CHECK_OFFSET(BankTable, bytes, FT_BANK_TABLE_BYTES_OFFSET);
+FT_CHECK_OFFSET(BankTable, n, FT_BANK_TABLE_N_OFFSET);
 
 // Grid (max work items, banks): block (i, b) copies bank b of worklist entry i; 16-byte accesses when the row
 // and both addresses allow it (every bank of realistic shapes), else 4-byte or byte accesses.

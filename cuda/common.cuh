@@ -1,6 +1,22 @@
 // common.cuh: small device helpers shared by freetoken's kernels.
 #pragma once
 
+// The constants shared with Python (FT_TILE_M, FT_ROWS, FT_CACHE_MAX_PAIRS, ..., struct sizes and offsets) are
+// defined once in freetoken/ops/constants.py and reach every compile as -D options; a source never defines them.
+#ifndef FT_CONSTANTS
+#error "freetoken's FT_* constants are missing: compile through freetoken (import freetoken.ops registers them)"
+#endif
+
+// static_assert of a member offset against freetoken/ops/constants.py. g++ (the emu build) checks it with
+// __builtin_offsetof; NVRTC has no offsetof, so a GPU build checks the struct sizes alone (the layout of these
+// structs of scalars and pointers follows from their declarations; the emu build pins it in CI).
+#if defined(__CUDACC_RTC__)
+#define FT_CHECK_OFFSET(T, m, off) static_assert((off) >= 0, #T "." #m)
+#else
+#define FT_CHECK_OFFSET(T, m, off) \
+  static_assert(__builtin_offsetof(T, m) == (off), #T "." #m " offset differs from freetoken/ops/constants.py")
+#endif
+
 #define FT_FULL_MASK 0xffffffffu
 
 namespace ft {

@@ -2,7 +2,7 @@
 // MLPs, lm_head) with the weights in their checkpoint storage: y[T, N] = x[T, K] . W[N, K]^T (+ bias[N]).
 //
 // Memory bound (two flops per weight and token), so every weight is read once per call for all T <= 8 tokens.
-// Grid ceil(N / DENSE_WARPS) blocks of DENSE_WARPS warps; warp w of block b owns output row b * DENSE_WARPS + w.
+// Grid ceil(N / FT_DENSE_WARPS) blocks of FT_DENSE_WARPS warps; warp w of block b owns output row b * FT_DENSE_WARPS + w.
 // Vector path (K a multiple of the vector width, W and x 16-byte aligned): lane l reads 16-byte chunks
 // l, l + 32, ... of the row (8 bf16/f16 or 4 f32 weights; two chunks in flight per lane), widens them in
 // registers and multiplies them with the matching x elements of every token (float4 loads, L1/L2-resident).
@@ -21,13 +21,12 @@
 // base is even, else byte by byte. Per block and token the integer quants are dotted with x (fmaf, fixed order)
 // and the sum is scaled by d once (fmaf into the lane's accumulator).
 // dense_dequant_q8_0 / dense_dequant_q4_0 (w, out, N, K): the float32 matrix [N, K] (exact), one thread per
-// block (the chunked product of T > DENSE_MAX_T tokens).
+// block (the chunked product of T > FT_DENSE_MAX_T tokens).
 #include <cuda_fp16.h>
 
 #include "common.cuh"
 
-#define DENSE_WARPS 4  // warps (rows) per block (_WARPS in freetoken/ops/dense.py)
-#define DENSE_MAX_T 8  // tokens per call (MAX_TOKENS in freetoken/ops/dense.py)
+// FT_DENSE_WARPS (warps = rows per block) and FT_DENSE_MAX_T (tokens per call) come from freetoken/ops/constants.py.
 
 namespace {
 
@@ -151,7 +150,7 @@ template <class W>
 __device__ __forceinline__ void dense_gemv(const typename W::T* __restrict__ w, const float* __restrict__ x,
                                            const float* __restrict__ bias, int has_bias, float* __restrict__ y,
                                            int t, int n, int k) {
-  const int row = blockIdx.x * DENSE_WARPS + (threadIdx.x >> 5);
+  const int row = blockIdx.x * FT_DENSE_WARPS + (threadIdx.x >> 5);
   if (row >= n) return;  // the whole warp: no collective is left waiting
   const bool vec = k % W::kVec == 0 && aligned16(w) && aligned16(x);
   switch (t) {
@@ -162,15 +161,15 @@ __device__ __forceinline__ void dense_gemv(const typename W::T* __restrict__ w, 
     case 5: dense_row<W, 5>(w, x, bias, has_bias, y, row, n, k, vec); break;
     case 6: dense_row<W, 6>(w, x, bias, has_bias, y, row, n, k, vec); break;
     case 7: dense_row<W, 7>(w, x, bias, has_bias, y, row, n, k, vec); break;
-    case DENSE_MAX_T: dense_row<W, DENSE_MAX_T>(w, x, bias, has_bias, y, row, n, k, vec); break;
-    default: break;  // the host refuses T outside [1, DENSE_MAX_T]
+    case FT_DENSE_MAX_T: dense_row<W, FT_DENSE_MAX_T>(w, x, bias, has_bias, y, row, n, k, vec); break;
+    default: break;  // the host refuses T outside [1, FT_DENSE_MAX_T]
   }
 }
 
 }  // namespace
 
 #define FT_DENSE_GEMV(NAME, W, WT)                                                                              \
-  extern "C" __global__ void __launch_bounds__(DENSE_WARPS * 32) dense_gemv_##NAME(                             \
+  extern "C" __global__ void __launch_bounds__(FT_DENSE_WARPS * 32) dense_gemv_##NAME(                             \
       const WT* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias, int has_bias,       \
       float* __restrict__ y, int t, int n, int k) {                                                              \
     dense_gemv<W>(w, x, bias, has_bias, y, t, n, k);                                                             \
@@ -288,8 +287,8 @@ __device__ __forceinline__ void qdense_dispatch(const unsigned char* __restrict_
     case 5: qdense_row<Q, 5, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
     case 6: qdense_row<Q, 6, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
     case 7: qdense_row<Q, 7, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
-    case DENSE_MAX_T: qdense_row<Q, DENSE_MAX_T, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
-    default: break;  // the host refuses T outside [1, DENSE_MAX_T]
+    case FT_DENSE_MAX_T: qdense_row<Q, FT_DENSE_MAX_T, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
+    default: break;  // the host refuses T outside [1, FT_DENSE_MAX_T]
   }
 }
 
@@ -297,7 +296,7 @@ template <class Q>
 __device__ __forceinline__ void qdense_gemv(const unsigned char* __restrict__ w, const float* __restrict__ x,
                                             const float* __restrict__ bias, int has_bias, float* __restrict__ y,
                                             int t, int n, int k) {
-  const int row = blockIdx.x * DENSE_WARPS + (threadIdx.x >> 5);
+  const int row = blockIdx.x * FT_DENSE_WARPS + (threadIdx.x >> 5);
   if (row >= n) return;  // the whole warp: no collective is left waiting
   if ((reinterpret_cast<unsigned long long>(w) & 1ull) == 0ull) {
     qdense_dispatch<Q, true>(w, x, bias, has_bias, y, t, row, n, k);
@@ -330,7 +329,7 @@ __device__ __forceinline__ void qdense_dequant(const unsigned char* __restrict__
 }  // namespace
 
 #define FT_QDENSE(NAME, Q)                                                                                      \
-  extern "C" __global__ void __launch_bounds__(DENSE_WARPS * 32) dense_gemv_##NAME(                             \
+  extern "C" __global__ void __launch_bounds__(FT_DENSE_WARPS * 32) dense_gemv_##NAME(                             \
       const unsigned char* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias,          \
       int has_bias, float* __restrict__ y, int t, int n, int k) {                                               \
     qdense_gemv<Q>(w, x, bias, has_bias, y, t, n, k);                                                            \

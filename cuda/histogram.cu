@@ -1,5 +1,6 @@
 // histogram.cu: count occurrences of each id (for example tokens routed to each expert).
 // Per-block counts in dynamic shared memory with shared atomics, then one global atomic per bin and block.
+#include "common.cuh"
 
 // ids [n] int32 -> counts [nbins] int32 (accumulated: zero it first). Ids outside [0, nbins) are not counted.
 // Dynamic shared memory: nbins * 4 bytes.

@@ -8,14 +8,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-#define FT_FMT_BF16 0
-#define FT_FMT_FP8_BLOCK 1
-#define FT_FMT_NVFP4 2
-#define FT_FMT_MXFP4 3
-#define FT_FMT_Q4_0 4
+#include "common.cuh"
 
-#define FT_ACT_SWIGLU 0
-#define FT_ACT_GPT_OSS 1
+// Format codes FT_FMT_*, activation codes FT_ACT_* and the gpt-oss FT_GPT_OSS_LIMIT / FT_GPT_OSS_ALPHA come from
+// freetoken/ops/constants.py (-D options on every compile).
 
 namespace ft {
 
@@ -181,11 +177,14 @@ struct SlotMatrix {
 };
 
 // ---- activations ------------------------------------------------------------------------------------------
+// FT_ACT_SWIGLU: silu(gate) * up; FT_ACT_GPT_OSS: gpt-oss's clamped, alpha-scaled GLU. Any other code runs swiglu
+// (the launchers pass only these two).
+static_assert(FT_ACT_SWIGLU != FT_ACT_GPT_OSS, "activation codes must differ");
 __device__ __forceinline__ float activation(int act, float gate, float up) {
   if (act == FT_ACT_GPT_OSS) {
-    gate = fminf(gate, 7.0f);
-    up = fminf(fmaxf(up, -7.0f), 7.0f);
-    return (up + 1.0f) * gate / (1.0f + expf(-1.702f * gate));
+    gate = fminf(gate, FT_GPT_OSS_LIMIT);
+    up = fminf(fmaxf(up, -FT_GPT_OSS_LIMIT), FT_GPT_OSS_LIMIT);
+    return (up + 1.0f) * gate / (1.0f + expf(-FT_GPT_OSS_ALPHA * gate));
   }
   return gate / (1.0f + expf(-gate)) * up;
 }
@@ -217,6 +216,29 @@ struct Plan {
   const int* tile_unique;  // [max tiles]
   const int* tile_start;   // [max tiles]
 };
+
+// The layouts freetoken/ops/constants.py EXPERT_BANKS and PLAN pack.
+static_assert(sizeof(ExpertBanks) == FT_EXPERT_BANKS_SIZE, "ExpertBanks size differs from constants.EXPERT_BANKS");
+FT_CHECK_OFFSET(ExpertBanks, gate.w, FT_EXPERT_BANKS_GATE_W_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, gate.s, FT_EXPERT_BANKS_GATE_S_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, gate.g, FT_EXPERT_BANKS_GATE_G_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, gate.b, FT_EXPERT_BANKS_GATE_B_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, up.w, FT_EXPERT_BANKS_UP_W_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, up.s, FT_EXPERT_BANKS_UP_S_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, up.g, FT_EXPERT_BANKS_UP_G_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, up.b, FT_EXPERT_BANKS_UP_B_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, down.w, FT_EXPERT_BANKS_DOWN_W_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, down.s, FT_EXPERT_BANKS_DOWN_S_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, down.g, FT_EXPERT_BANKS_DOWN_G_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, down.b, FT_EXPERT_BANKS_DOWN_B_OFFSET);
+static_assert(sizeof(Plan) == FT_PLAN_SIZE, "Plan size differs from constants.PLAN");
+FT_CHECK_OFFSET(Plan, n_unique, FT_PLAN_N_UNIQUE_OFFSET);
+FT_CHECK_OFFSET(Plan, unique_slot, FT_PLAN_UNIQUE_SLOT_OFFSET);
+FT_CHECK_OFFSET(Plan, unique_off, FT_PLAN_UNIQUE_OFF_OFFSET);
+FT_CHECK_OFFSET(Plan, pair_list, FT_PLAN_PAIR_LIST_OFFSET);
+FT_CHECK_OFFSET(Plan, n_tiles, FT_PLAN_N_TILES_OFFSET);
+FT_CHECK_OFFSET(Plan, tile_unique, FT_PLAN_TILE_UNIQUE_OFFSET);
+FT_CHECK_OFFSET(Plan, tile_start, FT_PLAN_TILE_START_OFFSET);
 
 }  // namespace ft
 

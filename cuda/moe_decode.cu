@@ -10,7 +10,7 @@
 #include "common.cuh"
 #include "moe_common.cuh"
 
-#define FT_ROWS 8          // output rows per block (4 warps x 2 rows)
+// FT_ROWS (output rows per block: 4 warps x 2 rows) comes from freetoken/ops/constants.py.
 #define FT_PAIR_BATCH 8    // pairs accumulated per pass over a row
 
 namespace {

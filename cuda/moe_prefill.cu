@@ -10,8 +10,7 @@
 #include "common.cuh"
 #include "moe_common.cuh"
 
-#define FT_TILE_M 64
-#define FT_TILE_N 64
+// FT_TILE_M (pairs per tile) and FT_TILE_N (output rows per block) come from freetoken/ops/constants.py.
 #define FT_TILE_K 32
 #define FT_SK (FT_TILE_K + 8)  // shared row stride in bf16 elements: 80 bytes, conflict-free fragment loads
 

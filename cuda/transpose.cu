@@ -3,6 +3,7 @@
 // Tile width T = blockDim.x (a multiple of 32 keeps loads coalesced); blockDim.y rows are moved per step.
 // Dynamic shared memory: T * (T + 1) elements; the +1 column avoids bank conflicts on the transposed read.
 // One kernel per element size, instantiated through a macro so NVRTC and the emulator see the same names.
+#include "common.cuh"
 
 template <class T>
 __device__ __forceinline__ void transpose_tile(const T* __restrict__ in, T* __restrict__ out, int rows, int cols,

@@ -6,11 +6,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from freetoken import formats
-from freetoken.cache import CacheError, CacheModel, ExpertCache, HostPool
+from freetoken.cache import CacheError, ExpertCache, HostPool
 from freetoken.formats import RecordLayout
 from freetoken.ops.moe_experts import moe_experts
-from freetoken.ops.moe_reference import moe_forward_reference
 from freetoken.testing import assert_close
+from freetoken.testing.reference.cache import CacheModel
+from freetoken.testing.reference.moe_experts import moe_forward_reference
 
 LAYERS, EXPERTS, SLOTS, MAX_ACTIVE = 3, 4, 11, 6
 LAYOUT = RecordLayout(formats.get("q4_0"), 64, 32)

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 
 from freetoken import formats
-from freetoken.cache import CacheModel, ExpertCache, HostPool
+from freetoken.cache import ExpertCache, HostPool
 from freetoken.formats import RecordLayout
 from freetoken.sim.policies import lru_replay
+from freetoken.testing.reference.cache import CacheModel
 from freetoken.trace.synthetic import make_trace
 
 LAYERS, EXPERTS, TOP_K = 3, 8, 2

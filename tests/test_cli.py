@@ -64,7 +64,7 @@ def test_gpu_check_table_on_emu():
     proc = subprocess.run([sys.executable, str(script), "--device", "emu", "--reps", "2", "--model-check"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    from freetoken.ops.cases import CASES
+    from freetoken.testing.cases import CASES
 
     for case in CASES:
         line = next(line for line in proc.stdout.splitlines() if line.startswith(case.name + " "))

@@ -1,11 +1,28 @@
-"""Every kernel against its NumPy reference on every device present, with awkward shapes."""
+"""Every op against its NumPy reference on every device present: the registry's cases (``freetoken.testing.cases``,
+one per op and kernel family, awkward shapes, poisoned outputs), then per op what a case cannot check (shape sweeps,
+offset views, special values, dispatch, determinism, misuse errors)."""
 
+from importlib import import_module
+
+import ml_dtypes
 import numpy as np
 import pytest
 
-from freetoken import ops
-from freetoken.ops.cases import CASES, topk_reference
-from freetoken.testing import assert_close
+from freetoken import formats, ops
+from freetoken.formats import RecordLayout
+from freetoken.models.qmatrix import QuantizedMatrix
+from freetoken.ops.attention import attention_arrays, plan_splits
+from freetoken.ops.dense import MAX_TOKENS, dense_dequant, dense_gemv
+from freetoken.testing import assert_close, poison, random_record
+from freetoken.testing.cases import CASES
+from freetoken.testing.cases.dense import dense_weights, quantized_blocks
+from freetoken.testing.reference.attention import attention_reference
+from freetoken.testing.reference.dense import dense_reference, gguf_dequantized
+from freetoken.testing.reference.moe_experts import moe_forward_reference
+from freetoken.testing.reference.rms_norm import rms_norm_reference
+from freetoken.testing.reference.rope import rope_reference
+from freetoken.testing.reference.routing import route_softmax_topk_reference
+from freetoken.testing.reference.topk import topk_reference
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -18,6 +35,7 @@ def test_case_matches_reference(case, device):
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 1), (1, 33), (5, 31), (3, 2049)])
+# ---- row_sum, topk, transpose, histogram ----------------------------------------------------------------------
 def test_row_sum_shapes(device, rows, cols):
     x = np.random.default_rng(rows * 100 + cols).standard_normal((rows, cols)).astype(np.float32)
     got = device.to_host(ops.row_sum(device.asarray(x), device=device))
@@ -69,3 +87,426 @@ def test_out_shape_is_checked(device):
 def test_wrong_dtype_is_refused(device):
     with pytest.raises(TypeError, match="x must be float32"):
         ops.row_sum(np.zeros((3, 4), np.float64), device=device)
+
+
+# ---- dense_gemv / dense (tests/test_linear.py: Linear's bookkeeping on top) ---------------------------------------
+STORAGES = ("bf16", "f16", "f32")
+QKINDS = ("q8_0", "q4_0")
+
+
+def check_dense(got, x, w32, bias):
+    """``got`` equals x . w32^T (+ bias) in float64 within 1e-5 of the largest output."""
+    ref = dense_reference(x, w32, bias)
+    assert got.dtype == np.float32 and got.shape == ref.shape
+    assert_close(got, ref, atol=1e-5 * float(np.abs(ref).max()), name="y")
+
+
+@pytest.mark.parametrize("storage", STORAGES + QKINDS)
+def test_dense_gemv_every_token_count(device, storage):
+    """T = 1..8 (each a code path of the kernel), with and without bias, into poisoned outputs."""
+    n, k = 37, 96
+    if storage in QKINDS:
+        w = quantized_blocks(storage, n, k, seed=n + k)
+        w32 = gguf_dequantized(w, storage)
+    else:
+        w, w32 = dense_weights(storage, n, k, seed=n * 1000 + k)
+    rng = np.random.default_rng(k)
+    bias = rng.standard_normal(n, dtype=np.float32)
+    dw, db = device.asarray(w), device.asarray(bias)
+    for t in range(1, MAX_TOKENS + 1):
+        x = rng.standard_normal((t, k), dtype=np.float32)
+        for b in (None, bias):
+            out = device.asarray(poison((t, n), np.float32))
+            got = dense_gemv(device.asarray(x), dw, storage, bias=None if b is None else db, out=out, device=device)
+            assert got is out
+            check_dense(device.to_host(got), x, w32, b)
+    if storage in QKINDS:
+        np.testing.assert_array_equal(device.to_host(dense_dequant(dw, storage, k, device=device)), w32)
+
+
+def test_dense_gemv_misaligned_views_and_special_values(device):
+    """Weights or x whose base is not 16-byte aligned (offset views) take the scalar path, with the same results;
+    inf and NaN weights propagate."""
+    rng = np.random.default_rng(4)
+    n, k = 7, 64
+    for storage in STORAGES:
+        w, w32 = dense_weights(storage, n + 1, k, seed=3)
+        x_host = rng.standard_normal(2 * k + 1, dtype=np.float32)
+        for w_off, x_off in ((1, 0), (0, 1), (1, 1)):
+            dw = device.asarray(w.reshape(-1))[w_off:w_off + n * k].reshape(n, k)
+            dx = device.asarray(x_host)[x_off:x_off + 2 * k].reshape(2, k)
+            want_w = w32.reshape(-1)[w_off:w_off + n * k].reshape(n, k)
+            check_dense(device.to_host(dense_gemv(dx, dw, storage, device=device)), device.to_host(dx), want_w, None)
+    wf = np.ones((4, 8), np.float32)
+    wf[1, 3], wf[2, 0] = np.inf, np.nan
+    for storage, w in (("bf16", (wf.view(np.uint32) >> 16).astype(np.uint16)), ("f16", wf.astype(np.float16)),
+                       ("f32", wf)):
+        got = device.to_host(dense_gemv(device.asarray(np.ones((2, 8), np.float32)), device.asarray(w), storage,
+                                        device=device))
+        np.testing.assert_array_equal(got, np.broadcast_to([8.0, np.inf, np.nan, 8.0], (2, 4)))
+
+
+def test_qdense_odd_base_and_special_scales(device):
+    """Blocks whose base is odd (an offset view: the byte-load path) give the same results; inf / NaN scales
+    propagate."""
+    rng = np.random.default_rng(3)
+    n, k = 5, 64
+    for kind in QKINDS:
+        w = quantized_blocks(kind, n, k, seed=1)
+        row = w.shape[1]
+        flat = device.asarray(np.concatenate([np.zeros(1, np.uint8), w.reshape(-1)]))
+        dw = flat[1:].reshape(n, row)
+        x = rng.standard_normal((3, k), dtype=np.float32)
+        got = device.to_host(dense_gemv(device.asarray(x), dw, kind, device=device))
+        check_dense(got, x, gguf_dequantized(w, kind), None)
+        np.testing.assert_array_equal(device.to_host(dense_dequant(dw, kind, k, device=device)),
+                                      gguf_dequantized(w, kind))
+        ws = w.copy()
+        ws[1, :2] = np.array([np.inf], "<f2").view(np.uint8)
+        ws[2, :2] = np.array([np.nan], "<f2").view(np.uint8)
+        ones = device.asarray(np.ones((2, k), np.float32))
+        got = device.to_host(dense_gemv(ones, device.asarray(ws), kind, device=device))
+        assert np.isnan(got[:, 2]).all() and not np.isfinite(got[:, 1]).any() and np.isfinite(got[:, [0, 3, 4]]).all()
+
+
+@pytest.mark.parametrize("storage", STORAGES + QKINDS)
+def test_dense_chunked_product_covers_every_row(device, storage, monkeypatch):
+    """ops.dense beyond 8 tokens: every row exactly once whatever the chunk size (gpu/emu: one row, uneven, whole;
+    cpu: the register-tiled kernel)."""
+    D = import_module("freetoken.ops.dense")  # the module (freetoken.ops.dense is the op function)
+
+    n, k = 13, 64
+    if storage in QKINDS:
+        w = quantized_blocks(storage, n, k, seed=10)
+        w32 = gguf_dequantized(w, storage)
+    else:
+        w, w32 = dense_weights(storage, n, k, seed=10)
+    x = np.random.default_rng(9).standard_normal((MAX_TOKENS + 1, k), dtype=np.float32)
+    for chunk in (1, k * 5, 1 << 23):
+        monkeypatch.setattr(D, "CHUNK_ELEMENTS", chunk)
+        check_dense(device.to_host(ops.dense(device.asarray(x), device.asarray(w), storage, device=device)), x, w32,
+                    None)
+
+
+def test_dense_empty_and_errors(device):
+    w = device.asarray(np.zeros((3, 4), np.uint16))
+    x = device.asarray(np.ones((2, 4), np.float32))
+    for fn in (dense_gemv, ops.dense):
+        assert device.to_host(fn(device.asarray(np.zeros((0, 4), np.float32)), w, "bf16", device=device)).shape \
+            == (0, 3)
+        with pytest.raises(ValueError, match="unknown storage 'bf8'"):
+            fn(x, w, "bf8", device=device)
+        with pytest.raises(TypeError, match=r"w must be uint16 \(bf16 bits\) for storage 'bf16', got float16"):
+            fn(x, device.asarray(np.zeros((3, 4), np.float16)), "bf16", device=device)
+        with pytest.raises(TypeError, match="w must be float16 for storage 'f16', got uint16"):
+            fn(x, w, "f16", device=device)
+        with pytest.raises(TypeError, match="x must be float32, got float64"):
+            fn(device.asarray(np.ones((2, 4))), w, "bf16", device=device)
+        with pytest.raises(ValueError, match="x must have 2 dimensions"):
+            fn(device.asarray(np.ones(4, np.float32)), w, "bf16", device=device)
+        with pytest.raises(ValueError, match="w has 4 columns but x has 5"):
+            fn(device.asarray(np.ones((2, 5), np.float32)), w, "bf16", device=device)
+        with pytest.raises(ValueError, match="bias must have 3 elements"):
+            fn(x, w, "bf16", bias=device.asarray(np.ones(4, np.float32)), device=device)
+        with pytest.raises(ValueError, match=r"out must be float32 of shape \(2, 3\)"):
+            fn(x, w, "bf16", out=device.asarray(np.ones((2, 4), np.float32)), device=device)
+    with pytest.raises(ValueError, match="T=9 tokens exceed dense_gemv's 8"):
+        dense_gemv(device.asarray(np.ones((9, 4), np.float32)), w, "bf16", device=device)
+    xq = device.asarray(np.ones((2, 64), np.float32))
+    with pytest.raises(ValueError, match="q8_0 w has 36 bytes per row but x has 64 columns"):
+        dense_gemv(xq, device.asarray(np.zeros((3, 36), np.uint8)), "q8_0", device=device)
+    with pytest.raises(ValueError, match="q4_0 w has 18 bytes per row but x has 40 columns"):
+        dense_gemv(device.asarray(np.ones((2, 40), np.float32)), device.asarray(np.zeros((3, 18), np.uint8)),
+                   "q4_0", device=device)
+    with pytest.raises(TypeError, match="w must be uint8 for storage 'q8_0'"):
+        dense_gemv(xq, device.asarray(np.zeros((3, 68), np.uint16)), "q8_0", device=device)
+    with pytest.raises(ValueError, match="unknown quantized storage 'bf16'"):
+        dense_dequant(device.asarray(np.zeros((3, 68), np.uint8)), "bf16", 64, device=device)
+    with pytest.raises(ValueError, match="must be whole blocks of 32"):
+        QuantizedMatrix("q8_0", np.zeros((3, 34), np.uint8), (3, 40))
+    with pytest.raises(ValueError, match="unknown quantized kind"):
+        QuantizedMatrix("q5_0", np.zeros((3, 34), np.uint8), (3, 32))
+
+
+# ---- attention_decode / attention --------------------------------------------------------------------------------
+def _att_inputs(seed, t, start, heads, kv_heads, dim, extra_rows=3, q_scale=1.0):
+    """Random q and a cache with `extra_rows` NaN rows past start + T - 1 (never to be read)."""
+    rng = np.random.default_rng(seed)
+    rows = start + t + extra_rows
+    q = (q_scale * rng.standard_normal((t, heads, dim))).astype(np.float32)
+    k = rng.standard_normal((rows, kv_heads, dim)).astype(np.float32)
+    v = rng.standard_normal((rows, kv_heads, dim)).astype(np.float32)
+    k[start + t:] = np.nan
+    v[start + t:] = np.nan
+    return q, k, v
+
+
+def _att_run(device, q, k, v, start, **kw):
+    t, heads, dim = q.shape
+    out = device.asarray(poison((t, heads * dim), np.float32))
+    got = ops.attention_decode(device.asarray(q), device.asarray(k), device.asarray(v), start, out=out,
+                               device=device, **kw)
+    assert got is out
+    return device.to_host(got)
+
+
+def _att_check(got, want, name="attention"):
+    assert_close(got, want, atol=1e-5 * float(np.abs(want).max()), name=name)
+
+
+@pytest.mark.parametrize("t,start,heads,kv_heads,dim", [
+    (1, 0, 4, 4, 32),     # the first position
+    (3, 300, 8, 2, 128),  # a long context: several splits on gpu/emu
+    (2, 20, 12, 1, 32),   # group of 12: two blocks of up to 8 heads, the second half empty
+    (1, 70, 16, 1, 32),   # group of 16: two full blocks of 8
+    (2, 9, 3, 3, 256),    # the largest head dim
+    (1, 40, 4, 2, 48),    # head dims that are not whole 32-lane chunks (the bundled model: 48)
+    (3, 5, 8, 8, 16),
+    (2, 130, 6, 2, 80),
+    (3, 45, 6, 2, 96),    # 3 elements per lane, group of 3 in blocks of 4
+    (1, 5, 4, 2, 224),
+    (17, 0, 4, 2, 32),    # prefill-like: more queries than keys at the start
+])
+def test_attention_decode_awkward_shapes(device, t, start, heads, kv_heads, dim):
+    q, k, v = _att_inputs(dim + heads, t, start, heads, kv_heads, dim)
+    _att_check(_att_run(device, q, k, v, start), attention_reference(q, k, v, start))
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 1000])
+@pytest.mark.parametrize("t,start", [(1, 300), (3, 130), (40, 0)])
+def test_attention_decode_context_splits(cuda_device, t, start, splits):
+    """Flash-decoding splits, including splits that are empty for the early queries (t=40, start=0)."""
+    q, k, v = _att_inputs(splits + t, t, start, 4, 2, 32)
+    _att_check(_att_run(cuda_device, q, k, v, start, splits=splits), attention_reference(q, k, v, start))
+
+
+def test_attention_plan_splits(cuda_device):
+    assert plan_splits(cuda_device, 1, 1, 1000, splits=3) == (3, 352)
+    assert plan_splits(cuda_device, 1, 1, 40, splits=1000) == (2, 32)  # chunks are whole 32-key tiles
+    assert plan_splits(cuda_device, 1, 1, 1, splits=None) == (1, 32)
+    nsplit, chunk = plan_splits(cuda_device, 1, 1, 100_000)
+    assert nsplit > 1 and nsplit * chunk >= 100_000 and (nsplit - 1) * chunk < 100_000
+
+
+@pytest.mark.parametrize("t", [1, 16, 17])
+def test_attention_dispatch(device, t, monkeypatch):
+    """ops.attention: the array code on cpu and beyond 16 queries, the decode kernel up to 16 on gpu/emu."""
+    A = import_module("freetoken.ops.attention")  # the module (freetoken.ops.attention is the op function)
+
+    q, k, v = _att_inputs(t, t, 11, 4, 2, 32, extra_rows=0)
+    calls = []
+    monkeypatch.setattr(A, "attention_decode", lambda *a, **kw: calls.append(1) or ops.attention_decode(*a, **kw))
+    got = device.to_host(ops.attention(device.asarray(q), device.asarray(k), device.asarray(v), 11, device=device))
+    assert bool(calls) == (device.kind != "cpu" and t <= 16)
+    _att_check(got, attention_reference(q, k, v, 11))
+    if device.kind == "cpu":  # exactly the array code (the cpu device's logits stay bit-identical)
+        np.testing.assert_array_equal(got, attention_arrays(np, q, k, v, 11))
+
+
+def test_attention_large_scores_stay_finite(device):
+    """Scores in the hundreds: only a max-subtracted softmax survives."""
+    q, k, v = _att_inputs(5, 2, 50, 4, 2, 64, q_scale=40.0)
+    got = _att_run(device, q, k, v, 50)
+    assert np.isfinite(got).all()
+    _att_check(got, attention_reference(q, k, v, 50))
+
+
+def test_attention_decode_deterministic(device):
+    q, k, v = _att_inputs(11, 2, 260, 8, 2, 64)
+    np.testing.assert_array_equal(_att_run(device, q, k, v, 260), _att_run(device, q, k, v, 260))
+
+
+def test_attention_decode_noncontiguous_q_and_new_out(device):
+    q, k, v = _att_inputs(3, 2, 10, 8, 4, 32)
+    k_d, v_d = device.asarray(k), device.asarray(v)
+    got = device.to_host(ops.attention_decode(device.asarray(q), k_d, v_d, 10, device=device))
+    wide = device.asarray(np.zeros(q.shape[:2] + (2 * q.shape[2],), np.float32))
+    wide[..., ::2] = device.asarray(q)  # wide[..., ::2]: the values of q, strided
+    got2 = device.to_host(ops.attention_decode(wide[..., ::2], k_d, v_d, 10, device=device))
+    np.testing.assert_array_equal(got, got2)
+    assert got.shape == (2, 8 * 32) and got.dtype == np.float32
+    _att_check(got, attention_reference(q, k, v, 10))
+
+
+def test_attention_no_queries(device):
+    q = device.asarray(np.zeros((0, 4, 32), np.float32))
+    k = device.asarray(np.zeros((5, 2, 32), np.float32))
+    assert tuple(ops.attention_decode(q, k, k, 5, device=device).shape) == (0, 128)
+    assert tuple(ops.attention(q, k, k, 5, device=device).shape) == (0, 128)
+
+
+@pytest.mark.parametrize("q_shape,k_shape,start,kw,exc,match", [
+    ((4, 32), (8, 2, 32), 0, {}, ValueError, r"q must be \[T, H, D\]"),
+    ((1, 4, 32), (8, 64), 0, {}, ValueError, r"k_cache must be \[rows, Hkv, D\]"),
+    ((1, 6, 32), (8, 4, 32), 0, {}, ValueError, r"query heads \(6\) must be a positive multiple of kv heads \(4\)"),
+    ((1, 4, 0), (8, 2, 0), 0, {}, ValueError, r"head dim 0 unsupported"),
+    ((1, 4, 288), (8, 2, 288), 0, {}, ValueError, r"head dim 288 unsupported"),
+    ((1, 4, 32), (8, 2, 64), 0, {}, ValueError, r"head dim of q \(32\) and of the cache \(64\) differ"),
+    ((3, 4, 32), (8, 2, 32), 6, {}, ValueError, r"cache of 8 rows is too short for start=6 \+ T=3"),
+    ((1, 4, 32), (8, 2, 32), -1, {}, ValueError, r"start=-1 must be >= 0"),
+    ((1, 4, 32), (8, 2, 32), 1.0, {}, TypeError, r"start must be an integer"),
+    ((1, 4, 32), (8, 2, 32), 0, {"splits": 0}, ValueError, r"splits=0 must be at least 1"),
+])
+def test_attention_decode_rejects_bad_inputs(device, q_shape, k_shape, start, kw, exc, match):
+    q = device.asarray(np.zeros(q_shape, np.float32))
+    k = device.asarray(np.zeros(k_shape, np.float32))
+    with pytest.raises(exc, match=match):
+        ops.attention_decode(q, k, k, start, device=device, **kw)
+
+
+def test_attention_decode_rejects_mismatched_cache_and_dtypes(device):
+    q = device.asarray(np.zeros((1, 4, 32), np.float32))
+    k = device.asarray(np.zeros((8, 2, 32), np.float32))
+    with pytest.raises(ValueError, match=r"v_cache shape \(9, 2, 32\) differs from k_cache shape \(8, 2, 32\)"):
+        ops.attention_decode(q, k, device.asarray(np.zeros((9, 2, 32), np.float32)), 0, device=device)
+    with pytest.raises(TypeError, match="k_cache must be float32"):
+        ops.attention_decode(q, k.astype(np.float16), k, 0, device=device)
+    with pytest.raises(ValueError, match=r"out must be float32 of shape \(1, 128\)"):
+        ops.attention_decode(q, k, k, 0, out=device.asarray(np.zeros((1, 64), np.float32)), device=device)
+
+
+# ---- rms_norm, rope, route_softmax_topk ---------------------------------------------------------------------------
+@pytest.mark.parametrize("xs,ws", [((1, 1024), (1024,)), ((3, 20, 64), (20, 64)), ((4, 6, 16), (16,)), ((2, 1), (1,))])
+def test_rms_norm_shapes(device, xs, ws):
+    rng = np.random.default_rng(8)
+    x, w = rng.standard_normal(xs, np.float32), rng.standard_normal(ws, np.float32)
+    got = device.to_host(ops.rms_norm(device.asarray(x), device.asarray(w), 1e-6, device=device))
+    assert got.dtype == np.float32 and got.shape == x.shape
+    assert_close(got, rms_norm_reference(x, w, 1e-6), atol=1e-6, rtol=2e-6)
+
+
+def test_rms_norm_strided_and_cpu_fallback(device):
+    """A strided view of x (the decoder's per-head q/k); on cpu, float64 input takes the array-op fallback."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((5, 24, 16), np.float32)
+    w = rng.standard_normal((20, 16), np.float32)
+    got = device.to_host(ops.rms_norm(device.asarray(x)[:, 2:22], device.asarray(w), 1e-6, device=device))
+    assert_close(got, rms_norm_reference(x[:, 2:22], w, 1e-6), atol=1e-6, rtol=2e-6)
+    if device.kind == "cpu":
+        x64 = x[:, 2:22].astype(np.float64)
+        np.testing.assert_allclose(ops.rms_norm(x64, w, 1e-6, device=device), rms_norm_reference(x64, w, 1e-6),
+                                   rtol=1e-6)
+    else:
+        with pytest.raises(TypeError, match="x and weight must be float32"):
+            ops.rms_norm(device.asarray(x.astype(np.float64)), device.asarray(w[0]), 1e-6, device=device)
+        with pytest.raises(ValueError, match="must equal the trailing axes"):
+            ops.rms_norm(device.asarray(x), device.asarray(w), 1e-6, device=device)
+
+
+def test_rope_bit_identical_to_numpy_float32(device):
+    """On cpu: NumPy's float32 arithmetic element for element (the decoder's logits stay bit-identical); gpu/emu
+    within rounding of the float64 reference. Strided q/k views as the decoder passes them."""
+    from freetoken.models.rope import rope_tables
+
+    rng = np.random.default_rng(9)
+    cos, sin = rope_tables(np, np.arange(100), 64, 1e6)
+    for t, start in ((1, 37), (5, 0)):
+        x = rng.standard_normal((t, 24, 64), np.float32)[:, :20]
+        c, s = cos[start:start + t], sin[start:start + t]
+        got = device.to_host(ops.rope(device.asarray(x), device.asarray(c), device.asarray(s), device=device))
+        if device.kind == "cpu":
+            half = 32
+            want = x * c[:, None, :] + np.concatenate([-x[..., half:], x[..., :half]], axis=-1) * s[:, None, :]
+            np.testing.assert_array_equal(got, want)
+        else:
+            assert_close(got, rope_reference(x, c, s), atol=1e-6, rtol=1e-6)
+    if device.kind != "cpu":
+        with pytest.raises(ValueError, match="head dim 7 must be even"):
+            ops.rope(device.asarray(np.zeros((1, 2, 7), np.float32)), cos[:1, :7], sin[:1, :7], device=device)
+
+
+@pytest.mark.parametrize("renorm", [False, True])
+def test_route_softmax_topk_ties_and_nan(device, renorm):
+    rng = np.random.default_rng(10)
+    logits = rng.standard_normal((7, 64), np.float32) * 3
+    logits[1, [5, 9, 40]] = logits[1].max() + 1  # a three-way tie: lower index first
+    logits[2, 3] = np.nan  # NaN: the whole row's probabilities are NaN, ids 0..k-1
+    ids, w = ops.route_softmax_topk(device.asarray(logits), 8, renorm, device=device)
+    ids, w = device.to_host(ids), device.to_host(w)
+    want_ids, want_w = route_softmax_topk_reference(logits, 8, renorm)
+    np.testing.assert_array_equal(ids, want_ids)
+    assert ids[1, :3].tolist() == [5, 9, 40]
+    assert_close(w, want_w, atol=1e-8, rtol=2e-6)
+    assert np.isnan(w[2]).all() and ids[2].tolist() == list(range(8))
+    with pytest.raises(ValueError, match="k=65 must be in"):
+        ops.route_softmax_topk(device.asarray(logits), 65, renorm, device=device)
+
+
+# ---- moe_experts (tests/test_cpu_experts.py: the Numba executor's own API) ----------------------------------------
+def _moe(fmt_name="q4_0", bias=False, slots=6):
+    layout = RecordLayout(formats.get(fmt_name), 96, 160, bias)
+    return layout, random_record(layout, slots, 0)
+
+
+def test_moe_bf16_activations(device):
+    layout, banks = _moe()
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    ids = rng.integers(0, 6, (3, 2)).astype(np.int32)
+    weights = rng.random((3, 2)).astype(np.float32)
+    xb = x.astype(ml_dtypes.bfloat16)
+    want = moe_forward_reference(xb, ids, weights, layout.dequantize(banks))
+    dev_banks = {n: device.asarray(a) for n, a in banks.items()}
+    xin = xb if device.kind != "gpu" else xb.view(np.uint16)
+    got = device.to_host(ops.moe_experts(device.asarray(xin), device.asarray(ids), device.asarray(weights), dev_banks,
+                                         layout, mode="decode", device=device))
+    assert_close(got, want, atol=2e-6 * float(np.abs(want).max()), rtol=1e-5)
+
+
+def test_moe_bad_ids_and_shapes(device):
+    layout, banks = _moe("mxfp4")
+    dev_banks = {n: device.asarray(a) for n, a in banks.items()}
+    x = device.asarray(np.ones((2, 96), np.float32))
+    w = device.asarray(np.ones((2, 2), np.float32))
+    with pytest.raises(ValueError, match=r"ids\[1, 0\] = 6"):
+        device.to_host(ops.moe_experts(x, device.asarray(np.array([[0, 1], [6, 0]], np.int32)), w, dev_banks, layout,
+                                       device=device))
+    ids = device.asarray(np.zeros((2, 2), np.int32))
+    with pytest.raises(ValueError, match="x has 48 features"):
+        ops.moe_experts(x[:, :48], ids, w, dev_banks, layout, device=device)
+    with pytest.raises(ValueError, match="gate.s"):
+        ops.moe_experts(x, ids, w, {**dev_banks, "gate.s": dev_banks["gate.s"][:, :, :1]}, layout, device=device)
+    with pytest.raises(ValueError, match="unknown activation"):
+        ops.moe_experts(x, ids, w, dev_banks, layout, act="relu", device=device)
+
+
+@pytest.mark.parametrize("fmt_name", ["q4_0", "bf16"])
+def test_moe_workspace_reuse_equals_fresh_buffers(cuda_device, fmt_name):
+    """One MoeWorkspace serves call after call (counters reset, plan rebuilt) with exactly the results of fresh
+    buffers, in decode and prefill modes; a call larger than it was made for falls back to fresh buffers."""
+    layout, banks = _moe(fmt_name)
+    dev_banks = {name: cuda_device.asarray(a) for name, a in banks.items()}
+    ws = ops.MoeWorkspace(cuda_device, layout, dev_banks, max_pairs=40)
+    for n, (tokens, k, mode) in enumerate([(1, 8, "decode"), (3, 2, "decode"), (17, 2, "prefill"), (1, 1, "decode"),
+                                           (30, 2, "prefill")]):  # the last one has 60 pairs > 40
+        rng = np.random.default_rng(10 + n)
+        x = rng.standard_normal((tokens, 96)).astype(np.float32)
+        ids = rng.integers(0, 6, (tokens, k)).astype(np.int32)
+        weights = rng.random((tokens, k)).astype(np.float32)
+        args = (cuda_device.asarray(x), cuda_device.asarray(ids), cuda_device.asarray(weights), dev_banks, layout)
+        want = cuda_device.to_host(ops.moe_experts(*args, mode=mode, device=cuda_device))
+        got = cuda_device.to_host(ops.moe_experts(*args, mode=mode, device=cuda_device, workspace=ws))
+        np.testing.assert_array_equal(got, want)
+
+
+# ---- cache ops (tests/test_cache.py: ExpertCache on top) ------------------------------------------------------------
+def test_cache_admit_errors(device):
+    """An id out of range: error 1 and slot -1 for its pair; no victim left (every slot pinned): error 2."""
+    slots, experts = 4, 3
+    i32, i64 = np.int32, np.int64
+    st = [device.asarray(a) for a in (np.full(experts, -1, i32), np.full(slots, -1, i32), np.full(slots, -1, i64),
+                                       np.zeros(slots, np.uint8), np.zeros(1, i64), np.zeros(8, i32),
+                                       np.zeros(1, i32), np.zeros(1, i64), np.zeros(1, i64), np.zeros(1, i32))]
+    sfi, ios, rec, pin, clock, work, n_work, hits, misses, err = st
+    ids = device.asarray(np.array([[0, 5]], i32))
+    ops.cache_admit(ids, 0, experts, sfi, ios, rec, pin, clock, work, n_work, hits, misses, err, device=device)
+    assert device.to_host(ids).tolist() == [[0, -1]] and int(device.to_host(err)[0]) == 1
+    assert device.to_host(ios).tolist() == [0, -1, -1, -1] and int(device.to_host(n_work)[0]) == 1
+    pin[...] = 1
+    ids = device.asarray(np.array([[1]], i32))
+    ops.cache_admit(ids, 0, experts, sfi, ios, rec, pin, clock, work, n_work, hits, misses, err, device=device)
+    assert int(device.to_host(err)[0]) == 2 and device.to_host(ids).tolist() == [[-1]]
+    assert device.to_host(hits).tolist() == [0] and device.to_host(misses).tolist() == [2]
+    with pytest.raises(TypeError, match="C-contiguous int32"):
+        ops.cache_admit(device.asarray(np.zeros((1, 2), np.int64)), 0, experts, sfi, ios, rec, pin, clock, work,
+                        n_work, hits, misses, err, device=device)

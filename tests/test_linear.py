@@ -1,16 +1,23 @@
-"""The cpu device's dense projections (cpu_kernels/gemv.py, freetoken.models.linear) and per-token ops (RMSNorm,
-RoPE, routing): against NumPy float64 / float32 references, and the decoder's logits against the plain NumPy path."""
+"""The cpu device's dense kernels (cpu_kernels/gemv.py) against NumPy float64, Linear's matrix bookkeeping (storage
+choice, concatenation and splitting, quantized matrices) on every device, and the decoder's logits against the plain
+NumPy path."""
 
 import json
+from importlib import import_module
 
 import ml_dtypes
 import numpy as np
 import pytest
 from freetoken.cpu_kernels import gemv as G
+from freetoken.cpu_kernels import qgemv
 
 from freetoken.device import get_device
-from freetoken.models import layers
 from freetoken.models.linear import Linear, exact_storage, to_storage
+from freetoken.models.qmatrix import BLOCK_BYTES, QuantizedMatrix
+from freetoken.testing import assert_close
+from freetoken.testing.cases.dense import quantized_blocks
+from freetoken.testing.oracles import need
+from freetoken.testing.reference.dense import dense_reference, gguf_dequantized
 
 CPU = get_device("cpu")
 SHAPES = [(37, 50), (1024, 1024), (6, 33)]
@@ -120,59 +127,132 @@ def test_exact_storage_detection():
         np.testing.assert_array_equal(G.widen(G.storage_view(to_storage(v, kind))).view(np.uint32), v.view(np.uint32))
 
 
+# ------------------------------------------------------------------ Linear: matrix bookkeeping on every device
+# (the product itself is ops.dense, checked by the registry cases and tests/test_kernel_parity.py)
+
+def _dense_module():
+    return import_module("freetoken.ops.dense")  # the module: freetoken.ops.dense is the op function
+
+
 @pytest.mark.parametrize("kind", ["bf16", "f16", "f32"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_linear_picks_storage_and_matches_float32(kind, shape):
+def test_linear_picks_storage_and_matches_float32(device, kind, monkeypatch):
     rng = np.random.default_rng(5)
-    w = _stored(rng.standard_normal(shape, np.float32), kind)[1]
-    b = rng.standard_normal(shape[0], np.float32)
-    lin = Linear(w, CPU, bias=b)
+    n, k = 45, 40
+    w = _stored(rng.standard_normal((n, k), np.float32), kind)[1]
+    b = rng.standard_normal(n, np.float32)
+    lin = Linear(w, device, bias=b)
     assert lin.storage == kind
     assert lin.nbytes == w.size * (4 if kind == "f32" else 2) + b.nbytes
-    np.testing.assert_array_equal(lin.weight, w)
-    for t in (1, 3, 8, 20):
-        x = rng.standard_normal((t, shape[1]), np.float32)
-        got, want = lin(x), x @ w.T + b
+    np.testing.assert_array_equal(device.to_host(lin.weight), w)
+    monkeypatch.setattr(_dense_module(), "CHUNK_ELEMENTS", 8 * k)  # gpu/emu T > 8: 6 chunks, the last of 5 rows
+    for t in (1, 2, 3, 8, 20):
+        x = rng.standard_normal((t, k), np.float32)
+        got, want = device.to_host(lin(device.asarray(x))), x @ w.T + b
+        assert got.dtype == np.float32 and got.shape == (t, n)
         assert np.linalg.norm(got - want) <= 1e-6 * np.linalg.norm(want)
-        got_nc = lin(np.asfortranarray(x))  # any layout in
+        got_nc = device.to_host(lin(device.asarray(np.asfortranarray(x))))  # any layout in
         np.testing.assert_array_equal(got_nc, got)
+    assert device.to_host(lin(device.asarray(np.zeros((0, k), np.float32)))).shape == (0, n)
+    with pytest.raises(ValueError, match=r"x must be \[T, 40\]"):
+        lin(device.asarray(np.zeros((2, 41), np.float32)))
 
 
-def test_linear_concat_splits_exactly():
+def test_linear_detects_checkpoint_storage(device):
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((16, 24), dtype=np.float32)
+    bf = (w.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)  # a bf16 checkpoint's values
+    assert Linear(bf, device).storage == "bf16"
+    assert Linear(w.astype(np.float16).astype(np.float32), device).storage == "f16"
+    assert Linear(w, device).storage == "f32"
+    assert Linear(bf, device).nbytes == 16 * 24 * 2 and Linear(w, device).nbytes == 16 * 24 * 4
+
+
+def test_linear_concat_splits_exactly(device):
     rng = np.random.default_rng(6)
     ws = [_bf16_exact(rng.standard_normal((n, 64), np.float32)) for n in (32, 8, 8)]
     bs = [rng.standard_normal(n, np.float32) for n in (32, 8, 8)]
-    fused = Linear.concat(ws, CPU, bs)
-    assert fused.sizes == (32, 8, 8) and fused.storage == "bf16"
-    for t in (1, 2, 4):  # the GEMV kernel: each row's dot product as in the separate matrices
-        x = rng.standard_normal((t, 64), np.float32)
+    fused = Linear.concat(ws, device, bs)
+    assert fused.sizes == (32, 8, 8) and fused.storage == "bf16" and fused.nbytes == 48 * 64 * 2 + 48 * 4
+    for t in (1, 2, 4, 8):  # the GEMV kernels: each row's dot product as in the separate matrices
+        x = device.asarray(rng.standard_normal((t, 64), np.float32))
         for part, w, b in zip(fused.split(fused(x)), ws, bs, strict=True):
-            np.testing.assert_array_equal(part, Linear(w, CPU, b)(x))
-    x = rng.standard_normal((9, 64), np.float32)
-    for part, w, b in zip(fused.split(fused(x)), ws, bs, strict=True):
-        np.testing.assert_allclose(part, x @ w.T + b, rtol=1e-5, atol=1e-5)
-    mixed = Linear.concat([ws[0], rng.standard_normal((4, 64), np.float32)], CPU)
+            assert part.shape == (t, w.shape[0])
+            np.testing.assert_array_equal(device.to_host(part), device.to_host(Linear(w, device, b)(x)))
+    x = rng.standard_normal((12, 64), np.float32)
+    for part, w, b in zip(fused.split(fused(device.asarray(x))), ws, bs, strict=True):
+        np.testing.assert_allclose(device.to_host(part), x @ w.T + b, rtol=1e-5, atol=1e-5)
+    mixed = Linear.concat([ws[0], rng.standard_normal((4, 64), np.float32)], device)
     assert mixed.storage == "f32"  # one inexact matrix keeps the fused one in float32
 
 
-def test_linear_on_the_emu_device():
-    """On gpu/emu a Linear holds its exact storage on the device and runs the dense GEMV kernel (tests/test_dense.py
-    covers it in depth); the float32 matrix and the bias come back unchanged."""
-    from freetoken.device import device_status, get_device
-
-    if not device_status()["emu"][0]:
-        pytest.skip("emu device unavailable")
-    emu = get_device("emu")
-    rng = np.random.default_rng(7)
-    w, b = rng.standard_normal((10, 12), np.float32), rng.standard_normal(10, np.float32)
-    lin = Linear(w, emu, b)
-    x = rng.standard_normal((3, 12), np.float32)
-    assert lin.storage == "f32"
-    np.testing.assert_allclose(lin(x), x @ w.T + b, rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(lin.weight, w)
+def _qmat(kind, n, k, seed):
+    w = quantized_blocks(kind, n, k, seed=seed)
+    return QuantizedMatrix(kind, w, (n, k)), gguf_dequantized(w, kind)
 
 
-# ------------------------------------------------------------------------------------- RMSNorm, RoPE, routing
+def _check_dense(got, x, w32, bias):
+    ref = dense_reference(x, w32, bias)
+    assert got.dtype == np.float32 and got.shape == ref.shape
+    assert_close(got, ref, atol=1e-5 * float(np.abs(ref).max()), name="y")
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_linear_quantized(device, kind, monkeypatch):
+    rng = np.random.default_rng(5)
+    n, k = 45, 96
+    q, w32 = _qmat(kind, n, k, seed=6)
+    b = rng.standard_normal(n, dtype=np.float32)
+    lin = Linear(q, device, bias=b)
+    assert lin.storage == kind and lin.sizes == (n,)
+    assert lin.nbytes == n * k // 32 * BLOCK_BYTES[kind] + b.nbytes == q.blocks.nbytes + b.nbytes
+    np.testing.assert_array_equal(device.to_host(lin.weight), w32)
+    np.testing.assert_array_equal(q.dequantize(), w32)
+    monkeypatch.setattr(_dense_module(), "CHUNK_ELEMENTS", 8 * k)  # gpu/emu T > 8: 6 chunks, the last of 5 rows
+    monkeypatch.setattr(qgemv, "QCHUNK_ELEMENTS", 8 * k)  # cpu T > 4: the same
+    for t in (1, 2, 3, 5, 8, 20):
+        x = rng.standard_normal((t, k), dtype=np.float32)
+        _check_dense(device.to_host(lin(device.asarray(x))), x, w32, b)
+    assert device.to_host(lin(device.asarray(np.zeros((0, k), np.float32)))).shape == (0, n)
+    with pytest.raises(ValueError, match=r"x must be \[T, 96\]"):
+        lin(device.asarray(np.zeros((2, 95), np.float32)))
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_linear_quantized_concat(device, kind):
+    """Fused q/k/v: block rows stacked, every row the same dot product as in the separate matrices (T <= 8);
+    mixed storages: one Linear per run, outputs concatenated, nothing dequantized."""
+    rng = np.random.default_rng(13)
+    k = 64
+    parts = [_qmat(kind, n, k, seed=n) for n in (32, 8, 8)]
+    qs, ws = [p[0] for p in parts], [p[1] for p in parts]
+    bs = [rng.standard_normal(n, dtype=np.float32) for n in (32, 8, 8)]
+    fused = Linear.concat(qs, device, bs)
+    assert fused.sizes == (32, 8, 8) and fused.storage == kind
+    assert fused.nbytes == sum(q.nbytes for q in qs) + 48 * 4
+    np.testing.assert_array_equal(device.to_host(fused.weight), np.concatenate(ws))
+    for t in (1, 3, 8, 12):
+        x = device.asarray(rng.standard_normal((t, k), dtype=np.float32))
+        for part, q, w, b in zip(fused.split(fused(x)), qs, ws, bs, strict=True):
+            assert part.shape == (t, q.shape[0])
+            if t <= 8:
+                np.testing.assert_array_equal(device.to_host(part), device.to_host(Linear(q, device, b)(x)))
+            _check_dense(device.to_host(part), device.to_host(x), w, b)
+    other = "q4_0" if kind == "q8_0" else "q8_0"
+    sig = rng.standard_normal((1, k), dtype=np.float32)
+    q2, w2 = _qmat(other, 8, k, seed=99)
+    mixed = Linear.concat([qs[0], qs[1], q2, sig], device)
+    assert mixed.storage == f"{kind}+{other}+f32" and mixed.sizes == (32, 8, 8, 1)
+    assert mixed.nbytes == qs[0].nbytes + qs[1].nbytes + q2.nbytes + sig.nbytes
+    wm = np.concatenate([ws[0], ws[1], w2, sig])
+    np.testing.assert_array_equal(device.to_host(mixed.weight), wm)
+    for t in (2, 12):
+        x = rng.standard_normal((t, k), dtype=np.float32)
+        y = mixed(device.asarray(x))
+        assert [p.shape for p in mixed.split(y)] == [(t, 32), (t, 8), (t, 8), (t, 1)]
+        _check_dense(device.to_host(y), x, wm, None)
+
+
+# ------------------------------------------------------------------------- reference forms of the per-token ops
 
 def _rms_norm_numpy(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * w
@@ -181,29 +261,6 @@ def _rms_norm_numpy(x, w, eps):
 def _rope_numpy(x, cos, sin):
     half = x.shape[-1] // 2
     return x * cos[:, None, :] + np.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin[:, None, :]
-
-
-def test_rms_norm_kernel():
-    rng = np.random.default_rng(8)
-    for xs, ws in [((1, 1024), (1024,)), ((3, 20, 64), (20, 64)), ((4, 6, 16), (16,))]:
-        x, w = rng.standard_normal(xs, np.float32), rng.standard_normal(ws, np.float32)
-        got, want = layers.rms_norm(np, x, w, 1e-6), _rms_norm_numpy(x, w, 1e-6)
-        assert got.dtype == np.float32 and got.shape == want.shape
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
-    x = rng.standard_normal((5, 24, 16), np.float32)[:, 2:22]  # a strided view
-    w = rng.standard_normal((20, 16), np.float32)
-    np.testing.assert_allclose(layers.rms_norm(np, x, w, 1e-6), _rms_norm_numpy(x, w, 1e-6), rtol=1e-6, atol=1e-7)
-    x64 = x.astype(np.float64)  # not float32: the array-op path
-    np.testing.assert_allclose(layers.rms_norm(np, x64, w, 1e-6), _rms_norm_numpy(x64, w, 1e-6))
-
-
-def test_rope_kernel_is_bit_identical():
-    rng = np.random.default_rng(9)
-    cos, sin = layers.rope_tables(np, np.arange(100), 64, 1e6)
-    for t, start in ((1, 37), (5, 0)):
-        x = rng.standard_normal((t, 24, 64), np.float32)[:, :20]  # strided, as the decoder's q/k view
-        c, s = cos[start:start + t], sin[start:start + t]
-        np.testing.assert_array_equal(layers.apply_rope(np, x, c, s), _rope_numpy(x, c, s))
 
 
 def _route_numpy(logits, k, renorm):
@@ -216,22 +273,6 @@ def _route_numpy(logits, k, renorm):
     return ids, (w / w.sum(axis=-1, keepdims=True) if renorm else w)
 
 
-@pytest.mark.parametrize("renorm", [False, True])
-def test_softmax_topk_kernel(renorm):
-    rng = np.random.default_rng(10)
-    logits = rng.standard_normal((7, 64), np.float32) * 3
-    logits[1, [5, 9, 40]] = logits[1].max() + 1  # a three-way tie: lower index first
-    logits[2, 3] = np.nan  # NaN: the whole row's probabilities are NaN, ids 0..k-1
-    ids = np.empty((7, 8), np.int32)
-    w = np.empty((7, 8), np.float32)
-    G.softmax_topk_rows(logits, 8, renorm, ids, w)
-    want_ids, want_w = _route_numpy(logits, 8, renorm)
-    np.testing.assert_array_equal(ids, want_ids)
-    assert ids[1, :3].tolist() == [5, 9, 40]
-    np.testing.assert_allclose(w, want_w, rtol=2e-6, atol=1e-8)
-    assert np.isnan(w[2]).all() and ids[2].tolist() == list(range(8))
-
-
 # ---------------------------------------------------------------------------------------------- the decoder
 
 @pytest.mark.parametrize("family,storage", [("qwen3_moe", "bf16"), ("qwen2_moe", "f16"), ("olmoe", "bf16"),
@@ -239,13 +280,15 @@ def test_softmax_topk_kernel(renorm):
 def test_decoder_logits_match_the_numpy_path(family, storage, tmp_path, monkeypatch):
     """The decoder on cpu (kernels) against the same decoder on the plain NumPy float32 path (matmuls, norms,
     RoPE, routing as before): logits equal up to float32 summation order, for prefill and decode steps."""
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+    need("torch")
+    need("transformers")
     from safetensors.numpy import load_file
     from tiny_models import make_checkpoint
 
-    import freetoken.models.decoder as D
-    from freetoken.models import MoeDecoder, from_hf
+    from freetoken import ops
+    from freetoken.engine.build import build_decoder
+    from freetoken.engine.options import LoadOptions
+    from freetoken.models import from_hf
 
     make_checkpoint(family, tmp_path)
     cfg = from_hf(json.loads((tmp_path / "config.json").read_text()))
@@ -254,21 +297,25 @@ def test_decoder_logits_match_the_numpy_path(family, storage, tmp_path, monkeypa
     tokens = np.random.default_rng(11).integers(0, cfg.vocab_size, 14)
 
     def run():
-        dec = MoeDecoder(cfg, lambda name: tensors[name], CPU, max_len=32)
+        dec = build_decoder(cfg, lambda name: tensors[name], CPU, LoadOptions(max_len=32), warm_up=False)
         out = [dec.forward(tokens[:10])] + [dec.forward(tokens[i:i + 1]) for i in range(10, 14)]
         return dec, np.concatenate(out)
 
     dec, got = run()
-    lins = [v for lay in dec.layers for v in lay.values() if isinstance(v, Linear)] + [dec.lm_head]
+    def linears(obj, depth=0):
+        if isinstance(obj, Linear):
+            return [obj]
+        if depth > 3 or not hasattr(obj, "__dict__"):
+            return []
+        return [lin for v in vars(obj).values() for lin in linears(v, depth + 1)]
+
+    lins = [lin for lay in dec.layers for lin in linears(lay)] + [dec.lm_head]
     assert {lin.storage for lin in lins} == {storage}
 
-    def ref_route(logits, k, renorm, ids, w):
-        ids[:], w[:] = _route_numpy(logits, k, renorm)
-
     monkeypatch.setattr(Linear, "__call__", lambda self, x: x @ self.weight.T + (0 if self.bias is None else self.bias))
-    monkeypatch.setattr(D, "rms_norm", lambda xp, x, w, eps: _rms_norm_numpy(x, w, eps))
-    monkeypatch.setattr(D, "apply_rope", lambda xp, x, c, s: _rope_numpy(x, c, s))
-    monkeypatch.setattr(D, "softmax_topk_rows", ref_route)
+    monkeypatch.setattr(ops, "rms_norm", lambda x, w, eps, device=None: _rms_norm_numpy(x, w, eps))
+    monkeypatch.setattr(ops, "rope", lambda x, c, s, device=None: _rope_numpy(x, c, s))
+    monkeypatch.setattr(ops, "route_softmax_topk", lambda z, k, renorm, device=None: _route_numpy(z, k, renorm))
     _, want = run()
     assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
     np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))

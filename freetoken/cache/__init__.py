@@ -1,7 +1,8 @@
-"""Expert residency: the host pool (authoritative records) and the device slot cache shared by all MoE layers."""
+"""Expert residency: the host pool (authoritative records) and the device slot cache shared by all MoE layers.
+
+The NumPy model of the cache (the oracle of its kernels) is ``freetoken.testing.reference.cache.CacheModel``."""
 
 from freetoken.cache.expert_cache import CacheError, ExpertCache
 from freetoken.cache.host_pool import HostPool
-from freetoken.cache.reference import CacheModel
 
-__all__ = ["CacheError", "CacheModel", "ExpertCache", "HostPool"]
+__all__ = ["CacheError", "ExpertCache", "HostPool"]

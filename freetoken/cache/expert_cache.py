@@ -1,4 +1,5 @@
-"""The global expert cache: S slots shared by every MoE layer, admitted on the device (``cuda/cache.cu``).
+"""The global expert cache: S slots shared by every MoE layer, admitted on the device (the cache ops of
+:mod:`freetoken.ops.cache`: ``cuda/cache.cu``).
 
 Decode, per MoE layer::
 
@@ -24,14 +25,12 @@ from __future__ import annotations
 import numpy as np
 
 from freetoken.cache.host_pool import HostPool
-from freetoken.ops._common import cuda_kernel
+from freetoken.device.constants import BANK_TABLE, CACHE_ERR_ID_RANGE
+from freetoken.device.constants import CACHE_MAX_BANKS as MAX_BANKS
+from freetoken.device.constants import CACHE_MAX_PAIRS as MAX_ACTIVE
+from freetoken.ops.cache import CopyTable, cache_admit, cache_borrow_layer, cache_copy
 
-MAX_ACTIVE = 1024  # FT_CACHE_MAX_PAIRS in cuda/cache.cu: routed pairs per admit call
-MAX_BANKS = 16  # FT_CACHE_MAX_BANKS
-
-#: cache.cu's BankTable.
-BANK_TABLE = np.dtype([("src", np.uint64, MAX_BANKS), ("dst", np.uint64, MAX_BANKS), ("bytes", np.uint64, MAX_BANKS),
-                       ("n", np.int32)], align=True)
+__all__ = ["BANK_TABLE", "MAX_ACTIVE", "MAX_BANKS", "CacheError", "ExpertCache"]
 
 
 class CacheError(RuntimeError):
@@ -85,13 +84,7 @@ class ExpertCache:
         self.prefill_worklists = [xp.empty(2 * e, np.int32) for _ in range(2)]
         self.prefill_n_work = [xp.empty(1, np.int32) for _ in range(2)]
         self.transfer = dev.stream()
-        table = np.zeros((), BANK_TABLE)
-        for i, s in enumerate(pool.specs):
-            table["src"][i] = pool.banks[s.name].device_ptr
-            table["dst"][i] = dev.pointer_of(self.slot_banks[s.name])
-            table["bytes"][i] = s.nbytes
-        table["n"] = len(pool.specs)
-        self._table = table[()]
+        self._copy_table = CopyTable(dev, [(pool.banks[s.name], self.slot_banks[s.name]) for s in pool.specs])
         self.reset()
 
     # ---- state ---------------------------------------------------------------------------------------------
@@ -122,7 +115,7 @@ class ExpertCache:
         code = int(self.device.to_host(self.err)[0])
         if code:
             self.err[...] = 0
-            raise CacheError("an expert id was out of range" if code == 1 else
+            raise CacheError("an expert id was out of range" if code == CACHE_ERR_ID_RANGE else
                              f"no slot left to evict: {self.slots} slots, {len(self._pinned_slots)} pinned")
 
     # ---- decode ----------------------------------------------------------------------------------------------
@@ -137,20 +130,16 @@ class ExpertCache:
         pairs = int(ids.size)
         if pairs > self.max_active:
             raise ValueError(f"{pairs} routed pairs exceed max_active={self.max_active}")
-        threads = min(MAX_ACTIVE, 32 * -(-max(pairs, self.slots, 32) // 32))
-        i32 = np.int32
-        cuda_kernel(self.device, "cache.cu", "cache_admit")(
-            (1,), (threads,), (ids, i32(pairs), i32(layer), i32(self.num_experts), self.slot_for_id, self.id_of_slot,
-                               self.recency, self.pinned, i32(self.slots), self.clock, self.worklist, self.n_work,
-                               self.hits, self.misses, self.err, i32(1 if count else 0)), stream=stream)
+        cache_admit(ids, layer, self.num_experts, self.slot_for_id, self.id_of_slot, self.recency, self.pinned,
+                    self.clock, self.worklist, self.n_work, self.hits, self.misses, self.err, count=count,
+                    stream=stream, device=self.device)
 
     def copy_missing(self, stream=None) -> None:
         """Copy the records the last :meth:`admit` missed from the host pool into their slots."""
         self._copy(self.worklist, self.n_work, self.max_active, stream)
 
     def _copy(self, worklist, n_work, max_items: int, stream) -> None:
-        cuda_kernel(self.device, "cache.cu", "cache_copy")(
-            (max_items, len(self.pool.specs)), (256,), (worklist, n_work, self._table), stream=stream)
+        cache_copy(worklist, n_work, self._copy_table, max_items, stream=stream, device=self.device)
 
     # ---- prefill ---------------------------------------------------------------------------------------------
     def _check_prefill(self, layer: int) -> int:
@@ -177,10 +166,8 @@ class ExpertCache:
         if self._release[b] is not None:
             self.transfer.wait_event(self._release[b])  # the fence before reuse
         wl, nw = self.prefill_worklists[b], self.prefill_n_work[b]
-        i32 = np.int32
-        cuda_kernel(self.device, "cache.cu", "cache_borrow_layer")(
-            (-(-self.num_experts // 128),), (128,), (i32(layer), i32(first), i32(self.num_experts), self.slot_for_id,
-                                                     self.id_of_slot, self.recency, wl, nw), stream=self.transfer)
+        cache_borrow_layer(layer, first, self.num_experts, self.slot_for_id, self.id_of_slot, self.recency, wl, nw,
+                           stream=self.transfer, device=self.device)
         self._copy(wl, nw, self.num_experts, self.transfer)
         self._ready[b] = self.device.event().record(self.transfer)
         self.prefill_bytes += self.num_experts * self.record_bytes

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from freetoken.device.constants import define_options
 from freetoken.device.nvrtc import include_tree_digest
 from freetoken.paths import cache_dir, cuda_dir, cuda_include_dirs
 
@@ -159,7 +160,7 @@ def _run(cmd: list[str], cwd: Path, what: str) -> None:
 def build(source: str, name: str, options: Sequence[str] = (), sanitize: str | None = None) -> EmuLibrary:
     """Compile ``source`` (shown as ``name`` in messages) for the emu device; cached on disk."""
     incs = include_dirs()
-    extra = _passthrough(options)
+    extra = define_options() + _passthrough(options)  # the shared constants on every compile
     header = cuda_dir() / "emu" / "ftemu.h"
     key = hashlib.sha256(
         "\0".join(

@@ -12,6 +12,7 @@ import os
 import tempfile
 from collections.abc import Sequence
 
+from freetoken.device.constants import define_options
 from freetoken.paths import cache_dir, cuda_dir, cuda_include_dirs
 
 #: The architectures every source must compile for: A100/3090 (80/86), 4090 (89), H100 (90), 5090 (120).
@@ -36,8 +37,9 @@ def nvrtc_version() -> tuple[int, int]:
 
 
 def base_options(arch: str) -> list[str]:
-    """The options the gpu device compiles with for ``arch`` (``"sm_86"``)."""
-    opts = ["-std=c++17", f"--gpu-architecture={arch}", f"-I{cuda_dir()}", "-DNDEBUG"]
+    """The options the gpu device compiles with for ``arch`` (``"sm_86"``): the shared constants
+    (:func:`freetoken.device.constants.define_options`) included."""
+    opts = ["-std=c++17", f"--gpu-architecture={arch}", f"-I{cuda_dir()}", "-DNDEBUG", *define_options()]
     opts += [f"-I{d}" for d in cuda_include_dirs() if d.parent.name == "cuda_runtime"]
     return opts
 

@@ -5,16 +5,10 @@ weight round-trips through bf16 (bf16 checkpoints), else float16 when every weig
 GGUF tensors), else float32. The weights are never rounded: results differ from the float32 matrix product only by
 float32 summation order. 16-bit storage halves the device memory and the bytes a decode step reads.
 
-On the cpu device NumPy's BLAS runs on one thread next to the Numba kernels (see :mod:`freetoken.device.blas`), so
-:class:`Linear` runs the multithreaded kernels of :mod:`freetoken.cpu_kernels.gemv` instead: a GEMV for a few tokens
-(decode: bound by reading the weights) and a register-tiled product for prompts (about 3x one BLAS thread on 2
-cores).
-
-On gpu/emu up to :data:`freetoken.ops.dense.MAX_TOKENS` tokens run the GEMV kernel of ``cuda/dense.cu``
-(:func:`freetoken.ops.dense.dense_gemv`: each weight read once, widened in registers). More tokens run a chunked
-product on the device's array module (cuBLAS on gpu, NumPy on emu): row chunks of at most :data:`CHUNK_ELEMENTS`
-weights are widened to float32 into one reused buffer and multiplied, so the extra memory stays bounded (float32
-matrices are multiplied whole, as they are).
+The product runs in :func:`freetoken.ops.dense` (which owns the per-device dispatch: the Numba kernels of
+:mod:`freetoken.cpu_kernels.gemv` on the cpu device, where NumPy's BLAS runs on one thread next to them; the GEMV
+kernel of ``cuda/dense.cu`` for a few tokens on gpu/emu and a chunked product beyond); :class:`Linear` keeps only the
+matrix bookkeeping: the storage choice, concatenation and splitting.
 
 GGUF Q8_0 / Q4_0 matrices (:class:`freetoken.models.qmatrix.QuantizedMatrix`) stay in their file blocks (storage
 "q8_0" / "q4_0": 34 / 18 bytes per 32 weights instead of 128 as float32): the kernels decode each block in registers
@@ -34,14 +28,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from freetoken import ops
 from freetoken.models.qmatrix import QuantizedMatrix
 from freetoken.models.qmatrix import stack as _stack_quantized
+from freetoken.ops.dense import widen
 
 #: Elements per chunk of the load-time exactness checks (bounds their temporary memory).
 _CHECK_ELEMENTS = 1 << 22
-#: gpu/emu, more tokens than the GEMV kernel takes: weights widened to float32 per chunk of the product (a chunk
-#: is at least one row). Bounds the temporary float32 copy (32 MiB).
-CHUNK_ELEMENTS = 1 << 23
 
 
 def exact_storage(w: np.ndarray) -> str:
@@ -95,26 +88,16 @@ class Linear:
         self.dev, self.xp = device, device.xp
         self.out_features, self.in_features = w.shape
         self.sizes: tuple[int, ...] = (self.out_features,)
-        self._cpu = device.kind == "cpu"
-        if self._cpu:
-            from freetoken.cpu_kernels.gemv import matmul_into, storage_view
-
-            self.storage = exact_storage(w)
-            self._w = storage_view(to_storage(w, self.storage))  # float32: ``w`` itself (a tied lm_head: embed)
-            self._matmul = matmul_into
-        else:
-            self.storage = exact_storage(w)
-            self._w = device.asarray(to_storage(w, self.storage))
+        self.storage = exact_storage(w)
+        self._w = device.asarray(to_storage(w, self.storage))  # float32 on cpu: ``w`` itself (a tied lm_head: embed)
         self._set_bias(bias)
 
     def _init_quantized(self, q: QuantizedMatrix, device, bias) -> None:
         self.dev, self.xp = device, device.xp
         self.out_features, self.in_features = q.shape
         self.sizes = (self.out_features,)
-        self._cpu = device.kind == "cpu"
         self.storage = self._kind = q.kind
-        blocks = np.ascontiguousarray(q.blocks)
-        self._w = blocks if self._cpu else device.asarray(blocks)
+        self._w = device.asarray(np.ascontiguousarray(q.blocks))
         self._set_bias(bias)
 
     def _set_bias(self, bias) -> None:
@@ -123,7 +106,7 @@ class Linear:
             b = np.ascontiguousarray(bias, dtype=np.float32).reshape(-1)
             if b.shape != (self.out_features,):
                 raise ValueError(f"bias must have {self.out_features} elements, got shape {list(bias.shape)}")
-            self.bias = b if self._cpu else self.dev.asarray(b)
+            self.bias = self.dev.asarray(b)
 
     @classmethod
     def concat(cls, weights: Sequence[np.ndarray | QuantizedMatrix], device,
@@ -152,7 +135,7 @@ class Linear:
             parts = tuple(cls._one([ws[i] for i in r], device,
                                    None if bs is None else np.concatenate([bs[i] for i in r])) for r in runs)
             lin = cls.__new__(cls)
-            lin.dev, lin.xp, lin._cpu, lin._kind = device, device.xp, device.kind == "cpu", None
+            lin.dev, lin.xp, lin._kind = device, device.xp, None
             lin.in_features, lin.out_features = parts[0].in_features, sum(p.out_features for p in parts)
             if any(p.in_features != lin.in_features for p in parts):
                 raise ValueError("concatenated matrices must have the same number of columns")
@@ -179,82 +162,18 @@ class Linear:
         """``x [T, K]`` float32 -> ``y [T, N]`` float32 (a new array)."""
         if self._parts is not None:
             return self.xp.concatenate([p(x) for p in self._parts], axis=1)
-        if self._cpu:
-            if x.dtype != np.float32 or not x.flags.c_contiguous:
-                x = np.ascontiguousarray(x, dtype=np.float32)
-            if x.ndim != 2 or x.shape[1] != self.in_features:
-                raise ValueError(f"x must be [T, {self.in_features}], got shape {list(x.shape)}")
-            y = np.empty((x.shape[0], self.out_features), np.float32)
-            if x.shape[0] and self._kind is not None:
-                from freetoken.cpu_kernels.qgemv import qmatmul_into
-
-                qmatmul_into(x, self._w, self._kind, y)
-            elif x.shape[0]:
-                self._matmul(x, self._w, y)  # the kernels read unchecked: shapes checked here
-        else:
-            return self._device_call(x)
-        if self.bias is not None:
-            y += self.bias
-        return y
-
-    def _device_call(self, x):
-        """gpu/emu: the GEMV kernel for a few tokens, else the chunked product (bias included)."""
-        from freetoken.ops.dense import MAX_TOKENS, dense_gemv
-
-        xp = self.xp
         if x.dtype != np.float32 or not x.flags.c_contiguous:
-            x = xp.ascontiguousarray(x, dtype=np.float32)
+            x = self.xp.ascontiguousarray(x, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"x must be [T, {self.in_features}], got shape {list(x.shape)}")
-        t, n = x.shape[0], self.out_features
-        if t <= MAX_TOKENS:
-            return dense_gemv(x, self._w, self.storage, bias=self.bias, device=self.dev)
-        if self.storage == "f32":
-            y = x @ self._w.T
-        else:
-            y = xp.empty((t, n), np.float32)
-            rows = max(1, CHUNK_ELEMENTS // max(1, self.in_features))
-            buf = xp.empty((min(rows, n), self.in_features), np.float32)
-            for r0 in range(0, n, rows):
-                r1 = min(n, r0 + rows)
-                wc = self._widen_into(self._w[r0:r1], buf[:r1 - r0])
-                y[:, r0:r1] = x @ wc.T
-        if self.bias is not None:
-            y += self.bias
-        return y
-
-    def _widen_into(self, w16, out):
-        """The stored 16-bit (or quantized block) rows ``w16`` as float32 in ``out`` (same shape, C-contiguous) on
-        the device."""
-        xp = self.xp
-        if self._kind is not None:
-            from freetoken.ops.dense import dense_dequant
-
-            return dense_dequant(w16, self._kind, self.in_features, out=out, device=self.dev)
-        if self.storage == "f16":
-            xp.copyto(out, w16)
-            return out
-        bits = out.view(np.uint32)  # bf16: the stored high halves of the float32 values
-        xp.copyto(bits, w16)
-        xp.left_shift(bits, np.uint32(16), out=bits)
-        return out
+        return ops.dense(x, self._w, self.storage, bias=self.bias, device=self.dev)
 
     @property
     def weight(self):
         """The float32 matrix [N, K] on the device (a widened copy when stored in 16 bits or quantized)."""
         if self._parts is not None:
             return self.xp.concatenate([p.weight for p in self._parts], axis=0)
-        if self.storage == "f32":
-            return self._w
-        if self._cpu and self._kind is not None:
-            from freetoken.cpu_kernels.qgemv import dequantize_rows
-
-            return dequantize_rows(self._w, self._kind, self.in_features)
-        if self._cpu:
-            from freetoken.cpu_kernels.gemv import widen
-
-            return widen(self._w)
-        return self._widen_into(self._w, self.xp.empty((self.out_features, self.in_features), np.float32))
+        return widen(self._w, self.storage, self.in_features, device=self.dev)
 
     @property
     def nbytes(self) -> int:

@@ -1,16 +1,84 @@
-"""One module per CUDA source: checks shapes and dtypes, picks launch geometry, launches (or runs the Numba
-kernel on the cpu device)."""
+"""The ops: one launcher module per op family (checks shapes and dtypes, picks launch geometry, launches the CUDA
+kernel on gpu/emu or runs the Numba kernel on the cpu device), every op function exported here.
 
-from freetoken.ops.attention import attention_decode
+:data:`OPS` lists every op with its contract: the function, its CUDA source(s) in ``cuda/``, its launcher module,
+its Numba kernel(s) in ``cpu_kernels/``, its NumPy reference and its parity cases (the last two as dotted paths
+into ``freetoken.testing``, which the package never imports). tests/test_ops_registry.py checks the registry is
+complete; tests/test_kernel_parity.py runs every case on every device present.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from freetoken.device import constants
+from freetoken.ops.attention import attention, attention_decode
+from freetoken.ops.cache import cache_admit, cache_borrow_layer, cache_copy
+from freetoken.ops.dense import dense, dense_gemv
 from freetoken.ops.histogram import histogram
+from freetoken.ops.moe_experts import MoeWorkspace, moe_experts
 from freetoken.ops.reduce import row_sum
+from freetoken.ops.rms_norm import rms_norm
+from freetoken.ops.rope import rope
+from freetoken.ops.routing import route_softmax_topk
 from freetoken.ops.topk import topk
 from freetoken.ops.transpose import transpose
 
-__all__ = ["attention_decode", "histogram", "row_sum", "topk", "transpose"]
 
-# INTERIM: see freetoken/ops/_interim.py
-from freetoken.ops._interim import attention, rms_norm, rope, route_softmax_topk  # noqa: E402
-from freetoken.ops.moe_experts import MoeWorkspace, moe_experts  # noqa: E402
+@dataclass(frozen=True)
+class Op:
+    """One op's contract. ``numba``: "module:function" in ``freetoken.cpu_kernels`` (empty where the cpu device runs
+    array code: ``cpu`` says what); ``reference``: "module:function"; ``cases``: the module whose ``CASES`` hold this
+    op's cases (``KernelCase.op == name``)."""
 
-__all__ += ["MoeWorkspace", "attention", "moe_experts", "rms_norm", "rope", "route_softmax_topk"]
+    name: str
+    function: Callable
+    cuda: tuple[str, ...]
+    launcher: str
+    numba: tuple[str, ...]
+    reference: str
+    cases: str
+    cpu: str = "numba"
+
+
+_K, _R, _C = "freetoken.cpu_kernels.", "freetoken.testing.reference.", "freetoken.testing.cases."
+
+#: Every op, by name (the name is the function's name in this package).
+OPS: dict[str, Op] = {op.name: op for op in (
+    Op("topk", topk, ("topk.cu",), "freetoken.ops.topk", (_K + "topk:topk_rows_f32",), _R + "topk:topk_reference",
+       _C + "topk"),
+    Op("row_sum", row_sum, ("reduce.cu",), "freetoken.ops.reduce", (_K + "reduce:row_sum_f32",),
+       _R + "reduce:row_sum_reference", _C + "reduce"),
+    Op("histogram", histogram, ("histogram.cu",), "freetoken.ops.histogram", (_K + "histogram:histogram_i32",),
+       _R + "histogram:histogram_reference", _C + "histogram"),
+    Op("transpose", transpose, ("transpose.cu",), "freetoken.ops.transpose", (_K + "transpose:transpose_2d",),
+       _R + "transpose:transpose_reference", _C + "transpose"),
+    Op("attention_decode", attention_decode, ("attention.cu",), "freetoken.ops.attention",
+       (_K + "attention:attention_decode_f32",), _R + "attention:attention_reference", _C + "attention"),
+    Op("attention", attention, ("attention.cu",), "freetoken.ops.attention", (), _R + "attention:attention_reference",
+       _C + "attention", cpu="array code (freetoken.ops.attention.attention_arrays)"),
+    Op("dense_gemv", dense_gemv, ("dense.cu",), "freetoken.ops.dense",
+       (_K + "gemv:matmul_into", _K + "qgemv:qmatmul_into"), _R + "dense:dense_reference", _C + "dense"),
+    Op("dense", dense, ("dense.cu",), "freetoken.ops.dense",
+       (_K + "gemv:matmul_into", _K + "qgemv:qmatmul_into", _K + "qgemv:dequantize_rows"),
+       _R + "dense:dense_reference", _C + "dense"),
+    Op("rms_norm", rms_norm, ("rms_norm.cu",), "freetoken.ops.rms_norm", (_K + "rms_norm:rms_norm_rows",),
+       _R + "rms_norm:rms_norm_reference", _C + "rms_norm"),
+    Op("rope", rope, ("rope.cu",), "freetoken.ops.rope", (_K + "rope:rope_rows",), _R + "rope:rope_reference",
+       _C + "rope"),
+    Op("route_softmax_topk", route_softmax_topk, ("routing.cu",), "freetoken.ops.routing",
+       (_K + "routing:softmax_topk_rows",), _R + "routing:route_softmax_topk_reference", _C + "routing"),
+    Op("moe_experts", moe_experts, ("moe_plan.cu", "moe_decode.cu", "moe_prefill.cu"), "freetoken.ops.moe_experts",
+       (_K + "moe_experts:forward",), _R + "moe_experts:moe_forward_reference", _C + "moe_experts"),
+    Op("cache_admit", cache_admit, ("cache.cu",), "freetoken.ops.cache", (_K + "cache:cache_admit",),
+       _R + "cache:CacheModel", _C + "cache"),
+    Op("cache_copy", cache_copy, ("cache.cu",), "freetoken.ops.cache", (_K + "cache:cache_copy_bank",),
+       _R + "cache:CacheModel", _C + "cache"),
+    Op("cache_borrow_layer", cache_borrow_layer, ("cache.cu",), "freetoken.ops.cache",
+       (_K + "cache:cache_borrow_layer",), _R + "cache:CacheModel", _C + "cache"),
+)}
+
+__all__ = ["OPS", "MoeWorkspace", "Op", "attention", "attention_decode", "cache_admit", "cache_borrow_layer",
+           "cache_copy", "constants", "dense", "dense_gemv", "histogram", "moe_experts", "rms_norm", "rope",
+           "route_softmax_topk", "row_sum", "topk", "transpose"]

@@ -1,5 +1,8 @@
 """Causal grouped-query attention against a KV cache (``cuda/attention.cu``, ``cpu_kernels/attention.py``).
 
+:func:`attention` is the op the model calls (decode kernel or array code, by device and batch);
+:func:`attention_decode` the decode kernel itself.
+
 Built for decode (a few new queries, a long context): on CUDA devices the context of each query is cut into
 splits that run as separate blocks when (queries x kv heads) alone would leave the GPU idle; a second kernel
 merges the splits (flash-decoding). The split count depends only on the shapes and the device, so a result is
@@ -14,10 +17,11 @@ from functools import lru_cache
 
 import numpy as np
 
+from freetoken.device.constants import ATT_TILE, ATT_WARPS, DECODE_MAX_TOKENS
 from freetoken.ops._common import as_input, check_int32, cuda_kernel, prepare_out, resolve
 
-_TILE = 32  # keys per warp tile (ATT_TILE in attention.cu)
-_WARPS = 4  # warps per block (ATT_WARPS in attention.cu)
+_TILE = ATT_TILE  # keys per warp tile (FT_ATT_TILE in attention.cu)
+_WARPS = ATT_WARPS  # warps per block (FT_ATT_WARPS in attention.cu)
 _MIN_CHUNK = _WARPS * _TILE  # fewest keys worth a split of their own: one tile per warp
 _BLOCKS_PER_SM = 4  # blocks the split count aims at per multiprocessor
 _NOMINAL_SMS = 8  # the emu device's stand-in for a multiprocessor count (fixed: results must not vary by host)
@@ -131,3 +135,52 @@ def attention_decode(q, k_cache, v_cache, start, out=None, device=None, *, split
     combine((t * heads,), (32 * -(-dim // 32),), (part_o, part_ml, out, check_int32("rows", t * heads), np.int32(dim),
                                    np.int32(nsplit)))
     return out
+
+
+def attention_arrays(xp, q, k_cache, v_cache, start: int):
+    """Causal grouped-query attention on an array module (numpy or cupy), float32: the prefill path of
+    :func:`attention` (and the whole op on the cpu device). Same arguments and result as :func:`attention`."""
+    t, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    total = start + t
+    k = k_cache[:total]
+    v = v_cache[:total]
+    group = heads // kv_heads
+    qg = q.reshape(t, kv_heads, group, dim).transpose(1, 2, 0, 3)  # [Hkv, G, T, D]
+    scores = xp.matmul(qg, k.transpose(1, 2, 0)[:, None]) * np.float32(1.0 / np.sqrt(dim))  # [Hkv, G, T, total]
+    mask = np.arange(total)[None, :] > (start + np.arange(t))[:, None]
+    scores = xp.where(xp.asarray(mask), np.float32(-np.inf), scores)
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    p = xp.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    out = xp.matmul(p, v.transpose(1, 0, 2)[:, None])  # [Hkv, G, T, D]
+    return out.transpose(2, 0, 1, 3).reshape(t, heads * dim)
+
+
+def attention(q, k_cache, v_cache, start: int, *, device=None):
+    """Causal grouped-query attention of T new queries at positions start..start+T-1 against KV caches that already
+    hold them.
+
+    Parameters
+    ----------
+    q : float32 array [T, H, D]
+    k_cache, v_cache : float32 arrays [>= start + T, Hkv, D], H divisible by Hkv
+    start : int >= 0, the position of the first query
+    device : Device or name, optional (default: auto)
+
+    Returns
+    -------
+    float32 array [T, H * D] on the device.
+
+    Dispatch: the cpu device runs the array code (:func:`attention_arrays`); gpu/emu run the decode kernel
+    (:func:`attention_decode`) for T <= :data:`freetoken.device.constants.DECODE_MAX_TOKENS` and the array code
+    beyond (prefill; a flash-attention prefill kernel will take it over).
+    """
+    dev = resolve(device)
+    q, k_cache, v_cache = dev.as_array(q), dev.as_array(k_cache), dev.as_array(v_cache)
+    if q.ndim != 3 or k_cache.ndim != 3 or v_cache.ndim != 3:
+        raise ValueError(f"q [T, H, D] and the caches [rows, Hkv, D] must be 3-D, got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if dev.kind == "cpu" or q.shape[0] > DECODE_MAX_TOKENS:
+        return attention_arrays(dev.xp, q, k_cache, v_cache, start)
+    return attention_decode(dev.xp.ascontiguousarray(q), k_cache, v_cache, start, device=dev)

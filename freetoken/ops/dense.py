@@ -4,25 +4,73 @@
 per call). ``W`` is held as bf16 (uint16 bits: the high halves of the float32 values), float16 or float32 and
 widened in registers; or as GGUF Q8_0 / Q4_0 blocks (uint8 [N, K/32 * block bytes], see
 :mod:`freetoken.models.qmatrix`), decoded per block in registers. Accumulation is float32.
-:class:`freetoken.models.linear.Linear` calls it for T <= :data:`MAX_TOKENS` and runs a chunked product beyond
-(quantized matrices: row chunks decoded to float32 on the device by :func:`dense_dequant`).
+
+:func:`dense` is the op :class:`freetoken.models.linear.Linear` calls, for any T and on every device (the per-device
+dispatch lives there); :func:`dense_gemv` is the decode kernel (T <= :data:`MAX_TOKENS`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from freetoken.device.constants import DENSE_MAX_TOKENS, DENSE_WARPS
 from freetoken.ops._common import as_input, check_int32, cuda_kernel, prepare_out, resolve
 
-#: The most tokens one call takes (DENSE_MAX_T in dense.cu).
-MAX_TOKENS = 8
-_WARPS_PER_BLOCK = 4  # DENSE_WARPS in dense.cu: one warp per output row
+#: The most tokens one call takes (FT_DENSE_MAX_T in dense.cu).
+MAX_TOKENS = DENSE_MAX_TOKENS
+_WARPS_PER_BLOCK = DENSE_WARPS  # FT_DENSE_WARPS in dense.cu: one warp per output row
 #: The weight dtype of each storage.
 STORAGE_DTYPES = {"bf16": np.dtype(np.uint16), "f16": np.dtype(np.float16), "f32": np.dtype(np.float32),
                   "q8_0": np.dtype(np.uint8), "q4_0": np.dtype(np.uint8)}
 #: Bytes per block of 32 weights of the quantized storages.
 QUANT_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
 _STORAGE_NAMES = "bf16, f16, f32, q8_0 or q4_0"
+#: gpu/emu, more tokens than the GEMV kernel takes: weights widened to float32 per chunk of the product (a chunk is
+#: at least one row). Bounds the temporary float32 copy (32 MiB).
+CHUNK_ELEMENTS = 1 << 23
+
+
+def _checked(dev, x, w, storage: str, bias):
+    """Inputs as device arrays, checked: (x [T, K], w, bias or None, N, K)."""
+    if storage not in STORAGE_DTYPES:
+        raise ValueError(f"unknown storage {storage!r}; choose {_STORAGE_NAMES}")
+    x = as_input(dev, x, "x", np.float32, 2)
+    want = STORAGE_DTYPES[storage]
+    w = dev.as_array(w)
+    if w.dtype != want:
+        what = "uint16 (bf16 bits)" if storage == "bf16" else str(want)
+        raise TypeError(f"w must be {what} for storage {storage!r}, got {w.dtype}")
+    w = as_input(dev, w, "w", want, 2)
+    k = x.shape[1]
+    n, wk = w.shape
+    qbytes = QUANT_BLOCK_BYTES.get(storage)
+    if qbytes is not None:
+        if k % 32 or wk != k // 32 * qbytes:
+            raise ValueError(f"{storage} w has {wk} bytes per row but x has {k} columns (w must be "
+                             f"[N, K/32 * {qbytes}] for x [T, K], K a multiple of 32)")
+    elif wk != k:
+        raise ValueError(f"w has {wk} columns but x has {k} (w must be [N, K] for x [T, K])")
+    b = None
+    if bias is not None:
+        b = as_input(dev, bias, "bias", np.float32, 1)
+        if b.shape[0] != n:
+            raise ValueError(f"bias must have {n} elements (one per row of w), got shape {tuple(b.shape)}")
+    return x, w, b, n, k
+
+
+def _cpu_product(x, w, storage: str, b, y) -> None:
+    """The cpu device's product: the Numba GEMV (few tokens) or register-tiled kernel, then the bias."""
+    if x.shape[0]:
+        if storage in QUANT_BLOCK_BYTES:
+            from freetoken.cpu_kernels.qgemv import qmatmul_into
+
+            qmatmul_into(x, w, storage, y)
+        else:
+            from freetoken.cpu_kernels.gemv import matmul_into, storage_view
+
+            matmul_into(x, storage_view(w), y)
+    if b is not None:
+        y += b
 
 
 def dense_gemv(x, w, storage: str, bias=None, out=None, device=None):
@@ -43,53 +91,105 @@ def dense_gemv(x, w, storage: str, bias=None, out=None, device=None):
     float32 array [T, N] on the device (``out`` when given).
     """
     dev = resolve(device)
-    if storage not in STORAGE_DTYPES:
-        raise ValueError(f"unknown storage {storage!r}; choose {_STORAGE_NAMES}")
-    x = as_input(dev, x, "x", np.float32, 2)
-    want = STORAGE_DTYPES[storage]
-    w = dev.as_array(w)
-    if w.dtype != want:
-        what = "uint16 (bf16 bits)" if storage == "bf16" else str(want)
-        raise TypeError(f"w must be {what} for storage {storage!r}, got {w.dtype}")
-    w = as_input(dev, w, "w", want, 2)
-    t, k = x.shape
-    n, wk = w.shape
-    qbytes = QUANT_BLOCK_BYTES.get(storage)
-    if qbytes is not None:
-        if k % 32 or wk != k // 32 * qbytes:
-            raise ValueError(f"{storage} w has {wk} bytes per row but x has {k} columns (w must be "
-                             f"[N, K/32 * {qbytes}] for x [T, K], K a multiple of 32)")
-    elif wk != k:
-        raise ValueError(f"w has {wk} columns but x has {k} (w must be [N, K] for x [T, K])")
+    x, w, b, n, k = _checked(dev, x, w, storage, bias)
+    t = x.shape[0]
     if t > MAX_TOKENS:
         raise ValueError(f"T={t} tokens exceed dense_gemv's {MAX_TOKENS} (decode); larger batches take a chunked "
-                         "matrix product (freetoken.models.linear.Linear)")
-    b = None
-    if bias is not None:
-        b = as_input(dev, bias, "bias", np.float32, 1)
-        if b.shape[0] != n:
-            raise ValueError(f"bias must have {n} elements (one per row of w), got shape {tuple(b.shape)}")
+                         "matrix product (freetoken.ops.dense)")
     y = prepare_out(dev, out, (t, n), np.float32)
     if t == 0 or n == 0:
         return y
     if dev.kind == "cpu":
-        if qbytes is not None:
-            from freetoken.cpu_kernels.qgemv import qmatmul_into
-
-            qmatmul_into(x, w, storage, y)
-        else:
-            from freetoken.cpu_kernels.gemv import matmul_into, storage_view
-
-            matmul_into(x, storage_view(w), y)
-        if b is not None:
-            y += b
+        _cpu_product(x, w, storage, b, y)
         return y
+    _launch_gemv(dev, x, w, storage, b, y)
+    return y
+
+
+def _launch_gemv(dev, x, w, storage, b, y) -> None:
+    t, k = x.shape
+    n = w.shape[0]
     fn = cuda_kernel(dev, "dense.cu", f"dense_gemv_{storage}")
     grid = -(-n // _WARPS_PER_BLOCK)
     fn((grid,), (32 * _WARPS_PER_BLOCK,),
        (w, x, x if b is None else b, np.int32(b is not None), y, np.int32(t), check_int32("N", n),
         check_int32("K", k)))
-    return y
+
+
+def dense(x, w, storage: str, bias=None, *, out=None, device=None):
+    """``x @ widen(w).T (+ bias)`` for any number of tokens: the dense projection op.
+
+    Same arguments as :func:`dense_gemv`, with T unbounded. Dispatch: the cpu device runs the Numba kernels
+    (:mod:`freetoken.cpu_kernels.gemv`: a GEMV up to a few tokens, a register-tiled product beyond;
+    :mod:`freetoken.cpu_kernels.qgemv` for GGUF blocks); gpu/emu run :func:`dense_gemv` up to :data:`MAX_TOKENS`
+    tokens and a chunked product on the device's array module beyond (cuBLAS on gpu, NumPy on emu): row chunks of
+    at most :data:`CHUNK_ELEMENTS` weights widened to float32 into one reused buffer (GGUF blocks decoded by
+    :func:`dense_dequant`) and multiplied; float32 matrices are multiplied whole.
+
+    Returns
+    -------
+    float32 array [T, N] on the device (``out`` when given).
+    """
+    dev = resolve(device)
+    x, w, b, n, k = _checked(dev, x, w, storage, bias)
+    t = x.shape[0]
+    if dev.kind == "cpu":
+        y = prepare_out(dev, out, (t, n), np.float32)
+        _cpu_product(x, w, storage, b, y)
+        return y
+    if t <= MAX_TOKENS:
+        y = prepare_out(dev, out, (t, n), np.float32)
+        if t and n:
+            _launch_gemv(dev, x, w, storage, b, y)
+        return y
+    xp = dev.xp
+    if storage == "f32":
+        y = x @ w.T
+    else:
+        y = xp.empty((t, n), np.float32)
+        rows = max(1, CHUNK_ELEMENTS // max(1, k))
+        buf = xp.empty((min(rows, n), k), np.float32)
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            wc = _widen_into(dev, w[r0:r1], storage, k, buf[:r1 - r0])
+            y[:, r0:r1] = x @ wc.T
+    if b is not None:
+        y += b
+    if out is None:
+        return y
+    o = prepare_out(dev, out, (t, n), np.float32)
+    o[...] = y
+    return o
+
+
+def widen(w, storage: str, k: int, device=None):
+    """The float32 matrix [N, K] of stored weights ``w`` on the device (a new array unless storage "f32")."""
+    dev = resolve(device)
+    if dev.kind == "cpu":
+        if storage in QUANT_BLOCK_BYTES:
+            from freetoken.cpu_kernels.qgemv import dequantize_rows
+
+            return dequantize_rows(w, storage, k)
+        from freetoken.cpu_kernels.gemv import widen as widen_cpu
+
+        return widen_cpu(w)
+    if storage == "f32":
+        return w
+    return _widen_into(dev, w, storage, k, dev.xp.empty((w.shape[0], k), np.float32))
+
+
+def _widen_into(dev, w16, storage: str, k: int, out):
+    """Stored 16-bit (or quantized block) rows ``w16`` as float32 in ``out`` (same rows, C-contiguous) on gpu/emu."""
+    xp = dev.xp
+    if storage in QUANT_BLOCK_BYTES:
+        return dense_dequant(w16, storage, k, out=out, device=dev)
+    if storage == "f16":
+        xp.copyto(out, w16)
+        return out
+    bits = out.view(np.uint32)  # bf16: the stored high halves of the float32 values
+    xp.copyto(bits, w16)
+    xp.left_shift(bits, np.uint32(16), out=bits)
+    return out
 
 
 def dense_dequant(w, storage: str, k: int, out=None, device=None):

@@ -14,27 +14,27 @@ import os
 
 import numpy as np
 
+from freetoken.device.constants import (
+    DECODE_MAX_TOKENS,
+    DECODE_ROWS,
+    EXPERT_BANKS,
+    PLAN,
+    PREFILL_ROWS,
+    TILE_M,
+    activation_code,
+)
 from freetoken.formats import MATRICES, RecordLayout
 from freetoken.ops._common import as_input, check_int32, cuda_kernel, prepare_out, resolve
-from freetoken.ops.moe_reference import activation_code
 
-#: Pairs (token, k) per prefill tile; must equal FT_TILE_M in cuda/moe_prefill.cu.
-TILE_M = 64
-#: Output rows per block: cuda/moe_decode.cu FT_ROWS and cuda/moe_prefill.cu FT_TILE_N.
-DECODE_ROWS = 8
-PREFILL_ROWS = 64
-#: Up to this many tokens the decode kernels run (mode="auto").
-DECODE_MAX_TOKENS = 16
+# TILE_M (pairs per prefill tile), DECODE_ROWS / PREFILL_ROWS (output rows per block), DECODE_MAX_TOKENS (mode="auto"
+# runs the decode kernels up to this many tokens), EXPERT_BANKS / PLAN struct layouts: freetoken.device.constants.
+__all__ = ["DECODE_MAX_TOKENS", "DECODE_ROWS", "EXPERT_BANKS", "KERNEL_FAMILY", "PLAN", "PREFILL_ROWS", "TILE_M",
+           "MoeWorkspace", "moe_experts"]
 
 #: Kernel family of each format (ds_fp4 experts are OCP MXFP4 with row-major packing).
 KERNEL_FAMILY = {"bf16": "bf16", "fp8_block": "fp8_block", "nvfp4": "nvfp4", "mxfp4": "mxfp4", "ds_fp4": "mxfp4",
                  "q4_0": "q4_0"}
 
-#: ft::ExpertBanks in cuda/moe_common.cuh: for gate, up, down the pointers w, s, g, b.
-EXPERT_BANKS = np.dtype([(f"{m}_{f}", np.uint64) for m in MATRICES for f in ("w", "s", "g", "b")], align=True)
-#: ft::Plan in cuda/moe_common.cuh.
-PLAN = np.dtype([(n, np.uint64) for n in ("n_unique", "unique_slot", "unique_off", "pair_list", "n_tiles",
-                                          "tile_unique", "tile_start")], align=True)
 
 
 def _bank_struct(dev, layout: RecordLayout, banks: dict) -> np.void:

@@ -1,4 +1,5 @@
-"""NumPy float64 reference of causal grouped-query attention (the semantics of ``ops.attention_decode``)."""
+"""NumPy float64 reference of causal grouped-query attention (the semantics of ``ops.attention`` and
+``ops.attention_decode``)."""
 
 from __future__ import annotations
 

@@ -8,18 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-#: Activation codes shared with the kernels (cuda/moe_common.cuh, cpu_kernels/moe_experts.py).
-ACT_SWIGLU = 0  # silu(gate) * up (Qwen, Mixtral, DeepSeek, OLMoE)
-ACT_GPT_OSS = 1  # gate = min(gate, 7); up = clamp(up, -7, 7); (up + 1) * gate * sigmoid(1.702 * gate)
-ACTIVATIONS = {"swiglu": ACT_SWIGLU, "gpt_oss": ACT_GPT_OSS}
-GPT_OSS_LIMIT = 7.0
-GPT_OSS_ALPHA = 1.702
-
-
-def activation_code(act: str) -> int:
-    if act not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {act!r}; choose one of {', '.join(ACTIVATIONS)}")
-    return ACTIVATIONS[act]
+from freetoken.device.constants import ACT_SWIGLU, GPT_OSS_ALPHA, GPT_OSS_LIMIT, activation_code
 
 
 def apply_activation(gate: np.ndarray, up: np.ndarray, act: str) -> np.ndarray:

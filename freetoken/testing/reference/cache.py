@@ -1,7 +1,8 @@
 """A pure NumPy model of the expert cache's state machine: the oracle of the device kernels.
 
 It tracks maps, recency, pins, statistics and, per slot, which record's bytes the slot holds (``content``),
-with exactly the semantics of ``cuda/cache.cu`` (see :func:`CacheModel.admit`).
+with exactly the semantics of ``cuda/cache.cu`` and its Numba twin ``cpu_kernels/cache.py`` (see
+:func:`CacheModel.admit`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,121 @@
+"""Constants shared by the Python launchers and the CUDA sources, defined once, here.
+
+Every compile (gpu, emu and the NVRTC check of all architectures) receives :data:`CUDA_DEFINES` as ``-D``
+options (:func:`define_options`, added by :func:`freetoken.device.nvrtc.compile_cubin` and
+:func:`freetoken.device.emu_build.build`); the ``.cu`` / ``.cuh`` sources use the ``FT_*`` names and never define
+them (``cuda/common.cuh`` stops a compile without them with an ``#error``), and they ``static_assert`` the struct
+layouts the launchers pack (``ft::ExpertBanks``, ``ft::Plan``, the cache's ``BankTable``) against the sizes and
+offsets given here. The Numba kernels (``cpu_kernels/``) and the launchers (``freetoken/ops/``) import the same
+values. They live in the device layer, the lowest that compiles kernels, so everything above can read them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# ---- routed experts (cuda/moe_*.cu) -----------------------------------------------------------------------------
+#: Pairs (token, k) per prefill tile (FT_TILE_M).
+TILE_M = 64
+#: Output rows per block of the decode expert kernels (FT_ROWS).
+DECODE_ROWS = 8
+#: Output rows per block of the prefill expert kernels (FT_TILE_N).
+PREFILL_ROWS = 64
+#: Up to this many tokens the decode kernels run (moe_experts mode="auto"; attention's decode kernel too).
+DECODE_MAX_TOKENS = 16
+
+#: Activation codes (cuda/moe_common.cuh, cpu_kernels/moe_experts.py, the reference).
+ACT_SWIGLU = 0  # silu(gate) * up (Qwen, Mixtral, DeepSeek, OLMoE)
+ACT_GPT_OSS = 1  # gate = min(gate, 7); up = clamp(up, -7, 7); (up + 1) * gate * sigmoid(1.702 * gate)
+ACTIVATIONS = {"swiglu": ACT_SWIGLU, "gpt_oss": ACT_GPT_OSS}
+GPT_OSS_LIMIT = 7.0
+GPT_OSS_ALPHA = 1.702
+
+
+def activation_code(act: str) -> int:
+    """The code of activation ``act`` ("swiglu" or "gpt_oss")."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {act!r}; choose one of {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[act]
+
+#: Kernel-family format codes (the template argument of the expert kernels, cuda/moe_common.cuh).
+FORMAT_CODES = {"bf16": 0, "fp8_block": 1, "nvfp4": 2, "mxfp4": 3, "q4_0": 4}
+
+#: ft::ExpertBanks (cuda/moe_common.cuh): for gate, up, down the pointers w, s, g, b.
+EXPERT_BANKS = np.dtype([(f"{m}_{f}", np.uint64) for m in ("gate", "up", "down") for f in ("w", "s", "g", "b")],
+                        align=True)
+#: ft::Plan (cuda/moe_common.cuh).
+PLAN = np.dtype([(n, np.uint64) for n in ("n_unique", "unique_slot", "unique_off", "pair_list", "n_tiles",
+                                          "tile_unique", "tile_start")], align=True)
+
+# ---- expert cache (cuda/cache.cu) -------------------------------------------------------------------------------
+#: Routed pairs per admit call (FT_CACHE_MAX_PAIRS).
+CACHE_MAX_PAIRS = 1024
+#: Banks per record (FT_CACHE_MAX_BANKS).
+CACHE_MAX_BANKS = 16
+#: cache.cu's BankTable.
+BANK_TABLE = np.dtype([("src", np.uint64, CACHE_MAX_BANKS), ("dst", np.uint64, CACHE_MAX_BANKS),
+                       ("bytes", np.uint64, CACHE_MAX_BANKS), ("n", np.int32)], align=True)
+#: Error codes of cache_admit (and its Numba twin).
+CACHE_ERR_ID_RANGE = 1
+CACHE_ERR_NO_VICTIM = 2
+
+# ---- dense GEMV (cuda/dense.cu) ---------------------------------------------------------------------------------
+#: The most tokens one dense_gemv call takes (FT_DENSE_MAX_T).
+DENSE_MAX_TOKENS = 8
+#: Warps (output rows) per block of dense_gemv (FT_DENSE_WARPS).
+DENSE_WARPS = 4
+
+# ---- attention (cuda/attention.cu) ------------------------------------------------------------------------------
+#: Keys per warp tile (FT_ATT_TILE) and warps per block (FT_ATT_WARPS) of attention_decode.
+ATT_TILE = 32
+ATT_WARPS = 4
+
+# ---- small row ops (cuda/rms_norm.cu, cuda/routing.cu) ----------------------------------------------------------
+#: The largest block of rms_norm_f32 (FT_NORM_THREADS).
+NORM_THREADS = 256
+#: Warps (rows) per block of route_softmax_topk_f32 (FT_ROUTE_WARPS).
+ROUTE_WARPS = 4
+
+
+def _struct_defines(prefix: str, dtype: np.dtype) -> dict[str, str]:
+    out = {f"{prefix}_SIZE": str(dtype.itemsize)}
+    for name in dtype.names:
+        out[f"{prefix}_{name.upper()}_OFFSET"] = str(dtype.fields[name][1])
+    return out
+
+
+def _float(v: float) -> str:
+    return f"{float(v)!r}f"
+
+
+#: name -> C literal of every definition the CUDA sources receive.
+CUDA_DEFINES: dict[str, str] = {
+    "FT_CONSTANTS": "1",
+    "FT_TILE_M": str(TILE_M),
+    "FT_ROWS": str(DECODE_ROWS),
+    "FT_TILE_N": str(PREFILL_ROWS),
+    "FT_ACT_SWIGLU": str(ACT_SWIGLU),
+    "FT_ACT_GPT_OSS": str(ACT_GPT_OSS),
+    "FT_GPT_OSS_LIMIT": _float(GPT_OSS_LIMIT),
+    "FT_GPT_OSS_ALPHA": _float(GPT_OSS_ALPHA),
+    **{f"FT_FMT_{name.upper()}": str(code) for name, code in FORMAT_CODES.items()},
+    "FT_CACHE_MAX_PAIRS": str(CACHE_MAX_PAIRS),
+    "FT_CACHE_MAX_BANKS": str(CACHE_MAX_BANKS),
+    "FT_CACHE_ERR_ID_RANGE": str(CACHE_ERR_ID_RANGE),
+    "FT_CACHE_ERR_NO_VICTIM": str(CACHE_ERR_NO_VICTIM),
+    "FT_DENSE_MAX_T": str(DENSE_MAX_TOKENS),
+    "FT_DENSE_WARPS": str(DENSE_WARPS),
+    "FT_ATT_TILE": str(ATT_TILE),
+    "FT_ATT_WARPS": str(ATT_WARPS),
+    "FT_NORM_THREADS": str(NORM_THREADS),
+    "FT_ROUTE_WARPS": str(ROUTE_WARPS),
+    **_struct_defines("FT_EXPERT_BANKS", EXPERT_BANKS),
+    **_struct_defines("FT_PLAN", PLAN),
+    **_struct_defines("FT_BANK_TABLE", BANK_TABLE),
+}
+
+
+def define_options(defines: dict[str, str] | None = None) -> list[str]:
+    """``defines`` (default :data:`CUDA_DEFINES`) as ``-DNAME=VALUE`` options, sorted by name (stable cache keys)."""
+    defines = CUDA_DEFINES if defines is None else defines
+    return [f"-D{name}={defines[name]}" for name in sorted(defines)]

@@ -1,0 +1,106 @@
+"""The expert cache's device-side state machine (``cuda/cache.cu``, ``cpu_kernels/cache.py``): admission of one
+layer's routed ids, the copy of missed records into their slots, and the prefill borrow of a double buffer.
+
+:class:`freetoken.cache.ExpertCache` owns the arrays and calls these launchers; they take the arrays as they are
+(int32 maps and worklists, int64 recency / clock / statistics, uint8 pins, int32 error code) and check only what a
+kernel cannot survive. Semantics: DESIGN.md, "The expert cache contract", and ``cache_admit`` in ``cuda/cache.cu``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from freetoken.device.constants import BANK_TABLE, CACHE_MAX_BANKS, CACHE_MAX_PAIRS
+from freetoken.ops._common import check_int32, cuda_kernel, resolve
+
+
+class CopyTable:
+    """Source and destination of every bank of a record: ``pairs`` of (host bank [records, ...], slot bank
+    [slots, ...]); a host bank may be a :class:`~freetoken.device.base.PinnedArray`. Built once per cache."""
+
+    def __init__(self, dev, pairs):
+        if len(pairs) > CACHE_MAX_BANKS:
+            raise ValueError(f"record layouts of more than {CACHE_MAX_BANKS} banks are not supported")
+        self.dev = dev
+        self.pairs = list(pairs)
+        table = np.zeros((), BANK_TABLE)
+        self.row_bytes = []
+        for i, (src, dst) in enumerate(self.pairs):
+            row = int(src.nbytes // src.shape[0])
+            if int(dst.nbytes // dst.shape[0]) != row:
+                raise ValueError(f"bank {i}: host rows of {row} bytes, slot rows of {dst.nbytes // dst.shape[0]}")
+            self.row_bytes.append(row)
+            if dev.kind != "cpu":
+                table["src"][i] = src.device_ptr if hasattr(src, "device_ptr") else dev.pointer_of(src)
+                table["dst"][i] = dev.pointer_of(dst)
+                table["bytes"][i] = row
+        table["n"] = len(self.pairs)
+        self.table = table[()]
+
+    def byte_views(self):
+        """(src, dst) uint8 [rows, bytes] views of every bank (host devices)."""
+        for src, dst in self.pairs:
+            host = src.host if hasattr(src, "host") else src
+            yield host.reshape(host.shape[0], -1).view(np.uint8), dst.reshape(dst.shape[0], -1).view(np.uint8)
+
+
+def cache_admit(ids, layer: int, experts: int, slot_for_id, id_of_slot, recency, pinned, clock, worklist, n_work,
+                hits, misses, err, *, count: bool = True, stream=None, device=None) -> None:
+    """Admit ``layer``'s routed expert ids: ``ids`` (int32, C-contiguous, at most 1024 pairs) rewritten in place to
+    slot ids; the missed records listed in ``worklist`` (int32 [2 * pairs]: slot, flat id) with their count in
+    ``n_work`` (int32 [1]); maps, recency, clock and (when ``count``) ``hits`` / ``misses`` [layers] updated;
+    ``err`` (int32 [1]) raised to 1 for an id outside [0, experts), 2 when no slot is left to evict."""
+    dev = resolve(device)
+    if ids.dtype != np.int32 or not ids.flags.c_contiguous:
+        raise TypeError("ids must be a C-contiguous int32 array")
+    pairs = int(ids.size)
+    if pairs > CACHE_MAX_PAIRS:
+        raise ValueError(f"{pairs} routed pairs exceed the admission's {CACHE_MAX_PAIRS}")
+    slots = int(id_of_slot.shape[0])
+    if dev.kind == "cpu":
+        from freetoken.cpu_kernels.cache import cache_admit as admit_cpu
+
+        admit_cpu(ids, int(layer), int(experts), slot_for_id, id_of_slot, recency, pinned, clock, worklist, n_work,
+                  hits, misses, err, 1 if count else 0)
+        return
+    threads = min(CACHE_MAX_PAIRS, 32 * -(-max(pairs, slots, 32) // 32))
+    i32 = np.int32
+    cuda_kernel(dev, "cache.cu", "cache_admit")(
+        (1,), (threads,), (ids, i32(pairs), check_int32("layer", layer), check_int32("experts", experts), slot_for_id,
+                           id_of_slot, recency, pinned, check_int32("slots", slots), clock, worklist, n_work, hits,
+                           misses, err, i32(1 if count else 0)), stream=stream)
+
+
+def cache_copy(worklist, n_work, table: CopyTable, max_items: int, *, stream=None, device=None) -> None:
+    """Copy every bank row of the first ``n_work[0]`` (at most ``max_items``) worklist records from the host banks
+    into their slots (``table``: :class:`CopyTable`)."""
+    dev = resolve(device)
+    if dev.kind == "cpu":
+        from freetoken.cpu_kernels.cache import cache_copy_bank
+
+        for src, dst in table.byte_views():
+            cache_copy_bank(worklist, n_work, src, dst)
+        return
+    if max_items <= 0 or not table.pairs:
+        return
+    cuda_kernel(dev, "cache.cu", "cache_copy")(
+        (check_int32("max_items", max_items), len(table.pairs)), (256,), (worklist, n_work, table.table),
+        stream=stream)
+
+
+def cache_borrow_layer(layer: int, first: int, experts: int, slot_for_id, id_of_slot, recency, worklist, n_work, *,
+                       stream=None, device=None) -> None:
+    """Prefill borrows slots [first, first + experts) for ``layer``: their previous owners lose mapping and recency,
+    the slots stay unregistered, and ``worklist`` / ``n_work`` list the layer's records for :func:`cache_copy`."""
+    dev = resolve(device)
+    if first < 0 or first + experts > id_of_slot.shape[0]:
+        raise ValueError(f"slots [{first}, {first + experts}) exceed the {id_of_slot.shape[0]} slots")
+    if dev.kind == "cpu":
+        from freetoken.cpu_kernels.cache import cache_borrow_layer as borrow_cpu
+
+        borrow_cpu(int(layer), int(first), int(experts), slot_for_id, id_of_slot, recency, worklist, n_work)
+        return
+    i32 = np.int32
+    cuda_kernel(dev, "cache.cu", "cache_borrow_layer")(
+        (-(-experts // 128),), (128,), (check_int32("layer", layer), i32(first), check_int32("experts", experts),
+                                        slot_for_id, id_of_slot, recency, worklist, n_work), stream=stream)

@@ -1,0 +1,193 @@
+"""Parity cases of the cache ops (``ops.cache_admit``, ``ops.cache_copy``, ``ops.cache_borrow_layer``:
+``cuda/cache.cu``) against ``CacheModel``, and of ``ExpertCache`` admissions over PCIe (gpu/emu, timed by
+bench/gpu_check)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from freetoken import formats, ops
+from freetoken.formats import RecordLayout
+from freetoken.ops.cache import CopyTable
+from freetoken.testing.cases.base import KernelCase
+from freetoken.testing.reference.cache import CacheModel
+
+
+# ---- cache.cu -------------------------------------------------------------------------------------------------
+def _cache_dims(size):
+    # (hidden, inter, layers, experts, slots, k): issue 4's benchmark point on gpu, a toy on emu
+    return (64, 32, 2, 16, 40, 8) if size == "small" else (2048, 768, 2, 128, 1024, 8)
+
+
+def _make_cache_case(fmt_name: str, what: str):
+    def make(rng, size):
+        hidden, inter, layers, experts, slots, k = _cache_dims(size)
+        layout = RecordLayout(formats.get(fmt_name), hidden, inter)
+        ids = [np.sort(rng.permutation(experts)[:k]).astype(np.int32)[None, :] for _ in range(32)]
+        return {"layout": layout, "layers": layers, "experts": experts, "slots": slots, "ids": ids, "seed": 7}
+
+    def setup(dev, inp):
+        from freetoken.cache import ExpertCache, HostPool
+
+        pool = HostPool(dev, inp["layout"], inp["layers"], inp["experts"])
+        rng = np.random.default_rng(inp["seed"])
+        for name in pool.banks:  # random record bytes: copies are checked byte for byte
+            host = pool.host(name).view(np.uint8)
+            host[...] = rng.integers(0, 256, host.shape, dtype=np.uint8)
+        cache = ExpertCache(pool, inp["slots"], max_active=inp["ids"][0].size)
+        first = dev.asarray(inp["ids"][0])
+        cache.admit(0, first)
+        cache.copy_missing()
+        dev.synchronize()
+        return {"cache": cache, "first": first, "ids": [dev.asarray(i) for i in inp["ids"]], "i": [0]}
+
+    def launch(dev, st):
+        cache = st["cache"]
+        if what == "copy":
+            cache.copy_missing()  # the first admit's worklist again: k records over PCIe
+            return
+        i = st["i"][0] = st["i"][0] + 1
+        ids = st["ids"][i % len(st["ids"])].copy()
+        cache.admit(i % cache.num_layers, ids)
+        cache.copy_missing()
+
+    def fetch(dev, st):
+        cache = st["cache"]
+        slots = dev.to_host(st["first"]).ravel()
+        flat = dev.to_host(cache.id_of_slot)[slots]
+        same = all(np.array_equal(dev.to_host(bank[int(s)]).view(np.uint8), cache.pool.host(n)[int(f)].view(np.uint8))
+                   for n, bank in cache.slot_banks.items() for s, f in zip(slots, flat, strict=True))
+        return {"first_slots": slots, "rows_match": np.array([int(same)])}
+
+    def reference(inp):
+        model = CacheModel(inp["layers"], inp["experts"], inp["slots"])
+        want, _ = model.admit(0, inp["ids"][0])
+        return {"first_slots": want.ravel(), "rows_match": np.array([1])}
+
+    return KernelCase(f"cache_{what}_{fmt_name}", "cache.cu", make, setup, launch, reference, fetch_fn=fetch,
+                      cuda_only=True, bytes_moved=lambda inp: inp["ids"][0].size * inp["layout"].record_bytes,
+                      op="cache_copy" if what == "copy" else "cache_admit")
+
+
+# ---- the ops alone, on every device (cpu: the Numba twin), against CacheModel --------------------------------------
+def _make_sequence(rng, size):
+    """A sequence of admissions (repeated ids within a call, pinned slots) with prefill borrows in between."""
+    layers, experts, slots, calls = (3, 16, 40, 30) if size == "small" else (4, 128, 1024, 200)
+    k, tokens = (6, 2) if size == "small" else (8, 4)
+    steps = []
+    for i in range(calls):
+        if i % 11 == 5:
+            steps.append(("borrow", i % layers, (i // 11) % 2 * experts))
+        else:
+            ids = rng.integers(0, experts, (tokens, k)).astype(np.int32)  # duplicates across tokens: one record
+            steps.append(("admit", i % layers, ids, i % 7 != 3))  # every 7th a prefetch (not counted)
+    pins = [(layers - 1, 1, slots - 1), (0, 2, slots - 2)]  # (layer, expert, slot)
+    return {"layers": layers, "experts": experts, "slots": slots, "steps": steps, "pins": pins}
+
+
+def _seq_setup(dev, inp):
+    layers, experts, slots = inp["layers"], inp["experts"], inp["slots"]
+    pairs = max(s[2].size for s in inp["steps"] if s[0] == "admit")
+    i32, i64 = np.int32, np.int64
+    sfi, ios = np.full(layers * experts, -1, i32), np.full(slots, -1, i32)
+    rec, pin = np.full(slots, -1, i64), np.zeros(slots, np.uint8)
+    for layer, e, s in inp["pins"]:
+        sfi[layer * experts + e], ios[s], rec[s], pin[s] = s, layer * experts + e, 0, 1
+    arr = dev.asarray
+    return {"sfi": arr(sfi), "ios": arr(ios), "rec": arr(rec), "pin": arr(pin), "clock": arr(np.zeros(1, i64)),
+            "hits": arr(np.zeros(layers, i64)), "misses": arr(np.zeros(layers, i64)), "err": arr(np.zeros(1, i32)),
+            "work": arr(np.full(2 * max(pairs, experts), -7, i32)), "n_work": arr(np.zeros(1, i32)),
+            "steps": inp["steps"], "experts": experts, "out": []}
+
+
+def _seq_launch(dev, st):
+    st["out"] = out = []  # per call: (rewritten ids or None, a copy of the worklist, a copy of its count)
+    for step in st["steps"]:
+        ids = None
+        if step[0] == "borrow":
+            ops.cache_borrow_layer(step[1], step[2], st["experts"], st["sfi"], st["ios"], st["rec"], st["work"],
+                                   st["n_work"], device=dev)
+        else:
+            ids = dev.asarray(step[2].copy())
+            ops.cache_admit(ids, step[1], st["experts"], st["sfi"], st["ios"], st["rec"], st["pin"], st["clock"],
+                            st["work"], st["n_work"], st["hits"], st["misses"], st["err"], count=step[3], device=dev)
+        out.append((ids, st["work"].copy(), st["n_work"].copy()))
+
+
+def _seq_fetch(dev, st):
+    slot_ids, work, state = [], [], []
+    for ids, wl, nw in st["out"]:
+        if ids is not None:
+            slot_ids.append(dev.to_host(ids).ravel())
+        work.append(dev.to_host(wl)[:2 * int(dev.to_host(nw)[0])])
+    for name in ("sfi", "ios", "rec", "hits", "misses", "err", "clock"):
+        state.append(dev.to_host(st[name]).astype(np.int64))
+    return {"slot_ids": np.concatenate(slot_ids).astype(np.int64), "work": np.concatenate(work).astype(np.int64),
+            "state": np.concatenate(state)}
+
+
+def _seq_reference(inp):
+    model = CacheModel(inp["layers"], inp["experts"], inp["slots"])
+    for layer, e, s in inp["pins"]:
+        model.pin(layer * inp["experts"] + e, s)
+    slot_ids, work = [], []
+    for step in inp["steps"]:
+        if step[0] == "borrow":
+            work += model.borrow(step[1], step[2])
+            continue
+        hits, misses = model.hits.copy(), model.misses.copy()
+        got, w = model.admit(step[1], step[2])
+        if not step[3]:
+            model.hits, model.misses = hits, misses
+        slot_ids.append(got.ravel())
+        work += w
+    state = [model.slot_for_id, model.id_of_slot, model.recency, model.hits, model.misses, np.zeros(1),
+             np.array([model.clock])]
+    return {"slot_ids": np.concatenate(slot_ids).astype(np.int64), "work": np.array(work, np.int64).reshape(-1),
+            "state": np.concatenate([np.asarray(a, np.int64) for a in state])}
+
+
+def _make_copy(rng, size):
+    records, slots, n = (50, 20, 7) if size == "small" else (1024, 512, 256)
+    row_bytes = (48, 36, 7) if size == "small" else (49152, 4096, 36)  # 16-, 4- and 1-byte paths
+    src = [rng.integers(0, 256, (records, b), dtype=np.uint8) for b in row_bytes]
+    dst_slots = rng.permutation(slots)[:n + 3].astype(np.int32)  # entries past n_work name real slots: never copied
+    work = np.stack([dst_slots, rng.integers(0, records, n + 3).astype(np.int32)], axis=1).reshape(-1)
+    return {"src": src, "slots": slots, "work": work, "n": n}
+
+
+def _copy_setup(dev, inp):
+    dst = [dev.asarray(np.full((inp["slots"], s.shape[1]), 0xAB, np.uint8)) for s in inp["src"]]
+    pinned = []
+    for s in inp["src"]:
+        p = dev.pinned_empty(s.shape, np.uint8)
+        p.host[...] = s
+        pinned.append(p)
+    table = CopyTable(dev, list(zip(pinned, dst, strict=True)))
+    return {"table": table, "work": dev.asarray(inp["work"]), "n_work": dev.asarray(np.array([inp["n"]], np.int32)),
+            "max_items": inp["n"] + 3, **{f"out_bank{i}": d for i, d in enumerate(dst)}, "_pinned": pinned}
+
+
+def _copy_launch(dev, st):
+    ops.cache_copy(st["work"], st["n_work"], st["table"], st["max_items"], device=dev)
+
+
+def _copy_reference(inp):
+    out = {}
+    work = inp["work"].reshape(-1, 2)[:inp["n"]]
+    for i, s in enumerate(inp["src"]):
+        d = np.full((inp["slots"], s.shape[1]), 0xAB, np.uint8)
+        d[work[:, 0]] = s[work[:, 1]]
+        out[f"bank{i}"] = d
+    return out
+
+
+CACHE_CASES = [_make_cache_case(f, w) for w in ("admit_copy", "copy") for f in ("q4_0", "bf16")]
+CASES = CACHE_CASES + [
+    KernelCase("cache_admit_sequence", "cache.cu", _make_sequence, _seq_setup, _seq_launch, _seq_reference,
+               fetch_fn=_seq_fetch, op="cache_admit"),
+    KernelCase("cache_borrow_layer", "cache.cu", _make_sequence, _seq_setup, _seq_launch, _seq_reference,
+               fetch_fn=_seq_fetch, op="cache_borrow_layer"),
+    KernelCase("cache_copy_banks", "cache.cu", _make_copy, _copy_setup, _copy_launch, _copy_reference,
+               bytes_moved=lambda inp: inp["n"] * sum(s.shape[1] for s in inp["src"]), op="cache_copy"),
+]

@@ -1,0 +1,95 @@
+"""Parity cases of ``ops.dense_gemv`` and ``ops.dense`` (``cuda/dense.cu``), and the test matrices they use."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from freetoken import ops
+from freetoken.testing.cases.base import KernelCase, poisoned
+from freetoken.testing.reference.dense import dense_reference, gguf_dequantized
+
+# ---- dense.cu ---------------------------------------------------------------------------------------------
+# (N, K, bias) per shape: "sq" a square projection with a bias (qkv-like), "lm" an lm_head. The small shapes have
+# odd N; small "sq" K takes the vector path of every storage, small "lm" K (not a multiple of 4) the scalar path.
+_DENSE_SHAPES = {"small": {"sq": (37, 104, True), "lm": (301, 66, False)},
+                 "large": {"sq": (4096, 4096, True), "lm": (151936, 2048, False)}}
+
+
+def dense_weights(storage: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(stored weights, their exact float32 values): Gaussian [N, K] rounded to ``storage`` (bf16 as uint16 bits)."""
+    w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
+    if storage == "bf16":
+        bits = (w.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+        return bits, (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    if storage == "f16":
+        h = w.astype(np.float16)
+        return h, h.astype(np.float32)
+    return w, w
+
+
+@lru_cache(maxsize=2)
+def _dense_matrix(storage: str, n: int, k: int):
+    return dense_weights(storage, n, k, seed=("bf16", "f16", "f32").index(storage))
+
+
+def _make_dense(storage: str, shape: str, t: int, op: str = "dense_gemv"):
+    """dense_gemv (or the dense op: any T) over one storage: bf16/f16/f32 matrices, or GGUF Q8_0/Q4_0 blocks (their
+    own shapes)."""
+    quantized = storage in QUANT_KINDS
+    shapes, matrix = (_QDENSE_SHAPES, _qdense_matrix) if quantized else (_DENSE_SHAPES, _dense_matrix)
+
+    def make(rng, size):
+        n, k, with_bias = shapes[size][shape]
+        w, w32 = matrix(storage, n, k)
+        return {"w": w, "w32": w32, "storage": storage, "x": rng.standard_normal((t, k), dtype=np.float32),
+                "bias": rng.standard_normal(n, dtype=np.float32) if with_bias else None}
+
+    def setup(dev, inp):
+        return {"w": dev.asarray(inp["w"]), "x": dev.asarray(inp["x"]), "storage": inp["storage"],
+                "bias": None if inp["bias"] is None else dev.asarray(inp["bias"]),
+                "out_y": poisoned(dev, (t, inp["w"].shape[0]), np.float32)}
+
+    fn = ops.dense_gemv if op == "dense_gemv" else ops.dense
+
+    def launch(dev, st):
+        fn(st["x"], st["w"], st["storage"], bias=st["bias"], out=st["out_y"], device=dev)
+
+    return KernelCase(f"{op}_{storage}_{shape}_t{t}", "dense.cu", make, setup, launch,
+                      lambda inp: {"y": dense_reference(inp["x"], inp["w32"], inp["bias"])}, rel_atol=1e-5,
+                      bytes_moved=lambda inp: inp["w"].nbytes, flops=lambda inp: 2 * inp["x"].size * inp["w"].shape[0],
+                      op=op)
+
+
+
+# GGUF Q8_0 / Q4_0 weights (dense_gemv_q8_0 / dense_gemv_q4_0): K a multiple of 32; small N odd.
+_QDENSE_SHAPES = {"small": {"sq": (37, 128, True), "lm": (301, 96, False)},
+                  "large": {"sq": (4096, 4096, True), "lm": (151936, 2048, False)}}
+QUANT_KINDS = ("q8_0", "q4_0")
+
+
+def quantized_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random GGUF ``kind`` blocks of an [N, K] matrix (uint8 [N, K/32 * block bytes]): every quant byte random,
+    scales float16 of magnitude 0.005 .. 0.02 with random signs."""
+    from freetoken.models.qmatrix import BLOCK_BYTES
+
+    rng = np.random.default_rng(seed)
+    nb, bb = k // 32, BLOCK_BYTES[kind]
+    blocks = rng.integers(0, 256, (n, nb, bb), dtype=np.uint8)
+    d = rng.uniform(0.005, 0.02, (n, nb)) * rng.choice(np.array([-1.0, 1.0]), (n, nb))
+    blocks[..., :2] = d.astype("<f2")[..., None].view(np.uint8)
+    return blocks.reshape(n, nb * bb)
+
+
+@lru_cache(maxsize=2)
+def _qdense_matrix(kind: str, n: int, k: int):
+    w = quantized_blocks(kind, n, k, seed=QUANT_KINDS.index(kind))
+    return w, gguf_dequantized(w, kind)
+
+
+DENSE_CASES = [_make_dense(s, shape, t) for s in ("bf16", "f16", "f32") for shape in ("sq", "lm") for t in (1, 4)]
+QDENSE_CASES = [_make_dense(q, shape, t) for q in QUANT_KINDS for shape in ("sq", "lm") for t in (1, 4)]
+#: The dense op beyond the GEMV's 8 tokens (gpu/emu: the chunked product; cpu: the register-tiled kernel).
+DENSE_OP_CASES = [_make_dense(s, "sq", 13, op="dense") for s in ("bf16", "f16", "f32", *QUANT_KINDS)]
+CASES = DENSE_CASES + QDENSE_CASES + DENSE_OP_CASES

@@ -1,0 +1,78 @@
+"""Parity cases of ``ops.moe_experts`` (``cuda/moe_plan.cu`` with ``cuda/moe_decode.cu`` / ``cuda/moe_prefill.cu``)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from freetoken import formats, ops
+from freetoken.formats import RecordLayout
+from freetoken.testing.cases.base import KernelCase, poisoned
+from freetoken.testing.compare import random_record
+from freetoken.testing.reference.moe_experts import moe_forward_reference, moe_prefill_reference
+
+
+# ---- moe_decode.cu / moe_prefill.cu (with moe_plan.cu) ----------------------------------------------------
+@lru_cache(maxsize=4)
+def _moe_record(fmt_name: str, size: str, bias: bool = False):
+    """A quantized record set shared by the decode and prefill cases of one format (quantizing is slow)."""
+    hidden, inter, experts = (96, 160, 6) if size == "small" else (2048, 768, 8)  # large: Qwen3-30B-A3B experts
+    layout = RecordLayout(formats.get(fmt_name), hidden, inter, bias)
+    return layout, random_record(layout, experts, seed=formats.NAMES.index(fmt_name), scale=0.05), experts
+
+
+def _make_moe(fmt_name: str, mode: str, act: str = "swiglu"):
+    """``act`` "gpt_oss": records with biases, and routes with the same expert twice in a row, cancelling weights
+    (+w and -w on one expert) and many tokens on one expert (token groups of 4, 2 and 1 in the cpu kernels)."""
+    bias = act == "gpt_oss"
+
+    def make(rng, size):
+        layout, banks, experts = _moe_record(fmt_name, size, bias)
+        if size == "small":
+            tokens, k = ((3, 2) if not bias else (17, 8)) if mode == "decode" else (40, 2)
+        else:
+            tokens, k = (1, 8) if mode == "decode" else (256, 8)
+        if bias:
+            ids = rng.integers(0, experts, (tokens, k)).astype(np.int32)
+        else:
+            ids = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]).astype(np.int32)
+        x = rng.standard_normal((tokens, layout.hidden)).astype(np.float32)
+        weights = rng.random((tokens, k)).astype(np.float32)
+        if bias and tokens >= 2 and k >= 2:
+            ids[0, 1] = ids[0, 0]  # the same expert twice in one token's row: both contributions count
+            ids[1, 1] = ids[1, 0]
+            weights[1, :] = 0.0
+            weights[1, :2] = [0.75, -0.75]  # cancelling weights on one expert
+        return {"layout": layout, "banks": banks, "x": x, "ids": ids, "weights": weights}
+
+    def setup(dev, inp):
+        return {"layout": inp["layout"], "banks": {n: dev.asarray(a) for n, a in inp["banks"].items()},
+                "x": dev.asarray(inp["x"]), "ids": dev.asarray(inp["ids"]), "weights": dev.asarray(inp["weights"]),
+                "out_y": poisoned(dev, inp["x"].shape, np.float32)}
+
+    def launch(dev, st):
+        ops.moe_experts(st["x"], st["ids"], st["weights"], st["banks"], st["layout"], act=act, mode=mode,
+                        out=st["out_y"], device=dev, validate=False)
+
+    def reference(inp):
+        args = inp["x"], inp["ids"], inp["weights"]
+        if mode == "prefill":
+            return {"y": moe_prefill_reference(*args, inp["layout"], inp["banks"], act)}
+        return {"y": moe_forward_reference(*args, inp["layout"].dequantize(inp["banks"]), act)}
+
+    def bytes_moved(inp):
+        return len(np.unique(inp["ids"])) * inp["layout"].record_bytes
+
+    def flops(inp):
+        return 6 * inp["ids"].size * inp["layout"].hidden * inp["layout"].inter
+
+    name = f"moe_{mode}_{fmt_name}" + ("_gpt_oss" if bias else "")
+    return KernelCase(name, f"moe_{mode}.cu", make, setup, launch, reference,
+                      rtol=1e-5 if mode == "decode" else 1e-4, rel_atol=2e-6 if mode == "decode" else 1e-4,
+                      bytes_moved=bytes_moved, flops=flops, cuda_only=mode == "prefill", op="moe_experts")
+
+
+SWIGLU_CASES = [_make_moe(f, m) for m in ("decode", "prefill") for f in formats.NAMES]
+GPT_OSS_CASES = [_make_moe(f, m, "gpt_oss") for m in ("decode", "prefill") for f in formats.NAMES]
+CASES = SWIGLU_CASES + GPT_OSS_CASES
