@@ -51,7 +51,9 @@ def _compare(path, tokens):
 LLAMA_CPP_SHAPES = {"qwen3_moe": dict(mlp_only_layers=[]), "olmoe": dict(num_key_value_heads=4)}
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+# 1.5-5 s each: the quick tier keeps qwen3_moe
+@pytest.mark.parametrize("family", ["qwen3_moe", *(pytest.param(f, marks=pytest.mark.slow)
+                                                   for f in ("qwen2_moe", "mixtral", "olmoe"))])
 def test_tiny_families_match_llama_cpp(family, tmp_path):
     need("torch")
     need("transformers")
@@ -66,6 +68,7 @@ def test_tiny_families_match_llama_cpp(family, tmp_path):
     assert nmse < 1e-3 and top1 >= 0.9, (nmse, top1)
 
 
+@pytest.mark.slow
 def test_bundled_model_matches_llama_cpp(tmp_path):
     export_gguf(DEFAULT_MODEL, tmp_path / "default.gguf")
     text = "import os\n\ndef walk(top):\n    for name in os.listdir(top):\n        yield name\n"

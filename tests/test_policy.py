@@ -125,8 +125,9 @@ def _decode(path, device, **kw):
     return np.concatenate(out), dec
 
 
-@pytest.mark.parametrize("mode, pcie, cpu", [("cpu", 1, 1), ("hybrid", 1, 1), ("hybrid", 100, 1),
-                                             ("hybrid", 1, 100)])
+@pytest.mark.parametrize("mode, pcie, cpu", [("cpu", 1, 1), ("hybrid", 1, 1),
+                                             pytest.param("hybrid", 100, 1, marks=pytest.mark.slow),
+                                             pytest.param("hybrid", 1, 100, marks=pytest.mark.slow)])
 def test_split_output_equals_all_gpu(checkpoint, cuda_device, mode, pcie, cpu):
     want, ref = _decode(checkpoint, cuda_device, cache_slots=16)
     oracle = BandwidthOracle()
