@@ -13,6 +13,7 @@ from freetoken.engine.chat import CHATML_TEMPLATE, Chat, ChatTemplate
 from freetoken.engine.generate import Model
 from freetoken.engine.load import DEFAULT_MODEL, load
 from freetoken.engine.sampling import SamplingParams
+from freetoken.testing.oracles import need
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -105,7 +106,7 @@ def _tiny_tokenizer_dir(path, config: dict, template_file: str | None = None):
 
 
 def _hf_render(path, messages):
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers")
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(path))
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 

@@ -58,6 +58,7 @@ def test_gpu_check_says_no_gpu():
     assert proc.returncode == 1
 
 
+@pytest.mark.slow  # ~5 min on 2 cores: every kernel case plus the bundled model per mode on the emulator
 @pytest.mark.skipif(not device_status()["emu"][0], reason="emu device unavailable")
 def test_gpu_check_table_on_emu():
     script = ROOT / "bench" / "gpu_check.py"

@@ -5,14 +5,13 @@ import json
 import pytest
 
 from freetoken.cli import main
+from freetoken.testing.oracles import need
 from freetoken.trace.format import load_trace
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
+    torch, transformers = need("torch"), need("transformers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     path = tmp_path_factory.mktemp("tiny")

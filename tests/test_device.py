@@ -5,6 +5,7 @@ import pytest
 
 from freetoken import ops
 from freetoken.device import DeviceUnavailable, device_status, get_device
+from freetoken.testing.oracles import need
 
 
 def test_auto_picks_gpu_only_when_present():
@@ -96,7 +97,7 @@ def test_dlpack_numpy_consumer(device):
 
 
 def test_dlpack_torch_tensors(device):
-    torch = pytest.importorskip("torch")
+    torch = need("torch")
     x = torch.randn(6, 33, dtype=torch.float32)
     if device.kind == "gpu":
         if not torch.cuda.is_available():

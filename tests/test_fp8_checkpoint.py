@@ -9,14 +9,16 @@ import struct
 import ml_dtypes
 import numpy as np
 import pytest
+from tiny_models import make_checkpoint
 
 from freetoken.engine.load import load
 from freetoken.formats import fp8_block
 from freetoken.loaders import LoadError
+from freetoken.testing.oracles import need
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-from tiny_models import make_checkpoint  # noqa: E402
+# every test reads the checkpoint transformers wrote (and the first compares with its logits)
+torch = need("torch")
+need("transformers")
 
 # hidden 160 and head_dim 16: blocks of 128 do not divide the matrices (partial blocks on both axes)
 SHAPE = dict(hidden_size=160, moe_intermediate_size=96, intermediate_size=192)

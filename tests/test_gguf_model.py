@@ -10,15 +10,17 @@ import warnings
 
 import numpy as np
 import pytest
+from tiny_models import FAMILIES, make_checkpoint
 
 from freetoken.convert import export_gguf
 from freetoken.engine.load import load
 from freetoken.loaders import LoadError
 from freetoken.models import ConfigError
+from freetoken.testing.oracles import need
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-from tiny_models import FAMILIES, make_checkpoint  # noqa: E402
+# every test reads a checkpoint that transformers wrote
+need("torch")
+need("transformers")
 
 TOKENS = np.random.default_rng(1).integers(0, 128, 24)
 

@@ -16,7 +16,9 @@ import behaviour  # noqa: E402
 from freetoken.device import device_status  # noqa: E402
 
 
-@pytest.mark.parametrize("name", list(behaviour.MODEL_RUNS))
+# the emu runs take 15-25 s each on 2 cores: slow (CI runs them; the quick tier keeps the cpu run)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if run[0] == "emu" else n
+                                  for n, run in behaviour.MODEL_RUNS.items()])
 def test_model_matches_golden(name):
     device = behaviour.MODEL_RUNS[name][0]
     ok, why = device_status()[device]

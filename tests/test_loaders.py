@@ -17,6 +17,7 @@ from safetensors.numpy import save_file as st_save_file
 
 from freetoken import formats
 from freetoken.loaders import GGUFFile, LoadError, Quantization, SafetensorsDir, quantization
+from freetoken.testing.oracles import need
 
 Q = GGMLQuantizationType
 
@@ -355,9 +356,7 @@ def test_quantization_errors(tmp_path, qc, match):
 
 @pytest.fixture(scope="module")
 def qwen3moe_checkpoint(tmp_path_factory):
-    pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    import torch
+    torch, transformers = need("torch"), need("transformers")
 
     cfg = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -399,7 +398,7 @@ def test_hf_qwen3moe_sharded_f32(qwen3moe_checkpoint):
 
 
 def test_hf_qwen3moe_bf16(qwen3moe_checkpoint):
-    import torch
+    torch = need("torch")
     from safetensors.torch import load_file as st_load_torch
 
     out, state = qwen3moe_checkpoint

@@ -5,20 +5,19 @@ import json
 
 import numpy as np
 import pytest
+from tiny_models import FAMILIES, make_checkpoint
 
 from freetoken.engine.build import build_decoder
 from freetoken.engine.options import ExpertOptions, LoadOptions
 from freetoken.models import ConfigError, from_hf
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-from tiny_models import FAMILIES, make_checkpoint  # noqa: E402
+from freetoken.testing.oracles import need
 
 PROMPT, STEPS = 20, 8
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request, tmp_path_factory):
+    torch = need("torch")
     path = tmp_path_factory.mktemp(request.param)
     model = make_checkpoint(request.param, path)
     tokens = torch.randint(0, 128, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(1))
@@ -65,6 +64,7 @@ def test_greedy_generation_matches_transformers(checkpoint):
     from freetoken.engine.generate import Model
     from freetoken.engine.sampling import SamplingParams
 
+    torch, transformers = need("torch"), need("transformers")
     family, path, tokens, _ = checkpoint
     cfg = from_hf(json.loads((path / "config.json").read_text()))
     tensors = load_file(str(path / "model.safetensors"))

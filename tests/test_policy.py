@@ -7,6 +7,7 @@ import pytest
 from freetoken.policy.oracle import GB, BandwidthOracle, RollingRate
 from freetoken.policy.pinning import counts_from_routing, hottest, max_pins, pin_hot
 from freetoken.policy.profile import Profile, load_profile, recommend_mode, save_profile
+from freetoken.testing.oracles import need
 
 # ---- the oracle ------------------------------------------------------------------------------------------------
 
@@ -94,8 +95,6 @@ def test_hottest_experts():
 
 # ---- the executor and prefetch on emu ---------------------------------------------------------------------------
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
 from tiny_models import make_checkpoint  # noqa: E402
 
 PROMPT, STEPS = 12, 10
@@ -103,6 +102,8 @@ PROMPT, STEPS = 12, 10
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
+    need("torch")
+    need("transformers")
     path = tmp_path_factory.mktemp("policy")
     make_checkpoint("qwen3_moe", path, num_hidden_layers=3, mlp_only_layers=[])
     return path
@@ -127,8 +128,9 @@ def _decode(path, device, **kw):
     return np.concatenate(out), dec
 
 
-@pytest.mark.parametrize("mode, pcie, cpu", [("cpu", 1, 1), ("hybrid", 1, 1), ("hybrid", 100, 1),
-                                             ("hybrid", 1, 100)])
+@pytest.mark.parametrize("mode, pcie, cpu", [("cpu", 1, 1), ("hybrid", 1, 1),
+                                             pytest.param("hybrid", 100, 1, marks=pytest.mark.slow),
+                                             pytest.param("hybrid", 1, 100, marks=pytest.mark.slow)])
 def test_split_output_equals_all_gpu(checkpoint, cuda_device, mode, pcie, cpu):
     want, ref = _decode(checkpoint, cuda_device, cache_slots=16)
     got, dec = _decode(checkpoint, cuda_device, cache_slots=16, mode=mode, pcie_gbps=pcie, cpu_gbps=cpu)

@@ -10,6 +10,8 @@ from freetoken.engine.load import DEFAULT_MODEL
 
 PROMPT = "def fibonacci(n):"
 RUN = ["run", "--device", "emu", "--max-tokens", "12", "--temperature", "0", "--cache-slots", "40"]
+# Each run of the bundled model on emu takes ~2-6 s on 2 cores: the quick tier (-m "not slow") keeps the bench bw ->
+# auto round trip and the flag check; the modes, prefetch and pinning are also covered on tiny models (test_policy).
 
 
 @pytest.fixture()
@@ -24,6 +26,7 @@ def _run(capsys, *extra):
     return out.out, out.err
 
 
+@pytest.mark.slow
 def test_hybrid_and_cpu_modes_write_the_gpu_modes_text(capsys, cache_home):
     want, _ = _run(capsys)
     for extra in (["--moe-mode", "hybrid", "--pcie-gbps", "1", "--cpu-gbps", "1"], ["--moe-mode", "cpu"]):
@@ -43,17 +46,20 @@ def test_bench_bw_profile_is_reused_by_auto(capsys, cache_home):
     assert f"auto -> {out['recommended_mode']} (profile: PCIe" in err
 
 
+@pytest.mark.slow
 def test_auto_without_profile_falls_back_to_gpu(capsys, cache_home):
     _, err = _run(capsys, "--moe-mode", "auto")
     assert "auto -> gpu (no bandwidth profile" in err
 
 
+@pytest.mark.slow
 def test_prefetch_predicts_the_next_layer(capsys, cache_home):
     _, err = _run(capsys, "--prefetch")
     precision = float(err.split("prefetch precision ")[1].split("%")[0])
     assert precision > 50  # the next layer's router on this layer's input: ~78% on the bundled model; random 25%
 
 
+@pytest.mark.slow
 def test_pin_hot_from_a_warm_up(capsys, cache_home):
     _, err = _run(capsys, "--pin-hot", "4")
     assert "pinned 4 hot experts (asked 4) from a warm-up pass over the prompt" in err

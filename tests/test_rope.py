@@ -5,13 +5,11 @@ import json
 
 import numpy as np
 import pytest
+from tiny_models import make_checkpoint
 
 from freetoken.models import ConfigError, from_hf
 from freetoken.models.rope import rope_frequencies
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-from tiny_models import make_checkpoint  # noqa: E402
+from freetoken.testing.oracles import need
 
 VARIANTS = {
     "default": {"rope_type": "default"},
@@ -26,6 +24,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_frequencies_match_transformers(name):
+    torch, transformers = need("torch"), need("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = {"rope_theta": 10000.0, **VARIANTS[name]}
@@ -39,6 +38,7 @@ def test_frequencies_match_transformers(name):
 
 
 def test_yarn_model_matches_transformers(tmp_path):
+    torch = need("torch")
     from safetensors.numpy import load_file
 
     from freetoken.device import get_device

@@ -20,9 +20,9 @@ def make_checkpoint(family: str, path, seed: int = 0, **overrides):
     """Save a random ``family`` model to ``path`` (save_pretrained); returns the torch model (eval mode).
 
     Weights are scaled up from the 0.02 init so routing and logits are not all near zero."""
-    import torch
-    import transformers
+    from freetoken.testing.oracles import need
 
+    torch, transformers = need("torch"), need("transformers")
     cfg_name, model_name, extra = FAMILIES[family]
     torch.manual_seed(seed)
     cfg = getattr(transformers, cfg_name)(**{**COMMON, **extra, **overrides})

@@ -20,10 +20,12 @@ def need(module: str, why: str = ""):
     """The imported ``module``; skip (locally) or fail (in CI) the calling test or module when it is missing."""
     import pytest
 
+    __tracebackhide__ = True  # the skip or failure is reported at the caller's line (the test module), not here
     try:
         return importlib.import_module(module)
     except Exception as e:  # ImportError, or a broken install raising anything else on import
         reason = f"test oracle {module!r} is not importable ({type(e).__name__}: {e})" + (f"; {why}" if why else "")
         if in_ci():
-            pytest.fail(f"{reason}; CI needs every oracle (bash scripts/setup --test-oracles)", pytrace=False)
+            pytest.fail(f"{reason}; CI needs every oracle (bash scripts/setup --test-oracles --llama-cpp)",
+                        pytrace=False)
         pytest.skip(reason, allow_module_level=True)
