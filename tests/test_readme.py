@@ -66,13 +66,16 @@ def table_subcommands() -> list[list[str]]:
 def _parse(argv: list[str]) -> tuple[int, str]:
     """(exit status, stderr) of the freetoken argument parser on ``argv``; 0 where it parses without exiting."""
     from freetoken.cli import build_parser
+    from freetoken.cli.args import UsageError
 
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             build_parser().parse_args(argv)
-    except SystemExit as e:
+    except SystemExit as e:  # --help, --version
         return int(e.code or 0), err.getvalue()
+    except UsageError as e:  # what main() prints as one line and exit code 2
+        return 2, f"{e.prog}: error: {e}"
     return 0, err.getvalue()
 
 

@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Show what this machine offers freetoken.")
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     info.set_defaults(func=_cmd_info)
-    from freetoken.sim.cli import add_trace_parser
+    from freetoken.cli.trace import add_trace_parser
 
     add_trace_parser(sub)
     from freetoken.cli.convert import add_convert_parser
@@ -120,8 +120,9 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     from freetoken.device import DeviceUnavailable
     from freetoken.loaders import LoadError
     from freetoken.models import ConfigError
+    from freetoken.trace.format import TraceError
 
-    return LoadError, ConfigError, ValueError, OSError, DeviceUnavailable, UnicodeError, CacheError
+    return LoadError, ConfigError, TraceError, ValueError, OSError, DeviceUnavailable, UnicodeError, CacheError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,11 @@ def check_writable(path: str, flag: str) -> None:
         raise ValueError(f"{flag} {path}: is a directory")
 
 
+def future_value(text: str) -> float | str:
+    """An argparse type: ``auto``, ``global`` (the estimators measured while running) or seconds >= 0."""
+    return text if text in ("auto", "global") else real()(text)
+
+
 def count(minimum: int = 0):
     """An argparse type: a whole number >= ``minimum``."""
     def parse(text: str) -> int:

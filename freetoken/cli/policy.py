@@ -16,14 +16,8 @@ Subcommands:
 """
 
 
-def _future_value(text: str) -> float | str:
-    from freetoken.cli.args import real
-
-    return text if text in ("auto", "global") else real()(text)
-
-
 def add_policy_args(p: argparse.ArgumentParser) -> None:
-    from freetoken.cli.args import count, real
+    from freetoken.cli.args import count, future_value, real
 
     g = p.add_argument_group("expert-cache misses (gpu/emu devices)")
     g.add_argument("--moe-mode", default="gpu", choices=["gpu", "cpu", "hybrid", "auto"],
@@ -34,7 +28,7 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="pin the PCIe bandwidth estimate (GB/s)")
     g.add_argument("--cpu-gbps", type=real(0.0, above=True), default=None, metavar="GBPS",
                    help="pin the CPU-executor bandwidth estimate (GB/s)")
-    g.add_argument("--future-value", type=_future_value, default=0.0, metavar="S|auto|global",
+    g.add_argument("--future-value", type=future_value, default=0.0, metavar="S|auto|global",
                    help="hybrid: time a fetched expert is worth beyond its step (it may hit later), in seconds, or "
                         "estimated while running: auto (per expert, from its re-use gaps), global (hits per "
                         "residency); default 0, the greedy split")

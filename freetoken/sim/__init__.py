@@ -8,7 +8,7 @@
   :mod:`~freetoken.sim.report`.
 * :mod:`~freetoken.sim.predict`: next-layer expert predictors on traces and their precision / recall.
 * :mod:`~freetoken.sim.plot`, :mod:`~freetoken.sim.table`: figures and plain-text tables.
-* :mod:`~freetoken.sim.cli`: ``freetoken trace simulate | synth | info``.
+* the ``freetoken trace simulate | synth | info`` command is :mod:`freetoken.cli.trace`.
 """
 
 from freetoken.sim.policies import DEFAULT_POLICIES, POLICIES, PolicyResult

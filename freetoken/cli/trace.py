@@ -1,13 +1,14 @@
-"""``freetoken trace``: simulate cache policies on a routing trace, write synthetic traces, summarise a trace.
+"""``freetoken trace``: simulate cache policies on a routing trace (:mod:`freetoken.sim`), write synthetic traces,
+summarise a trace.
 
-:func:`add_trace_parser` registers the command on the main ``freetoken`` parser (``freetoken trace ...``).
+:func:`add_trace_parser` registers the command on the main ``freetoken`` parser (``freetoken trace ...``); a bad
+trace or flag is one error line and exit code 2 (``freetoken.cli.main``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 TRACE_DESCRIPTION = """\
 Routing traces and the expert-cache simulator.
@@ -41,43 +42,6 @@ def _names(text: str) -> list[str]:
     return names
 
 
-def _error(e: Exception) -> int:
-    print(f"freetoken trace: error: {e}", file=sys.stderr)
-    return 1
-
-
-def _gbps(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a bandwidth in GB/s, got {text!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive bandwidth in GB/s, got {text!r}")
-    return v
-
-
-def _future_value(text: str) -> float | str:
-    if text in ("auto", "global"):
-        return text
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto, global or seconds per fetched expert, got {text!r}") from None
-    if not v >= 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected auto, global or seconds >= 0, got {text!r}")
-    return v
-
-
-def _micros(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected microseconds, got {text!r}") from None
-    if not v >= 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected microseconds >= 0, got {text!r}")
-    return v
-
-
 def _modes(text: str) -> list[str]:
     from freetoken.sim.timing import ALL_MODES
 
@@ -93,19 +57,16 @@ def _cmd_timing(args: argparse.Namespace, trace) -> int:
     from freetoken.sim.timing import MODES, format_sweep, format_timing, sweep, time_modes
 
     if args.pcie is None or args.cpu is None:
-        return _error(ValueError("the time model needs both --pcie and --cpu (GB/s)"))
+        raise ValueError("the time model needs both --pcie and --cpu (GB/s)")
     do_sweep = args.sweep or bool(args.plot)
     modes = args.modes or list(MODES)
     kw = dict(window=args.window, future_value=args.future_value, layer_s=args.layer_us * 1e-6,
               predictor=args.predictor, prefetch_n=args.prefetch_n, prefill_borrow=not args.no_prefill_borrow)
     results, rows = [], []
-    try:
-        for slots in args.slots:
-            results += time_modes(trace, slots, args.pcie, args.cpu, args.gpu, modes=modes, **kw)
-            if do_sweep:
-                rows += sweep(trace, slots, args.cpu, modes=modes, gpu_gbps=args.gpu, **kw)
-    except ValueError as e:
-        return _error(e)
+    for slots in args.slots:
+        results += time_modes(trace, slots, args.pcie, args.cpu, args.gpu, modes=modes, **kw)
+        if do_sweep:
+            rows += sweep(trace, slots, args.cpu, modes=modes, gpu_gbps=args.gpu, **kw)
     if args.json:
         out = {"timing": [r.as_row() for r in results]}
         if do_sweep:
@@ -125,11 +86,11 @@ def _cmd_timing(args: argparse.Namespace, trace) -> int:
 
 
 def _plot(args: argparse.Namespace, plot_fn, rows, title: str) -> int:
-    """Draw ``rows`` with ``plot_fn`` into ``args.plot``; 1 (with the error) when it cannot."""
+    """Draw ``rows`` with ``plot_fn`` into ``args.plot`` (a ValueError when it cannot)."""
     try:
         plot_fn(rows, args.plot, title=title)
-    except (RuntimeError, OSError, ValueError) as e:
-        return _error(e)
+    except RuntimeError as e:  # matplotlib missing, say
+        raise ValueError(str(e)) from e
     if not args.json:
         print(f"plot written to {args.plot}")
     return 0
@@ -137,17 +98,14 @@ def _plot(args: argparse.Namespace, plot_fn, rows, title: str) -> int:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from freetoken.sim.simulate import format_table, simulate
-    from freetoken.trace.format import TraceError, load_trace
+    from freetoken.trace.format import load_trace
 
     timing = args.pcie is not None or args.cpu is not None or args.sweep
-    try:
-        trace = load_trace(args.trace)
-        if timing:
-            return _cmd_timing(args, trace)
-        rows = simulate(trace, args.slots, window=args.window, policies=args.policies,
-                        prefill_borrow=not args.no_prefill_borrow)
-    except (TraceError, ValueError, OSError) as e:
-        return _error(e)
+    trace = load_trace(args.trace)
+    if timing:
+        return _cmd_timing(args, trace)
+    rows = simulate(trace, args.slots, window=args.window, policies=args.policies,
+                    prefill_borrow=not args.no_prefill_borrow)
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     if args.plot:
         from freetoken.sim.plot import plot_miss_rates
@@ -160,13 +118,10 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     from freetoken.trace.format import save_trace
     from freetoken.trace.synthetic import make_trace
 
-    try:
-        trace = make_trace(num_layers=args.layers, num_experts=args.experts, top_k=args.top_k, steps=args.steps,
-                           segments=args.segments, locality=args.locality, seed=args.seed,
-                           record_bytes=args.record_bytes, tokens=args.tokens, prefill_tokens=args.prefill_tokens)
-        save_trace(args.out, trace)
-    except (ValueError, OSError) as e:
-        return _error(e)
+    trace = make_trace(num_layers=args.layers, num_experts=args.experts, top_k=args.top_k, steps=args.steps,
+                       segments=args.segments, locality=args.locality, seed=args.seed,
+                       record_bytes=args.record_bytes, tokens=args.tokens, prefill_tokens=args.prefill_tokens)
+    save_trace(args.out, trace)
     print(f"wrote {args.out}: {trace.steps:,} decode steps x {trace.num_layers} layers x {trace.tokens} token(s) x "
           f"top-{trace.top_k} of {trace.num_experts} experts, {trace.num_segments} segments, locality {args.locality}")
     return 0
@@ -174,12 +129,9 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     from freetoken.sim.simulate import format_summary, summarize
-    from freetoken.trace.format import TraceError, load_trace
+    from freetoken.trace.format import load_trace
 
-    try:
-        summary = summarize(load_trace(args.trace))
-    except (TraceError, ValueError, OSError) as e:
-        return _error(e)
+    summary = summarize(load_trace(args.trace))
     if args.json:
         summary["hot_set"] = {str(k): v for k, v in summary["hot_set"].items()}
         summary["working_set"] = {str(k): v for k, v in summary["working_set"].items()}
@@ -191,7 +143,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def add_trace_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``trace`` (with ``simulate``, ``synth``, ``info``) on ``subparsers``; returns its parser."""
+    from freetoken.cli.args import count, future_value, real
     from freetoken.sim.policies import DEFAULT_POLICIES, POLICIES
+
+    gbps = real(0.0, above=True)
 
     trace = subparsers.add_parser("trace", help="routing traces and the expert-cache policy simulator",
                                   description=TRACE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -225,19 +180,19 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
                                 "With --pcie and --cpu, model each decode step's time for fetch-all, cpu-all, q* and "
                                 "q* with prefetch instead of the policy table: estimated tokens/s and where the "
                                 "time goes, per slot count.")
-    tm.add_argument("--pcie", type=_gbps, metavar="GBPS", help="host-to-GPU copy bandwidth, GB/s")
-    tm.add_argument("--cpu", type=_gbps, metavar="GBPS", help="CPU expert bandwidth (weights streamed), GB/s")
-    tm.add_argument("--gpu", type=_gbps, metavar="GBPS", default=900.0, help="GPU memory bandwidth, GB/s (default 900)")
-    tm.add_argument("--future-value", type=_future_value, default="auto", metavar="S|auto|global",
+    tm.add_argument("--pcie", type=gbps, metavar="GBPS", help="host-to-GPU copy bandwidth, GB/s")
+    tm.add_argument("--cpu", type=gbps, metavar="GBPS", help="CPU expert bandwidth (weights streamed), GB/s")
+    tm.add_argument("--gpu", type=gbps, metavar="GBPS", default=900.0, help="GPU memory bandwidth, GB/s (default 900)")
+    tm.add_argument("--future-value", type=future_value, default="auto", metavar="S|auto|global",
                     help="q*: seconds saved later per fetched expert; auto (default): per expert, the hits a "
                          "residency is expected to earn (from its re-use gaps vs the cache's residency time) x the "
                          "time a hit saves; global: hits per record lifetime so far x the time a hit saves")
-    tm.add_argument("--layer-us", type=_micros, default=0.0, metavar="US",
+    tm.add_argument("--layer-us", type=real(), default=0.0, metavar="US",
                     help="non-expert GPU time per MoE layer, microseconds (default 0)")
     tm.add_argument("--predictor", choices=("coact", "prev", "oracle"), default="coact",
                     help="prefetch predictor: coact (cross-layer co-activation learned on the first half), prev "
                          "(the previous step's experts), oracle (perfect); default coact")
-    tm.add_argument("--prefetch-n", type=int, default=None, metavar="N",
+    tm.add_argument("--prefetch-n", type=count(1), default=None, metavar="N",
                     help="experts predicted per call (default top_k x tokens)")
     tm.add_argument("--modes", type=_modes, default=None, metavar="M[,M...]",
                     help="modes (default fetch_all,cpu_all,qstar,qstar_prefetch; also fetch_all_prefetch)")
@@ -251,16 +206,17 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
                                      "token's top-k positions keeping the previous step's expert with probability "
                                      "locality. See freetoken/trace/synthetic.py.")
     syn.add_argument("out", help="output trace file (.npz)")
-    syn.add_argument("--layers", type=int, default=8, help="MoE layers (default 8)")
-    syn.add_argument("--experts", type=int, default=64, help="routed experts per layer (default 64)")
-    syn.add_argument("--top-k", type=int, default=4, help="experts per token (default 4)")
-    syn.add_argument("--steps", type=int, default=1000, help="decode steps (default 1000)")
-    syn.add_argument("--segments", type=int, default=4, help="segments (prompts / turns), default 4")
-    syn.add_argument("--locality", type=float, default=0.5, help="0 (uniform, independent) .. 1 (default 0.5)")
-    syn.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    syn.add_argument("--record-bytes", type=int, default=1 << 20, help="bytes per expert record (default 1 MiB)")
-    syn.add_argument("--tokens", type=int, default=1, help="decode batch size (default 1)")
-    syn.add_argument("--prefill-tokens", type=int, default=256, help="prefill tokens per segment (default 256)")
+    syn.add_argument("--layers", type=count(1), default=8, help="MoE layers (default 8)")
+    syn.add_argument("--experts", type=count(1), default=64, help="routed experts per layer (default 64)")
+    syn.add_argument("--top-k", type=count(1), default=4, help="experts per token (default 4)")
+    syn.add_argument("--steps", type=count(1), default=1000, help="decode steps (default 1000)")
+    syn.add_argument("--segments", type=count(1), default=4, help="segments (prompts / turns), default 4")
+    syn.add_argument("--locality", type=real(0.0, 1.0), default=0.5,
+                     help="0 (uniform, independent) .. 1 (default 0.5)")
+    syn.add_argument("--seed", type=count(0), default=0, help="random seed (default 0)")
+    syn.add_argument("--record-bytes", type=count(1), default=1 << 20, help="bytes per expert record (default 1 MiB)")
+    syn.add_argument("--tokens", type=count(1), default=1, help="decode batch size (default 1)")
+    syn.add_argument("--prefill-tokens", type=count(0), default=256, help="prefill tokens per segment (default 256)")
     syn.set_defaults(func=_cmd_synth)
 
     info = sub.add_parser("info", help="summarise a trace", description="Summarise a trace: shape, segments, "
