@@ -40,11 +40,20 @@ def quantized_gguf(request, tmp_path_factory):
 
 
 def _linears(decoder):
+    """(key of _TENSORS, layer, Linear) of every dense projection of the decoder's blocks."""
     yield "lm_head", None, decoder.lm_head
     for i, lay in enumerate(decoder.layers):
-        for key, v in lay.items():
-            if isinstance(v, Linear):
-                yield key, i, v
+        mlp = lay.mlp
+        found = {"qkv": lay.attention.qkv, "o_proj": lay.attention.o_proj}
+        if hasattr(mlp, "router"):  # a MoE layer
+            found["router"] = mlp.router.gate
+            if mlp.shared is not None:
+                found.update(shared_in=mlp.shared.inp, shared_down=mlp.shared.down)
+        else:
+            found.update(mlp_in=mlp.gate_up, mlp_down=mlp.down)
+        for key, v in found.items():
+            assert isinstance(v, Linear)
+            yield key, i, v
 
 
 _TENSORS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o_proj": ("attn_output",), "router": ("ffn_gate_inp",),
