@@ -171,11 +171,9 @@ def lru_end(st):  # pragma: no cover - compiled
 
 
 @nb.njit(cache=True)
-def lru_admit(st, ids, n, scratch, evicted):  # pragma: no cover - compiled
-    """One whole call: the unique flat ids ``ids[:n]`` in increasing order; ``scratch``: n ints of room. Returns
-    the number of misses; ``evicted[i]`` is the id the i-th miss evicted (-1: an empty slot). Raises when the
-    slots cannot hold the call (the device reports error 2)."""
-    slot_of, owner, nxt, prv, rec, pinned, touched, meta = st
+def _admit(slot_of, owner, nxt, prv, rec, pinned, touched, meta, ids, n, scratch, evicted):  # pragma: no cover
+    """:func:`lru_admit` on the unpacked state (the replay loop unpacks it once: Numba types a tuple of arrays far
+    slower than the arrays)."""
     _lookup(slot_of, nxt, prv, rec, pinned, touched, meta, ids, n, scratch)
     m = 0
     for j in range(n):
@@ -189,13 +187,21 @@ def lru_admit(st, ids, n, scratch, evicted):  # pragma: no cover - compiled
 
 
 @nb.njit(cache=True)
+def lru_admit(st, ids, n, scratch, evicted):  # pragma: no cover - compiled
+    """One whole call: the unique flat ids ``ids[:n]`` in increasing order; ``scratch``: n ints of room. Returns
+    the number of misses; ``evicted[i]`` is the id the i-th miss evicted (-1: an empty slot). Raises when the
+    slots cannot hold the call (the device reports error 2)."""
+    slot_of, owner, nxt, prv, rec, pinned, touched, meta = st
+    return _admit(slot_of, owner, nxt, prv, rec, pinned, touched, meta, ids, n, scratch, evicted)
+
+
+@nb.njit(cache=True)
 def lru_replay_calls(st, active, counts, seg_start, borrow_n, misses):  # pragma: no cover - compiled
     """Replay whole calls: ``active`` int32 [steps, L, A] each call's unique flat ids ascending (``counts[t, l]`` of
     them), a borrow of slots [0, borrow_n) before every step where ``seg_start``; ``misses[t]`` += step t's misses.
     Equivalent to :func:`lru_borrow` and :func:`lru_admit` per call, with the state unpacked once."""
     slot_of, owner, nxt, prv, rec, pinned, touched, meta = st
     steps, layers, width = active.shape
-    head = rec.shape[0]
     scratch = np.empty(max(width, 1), np.int32)
     evicted = np.empty(max(width, borrow_n, 1), np.int32)
     for t in range(steps):
@@ -203,18 +209,8 @@ def lru_replay_calls(st, active, counts, seg_start, borrow_n, misses):  # pragma
             lru_borrow(st, 0, borrow_n, evicted)
         m_t = 0
         for layer in range(layers):
-            ids = active[t, layer]
-            n = counts[t, layer]
-            _lookup(slot_of, nxt, prv, rec, pinned, touched, meta, ids, n, scratch)
-            m = 0
-            for j in range(n):
-                if scratch[j] < 0:
-                    scratch[m] = ids[j]
-                    m += 1
-            if _insert(slot_of, owner, nxt, prv, rec, touched, meta, scratch, m, False, evicted) < m:
-                raise ValueError("no victim: too few slots for one call")
-            _end(nxt, prv, touched, meta, head)
-            m_t += m
+            m_t += _admit(slot_of, owner, nxt, prv, rec, pinned, touched, meta, active[t, layer], counts[t, layer],
+                          scratch, evicted)
         misses[t] += m_t
 
 

@@ -57,15 +57,9 @@ def run_model(name: str) -> dict:
     out = {"prompt_ids": np.asarray(ids, np.int64), "logits": logits[:, :LOGIT_COLUMNS].copy(),
            "tokens": np.asarray(tokens, np.int64),
            "decode_routing": np.asarray(model.stats.routing, np.int32)}
-    out.update({f"stat_{k}": np.asarray(v, np.int64) for k, v in expert_stats(model).items()})
+    # the counters a run reports: cache hits/misses (gpu/emu), the split's counts, prefetch precision
+    out.update({f"stat_{k}": np.asarray(v, np.int64) for k, v in model.experts.counters().items()})
     return out
-
-
-def expert_stats(model) -> dict:
-    """The counters a run reports: cache hits/misses (gpu/emu), the split's counts, prefetch precision."""
-    from freetoken.engine.report import expert_counters
-
-    return expert_counters(model)
 
 
 def run_simulation(trace_path: Path, name: str) -> str:
