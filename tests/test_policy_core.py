@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from freetoken import formats
-from freetoken.cache import CacheModel, ExpertCache, HostPool
+from freetoken.cache import ExpertCache, HostPool
+from freetoken.testing.reference.cache import CacheModel
 from freetoken.formats import RecordLayout
 from freetoken.policy.lru import (
     OWNER,

@@ -1,6 +1,6 @@
 """The expert cache's LRU state machine in Numba: one implementation for the simulators and the runtime's shadow.
 
-It follows ``cuda/cache.cu`` (and its NumPy oracle :class:`freetoken.cache.CacheModel`) rule for rule:
+It follows ``cuda/cache.cu`` (and its NumPy oracle :class:`freetoken.testing.reference.cache.CacheModel`) rule for rule:
 
 * one **call** (an admission) advances the clock once; its hits refresh their slots' recency; then its misses, in
   increasing flat-id order, each take the least recent slot that is not pinned and holds no id active in the call
