@@ -9,7 +9,6 @@ import pytest
 
 from freetoken import formats
 from freetoken.cache import ExpertCache, HostPool
-from freetoken.testing.reference.cache import CacheModel
 from freetoken.formats import RecordLayout
 from freetoken.policy.lru import (
     OWNER,
@@ -27,6 +26,7 @@ from freetoken.policy.qstar import StepCosts
 from freetoken.policy.qstar import split as qstar_split
 from freetoken.policy.split_policy import DEFAULT_FUTURE_VALUE, MissPolicy
 from freetoken.sim import timing as TM
+from freetoken.testing.reference.cache import CacheModel
 from freetoken.trace import make_trace, prepare, token_counts
 
 
