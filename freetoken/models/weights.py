@@ -144,8 +144,9 @@ def check_hf_tensors(cfg: ModelConfig, sd, fp8_block: bool = False, max_len: int
             s = sd.info(scale)
             ws = tuple(-(-d // 128) for d in want)
             if s.dtype not in HF_FLOAT_DTYPES or s.shape != ws:
-                raise LoadError(s.file, f"expected a weight_scale_inv of shape {list(ws)} ({'/'.join(HF_FLOAT_DTYPES)}) "
-                                        f"for F8_E4M3 weight {list(want)}, got {s.dtype} {list(s.shape)}", scale)
+                raise LoadError(s.file, f"expected a weight_scale_inv of shape {list(ws)} "
+                                        f"({'/'.join(HF_FLOAT_DTYPES)}) for F8_E4M3 weight {list(want)}, got "
+                                        f"{s.dtype} {list(s.shape)}", scale)
         elif info.dtype == "F8_E4M3":
             why = "no block-FP8 quantization_config in config.json" if not fp8_block else f"no {scale!r}"
             raise LoadError(info.file, f"F8_E4M3 weight without its block scales ({why})", name)
