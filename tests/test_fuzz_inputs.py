@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from freetoken.testing import fuzz
 
-EXAMPLES = 50  # per kind: well under a minute for the four kinds on a CI runner, fork server start-up included
+EXAMPLES = 80  # per kind: about half a minute for the four kinds on a CI runner, fork server start-up included
 
 
 @pytest.fixture(scope="module")

@@ -306,3 +306,24 @@ def test_trace_scalars_are_capped(seeds, tmp_path):
     np.savez_compressed(p, **arrays)
     with pytest.raises(TraceError, match="t.npz"):
         load_trace(p)
+
+
+def _gguf_string(s: bytes) -> bytes:
+    return struct.pack("<Q", len(s)) + s
+
+
+def test_large_numeric_metadata_array_is_one_read(tmp_path):
+    """gguf-py alone parses arrays item by item (minutes for millions of items); ours reads them as one view."""
+    n = 4_000_000
+    kv = (_gguf_string(b"general.architecture") + struct.pack("<I", 8) + _gguf_string(b"qwen3moe")
+          + _gguf_string(b"big.array") + struct.pack("<IIQ", 9, 0, n) + bytes(range(256)) * (n // 256))
+    tensor = _gguf_string(b"output_norm.weight") + struct.pack("<IQIQ", 1, 8, 0, 0)
+    head = b"GGUF" + struct.pack("<IQQ", 3, 1, 2) + kv + tensor
+    p = tmp_path / "big-meta.gguf"
+    p.write_bytes(head + b"\0" * (-len(head) % 32) + np.ones(8, np.float32).tobytes())
+    t0 = time.perf_counter()
+    gf = GGUFFile(p)
+    arr = gf.meta("big.array")
+    assert time.perf_counter() - t0 < 5
+    assert arr.shape == (n,) and arr.dtype == np.uint8 and int(arr[257]) == 1
+    np.testing.assert_array_equal(gf.get("output_norm.weight"), np.ones(8, np.float32))

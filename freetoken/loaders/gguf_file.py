@@ -79,6 +79,20 @@ class _Reader(GGUFReader):
                                             "bytes", name)
         super()._build_tensors(start_offs, fields)
 
+    def _get_field_parts(self, orig_offs, raw_type):
+        # gguf-py parses an array element by element (a NumPy view and list entries per item): a numeric array of
+        # millions of items, legal or a corrupt length, takes minutes and gigabytes. One view for the whole array.
+        if raw_type == GGUFValueType.ARRAY:
+            itype = self._get(orig_offs, np.uint32)
+            nptype = self.gguf_scalar_to_np.get(GGUFValueType(int(itype[0])))
+            if nptype is not None:
+                alen = self._get(orig_offs + 4, np.uint64)
+                n = int(alen[0])
+                items = self._get(orig_offs + 12, nptype, n)
+                types = [GGUFValueType.ARRAY] + ([GGUFValueType(int(itype[0]))] if n else [])
+                return 12 + int(items.nbytes), [itype, alen, items], [2] if n else [], types
+        return super()._get_field_parts(orig_offs, raw_type)
+
     def __init__(self, path):
         self._path = os.fspath(path)
         super().__init__(path, "r")
@@ -95,6 +109,9 @@ MAX_TENSOR_DIMS = 4
 MAX_NAME_BYTES = 1 << 16
 #: Arrays nest at most this deep (llama.cpp reads no nested arrays at all; gguf-py writes one level).
 MAX_ARRAY_NESTING = 2
+#: Items of one string array (gguf-py parses them one by one): the largest vocabularies and merge lists hold well
+#: under a million.
+MAX_STRING_ITEMS = 1 << 23
 #: ``general.alignment`` above this is corrupt (llama.cpp writes 32; any power of two is legal).
 MAX_ALIGNMENT = 1 << 24
 
@@ -146,6 +163,9 @@ class _Scan:
                       f"but only {remaining} bytes remain")
         if item in _SCALAR_SIZES:
             return off + count * least
+        if count > MAX_STRING_ITEMS:
+            self.fail(f"corrupt header: metadata array {key!r} declares {count} items (the limit for arrays of "
+                      f"strings or arrays is {MAX_STRING_ITEMS})")
         for _ in range(count):  # count <= remaining / 8: bounded by the file's size
             off = self.value(off, item, key, depth + 1)
         return off
