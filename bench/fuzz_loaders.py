@@ -31,12 +31,12 @@ from pathlib import Path
 from freetoken.testing import fuzz
 
 
-def _worker(kind: str, numbers: list[int], args, seeds: fuzz.Seeds, conn) -> None:
+def _worker(tasks: list[tuple[str, int]], args, seeds: fuzz.Seeds, conn) -> None:
     mut = fuzz.Mutator(seeds)
-    work = Path(tempfile.mkdtemp(prefix=f"fuzz-{kind}-"))
+    work = Path(tempfile.mkdtemp(prefix="fuzz-"))
     try:
-        for n in numbers:
-            path = mut.make(kind, n, args.seed, work / "in")
+        for kind, n in tasks:
+            path = mut.make(kind, n, args.seed, work / kind)
             out = fuzz.run_forked(kind, path, n, timeout=args.timeout, mem_bytes=int(args.mem_gb * 2**30))
             if out.outcome not in ("ok", "clear") and args.keep:
                 dest = Path(args.keep) / f"{kind}-{n}{path.suffix}"
@@ -59,6 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=10.0, help="seconds per input before it counts as a hang")
     ap.add_argument("--mem-gb", type=float, default=4.0, help="address-space limit of each child (RLIMIT_AS)")
     ap.add_argument("--jobs", type=int, default=1, help="parallel workers (each forks one child at a time)")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="stop after this many seconds and report what was done")
     ap.add_argument("--examples", type=int, default=3, help="examples listed per non-clear outcome and kind")
     ap.add_argument("--seeds-dir", type=Path, default=None, help="where the seed files live (default: a temp dir)")
     ap.add_argument("--keep", default=None, help="copy every non-clear input into this directory")
@@ -80,33 +82,36 @@ def main(argv=None) -> int:
           f"{args.timeout:g} s, {args.mem_gb:g} GB address space, {args.jobs} jobs", file=sys.stderr, flush=True)
 
     import multiprocessing as mp
+    from multiprocessing.connection import wait
 
     ctx = mp.get_context("fork")
     counts: dict[str, Counter] = defaultdict(Counter)
     examples: dict[tuple[str, str], list] = defaultdict(list)
     slowest: dict[str, float] = defaultdict(float)
     t0 = time.time()
-    for kind in kinds:
-        numbers = list(range(args.start, args.start + args.n))
-        pipes, procs = [], []
-        for j in range(args.jobs):
-            recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker, args=(kind, numbers[j::args.jobs], args, seeds, send), daemon=True)
-            p.start()
-            send.close()
-            pipes.append(recv)
-            procs.append(p)
-        live, done = len(pipes), 0
-        from multiprocessing.connection import wait
-
-        while live:
-            for conn in wait(pipes):
+    # kinds interleaved, so that a run cut short by --time-limit (or Ctrl-C) has covered every kind alike
+    tasks = [(kind, n) for n in range(args.start, args.start + args.n) for kind in kinds]
+    pipes, procs = [], []
+    for j in range(args.jobs):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_worker, args=(tasks[j::args.jobs], args, seeds, send), daemon=True)
+        p.start()
+        send.close()
+        pipes.append(recv)
+        procs.append(p)
+    done, stopped = 0, ""
+    try:
+        while pipes:
+            left = None if args.time_limit is None else args.time_limit - (time.time() - t0)
+            if left is not None and left <= 0:
+                stopped = f"stopped by --time-limit {args.time_limit:g} s"
+                break
+            for conn in wait(pipes, timeout=left):
                 try:
                     msg = conn.recv()
                 except EOFError:
                     msg = None
                 if msg is None:
-                    live -= 1
                     pipes.remove(conn)
                     continue
                 k, n, outcome, detail, secs = msg
@@ -115,17 +120,22 @@ def main(argv=None) -> int:
                 if outcome not in ("ok", "clear") and len(examples[k, outcome]) < args.examples:
                     examples[k, outcome].append((n, detail))
                 done += 1
-                if done % 500 == 0:
-                    print(f"  {kind}: {done}/{args.n} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
-        for p in procs:
-            p.join()
+                if done % 1000 == 0:
+                    print(f"  {done}/{len(tasks)} inputs ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        stopped = "interrupted"
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+        p.join()
 
     print(f"\n{'kind':<12}" + "".join(f"{o:>8}" for o in fuzz.OUTCOMES) + f"{'total':>8}{'slowest':>10}")
     for kind in kinds:
         c = counts[kind]
         print(f"{kind:<12}" + "".join(f"{c[o]:>8}" for o in fuzz.OUTCOMES) + f"{sum(c.values()):>8}"
               f"{slowest[kind]:>9.1f}s")
-    print(f"({time.time() - t0:.0f} s; seed {args.seed})")
+    print(f"({time.time() - t0:.0f} s; inputs {args.start}.. of each kind, seed {args.seed}, {args.jobs} jobs"
+          + (f"; {stopped}" if stopped else "") + ")")
     if examples:
         print("\nexamples (reproduce: --kinds KIND --n 1 --start N --seed S --keep DIR):")
         for (kind, outcome), items in sorted(examples.items()):

@@ -85,13 +85,36 @@ class _Reader(GGUFReader):
         if raw_type == GGUFValueType.ARRAY:
             itype = self._get(orig_offs, np.uint32)
             nptype = self.gguf_scalar_to_np.get(GGUFValueType(int(itype[0])))
+            alen = self._get(orig_offs + 4, np.uint64)
+            n = int(alen[0])
+            types = [GGUFValueType.ARRAY] + ([GGUFValueType(int(itype[0]))] if n else [])
             if nptype is not None:
-                alen = self._get(orig_offs + 4, np.uint64)
-                n = int(alen[0])
                 items = self._get(orig_offs + 12, nptype, n)
-                types = [GGUFValueType.ARRAY] + ([GGUFValueType(int(itype[0]))] if n else [])
                 return 12 + int(items.nbytes), [itype, alen, items], [2] if n else [], types
+            if int(itype[0]) == GGUFValueType.STRING and self.byte_order == "I":
+                return self._string_array(orig_offs, itype, alen, n, types)
         return super()._get_field_parts(orig_offs, raw_type)
+
+    def _string_array(self, orig_offs, itype, alen, n, types):
+        """A string array as gguf-py lays it out (a length part and a bytes part per item), read through a plain
+        ndarray view: memmap slicing costs ~10 us per part, minutes for a large vocabulary."""
+        buf = self.data.view(np.ndarray)
+        raw = memoryview(buf)
+        size = len(buf)
+        off = orig_offs + 12
+        parts: list = [itype, alen]
+        idxs: list[int] = []
+        for _ in range(n):  # n <= remaining bytes / 8 (checked by _Scan before gguf-py runs)
+            if off + 8 > size:
+                raise _Truncated(off, size)
+            ln = int.from_bytes(raw[off:off + 8], "little")
+            if off + 8 + ln > size:
+                raise _Truncated(off + 8, size)
+            parts.append(buf[off:off + 8].view(np.uint64))
+            parts.append(buf[off + 8:off + 8 + ln])
+            idxs.append(len(parts) - 1)
+            off += 8 + ln
+        return off - orig_offs, parts, idxs, types
 
     def __init__(self, path):
         self._path = os.fspath(path)

@@ -146,14 +146,14 @@ def loads_bounded(path, text: bytes, what: str, max_depth: int = MAX_JSON_DEPTH)
         raise LoadError(path, f"corrupt {what}: {type(e).__name__}: {str(e)[:200]}") from None
 
 
-def read_json(path: Path, what: str = "JSON file") -> Any:
+def read_json(path: Path, what: str = "JSON file", why_needed: str | None = None) -> Any:
     """Parse a small JSON file; LoadError (naming it) when it is missing, unreadable, too large, too deeply
     nested or not valid JSON."""
     try:
         with open(path, "rb") as f:
             text = f.read(MAX_JSON_BYTES + 1)
     except FileNotFoundError:
-        raise LoadError(path, f"missing ({what})") from None
+        raise LoadError(path, f"missing ({why_needed or what})") from None
     except OSError as e:
         raise LoadError(path, f"cannot read {what}: {e}") from e
     if len(text) > MAX_JSON_BYTES:
@@ -234,7 +234,7 @@ class SafetensorsDir:
         self.path = Path(path)
         if not self.path.is_dir():
             raise LoadError(self.path, "not a directory (an HF model directory holds config.json and safetensors)")
-        config = read_json(self.path / CONFIG, "an HF model directory needs config.json")
+        config = read_json(self.path / CONFIG, "model config", "an HF model directory needs config.json")
         if not isinstance(config, dict):
             raise LoadError(self.path / CONFIG, f"corrupt config: JSON {type(config).__name__}, expected an object")
         self.config: dict[str, Any] = config
