@@ -356,6 +356,7 @@ def gguf_slots(data: bytes) -> list[_Slot]:
 
     for _ in range(n_kv):
         slots.append(_Slot(off, 8, "key length"))
+        slots.append(_Slot(off + 8, u(off, 8), "key name"))
         key = data[off + 8:off + 8 + u(off, 8)].decode()
         off += 8 + u(off, 8)
         slots.append(_Slot(off, 4, f"{key} type"))
@@ -387,6 +388,10 @@ def mutate_gguf(data: bytes, rng: random.Random, slots: list[_Slot] | None = Non
     b = bytearray(data)
     for _ in range(rng.choice((1, 1, 1, 2))):
         s = rng.choice(slots)
+        if s.what == "key name" and s.width:  # a key renamed: missing, unknown or duplicated metadata
+            i = rng.randrange(s.width)
+            b[s.off + i] = rng.choice(b"._0123abcxyz")
+            continue
         if s.what == "tensor name":
             name = bytes(b[s.off:s.off + s.width])
             # another layer's index, a kind swapped for a sibling, or a byte changed: tensors go missing/stray
