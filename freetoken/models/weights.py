@@ -95,7 +95,7 @@ def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def load_bytes(cfg: ModelConfig, dense_bytes: int, expert_format: str, max_len: int) -> dict[str, int]:
     """What a load allocates on the host, by kind: ``dense_bytes`` (the non-expert weights as the decoder holds
     them), the expert banks in ``expert_format``, one layer's float32 expert matrices while they are quantized
-    (only when the experts are not moved as stored: pass ``expert_format=""`` for that too), the KV cache."""
+    (callers zero this entry when the experts move as stored), the KV cache (float32)."""
     from freetoken import formats
 
     moe = sum(cfg.moe_layers)
@@ -164,7 +164,10 @@ def check_hf_tensors(cfg: ModelConfig, sd, fp8_block: bool = False, max_len: int
     from freetoken.loaders.memory import check_load_bytes
 
     fmt = expert_format or ("fp8_block" if fp8_block else "bf16")
-    return check_load_bytes(sd.path, load_bytes(cfg, dense, fmt, max_len))
+    need = load_bytes(cfg, dense, fmt, max_len)
+    if fp8_block and fmt == "fp8_block":
+        need["float32 experts of one layer while quantized"] = 0  # the FP8 bytes and scales move as stored
+    return check_load_bytes(sd.path, need)
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
