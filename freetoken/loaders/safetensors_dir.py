@@ -241,6 +241,8 @@ class SafetensorsDir:
         hq = self.path / HF_QUANT_CONFIG
         self.hf_quant_config: dict[str, Any] | None = read_json(hq, "ModelOpt quantization config") \
             if hq.is_file() else None
+        if self.hf_quant_config is not None and not isinstance(self.hf_quant_config, dict):
+            raise LoadError(hq, f"corrupt: JSON {type(self.hf_quant_config).__name__}, expected an object")
         self._shards: dict[str, _Shard] = {}
         self._where: dict[str, str] = {}  # tensor name -> shard file name
         single, index = self.path / SINGLE, self.path / INDEX
@@ -431,8 +433,9 @@ def _fp8(qc: dict, config: dict, file) -> Quantization:
     if block is None:
         raise LoadError(file, "unsupported fp8 variant: no weight_block_size (per-tensor FP8); block FP8 needs "
                               "weight_block_size [128, 128]")
-    if list(block) != [128, 128]:
-        raise LoadError(file, f"unsupported fp8 weight_block_size {block} (freetoken's fp8_block uses [128, 128])")
+    if not isinstance(block, list) or block != [128, 128]:
+        raise LoadError(file, f"unsupported fp8 weight_block_size {_short(block)} (freetoken's fp8_block uses "
+                              "[128, 128])")
     ignore = _str_list(qc.get("modules_to_not_convert")) + _str_list(qc.get("ignored_layers"))
     expert = "ds_fp4" if str(config.get("expert_dtype", "")).lower() == "fp4" else "fp8_block"
     return Quantization("fp8_block", expert, (128, 128), ignore, str(file), qc)
@@ -461,8 +464,13 @@ def _modelopt(qc: dict, hf_quant_config: dict | None, file, src: Path) -> Quanti
 
 def _compressed_tensors(qc: dict, file) -> Quantization:
     groups = qc.get("config_groups") or {}
-    formats = {qc.get("format")} if qc.get("format") else set()
-    formats |= {g.get("format") for g in groups.values() if isinstance(g, dict) and g.get("format")}
+    if not isinstance(groups, dict):
+        raise LoadError(file, f"compressed-tensors config_groups is a {type(groups).__name__}, expected an object")
+    def name(v):
+        return v if isinstance(v, str) else _short(v)
+
+    formats = {name(qc.get("format"))} if qc.get("format") else set()
+    formats |= {name(g.get("format")) for g in groups.values() if isinstance(g, dict) and g.get("format")}
     if formats != {"nvfp4-pack-quantized"}:
         got = sorted(map(str, formats)) or "none"
         raise LoadError(file, f"unsupported compressed-tensors format {got} (supported: nvfp4-pack-quantized)")
