@@ -327,3 +327,15 @@ def test_large_numeric_metadata_array_is_one_read(tmp_path):
     assert time.perf_counter() - t0 < 5
     assert arr.shape == (n,) and arr.dtype == np.uint8 and int(arr[257]) == 1
     np.testing.assert_array_equal(gf.get("output_norm.weight"), np.ones(8, np.float32))
+
+
+@pytest.mark.parametrize("qc, match", [
+    ({"quant_method": "fp8", "weight_block_size": 128}, "unsupported fp8 weight_block_size 128"),
+    ({"quant_method": "compressed-tensors", "config_groups": [1]}, "config_groups is a list"),
+    ({"quant_method": "compressed-tensors", "format": ["x"]}, "unsupported compressed-tensors format"),
+    ({"quant_method": 5}, "has no quant_method"),
+])
+def test_quantization_config_of_the_wrong_type(seeds, tmp_path, qc, match):
+    d = hf_copy(seeds, tmp_path, config={**fuzz.TINY_CONFIG, "quantization_config": qc})
+    with pytest.raises(LoadError, match=f"{d}/config.json: .*{match}"):
+        freetoken.load(d, device="cpu")
