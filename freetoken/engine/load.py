@@ -10,9 +10,9 @@ from freetoken.engine.build import build_decoder
 from freetoken.engine.chat import ChatTemplate
 from freetoken.engine.generate import Model
 from freetoken.engine.options import ExpertOptions, LoadOptions
-from freetoken.loaders import LoadError, SafetensorsDir, quantization
+from freetoken.loaders import LoadError, SafetensorsDir
 from freetoken.models import from_hf
-from freetoken.models.weights import HFWeights
+from freetoken.models.weights import HFWeights, check_hf_tensors
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "default_model"
 
@@ -62,11 +62,12 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
         decoder, tokenizer, eos, template = load_gguf(p, dev, options)
         return Model(decoder, tokenizer, eos, chat_template=template)
     sd = SafetensorsDir(p)
-    q = quantization(sd.config, sd.hf_quant_config)
+    q = sd.quantization()
     if q.method not in ("none", "fp8_block") or q.expert_format not in ("bf16", "fp8_block"):
         raise LoadError(str(p / "config.json"), f"{q.method} checkpoints are not supported by the runner yet "
                         "(bf16/f16/f32 and block-FP8 checkpoints are; their experts load through freetoken.formats)")
     cfg = from_hf(sd.config, str(p / "config.json"))
+    check_hf_tensors(cfg, sd, q.method == "fp8_block", options.max_len, options.expert_format)
     weights = HFWeights(cfg, sd.get, sd.has, fp8_block=q.method == "fp8_block", where=str(p))
     decoder = build_decoder(cfg, weights, dev, options)
     tokenizer = None

@@ -8,51 +8,101 @@ a :class:`LoadError` naming the file and the tensor.
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 
+from gguf.constants import GGMLQuantizationType
+
 from freetoken.loaders import GGUFFile, LoadError
+from freetoken.loaders.memory import check_load_bytes
 from freetoken.models.config import GGUF_FAMILIES, ModelConfig, from_gguf
-from freetoken.models.weights import GGUFWeights
+from freetoken.models.weights import GGUF_LAYER_NAMES, GGUFWeights, global_shapes, layer_shapes, load_bytes
 
 
 def _expected_shapes(cfg: ModelConfig, w: GGUFWeights) -> dict[str, tuple[int, ...]]:
     """NumPy-order shape of every tensor the decoder reads (vectors may be stored as [1, n] too)."""
-    hd, h = cfg.head_dim, cfg.hidden
-    out = {w.name("embed"): (cfg.vocab_size, h), w.name("norm"): (h,)}
-    if not cfg.tie_word_embeddings:
-        out[w.name("lm_head")] = (cfg.vocab_size, h)
+    out = {w.name(k): v for k, v in global_shapes(cfg).items()}
     for i in range(cfg.num_layers):
-        s = {"attn_norm": (h,), "mlp_norm": (h,), "q_proj": (cfg.num_heads * hd, h),
-             "k_proj": (cfg.num_kv_heads * hd, h), "v_proj": (cfg.num_kv_heads * hd, h),
-             "o_proj": (h, cfg.num_heads * hd)}
-        if cfg.qkv_bias:
-            s.update(q_bias=(cfg.num_heads * hd,), k_bias=(cfg.num_kv_heads * hd,), v_bias=(cfg.num_kv_heads * hd,))
-        if cfg.qk_norm == "head":
-            s.update(q_norm=(hd,), k_norm=(hd,))
-        elif cfg.qk_norm == "full":
-            s.update(q_norm=(cfg.num_heads * hd,), k_norm=(cfg.num_kv_heads * hd,))
+        out.update({w.name(k, i): v for k, v in layer_shapes(cfg, i).items()})
         if cfg.is_moe(i):
-            s["router"] = (cfg.num_experts, h)
-            if cfg.shared_inter:
-                si = cfg.shared_inter
-                s.update(shared_gate=(si, h), shared_up=(si, h), shared_down=(h, si), shared_sigmoid=(h,))
-        else:
-            d = cfg.dense_inter
-            s.update(mlp_gate=(d, h), mlp_up=(d, h), mlp_down=(h, d))
-        out.update({w.name(k, i): v for k, v in s.items()})
-        if cfg.is_moe(i):
-            e, m = cfg.num_experts, cfg.moe_inter
+            e, m, h = cfg.num_experts, cfg.moe_inter, cfg.hidden
             names = w.gguf.expert_names(i)
             out.update({names["gate"]: (e, m, h), names["up"]: (e, m, h), names["down"]: (e, h, m)})
     return out
 
 
-def check_tensors(gf: GGUFFile, cfg: ModelConfig, w: GGUFWeights) -> None:
-    """LoadError for the first missing or misshapen tensor."""
-    for name, want in _expected_shapes(cfg, w).items():
-        got = gf.info(name).shape  # LoadError (with close names) when missing
-        if tuple(d for d in got if d != 1) != tuple(d for d in want if d != 1):
-            raise LoadError(gf.path, f"expected shape {list(want)}, got {list(got)}", name)
+_T = GGMLQuantizationType
+#: ggml types a weight may be stored in: floats, and the block types gguf-py decodes (never integers, which
+#: would be read as numbers).
+_FLOAT_TYPES = (_T.F32, _T.F16, _T.BF16, _T.F64)
+_VECTOR_TYPES = (_T.F32, _T.F16, _T.BF16)
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def _weight_type_ok(t: int, vector: bool) -> bool:
+    if vector:
+        return t in _VECTOR_TYPES
+    return t in _FLOAT_TYPES or t in _dequantizable()
+
+
+def _dequantizable() -> frozenset:
+    from gguf import quants
+
+    traits = getattr(quants, "_type_traits", None)
+    if traits is None:  # pragma: no cover - gguf-py layout change: trust every block type it knows
+        return frozenset(t for t in _T if t not in (_T.I8, _T.I16, _T.I32, _T.I64))
+    return frozenset(traits)
+
+
+def check_tensors(gf: GGUFFile, cfg: ModelConfig, w: GGUFWeights, max_len: int = 2048,
+                  expert_format: str | None = None) -> int:
+    """LoadError for the first missing, misshapen or mistyped tensor of any layer, for a tensor of a kind the
+    decoder reads that the config leaves unread (a layer beyond ``block_count``, q/k norms or biases in some
+    layers only, a shared expert...), and for a load whose host memory is not available. (Byte ranges, alignment
+    and overlaps were checked when the file was opened.) Returns the bytes the load allocates."""
+    expected = _expected_shapes(cfg, w)
+    experts = {n for i in range(cfg.num_layers) if cfg.is_moe(i) for n in w.gguf.expert_names(i).values()}
+    dense = 0
+    for name, want in expected.items():
+        got = gf.info(name)  # LoadError (with close names) when missing
+        if tuple(d for d in got.shape if d != 1) != tuple(d for d in want if d != 1):
+            raise LoadError(gf.path, f"expected shape {list(want)}, got {list(got.shape)}", name)
+        t = _T[got.type]
+        vector = sum(d != 1 for d in want) <= 1
+        if not _weight_type_ok(t, vector):
+            kinds = "F32/F16/BF16" if vector else "a float or block-quantized type gguf-py decodes"
+            raise LoadError(gf.path, f"stored as {got.type}, expected {kinds}", name)
+        if name not in experts:
+            kept = got.type in ("Q8_0", "Q4_0") and len(got.shape) == 2 and got.shape[1] % 32 == 0
+            dense += gf.tensor_nbytes(name) if kept else 4 * math.prod(want)
+    # every layer alike: nothing of a kind the decoder reads may sit where the config leaves it unread
+    known = {}
+    for i in range(cfg.num_layers):
+        for key in GGUF_LAYER_NAMES:
+            known[w.name(key, i)] = key
+        for n in w.gguf.expert_names(i).values():
+            known[n] = "experts"
+    for name in gf.names():
+        if name in expected:
+            continue
+        m = _BLK.match(name)
+        if m is None:
+            continue
+        layer = int(m.group(1))
+        if layer >= cfg.num_layers:
+            raise LoadError(gf.path, f"layer {layer} is beyond block_count = {cfg.num_layers}", name)
+        if name in known:
+            raise LoadError(gf.path, f"{known[name]} tensor that layer {layer} of this config does not use (the "
+                                     f"metadata and tensors disagree, or only some layers have it: qk_norm "
+                                     f"{cfg.qk_norm}, qkv_bias {cfg.qkv_bias}, shared expert "
+                                     f"{cfg.shared_inter or 'none'}, layer {layer} "
+                                     f"{'MoE' if cfg.is_moe(layer) else 'dense'})", name)
+    fmt = expert_format or w.native_expert_format or "bf16"
+    need = load_bytes(cfg, dense, fmt, max_len)
+    if fmt == w.native_expert_format:
+        need["float32 experts of one layer while quantized"] = 0
+    return check_load_bytes(gf.path, need)
 
 
 def load_gguf(path: Path, device, options):
@@ -61,7 +111,7 @@ def load_gguf(path: Path, device, options):
     gf = GGUFFile(path, archs=tuple(GGUF_FAMILIES))
     cfg = from_gguf(gf)
     weights = GGUFWeights(cfg, gf)
-    check_tensors(gf, cfg, weights)
+    check_tensors(gf, cfg, weights, options.max_len, options.expert_format)
     meta = gf.tokenizer_meta() if gf.has_meta("tokenizer.ggml.model") else None
     tokenizer = None
     if meta is not None:

@@ -79,9 +79,186 @@ class _Reader(GGUFReader):
                                             "bytes", name)
         super()._build_tensors(start_offs, fields)
 
+    def _get_field_parts(self, orig_offs, raw_type):
+        # gguf-py parses an array element by element (a NumPy view and list entries per item): a numeric array of
+        # millions of items, legal or a corrupt length, takes minutes and gigabytes. One view for the whole array.
+        if raw_type == GGUFValueType.ARRAY:
+            itype = self._get(orig_offs, np.uint32)
+            nptype = self.gguf_scalar_to_np.get(GGUFValueType(int(itype[0])))
+            alen = self._get(orig_offs + 4, np.uint64)
+            n = int(alen[0])
+            types = [GGUFValueType.ARRAY] + ([GGUFValueType(int(itype[0]))] if n else [])
+            if nptype is not None:
+                items = self._get(orig_offs + 12, nptype, n)
+                return 12 + int(items.nbytes), [itype, alen, items], [2] if n else [], types
+            if int(itype[0]) == GGUFValueType.STRING and self.byte_order == "I":
+                return self._string_array(orig_offs, itype, alen, n, types)
+        return super()._get_field_parts(orig_offs, raw_type)
+
+    def _string_array(self, orig_offs, itype, alen, n, types):
+        """A string array as gguf-py lays it out (a length part and a bytes part per item), read through a plain
+        ndarray view: memmap slicing costs ~10 us per part, minutes for a large vocabulary."""
+        buf = self.data.view(np.ndarray)
+        raw = memoryview(buf)
+        size = len(buf)
+        off = orig_offs + 12
+        parts: list = [itype, alen]
+        idxs: list[int] = []
+        for _ in range(n):  # n <= remaining bytes / 8 (checked by _Scan before gguf-py runs)
+            if off + 8 > size:
+                raise _Truncated(off, size)
+            ln = int.from_bytes(raw[off:off + 8], "little")
+            if off + 8 + ln > size:
+                raise _Truncated(off + 8, size)
+            parts.append(buf[off:off + 8].view(np.uint64))
+            parts.append(buf[off + 8:off + 8 + ln])
+            idxs.append(len(parts) - 1)
+            off += 8 + ln
+        return off - orig_offs, parts, idxs, types
+
     def __init__(self, path):
         self._path = os.fspath(path)
         super().__init__(path, "r")
+
+
+# ---- the header, walked before gguf-py parses it -----------------------------------------------------------
+
+#: GGUF value types -> fixed sizes in bytes (STRING = 8, ARRAY = 9 are variable).
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+#: ggml's GGML_MAX_DIMS.
+MAX_TENSOR_DIMS = 4
+#: A metadata key or tensor name longer than this is corrupt (llama.cpp caps names at 64 bytes; keys are short).
+MAX_NAME_BYTES = 1 << 16
+#: Arrays nest at most this deep (llama.cpp reads no nested arrays at all; gguf-py writes one level).
+MAX_ARRAY_NESTING = 2
+#: Items of one string array (gguf-py parses them one by one): the largest vocabularies and merge lists hold well
+#: under a million.
+MAX_STRING_ITEMS = 1 << 23
+#: ``general.alignment`` above this is corrupt (llama.cpp writes 32; any power of two is legal).
+MAX_ALIGNMENT = 1 << 24
+
+
+class _Scan:
+    """Walks a GGUF header with every length, count and offset bounded by the bytes that remain, so that no
+    value in the file can make the walk (or gguf-py's parse after it) allocate or loop beyond the file's size.
+    Raises LoadError naming the file and, where one is involved, the key or tensor."""
+
+    def __init__(self, path: Path, buf):
+        self.path, self.buf, self.size = path, buf, len(buf)
+
+    def fail(self, msg: str, tensor: str | None = None):
+        raise LoadError(self.path, msg, tensor)
+
+    def u(self, off: int, n: int, what: str) -> int:
+        if off + n > self.size:
+            self.fail(f"truncated or corrupt header: {what} at byte {off} runs past the end of the file "
+                      f"({self.size} bytes)")
+        return int.from_bytes(self.buf[off:off + n], "little")
+
+    def string(self, off: int, what: str, limit: int | None = None) -> tuple[int, bytes]:
+        n = self.u(off, 8, f"the length of {what}")
+        if n > self.size - off - 8 or (limit is not None and n > limit):
+            self.fail(f"corrupt header: {what} declares {n} bytes but only {self.size - off - 8} remain"
+                      if n > self.size - off - 8 else f"corrupt header: {what} is {n} bytes long (limit {limit})")
+        return off + 8 + n, bytes(self.buf[off + 8:off + 8 + n])
+
+    def value(self, off: int, vtype: int, key: str, depth: int = 0) -> int:
+        """Offset just past one value of ``vtype``."""
+        if vtype in _SCALAR_SIZES:
+            self.u(off, _SCALAR_SIZES[vtype], f"the value of {key!r}")  # in bounds
+            return off + _SCALAR_SIZES[vtype]
+        if vtype == _STRING:
+            return self.string(off, f"the value of {key!r}")[0]
+        if vtype != _ARRAY:
+            self.fail(f"corrupt header: metadata key {key!r} has unknown value type {vtype}")
+        if depth >= MAX_ARRAY_NESTING:
+            self.fail(f"corrupt header: metadata key {key!r} nests arrays more than {MAX_ARRAY_NESTING} deep")
+        item = self.u(off, 4, f"the item type of {key!r}")
+        count = self.u(off + 4, 8, f"the length of {key!r}")
+        off += 12
+        remaining = self.size - off
+        least = _SCALAR_SIZES.get(item, 8 if item == _STRING else 12)
+        if item not in _SCALAR_SIZES and item not in (_STRING, _ARRAY):
+            self.fail(f"corrupt header: metadata array {key!r} has unknown item type {item}")
+        if count * least > remaining:
+            self.fail(f"corrupt header: metadata array {key!r} declares {count} items of at least {least} bytes "
+                      f"but only {remaining} bytes remain")
+        if item in _SCALAR_SIZES:
+            return off + count * least
+        if count > MAX_STRING_ITEMS:
+            self.fail(f"corrupt header: metadata array {key!r} declares {count} items (the limit for arrays of "
+                      f"strings or arrays is {MAX_STRING_ITEMS})")
+        for _ in range(count):  # count <= remaining / 8: bounded by the file's size
+            off = self.value(off, item, key, depth + 1)
+        return off
+
+    def walk(self) -> dict:
+        """{"alignment", "data_offset", "tensors": [(name, dims, type, offset, nbytes)]} of the header."""
+        version = self.u(4, 4, "the version")
+        if version not in (2, 3):
+            self.fail(f"unsupported GGUF version {version} (gguf-py reads versions 2 and 3)"
+                      if version & 0xFFFF else "big-endian GGUF files are not supported")
+        n_tensors, n_kv = self.u(8, 8, "the tensor count"), self.u(16, 8, "the metadata count")
+        off = 24
+        if n_kv * 13 > self.size - off:  # a key length (8), type (4) and at least one byte of value each
+            self.fail(f"corrupt header: {n_kv} metadata entries declared, the file has room for at most "
+                      f"{(self.size - off) // 13}")
+        if n_tensors * 24 > self.size - off:  # name length, dims count, type and offset at least
+            self.fail(f"corrupt header: {n_tensors} tensors declared, the file has room for at most "
+                      f"{(self.size - off) // 24}")
+        alignment = 32
+        for i in range(n_kv):
+            off, raw = self.string(off, f"metadata key #{i}", MAX_NAME_BYTES)
+            key = raw.decode("utf-8", "replace")
+            vtype = self.u(off, 4, f"the type of {key!r}")
+            if key == "general.alignment":
+                if vtype != 4:
+                    self.fail(f"corrupt header: general.alignment has value type {vtype}, expected uint32")
+                alignment = self.u(off + 4, 4, "general.alignment")
+                if not 0 < alignment <= MAX_ALIGNMENT or alignment & (alignment - 1):
+                    self.fail(f"corrupt header: general.alignment {alignment} is not a power of two in "
+                              f"[1, {MAX_ALIGNMENT}]")
+            off = self.value(off + 4, vtype, key)
+        tensors = []
+        for i in range(n_tensors):
+            off, raw = self.string(off, f"the name of tensor #{i}", MAX_NAME_BYTES)
+            name = raw.decode("utf-8", "replace")
+            n_dims = self.u(off, 4, f"the dimension count of {name!r}")
+            if not 1 <= n_dims <= MAX_TENSOR_DIMS:
+                self.fail(f"corrupt header: {n_dims} dimensions (ggml has 1 to {MAX_TENSOR_DIMS})", name)
+            dims = [self.u(off + 4 + 8 * j, 8, f"the dimensions of {name!r}") for j in range(n_dims)]
+            off += 4 + 8 * n_dims
+            ttype, offset = self.u(off, 4, f"the type of {name!r}"), self.u(off + 4, 8, f"the offset of {name!r}")
+            off += 12
+            try:
+                block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+            except (ValueError, KeyError):
+                self.fail(f"corrupt header: unknown ggml type {ttype}", name)
+            if any(d < 1 or d > self.size * block for d in dims):
+                self.fail(f"corrupt header: dimensions {dims} (ggml order) are not all in [1, {self.size * block}]",
+                          name)
+            if dims[0] % block:
+                self.fail(f"corrupt header: rows of {dims[0]} {GGMLQuantizationType(ttype).name} values are not "
+                          f"whole blocks of {block}", name)
+            tensors.append((name, dims, ttype, offset, math.prod(dims) // block * size))
+        data = -(-off // alignment) * alignment
+        seen: set[str] = set()
+        for name, _, _, offset, nbytes in tensors:
+            if name in seen:
+                self.fail("corrupt header: a second tensor with this name", name)
+            seen.add(name)
+            if offset % alignment:
+                self.fail(f"corrupt header: data offset {offset} is not a multiple of the alignment {alignment}",
+                          name)
+            if data + offset + nbytes > self.size:
+                self.fail(f"truncated: data ends at byte {data + offset + nbytes} but the file has {self.size} "
+                          "bytes", name)
+        spans = sorted((offset, offset + nbytes, name) for name, _, _, offset, nbytes in tensors if nbytes)
+        for (_, end0, name0), (start1, _, name1) in zip(spans, spans[1:], strict=False):
+            if start1 < end0:
+                self.fail(f"corrupt header: data overlaps that of {name0!r}", name1)
+        return {"alignment": alignment, "data_offset": data, "tensors": tensors}
 
 
 def _decode(b: np.ndarray) -> str:
@@ -131,6 +308,13 @@ class GGUFFile:
             raise LoadError(self.path, f"truncated: {size} bytes, too short for a GGUF header")
         if magic != b"GGUF":
             raise LoadError(self.path, f"not a GGUF file (magic {magic!r})")
+        try:
+            buf = np.memmap(self.path, dtype=np.uint8, mode="r")
+        except (OSError, ValueError) as e:
+            raise LoadError(self.path, f"cannot map: {e}") from e
+        #: the header as walked before gguf-py parses it (every length bounded by the file's size)
+        self.layout = _Scan(self.path, memoryview(buf)).walk()
+        del buf
         try:
             self._reader = _Reader(self.path)
         except LoadError:
@@ -214,6 +398,11 @@ class GGUFFile:
         """(ggml type name, NumPy-order element shape)."""
         t = self._tensor(name)
         return GGUFTensorInfo(GGMLQuantizationType(t.tensor_type).name, self._np_shape(t))
+
+    def tensor_nbytes(self, name: str) -> int:
+        """Bytes ``name``'s data takes in the file."""
+        t = self._tensor(name)
+        return int(t.n_bytes)
 
     def get_raw(self, name: str) -> tuple[np.ndarray, GGMLQuantizationType, tuple[int, ...]]:
         """(zero-copy uint8 bytes [..., bytes per row], ggml type, NumPy-order element shape)."""

@@ -12,6 +12,7 @@ import difflib
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,13 @@ DTYPES: dict[str, np.dtype] = {
 
 #: safetensors refuses headers above 100 MB; so do we (a corrupt length would otherwise allocate it).
 MAX_HEADER_BYTES = 100_000_000
+#: A safetensors header is an object of objects holding lists of numbers: depth 3 (4 with ``__metadata__``'s
+#: values, which must be strings anyway). Anything nested deeper is refused before ``json.loads`` recurses.
+MAX_HEADER_DEPTH = 8
+#: Dimensions of one tensor (safetensors itself has no limit; no real checkpoint comes near it).
+MAX_DIMS = 16
+#: Tensors in one file: a real shard holds at most a few thousand; every entry costs bytes of the header anyway.
+MAX_TENSORS = 1_000_000
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -86,23 +94,71 @@ def _shape_str(shape: Iterable[Any]) -> str:
     return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
 
 
+def _short(x: Any) -> str:
+    """repr(x) cut to 60 characters (a hostile header may hold megabyte lists or 4000-digit numbers)."""
+    if _is_int(x) and abs(x) > 10**30:
+        return f"a {'negative ' if x < 0 else ''}{len(str(abs(x))) if abs(x) < 10**4000 else 'huge'}-digit integer"
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def read_json(path: Path, what: str = "JSON file") -> Any:
-    """Parse a small JSON file; LoadError (naming it) when it is missing, unreadable or not valid JSON."""
+#: Small JSON files (config.json, the index, hf_quant_config.json) larger than this are refused unread.
+MAX_JSON_BYTES = 64 << 20
+#: Nesting deeper than this in such a file is refused before the parser recurses (RecursionError otherwise).
+MAX_JSON_DEPTH = 64
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth(raw: bytes) -> int:
+    """The deepest nesting of ``[``/``{`` in JSON bytes (brackets inside strings are not counted); C-speed
+    passes only, so a 100 MB header costs a fraction of a second."""
+    brackets = _JSON_STRING.sub(b'""', raw).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    b = np.frombuffer(brackets, np.uint8)
+    return int(np.cumsum(np.where((b == ord("[")) | (b == ord("{")), 1, -1), dtype=np.int64).max())
+
+
+def loads_bounded(path, text: bytes, what: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """``json.loads`` of ``text`` (from ``path``) with every parser failure as a LoadError: invalid UTF-8 or JSON,
+    nesting deeper than ``max_depth``, integers of thousands of digits, NaN/Infinity (not JSON)."""
+    try:
+        doc = text.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LoadError(path, f"corrupt {what}: not UTF-8 ({e})") from e
+    depth = json_depth(text)
+    if depth > max_depth:
+        raise LoadError(path, f"corrupt {what}: JSON nested {depth} deep (the limit is {max_depth})")
+
+    def constant(name):
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        return json.loads(doc, parse_constant=constant)
+    except (json.JSONDecodeError, ValueError, RecursionError) as e:
+        raise LoadError(path, f"corrupt {what}: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def read_json(path: Path, what: str = "JSON file", why_needed: str | None = None) -> Any:
+    """Parse a small JSON file; LoadError (naming it) when it is missing, unreadable, too large, too deeply
+    nested or not valid JSON."""
     try:
         with open(path, "rb") as f:
-            text = f.read()
+            text = f.read(MAX_JSON_BYTES + 1)
     except FileNotFoundError:
-        raise LoadError(path, f"missing ({what})") from None
+        raise LoadError(path, f"missing ({why_needed or what})") from None
     except OSError as e:
         raise LoadError(path, f"cannot read {what}: {e}") from e
-    try:
-        return json.loads(text.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LoadError(path, f"corrupt {what}: {e}") from e
+    if len(text) > MAX_JSON_BYTES:
+        raise LoadError(path, f"{what} is larger than the {MAX_JSON_BYTES >> 20} MiB limit")
+    return loads_bounded(path, text, what)
 
 
 def parse_header(path: str | os.PathLike) -> _Shard:
@@ -124,35 +180,38 @@ def parse_header(path: str | os.PathLike) -> _Shard:
         raise LoadError(path, "missing") from None
     except OSError as e:
         raise LoadError(path, f"cannot read: {e}") from e
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LoadError(path, f"corrupt header JSON: {e}") from e
+    header = loads_bounded(path, raw, "header JSON", MAX_HEADER_DEPTH)
     if not isinstance(header, dict):
         raise LoadError(path, f"corrupt header: JSON {type(header).__name__}, expected an object")
     metadata = header.pop("__metadata__", None)
-    if metadata is not None and not isinstance(metadata, dict):
-        raise LoadError(path, "corrupt header: __metadata__ is not an object")
+    if metadata is not None and (not isinstance(metadata, dict)
+                                 or not all(isinstance(v, str) for v in metadata.values())):
+        raise LoadError(path, "corrupt header: __metadata__ is not an object of strings")
+    if len(header) > MAX_TENSORS:
+        raise LoadError(path, f"corrupt header: {len(header)} tensors (the limit is {MAX_TENSORS})")
     base = 8 + n
+    data_size = size - base
     entries: dict[str, _Entry] = {}
     for name, spec in header.items():
         if not isinstance(spec, dict) or not {"dtype", "shape", "data_offsets"} <= spec.keys():
             raise LoadError(path, "corrupt header entry: wants dtype, shape and data_offsets", name)
         dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
-        if dtype not in DTYPES:
-            raise LoadError(path, f"unsupported dtype {dtype!r} (known: {', '.join(DTYPES)})", name)
-        if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
-            raise LoadError(path, f"corrupt header: shape {shape!r} is not a list of non-negative integers", name)
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise LoadError(path, f"unsupported dtype {_short(dtype)} (known: {', '.join(DTYPES)})", name)
+        if (not isinstance(shape, list) or len(shape) > MAX_DIMS
+                or not all(_is_int(s) and 0 <= s <= data_size for s in shape)):
+            raise LoadError(path, f"corrupt header: shape {_short(shape)} is not a list of at most {MAX_DIMS} "
+                                  f"non-negative integers no larger than the data ({data_size} bytes)", name)
         if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)
                 or not 0 <= offsets[0] <= offsets[1]):
-            raise LoadError(path, f"corrupt header: data_offsets {offsets!r} are not [begin, end]", name)
+            raise LoadError(path, f"corrupt header: data_offsets {_short(offsets)} are not [begin, end]", name)
+        if offsets[1] > data_size:
+            raise LoadError(path, f"truncated: data ends at byte {_short(base + offsets[1])} but the file has "
+                                  f"{size} bytes", name)
         nbytes = math.prod(shape) * DTYPES[dtype].itemsize
         if offsets[1] - offsets[0] != nbytes:
-            raise LoadError(path, f"corrupt header: {dtype} {_shape_str(shape)} needs {nbytes} bytes, data_offsets "
-                                  f"{offsets} span {offsets[1] - offsets[0]}", name)
-        if base + offsets[1] > size:
-            raise LoadError(path, f"truncated: data ends at byte {base + offsets[1]} but the file has {size} bytes",
-                            name)
+            raise LoadError(path, f"corrupt header: {dtype} {_shape_str(shape)} needs {_short(nbytes)} bytes, "
+                                  f"data_offsets {offsets} span {offsets[1] - offsets[0]}", name)
         entries[name] = _Entry(dtype, tuple(shape), base + offsets[0], base + offsets[1])
     spans = sorted((e.start, e.end, k) for k, e in entries.items() if e.end > e.start)
     for (_, end0, name0), (start1, _, name1) in zip(spans, spans[1:], strict=False):
@@ -175,13 +234,15 @@ class SafetensorsDir:
         self.path = Path(path)
         if not self.path.is_dir():
             raise LoadError(self.path, "not a directory (an HF model directory holds config.json and safetensors)")
-        config = read_json(self.path / CONFIG, "an HF model directory needs config.json")
+        config = read_json(self.path / CONFIG, "model config", "an HF model directory needs config.json")
         if not isinstance(config, dict):
             raise LoadError(self.path / CONFIG, f"corrupt config: JSON {type(config).__name__}, expected an object")
         self.config: dict[str, Any] = config
         hq = self.path / HF_QUANT_CONFIG
         self.hf_quant_config: dict[str, Any] | None = read_json(hq, "ModelOpt quantization config") \
             if hq.is_file() else None
+        if self.hf_quant_config is not None and not isinstance(self.hf_quant_config, dict):
+            raise LoadError(hq, f"corrupt: JSON {type(self.hf_quant_config).__name__}, expected an object")
         self._shards: dict[str, _Shard] = {}
         self._where: dict[str, str] = {}  # tensor name -> shard file name
         single, index = self.path / SINGLE, self.path / INDEX
@@ -372,8 +433,9 @@ def _fp8(qc: dict, config: dict, file) -> Quantization:
     if block is None:
         raise LoadError(file, "unsupported fp8 variant: no weight_block_size (per-tensor FP8); block FP8 needs "
                               "weight_block_size [128, 128]")
-    if list(block) != [128, 128]:
-        raise LoadError(file, f"unsupported fp8 weight_block_size {block} (freetoken's fp8_block uses [128, 128])")
+    if not isinstance(block, list) or block != [128, 128]:
+        raise LoadError(file, f"unsupported fp8 weight_block_size {_short(block)} (freetoken's fp8_block uses "
+                              "[128, 128])")
     ignore = _str_list(qc.get("modules_to_not_convert")) + _str_list(qc.get("ignored_layers"))
     expert = "ds_fp4" if str(config.get("expert_dtype", "")).lower() == "fp4" else "fp8_block"
     return Quantization("fp8_block", expert, (128, 128), ignore, str(file), qc)
@@ -402,8 +464,13 @@ def _modelopt(qc: dict, hf_quant_config: dict | None, file, src: Path) -> Quanti
 
 def _compressed_tensors(qc: dict, file) -> Quantization:
     groups = qc.get("config_groups") or {}
-    formats = {qc.get("format")} if qc.get("format") else set()
-    formats |= {g.get("format") for g in groups.values() if isinstance(g, dict) and g.get("format")}
+    if not isinstance(groups, dict):
+        raise LoadError(file, f"compressed-tensors config_groups is a {type(groups).__name__}, expected an object")
+    def name(v):
+        return v if isinstance(v, str) else _short(v)
+
+    formats = {name(qc.get("format"))} if qc.get("format") else set()
+    formats |= {name(g.get("format")) for g in groups.values() if isinstance(g, dict) and g.get("format")}
     if formats != {"nvfp4-pack-quantized"}:
         got = sorted(map(str, formats)) or "none"
         raise LoadError(file, f"unsupported compressed-tensors format {got} (supported: nvfp4-pack-quantized)")

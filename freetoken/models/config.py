@@ -101,7 +101,7 @@ def _rope(f: Fields, cfg: dict) -> tuple[float, dict | None]:
             scaling = None
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
-        if kind not in ROPE_SCALINGS:
+        if not isinstance(kind, str) or kind not in ROPE_SCALINGS:
             raise ConfigError(f"{f.where}: rope scaling {kind!r} is not supported (supported: "
                               f"{', '.join(ROPE_SCALINGS)})")
         need = {"linear": ("factor",), "yarn": ("factor",), "llama3": ("factor", "low_freq_factor",
@@ -127,7 +127,7 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
         raise ConfigError(f"{where}: expected a JSON object, got {type(cfg).__name__}")
     f = Fields(cfg.get, where)
     mt = cfg.get("model_type")
-    if mt not in FAMILIES:
+    if not isinstance(mt, str) or mt not in FAMILIES:
         raise ConfigError(f"{where}: unsupported model_type {mt!r}; freetoken runs {', '.join(FAMILIES)}")
     family = FAMILIES[mt]
     hidden = f.int("hidden_size", hi=MAX_HIDDEN)
@@ -153,8 +153,18 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
         raise ConfigError(f"{where}: sliding-window attention is not supported yet")
     shared = f.int("shared_expert_intermediate_size", default=0, lo=0, hi=MAX_INTERMEDIATE) \
         if family == "qwen2_moe" else 0
-    return ModelConfig(
-        family=family, vocab_size=f.int("vocab_size", hi=MAX_VOCAB), hidden=hidden, num_layers=layers,
+    vocab = f.int("vocab_size", hi=MAX_VOCAB)
+    for key in ("eos_token_id",):  # the loader stops generation on these
+        v = cfg.get(key)
+        if isinstance(v, list):
+            if len(v) > 1024:
+                f.fail(key, v, "a token id or a short list of token ids")
+            for j, x in enumerate(v):
+                f.whole(f"{key}[{j}]", x, 0, MAX_VOCAB - 1)
+        elif v is not None:
+            f.int(key, lo=0, hi=MAX_VOCAB - 1)
+    return _checked(where, lambda: ModelConfig(
+        family=family, vocab_size=vocab, hidden=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, num_experts=experts, top_k=top_k,
         moe_inter=moe_inter, dense_inter=dense_inter, norm_topk_prob=norm_topk,
         rms_eps=f.float("rms_norm_eps", default=1e-6, hi=0.5), rope_theta=theta, rope_scaling=scaling,
@@ -162,13 +172,39 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
         qkv_bias=family == "qwen2_moe" or f.bool("attention_bias", False), shared_inter=shared,
         moe_layers=moe_layers, tie_word_embeddings=f.bool("tie_word_embeddings", False),
         max_position=f.int("max_position_embeddings", default=32768, hi=MAX_POSITIONS),
-    )
+    ))
+
+
+def _checked(where: str, make) -> ModelConfig:
+    """``make()`` with :meth:`ModelConfig.__post_init__`'s errors naming the file."""
+    try:
+        return make()
+    except ConfigError as e:
+        msg = str(e)
+        raise ConfigError(msg if msg.startswith(where) else f"{where}: {msg}") from None
 
 
 #: GGUF ``general.architecture`` -> family (``llama`` with experts is Mixtral's layout in llama.cpp).
 GGUF_FAMILIES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "olmoe": "olmoe"}
 #: Whether llama.cpp renormalises the top-k router weights of each family (it hard-codes this per architecture).
 _GGUF_NORM_TOPK = {"qwen3_moe": True, "qwen2_moe": False, "mixtral": True, "olmoe": False}
+
+
+def _same_in_every_layer(gf, where: str, layers, suffixes: tuple[str, ...]) -> None:
+    """ConfigError unless the tensors ``blk.N.<suffix>`` are all present in every one of ``layers`` or in none:
+    the decoder decides per model (q/k norms, qkv biases, shared experts), so a tensor missing from some layers
+    would otherwise switch the feature off (or on) for every layer silently."""
+    layers = list(layers)
+    have = {sfx: [i for i in layers if gf.has(f"blk.{i}.{sfx}")] for sfx in suffixes}
+    if all(len(v) == 0 for v in have.values()) or all(len(v) == len(layers) for v in have.values()):
+        return
+    for sfx, present in have.items():
+        if len(present) < len(layers):
+            missing = sorted(set(layers) - set(present))
+            others = [s for s in suffixes if have[s]]
+            raise ConfigError(f"{where}: blk.{missing[0]}.{sfx} is missing ({len(missing)} of {len(layers)} layers "
+                              f"lack {sfx}) while other layers have {', '.join(others)}: a model has these in every "
+                              "layer or in none")
 
 
 def from_gguf(gf) -> ModelConfig:
@@ -206,9 +242,18 @@ def from_gguf(gf) -> ModelConfig:
     if not gf.has(f"blk.{first}.ffn_gate_exps.weight"):
         raise ConfigError(f"{where}: experts stored per expert (blk.{first}.ffn_gate.0.weight, old llama.cpp "
                           "files) are not supported; re-convert with a current converter (merged *_exps tensors)")
-    moe_inter = gf.info(f"blk.{first}.ffn_gate_exps.weight").shape[1]
+    gate_shape = gf.info(f"blk.{first}.ffn_gate_exps.weight").shape
+    if len(gate_shape) != 3:
+        raise ConfigError(f"{where}: blk.{first}.ffn_gate_exps.weight has shape {list(gate_shape)}, expected "
+                          "[experts, expert FFN, hidden]")
+    moe_inter = gate_shape[1]
     dense = next((i for i, m in enumerate(moe_layers) if not m), None)
     dense_inter = gf.info(f"blk.{dense}.ffn_gate.weight").shape[0] if dense is not None else 0
+    for group in (("attn_q_norm.weight", "attn_k_norm.weight"), ("attn_q.bias", "attn_k.bias", "attn_v.bias")):
+        _same_in_every_layer(gf, where, range(layers), group)
+    _same_in_every_layer(gf, where, [i for i, x in enumerate(moe_layers) if x],
+                         ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight",
+                          "ffn_gate_inp_shexp.weight"))
     shared_inter = 0
     if gf.has(f"blk.{first}.ffn_gate_shexp.weight"):
         if family != "qwen2_moe":
@@ -231,9 +276,9 @@ def from_gguf(gf) -> ModelConfig:
     vocab = m.int(f"{arch}.vocab_size", default=0, lo=0, hi=MAX_VOCAB) or \
         m.whole("token_embd.weight rows", gf.info("token_embd.weight").shape[0], 1, MAX_VOCAB)
     qk_norm = "none"
-    if gf.has("blk.0.attn_q_norm.weight"):
+    if gf.has("blk.0.attn_q_norm.weight"):  # then every layer has both norms (checked above)
         qk_norm = "full" if family == "olmoe" else "head"
-    return ModelConfig(
+    return _checked(where, lambda: ModelConfig(
         family=family, vocab_size=vocab, hidden=hidden, num_layers=layers, num_heads=heads, num_kv_heads=int(kv),
         head_dim=m.int(f"{arch}.attention.key_length", default=hidden // heads, hi=MAX_HEAD_DIM),
         num_experts=experts, top_k=m.int(f"{arch}.expert_used_count", hi=experts),
@@ -246,4 +291,4 @@ def from_gguf(gf) -> ModelConfig:
         qk_norm=qk_norm, qkv_bias=gf.has("blk.0.attn_q.bias"), shared_inter=int(shared_inter),
         moe_layers=moe_layers, tie_word_embeddings=not gf.has("output.weight"),
         max_position=m.int(f"{arch}.context_length", default=32768, hi=MAX_POSITIONS),
-    )
+    ))

@@ -21,6 +21,8 @@ as whole block rows), every other tensor as ``get`` returns it.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from freetoken.formats import MATRICES, RecordLayout
@@ -54,6 +56,155 @@ _GGUF_LAYER = {
     **{f"mlp_{w}": f"ffn_{w}.weight" for w in ("gate", "up", "down")},
 }
 _GGUF_GLOBAL = {"embed": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
+#: Canonical per-layer key -> GGUF name relative to ``blk.N.`` (read-only).
+GGUF_LAYER_NAMES = _GGUF_LAYER
+
+
+def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """HF-order shape of every per-layer tensor the decoder reads from layer ``i`` (canonical keys; routed
+    experts excluded: their storage differs per source)."""
+    hd, h = cfg.head_dim, cfg.hidden
+    s = {"attn_norm": (h,), "mlp_norm": (h,), "q_proj": (cfg.num_heads * hd, h),
+         "k_proj": (cfg.num_kv_heads * hd, h), "v_proj": (cfg.num_kv_heads * hd, h),
+         "o_proj": (h, cfg.num_heads * hd)}
+    if cfg.qkv_bias:
+        s.update(q_bias=(cfg.num_heads * hd,), k_bias=(cfg.num_kv_heads * hd,), v_bias=(cfg.num_kv_heads * hd,))
+    if cfg.qk_norm == "head":
+        s.update(q_norm=(hd,), k_norm=(hd,))
+    elif cfg.qk_norm == "full":
+        s.update(q_norm=(cfg.num_heads * hd,), k_norm=(cfg.num_kv_heads * hd,))
+    if cfg.is_moe(i):
+        s["router"] = (cfg.num_experts, h)
+        if cfg.shared_inter:
+            si = cfg.shared_inter
+            s.update(shared_gate=(si, h), shared_up=(si, h), shared_down=(h, si), shared_sigmoid=(1, h))
+    else:
+        d = cfg.dense_inter
+        s.update(mlp_gate=(d, h), mlp_up=(d, h), mlp_down=(h, d))
+    return s
+
+
+def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of the tensors outside the layers (``lm_head`` only when the embeddings are not tied)."""
+    out = {"embed": (cfg.vocab_size, cfg.hidden), "norm": (cfg.hidden,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = (cfg.vocab_size, cfg.hidden)
+    return out
+
+
+def load_bytes(cfg: ModelConfig, dense_bytes: int, expert_format: str, max_len: int) -> dict[str, int]:
+    """What a load allocates on the host, by kind: ``dense_bytes`` (the non-expert weights as the decoder holds
+    them), the expert banks in ``expert_format``, one layer's float32 expert matrices while they are quantized
+    (callers zero this entry when the experts move as stored), the KV cache (float32)."""
+    from freetoken import formats
+
+    moe = sum(cfg.moe_layers)
+    e, h, i = cfg.num_experts, cfg.hidden, cfg.moe_inter
+    try:
+        record = RecordLayout(formats.get(expert_format or "bf16"), h, i).record_bytes
+    except (ValueError, KeyError):
+        record = 3 * h * i * 4
+    return {"non-expert weights": dense_bytes, "expert banks": moe * e * record,
+            "float32 experts of one layer while quantized": 3 * e * h * i * 4 if moe else 0,
+            "KV cache": 2 * cfg.num_layers * max_len * cfg.num_kv_heads * cfg.head_dim * 4}
+
+
+#: safetensors dtypes the decoder reads as weights (integers would be read as numbers, never as weights).
+HF_FLOAT_DTYPES = ("BF16", "F16", "F32")
+
+
+def check_hf_tensors(cfg: ModelConfig, sd, fp8_block: bool = False, max_len: int = 2048,
+                     expert_format: str | None = None) -> int:
+    """Check every tensor the decoder will read from the :class:`freetoken.loaders.SafetensorsDir` ``sd`` by
+    name, shape and dtype, that no tensor of a kind the decoder knows sits where the config has no use for it
+    (a layer or expert beyond the config's counts, q/k norms or biases the family has not, a dense MLP in a
+    MoE layer...), that block-FP8 tensors come with their scales (and only when ``quantization_config`` says
+    FP8), and that the host memory the load needs is available. LoadError naming the file and tensor; returns
+    the bytes the load allocates."""
+    w = HFWeights(cfg, sd.get, sd.has, fp8_block=fp8_block, where=str(sd.path))
+    expected: dict[str, tuple[int, ...]] = {w.name(k): v for k, v in global_shapes(cfg).items()}
+    experts: list[str] = []
+    for i in range(cfg.num_layers):
+        expected.update({w.name(k, i): v for k, v in layer_shapes(cfg, i).items()})
+        if cfg.is_moe(i):
+            names = w._expert_names(i)
+            for m, shape in (("gate", (cfg.moe_inter, cfg.hidden)), ("up", (cfg.moe_inter, cfg.hidden)),
+                             ("down", (cfg.hidden, cfg.moe_inter))):
+                expected.update(dict.fromkeys(names[m], shape))
+                experts += names[m]
+    expert_set = set(experts)
+    dense = 0
+    for name, want in expected.items():
+        info = sd.info(name)  # LoadError naming close matches when missing
+        if info.shape != want:
+            raise LoadError(info.file, f"expected shape {list(want)} (from config.json), got {list(info.shape)}",
+                            name)
+        scale = name + "_scale_inv"
+        if info.dtype == "F8_E4M3" and fp8_block and sd.has(scale):
+            s = sd.info(scale)
+            ws = tuple(-(-d // 128) for d in want)
+            if s.dtype not in HF_FLOAT_DTYPES or s.shape != ws:
+                raise LoadError(s.file, f"expected a weight_scale_inv of shape {list(ws)} "
+                                        f"({'/'.join(HF_FLOAT_DTYPES)}) for F8_E4M3 weight {list(want)}, got "
+                                        f"{s.dtype} {list(s.shape)}", scale)
+        elif info.dtype == "F8_E4M3":
+            why = "no block-FP8 quantization_config in config.json" if not fp8_block else f"no {scale!r}"
+            raise LoadError(info.file, f"F8_E4M3 weight without its block scales ({why})", name)
+        elif info.dtype not in HF_FLOAT_DTYPES:
+            also = " or F8_E4M3 with scales" if fp8_block else ""
+            raise LoadError(info.file, f"dtype {info.dtype} is not a weight dtype (expected "
+                                       f"{' / '.join(HF_FLOAT_DTYPES)}{also})", name)
+        elif fp8_block and name in expert_set:
+            raise LoadError(info.file, f"config.json's quantization_config says block FP8, but this expert weight "
+                                       f"is {info.dtype} (the checkpoint is not block-FP8; remove quantization_config "
+                                       "or use the FP8 checkpoint)", name)
+        if name not in expert_set:
+            dense += 4 * int(np.prod(want))
+    _check_no_strays(cfg, w, sd, set(expected))
+    from freetoken.loaders.memory import check_load_bytes
+
+    fmt = expert_format or ("fp8_block" if fp8_block else "bf16")
+    need = load_bytes(cfg, dense, fmt, max_len)
+    if fp8_block and fmt == "fp8_block":
+        need["float32 experts of one layer while quantized"] = 0  # the FP8 bytes and scales move as stored
+    return check_load_bytes(sd.path, need)
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+
+
+def _check_no_strays(cfg: ModelConfig, w: HFWeights, sd, expected: set[str]) -> None:
+    """LoadError for a tensor of a kind the decoder reads that this config leaves unread (a sign that
+    config.json and the weights disagree: the tensor would be ignored silently)."""
+    known = {}
+    for i in range(cfg.num_layers):
+        for key in _HF_LAYER:
+            known[w.name(key, i)] = key
+    for name in sd.names():
+        if name in expected:
+            continue
+        if name.endswith("_scale_inv") and name.removesuffix("_scale_inv") in expected:
+            continue
+        m = _LAYER.match(name)
+        if m is None:
+            if name == w.name("lm_head") and cfg.tie_word_embeddings:
+                continue  # some tied checkpoints store the copy; the embedding is used
+            continue
+        layer = int(m.group(1))
+        where = sd.info(name).file
+        if layer >= cfg.num_layers:
+            raise LoadError(where, f"layer {layer} is beyond num_hidden_layers = {cfg.num_layers} in config.json",
+                            name)
+        e = _EXPERT.search(m.group(2))
+        if e is not None and (int(e.group(1)) >= cfg.num_experts or not cfg.is_moe(layer)):
+            why = f"num_experts = {cfg.num_experts}" if cfg.is_moe(layer) else "a dense layer by config.json"
+            raise LoadError(where, f"expert {int(e.group(1))} of layer {layer} does not exist in the config "
+                                   f"({why})", name)
+        if name in known:
+            raise LoadError(where, f"{known[name]} tensor the config leaves unused (config.json and the weights "
+                                   f"disagree: family {cfg.family}, qk_norm {cfg.qk_norm}, qkv_bias "
+                                   f"{cfg.qkv_bias}, layer {layer} {'MoE' if cfg.is_moe(layer) else 'dense'})", name)
 
 
 def llama_permute(w: np.ndarray, heads: int) -> np.ndarray:

@@ -209,6 +209,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
     p = Path(path)
     if not p.exists():
         raise TraceError(f"trace file {p}: no such file")
+    _check_declared_sizes(p)
     try:
         npz = np.load(p, allow_pickle=False)
         if not isinstance(npz, np.lib.npyio.NpzFile):
@@ -232,7 +233,64 @@ def load_trace(path: str | os.PathLike) -> Trace:
               num_layers=data["num_layers"], top_k=data["top_k"], record_bytes=data["record_bytes"],
               model=str(model), version=data["version"])
     validate_trace(t, p)
+    for name, cap in (("num_experts", MAX_TRACE_EXPERTS), ("num_layers", MAX_TRACE_LAYERS),
+                      ("record_bytes", MAX_TRACE_RECORD_BYTES)):
+        if getattr(t, name) > cap:
+            raise _fail(p, name, f"{getattr(t, name)} exceeds the limit {cap}")
     return t
+
+
+#: Limits load_trace states and checks before it reads an array: one array's bytes, whatever the archive claims,
+#: and (because a deflate stream expands at most 1032-fold) no more than this many times its compressed size.
+MAX_TRACE_ARRAY_BYTES = 1 << 33
+MAX_INFLATE_RATIO = 1100
+#: Caps on the scalars that size the simulator's tables (flat ids = layers * experts).
+MAX_TRACE_EXPERTS = 1 << 14
+MAX_TRACE_LAYERS = 1024
+MAX_TRACE_RECORD_BYTES = 1 << 40
+
+
+def _check_declared_sizes(p: Path) -> None:
+    """Before NumPy allocates anything: every member's declared array size (its .npy header) must fit the bytes
+    the zip entry holds, which must be plausible for its compressed size (stored or deflated only) and under
+    :data:`MAX_TRACE_ARRAY_BYTES`. A 10 KB archive declaring 100 million steps is refused here."""
+    try:
+        size = p.stat().st_size
+        with open(p, "rb") as fh:
+            if fh.read(6) == b"\x93NUMPY":
+                raise TraceError(f"trace file {p}: not an .npz archive (it holds a single ndarray)")
+        with zipfile.ZipFile(p) as zf:
+            for info in zf.infolist():
+                where = f"trace file {p}: member {info.filename!r}"
+                if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+                    raise TraceError(f"{where}: compression method {info.compress_type} (numpy writes stored or "
+                                     "deflated members only)")
+                bound = min(info.compress_size, size) * (1 if info.compress_type == zipfile.ZIP_STORED
+                                                         else MAX_INFLATE_RATIO) + 1024
+                if info.file_size > min(bound, MAX_TRACE_ARRAY_BYTES):
+                    raise TraceError(f"{where}: declares {info.file_size} bytes from {info.compress_size} compressed "
+                                     f"(at most {min(bound, MAX_TRACE_ARRAY_BYTES)} are possible or allowed)")
+                if not info.filename.endswith(".npy"):
+                    continue
+                with zf.open(info) as fh:
+                    version = np.lib.format.read_magic(fh)
+                    read = {(1, 0): np.lib.format.read_array_header_1_0,
+                            (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+                    if read is None:
+                        raise TraceError(f"{where}: .npy version {version} (traces are written as 1.0 or 2.0)")
+                    shape, _, dtype = read(fh)
+                    header = fh.tell()
+                if any(d < 0 for d in shape):
+                    raise TraceError(f"{where}: negative dimension in shape {shape}")
+                declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
+                if declared > info.file_size - header:
+                    raise TraceError(f"{where}: declares a {dtype} array of shape {shape} ({declared} bytes) but "
+                                     f"holds {max(0, info.file_size - header)}")
+    except TraceError:
+        raise
+    except (OSError, ValueError, SyntaxError, TypeError, zipfile.BadZipFile, zlib.error, EOFError, RuntimeError,
+            NotImplementedError) as e:
+        raise TraceError(f"trace file {p}: not a readable .npz archive ({type(e).__name__}: {e})") from None
 
 
 def _host(x) -> np.ndarray:
