@@ -105,9 +105,12 @@ def test_convert_checks_the_output_directory_first(checkpoint, tmp_path, capsys)
     assert not (tmp_path / "missing").exists()
 
 
-def test_convert_bad_config_is_one_line_and_leaves_nothing(checkpoint, tmp_path, capsys):
+@pytest.mark.parametrize("field, value", [("num_attention_heads", 0), ("hidden_size", 1e12)])
+def test_convert_bad_config_is_one_line_and_leaves_nothing(checkpoint, tmp_path, capsys, field, value):
     cfg = json.loads((checkpoint / "config.json").read_text())
-    (checkpoint / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 0}))
+    (checkpoint / "config.json").write_text(json.dumps({**cfg, field: value}))
     before = sorted(os.listdir(tmp_path))
-    _one_error_line(capsys, main(["convert", str(checkpoint), str(tmp_path / "out.gguf")]), "num_attention_heads")
+    out = tmp_path / "new" / "out.gguf"  # a missing directory is not created either
+    _one_error_line(capsys, main(["convert", str(checkpoint), str(tmp_path / "out.gguf")]), field)
+    _one_error_line(capsys, main(["convert", str(checkpoint), str(out)]), "does not exist")
     assert sorted(os.listdir(tmp_path)) == before
