@@ -31,25 +31,16 @@ def _slots(text: str) -> list[int]:
     return vals
 
 
-def _names(text: str) -> list[str]:
-    from freetoken.sim.policies import POLICIES
-
-    names = [v for v in text.replace(" ", "").split(",") if v]
-    bad = [n for n in names if n not in POLICIES]
-    if bad or not names:
-        known = ", ".join(POLICIES)
-        raise argparse.ArgumentTypeError(f"unknown policy {', '.join(bad) or repr(text)} (known: {known})")
-    return names
-
-
-def _modes(text: str) -> list[str]:
-    from freetoken.sim.timing import ALL_MODES
-
-    names = [v for v in text.replace(" ", "").split(",") if v]
-    bad = [n for n in names if n not in ALL_MODES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown mode {', '.join(bad) or repr(text)} (known: {', '.join(ALL_MODES)})")
-    return names
+def _name_list(known, what: str):
+    """An argparse type: a comma-separated list of names out of ``known``."""
+    def parse(text: str) -> list[str]:
+        names = [v for v in text.replace(" ", "").split(",") if v]
+        bad = [n for n in names if n not in known]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(bad) or repr(text)} "
+                                             f"(known: {', '.join(known)})")
+        return names
+    return parse
 
 
 def _cmd_timing(args: argparse.Namespace, trace) -> int:
@@ -145,6 +136,7 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``trace`` (with ``simulate``, ``synth``, ``info``) on ``subparsers``; returns its parser."""
     from freetoken.cli.args import count, future_value, real
     from freetoken.sim.policies import DEFAULT_POLICIES, POLICIES
+    from freetoken.sim.timing import ALL_MODES
 
     gbps = real(0.0, above=True)
 
@@ -170,7 +162,8 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
                           "second half, having trained on the first)")
     sim.add_argument("--no-prefill-borrow", action="store_true",
                      help="lru: do not empty the first 2*experts slots at each segment start")
-    sim.add_argument("--policies", type=_names, default=list(DEFAULT_POLICIES), metavar="P[,P...]",
+    sim.add_argument("--policies", type=_name_list(POLICIES, "policy"), default=list(DEFAULT_POLICIES),
+                     metavar="P[,P...]",
                      help=f"policies to run (default {','.join(DEFAULT_POLICIES)}; known: {', '.join(POLICIES)})")
     sim.add_argument("--plot", metavar="FILE.png", help="also draw miss rate against slots (needs matplotlib); with "
                                                         "--pcie/--cpu: tokens/s against the PCIe/CPU ratio per mode "
@@ -194,7 +187,7 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
                          "(the previous step's experts), oracle (perfect); default coact")
     tm.add_argument("--prefetch-n", type=count(1), default=None, metavar="N",
                     help="experts predicted per call (default top_k x tokens)")
-    tm.add_argument("--modes", type=_modes, default=None, metavar="M[,M...]",
+    tm.add_argument("--modes", type=_name_list(ALL_MODES, "mode"), default=None, metavar="M[,M...]",
                     help="modes (default fetch_all,cpu_all,qstar,qstar_prefetch; also fetch_all_prefetch)")
     tm.add_argument("--sweep", action="store_true",
                     help="also sweep PCIe = 0.25x .. 4x the CPU bandwidth (9 geometric steps) and print tokens/s")
