@@ -35,6 +35,16 @@ def prepare_out(dev: Device, out, shape: tuple, dtype, name: str = "out"):
     return o
 
 
+def into_out(dev: Device, out, y, name: str = "out"):
+    """``y`` (a result computed by array code) itself, or copied into the caller's float32 ``out`` of ``y``'s shape
+    after checking it."""
+    if out is None:
+        return y
+    o = prepare_out(dev, out, tuple(y.shape), np.float32, name)
+    o[...] = y
+    return o
+
+
 def cuda_kernel(dev: Device, source: str, kernel: str, options: tuple[str, ...] = ()):
     """The launchable ``kernel`` from ``cuda/<source>`` on a CUDA-running device (compiled once, cached)."""
     return dev.load_cuda(source, options).get_function(kernel)

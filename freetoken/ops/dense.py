@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from freetoken.device.constants import DENSE_MAX_TOKENS, DENSE_WARPS
-from freetoken.ops._common import as_input, check_int32, cuda_kernel, prepare_out, resolve
+from freetoken.ops._common import as_input, check_int32, cuda_kernel, into_out, prepare_out, resolve
 
 #: The most tokens one call takes (FT_DENSE_MAX_T in dense.cu).
 MAX_TOKENS = DENSE_MAX_TOKENS
@@ -155,11 +155,7 @@ def dense(x, w, storage: str, bias=None, *, out=None, device=None):
             y[:, r0:r1] = x @ wc.T
     if b is not None:
         y += b
-    if out is None:
-        return y
-    o = prepare_out(dev, out, (t, n), np.float32)
-    o[...] = y
-    return o
+    return into_out(dev, out, y)
 
 
 def widen(w, storage: str, k: int, device=None):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from freetoken.device.constants import NORM_THREADS
-from freetoken.ops._common import check_int32, cuda_kernel, prepare_out, resolve
+from freetoken.ops._common import check_int32, cuda_kernel, into_out, prepare_out, resolve
 
 
 def rms_norm_arrays(xp, x, weight, eps: float):
@@ -46,12 +46,7 @@ def rms_norm(x, weight, eps: float, *, out=None, device=None):
             y = prepare_out(dev, out, x.shape, np.float32)
             rms_norm_rows(x2, np.ascontiguousarray(weight).reshape(-1, d), np.float32(eps), y.reshape(-1, d))
             return y
-        y = rms_norm_arrays(np, x, weight, eps)
-        if out is None:
-            return y
-        o = prepare_out(dev, out, x.shape, np.float32)
-        o[...] = y
-        return o
+        return into_out(dev, out, rms_norm_arrays(np, x, weight, eps))
     if x.dtype != np.float32 or weight.dtype != np.float32:
         raise TypeError(f"x and weight must be float32, got {x.dtype} and {weight.dtype}")
     if not 1 <= weight.ndim <= x.ndim or tuple(x.shape[x.ndim - weight.ndim:]) != tuple(weight.shape):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from freetoken.ops._common import as_input, check_int32, cuda_kernel, prepare_out, resolve
+from freetoken.ops._common import as_input, check_int32, cuda_kernel, into_out, prepare_out, resolve
 
 _THREADS = 256
 
@@ -45,12 +45,7 @@ def rope(x, cos, sin, *, out=None, device=None):
             y = prepare_out(dev, out, x.shape, np.float32)
             rope_rows(x, cos, sin, y)
             return y
-        y = rope_arrays(np, x, cos, sin)
-        if out is None:
-            return y
-        o = prepare_out(dev, out, y.shape, np.float32)
-        o[...] = y
-        return o
+        return into_out(dev, out, rope_arrays(np, x, cos, sin))
     x = as_input(dev, x, "x", np.float32, 3)
     t, heads, d = x.shape
     if d % 2:

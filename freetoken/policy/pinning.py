@@ -42,6 +42,15 @@ def hottest(counts: np.ndarray, n: int) -> list[tuple[int, int]]:
     return [divmod(i, counts.shape[1]) for i in order]
 
 
+def pin_order(hot: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+    """The (layer, experts) pin calls for the pairs ``hot``, in the order :func:`pin_hot` makes them (a mirror of
+    the cache, such as the split's shadow, takes the same pins in the same slots by making the same calls)."""
+    by_layer: dict[int, list[int]] = {}
+    for layer, e in hot:
+        by_layer.setdefault(layer, []).append(e)
+    return sorted(by_layer.items())
+
+
 def max_pins(cache) -> int:
     """How many experts ``cache`` can pin (it keeps room for one admission and the prefill buffers)."""
     floor = 2 * cache.num_experts if cache.prefill_overlap else 0
@@ -56,9 +65,6 @@ def pin_hot(cache, counts: np.ndarray, n: int) -> list[tuple[int, int]]:
         raise ValueError(f"expert counts of shape {list(counts.shape)} do not match the cache's "
                          f"{cache.num_layers} MoE layers x {cache.num_experts} experts")
     hot = hottest(counts, min(n, max_pins(cache)))
-    by_layer: dict[int, list[int]] = {}
-    for layer, e in hot:
-        by_layer.setdefault(layer, []).append(e)
-    for layer, experts in sorted(by_layer.items()):
+    for layer, experts in pin_order(hot):
         cache.pin(layer, experts)
     return hot

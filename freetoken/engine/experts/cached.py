@@ -198,14 +198,11 @@ class CachedExperts(RunnerBase):
             self.cpu_share.close()
 
     def pin_hot(self, counts, n: int):
-        from freetoken.policy.pinning import pin_hot
+        from freetoken.policy.pinning import pin_hot, pin_order
 
         pinned = pin_hot(self.cache, counts, n)
-        by_layer: dict[int, list[int]] = {}
-        for layer, e in pinned:  # the split's shadow takes the same pins in the same order (slots from the end)
-            by_layer.setdefault(layer, []).append(e)
-        for layer, experts in sorted(by_layer.items()):
-            if self.split is not None:
+        if self.split is not None:  # the split's shadow takes the same pins in the same slots
+            for layer, experts in pin_order(pinned):
                 self.split.pin(layer, experts)
         self._pinned += len(pinned)
         return pinned
