@@ -20,7 +20,9 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     from freetoken.cli.args import count, future_value, real
 
     g = p.add_argument_group("expert-cache misses (gpu/emu devices)")
-    g.add_argument("--moe-mode", default="gpu", choices=["gpu", "cpu", "hybrid", "auto"],
+    from freetoken.policy.runtime import MODES
+
+    g.add_argument("--moe-mode", default="gpu", choices=list(MODES),
                    help="gpu: copy every miss into the cache; cpu: compute misses on the CPU from host memory; "
                         "hybrid: split them by measured PCIe and CPU bandwidth (q*); auto: what `freetoken bench bw` "
                         "recommended for this machine (default gpu)")

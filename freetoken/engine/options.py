@@ -7,11 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-#: How misses of the expert cache are served (gpu/emu devices): ``gpu`` copies every miss in, ``cpu`` computes
-#: misses on the CPU from host memory, ``hybrid`` splits them by measured bandwidth (q*), ``auto`` is what the
-#: stored ``freetoken bench bw`` profile recommends.
-MOE_MODES = ("gpu", "cpu", "hybrid", "auto")
-
+from freetoken.policy.runtime import MODES as MOE_MODES  # how misses of the expert cache are served
 
 #: Future-value estimators measured while running (see freetoken.policy.estimators), besides a fixed value.
 FUTURE_VALUE_ESTIMATORS = ("auto", "global")

@@ -19,8 +19,6 @@ from freetoken.policy.oracle import BandwidthOracle
 from freetoken.policy.qstar import StepCosts
 from freetoken.policy.split_policy import MissPolicy
 
-MODES = ("gpu", "cpu", "hybrid", "auto")
-
 
 class MissSplitter:
     """Per-call split of ``cache``'s misses for ``mode`` (``cpu`` or ``hybrid``), with counters of what it did."""

@@ -6,6 +6,10 @@ from __future__ import annotations
 from freetoken.policy.oracle import BandwidthOracle
 from freetoken.policy.profile import load_profile, recommend_mode, this_hardware
 
+#: How misses are served: ``gpu`` copies every miss in, ``cpu`` computes misses on the CPU, ``hybrid`` splits them
+#: (q*), ``auto`` is what the stored ``freetoken bench bw`` profile recommends.
+MODES = ("gpu", "cpu", "hybrid", "auto")
+
 
 def make_oracle(pcie_gbps: float | None = None, cpu_gbps: float | None = None) -> BandwidthOracle | None:
     """An oracle with the pinned figures, or None when none is pinned (then :func:`resolve_mode` makes one)."""
@@ -19,7 +23,7 @@ def make_oracle(pcie_gbps: float | None = None, cpu_gbps: float | None = None) -
 def resolve_mode(mode: str, device, fmt: str, oracle: BandwidthOracle | None):
     """(mode, oracle, note): ``auto`` becomes the profile's recommendation (``gpu`` without a profile); the oracle
     starts from the profile's figures unless the caller brought its own."""
-    if mode not in ("gpu", "cpu", "hybrid", "auto"):
+    if mode not in MODES:
         raise ValueError(f"moe mode {mode!r}: choose gpu, cpu, hybrid or auto")
     note = ""
     profile = None
