@@ -33,7 +33,8 @@ import time
 
 import numba as nb
 import numpy as np
-from freetoken.cpu_kernels.moe_experts import ACT_SWIGLU, forward
+from freetoken.cpu_kernels.moe_experts import ACT_SWIGLU, forward, uses_q8
+from freetoken.cpu_kernels.simd import simd_level
 
 from freetoken import formats
 from freetoken.formats import RecordLayout
@@ -143,12 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="1,16", help="comma-separated token counts T")
     parser.add_argument("--reps", type=int, default=0, help="timed calls per case (default: ~1 s of calls, 5-60)")
     parser.add_argument("--no-numpy", action="store_true", help="skip the NumPy float32 comparison")
+    parser.add_argument("--activations", default="q8,f32",
+                        help="comma-separated token-vector kinds of the 4-bit formats: q8 (int8 dots), f32 (float "
+                             "path); bf16 and fp8_block always run f32")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     threads = nb.get_num_threads()
     busy = busy_fraction()
-    print(f"# {os.cpu_count()} CPUs, {threads} Numba threads, CPUs busy before the run: "
+    print(f"# {os.cpu_count()} CPUs, {threads} Numba threads, SIMD level of the kernels: {simd_level()}, CPUs busy "
+          f"before the run: "
           f"{'?' if busy is None else f'{100 * busy:.0f}%'}", flush=True)
     if busy is not None and busy > 0.1:
         print("# warning: other processes are using the CPUs; numbers will be low and noisy", flush=True)
@@ -176,12 +181,13 @@ def main(argv: list[str] | None = None) -> int:
                 d = layout.dequantize(small)
                 deq = [np.ascontiguousarray(np.tile(d[m], (experts // 2, 1, 1))) for m in ("gate", "up", "down")]
                 del d
-            for tokens in (int(t) for t in args.tokens.split(",")):
+            kinds = [a for a in args.activations.split(",") if a == "f32" or uses_q8(fmt, a)] or ["f32"]
+            for tokens, act in ((int(t), a) for t in args.tokens.split(",") for a in kinds):
                 x = np.ascontiguousarray(x_all[:tokens])
                 out = np.empty_like(x)
 
-                def kernel(ids, w, x=x, out=out, banks=banks, fmt=fmt, hidden=hidden, inter=inter):
-                    forward(fmt, x, ids, w, banks, hidden, inter, ACT_SWIGLU, out)
+                def kernel(ids, w, x=x, out=out, banks=banks, fmt=fmt, hidden=hidden, inter=inter, act=act):
+                    forward(fmt, x, ids, w, banks, hidden, inter, ACT_SWIGLU, out, activations=act)
 
                 kernel(*make_routes(rng, experts, tokens, 1)[0])  # compile / load from cache
                 t0 = time.perf_counter()
@@ -195,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                 bw_all.append(bw)
                 uniq = statistics.median(len(np.unique(ids)) for ids, _ in routes)
                 nbytes = uniq * record_bytes
-                row = [shape, fmt, tokens, experts, uniq, nbytes / 1e6, t_kernel * 1e3, nbytes / t_kernel / 1e9, bw,
-                       100 * nbytes / t_kernel / 1e9 / bw, 100 * share]
+                row = [shape, fmt, act, tokens, experts, uniq, nbytes / 1e6, t_kernel * 1e3, nbytes / t_kernel / 1e9,
+                       bw, 100 * nbytes / t_kernel / 1e9 / bw, 100 * share]
                 if deq is not None:
                     ids, w = routes[-1]
                     kernel(ids, w)
@@ -210,16 +216,16 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
             del banks, deq
 
-    header = ["shape", "format", "T", "E", "uniq", "MB", "ms", "GB/s", "read", "%bw", "cpu"]
+    header = ["shape", "format", "act", "T", "E", "uniq", "MB", "ms", "GB/s", "read", "%bw", "cpu"]
     header += [] if args.no_numpy else ["numpy ms", "x", "err"]
-    fmts = ["{}", "{}", "{}", "{}", "{:g}", "{:.1f}", "{:.3f}", "{:.1f}", "{:.1f}", "{:.0f}%", "{:.0f}%", "{:.2f}",
-            "{:.1f}", "{:.1e}"]
+    fmts = ["{}", "{}", "{}", "{}", "{}", "{:g}", "{:.1f}", "{:.3f}", "{:.1f}", "{:.1f}", "{:.0f}%", "{:.0f}%",
+            "{:.2f}", "{:.1f}", "{:.1e}"]
     table = [header] + [[f.format(v) for f, v in zip(fmts, r, strict=False)] for r in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     print(f"\nmemory read bandwidth {min(bw_all):.1f} to {max(bw_all):.1f} GB/s (median "
           f"{statistics.median(bw_all):.1f}), {threads} threads, k = {TOP_K}; 'read': measured around each row")
     for r in table:
-        print("  ".join(c.rjust(wd) if i > 1 else c.ljust(wd) for i, (c, wd) in enumerate(zip(r, widths, strict=True))))
+        print("  ".join(c.rjust(wd) if i > 2 else c.ljust(wd) for i, (c, wd) in enumerate(zip(r, widths, strict=True))))
     return 0
 
 

@@ -46,11 +46,20 @@ from freetoken.cpu_kernels.moe_rows import (
     SPLIT_FORMATS,
     block_split_perm,
 )
+from freetoken.cpu_kernels.moe_rows_q8 import Q8_OFFSETS
+from freetoken.cpu_kernels.q8_act import Q8Rows
+from freetoken.cpu_kernels.simd import simd_level
 
 from freetoken.device.constants import ACT_GPT_OSS, ACT_SWIGLU
 
-__all__ = ["ACT_GPT_OSS", "ACT_SWIGLU", "FMT_BF16", "FMT_FP8_BLOCK", "FMT_MXFP4", "FMT_NVFP4", "FMT_Q4_0",
-           "FORMAT_CODES", "SPLIT_FORMATS", "PreparedBanks", "block_split_perm", "forward", "prepare"]
+__all__ = ["ACTIVATIONS", "ACT_GPT_OSS", "ACT_SWIGLU", "FMT_BF16", "FMT_FP8_BLOCK", "FMT_MXFP4", "FMT_NVFP4",
+           "FMT_Q4_0", "FORMAT_CODES", "SPLIT_FORMATS", "PreparedBanks", "block_split_perm", "forward", "prepare",
+           "uses_q8"]
+
+
+#: The token-vector kinds of :func:`forward` ("auto": see :func:`uses_q8`).
+ACTIVATIONS = ("auto", "q8", "f32")
+_NO_Q8 = (0, 0, 0, 0)  # the kernels' q8 argument when the float path runs
 
 
 @functools.cache
@@ -92,8 +101,19 @@ def _check_array(name, a, dtype, shape=None, ndim=None, contiguous=True):
         raise ValueError(f"{name}: must be C-contiguous")
 
 
+def uses_q8(fmt_name: str, activations: str = "auto") -> bool:
+    """Whether :func:`forward` runs the int8 row dots for ``fmt_name``: ``activations`` "q8" (the 4-bit formats
+    only), "f32" (never) or "auto" (the 4-bit formats where the compile target has AVX2 or AVX-512 VNNI)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    if FORMAT_CODES.get(fmt_name) not in Q8_OFFSETS or activations == "f32":
+        return False
+    return activations == "q8" or simd_level() != "none"
+
+
 def forward(fmt_name: str, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, banks: dict, hidden: int,
-            inter: int, act_code: int, out: np.ndarray, prepared: PreparedBanks | None = None) -> None:
+            inter: int, act_code: int, out: np.ndarray, prepared: PreparedBanks | None = None,
+            activations: str = "auto") -> None:
     """Routed-expert forward on the CPU, reading the record banks in place.
 
     Parameters
@@ -109,6 +129,8 @@ def forward(fmt_name: str, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, 
     act_code : ``ACT_SWIGLU`` (0) or ``ACT_GPT_OSS`` (1)
     out : float32 [T, H], C-contiguous, overwritten with the weighted sum of the experts' outputs
     prepared : :func:`prepare` of these banks (skips re-validating them on every call)
+    activations : "auto", "q8" or "f32": the 4-bit formats' token vectors (x and the intermediate h) quantized to
+        8-bit blocks for the int8 row dots, or float32 (:func:`uses_q8`)
     """
     if act_code not in (ACT_SWIGLU, ACT_GPT_OSS):
         raise ValueError(f"act_code must be {ACT_SWIGLU} (swiglu) or {ACT_GPT_OSS} (gpt_oss), got {act_code}")
@@ -131,14 +153,18 @@ def forward(fmt_name: str, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, 
         t, j = divmod(int(bad), ids.shape[1])
         raise ValueError(f"ids[{t}, {j}] = {int(ids[t, j])} is out of range: the banks hold {p.num_experts} experts")
 
+    q8 = uses_q8(fmt_name, activations)
     split = p.fmt in SPLIT_FORMATS
     xs = np.ascontiguousarray(x[:, _perm(hidden, True)]) if split else x
     h = np.empty((pw.shape[0], inter), np.float32)
     nthreads = nb.get_num_threads()
+    xq_rows, hq_rows = Q8Rows(hidden), Q8Rows(inter)  # (read through their addresses: kept referenced here)
+    xq = xq_rows.quantize(xs, Q8_OFFSETS[p.fmt]) if q8 else _NO_Q8
     # p.banks, xs and the biases stay referenced here while the kernels read them through their addresses
-    _gate_up_kernel(p.fmt, p.gate, p.up, p.gb, p.ub, p.has_bias, act_code, uniq, poff, ptok, xs.ctypes.data, hidden,
-                    inter, _inverse_perm(inter, split), h, nthreads)
-    _down_kernel(p.fmt, p.down, p.db, p.has_bias, uniq, poff, ptok, pw, h, hidden, inter, out, nthreads)
+    _gate_up_kernel(p.fmt, p.gate, p.up, p.gb, p.ub, p.has_bias, act_code, uniq, poff, ptok, xs.ctypes.data, q8, xq,
+                    hidden, inter, _inverse_perm(inter, split), h, nthreads)
+    hq = hq_rows.quantize(h, Q8_OFFSETS[p.fmt]) if q8 else _NO_Q8
+    _down_kernel(p.fmt, p.down, p.db, p.has_bias, uniq, poff, ptok, pw, h, q8, hq, hidden, inter, out, nthreads)
 
 
 class PreparedBanks(NamedTuple):

@@ -20,8 +20,18 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
-from freetoken.cpu_kernels.moe_memory import addr, load_f32
-from freetoken.cpu_kernels.moe_rows import FASTMATH, FMT_MXFP4, FMT_NVFP4, FMT_Q4_0, rows_dot
+from freetoken.cpu_kernels.moe_memory import addr, load_f32, load_i64, store_f32
+from freetoken.cpu_kernels.moe_rows import (
+    FASTMATH,
+    FMT_MXFP4,
+    FMT_NVFP4,
+    FMT_Q4_0,
+    row_dot1,
+    row_dot1x2,
+    row_dot2,
+    row_dot4,
+)
+from freetoken.cpu_kernels.moe_rows_q8 import row_q8_dot1, row_q8_dot1x2, row_q8_dot2, row_q8_dot4
 
 from freetoken.device.constants import ACT_SWIGLU, GPT_OSS_ALPHA, GPT_OSS_LIMIT
 
@@ -76,6 +86,47 @@ def group_pairs(ids, weights, num_experts):
     return uniq[:u + 1], poff[:u + 2], ptok[:p + 1], pw[:p + 1], np.int64(-1)
 
 
+@nb.njit(fastmath=FASTMATH, inline="always")
+def rows_dot(fmt, q8, w, s, g, e, n, nr, rows, k, x, xq, offs, npairs, acc):
+    """Rows ``n .. n + nr - 1`` of matrix ``e`` dotted with token vectors into ``acc[r * npairs + q]`` (float32
+    address). Token vectors: float32 at element offsets ``offs[:npairs]`` (int64 address) of address ``x``, or, with
+    ``q8``, 8-bit rows ``offs[:npairs]`` of ``xq`` (:mod:`freetoken.cpu_kernels.q8_act`). ``nr`` is 1, or 2 with a
+    single vector (the T = 1 path); tokens go in groups of 4, 2, 1."""
+    if nr == 2:
+        if q8:
+            r2 = row_q8_dot1x2(fmt, w, s, g, e, n, rows, k, xq, load_i64(offs, 0))
+        else:
+            r2 = row_dot1x2(fmt, w, s, g, e, n, rows, k, x, load_i64(offs, 0))
+        store_f32(acc, 0, r2[0])
+        store_f32(acc, 1, r2[1])
+        return
+    q = 0
+    while npairs - q >= 4:
+        o0, o1, o2, o3 = load_i64(offs, q), load_i64(offs, q + 1), load_i64(offs, q + 2), load_i64(offs, q + 3)
+        if q8:
+            r4 = row_q8_dot4(fmt, w, s, g, e, n, rows, k, xq, o0, o1, o2, o3)
+        else:
+            r4 = row_dot4(fmt, w, s, g, e, n, rows, k, x, o0, o1, o2, o3)
+        for i in range(4):
+            store_f32(acc, q + i, r4[i])
+        q += 4
+    if npairs - q >= 2:
+        o0, o1 = load_i64(offs, q), load_i64(offs, q + 1)
+        if q8:
+            r2 = row_q8_dot2(fmt, w, s, g, e, n, rows, k, xq, o0, o1)
+        else:
+            r2 = row_dot2(fmt, w, s, g, e, n, rows, k, x, o0, o1)
+        store_f32(acc, q, r2[0])
+        store_f32(acc, q + 1, r2[1])
+        q += 2
+    if npairs - q >= 1:
+        o0 = load_i64(offs, q)
+        if q8:
+            store_f32(acc, q, row_q8_dot1(fmt, w, s, g, e, n, rows, k, xq, o0))
+        else:
+            store_f32(acc, q, row_dot1(fmt, w, s, g, e, n, rows, k, x, o0))
+
+
 @nb.njit(inline="always")
 def _activation(g, u, act):
     if act == ACT_SWIGLU:
@@ -87,11 +138,13 @@ def _activation(g, u, act):
 
 
 @nb.njit(parallel=True, nogil=True, cache=True, boundscheck=False, fastmath=FASTMATH)
-def gate_up_kernel(fmt, gate, up, gb, ub, has_bias, act, uniq, poff, ptok, xa, hidden, inter, hperm, h, nthreads):
+def gate_up_kernel(fmt, gate, up, gb, ub, has_bias, act, uniq, poff, ptok, xa, q8, xq, hidden, inter, hperm, h,
+                   nthreads):
     """h[p, hperm[n]] = act(gate_e[n] . x[ptok[p]] + gb, up_e[n] . x[ptok[p]] + ub) for the pairs p of each e.
 
     ``gate``/``up``: addresses (values, scales, globals) of the matrices' banks; ``gb``/``ub``: addresses of the
-    float32 [E, I] biases; ``xa``: address of the float32 [T, H] tokens in K order."""
+    float32 [E, I] biases; ``xa``: address of the float32 [T, H] tokens in K order, or with ``q8`` the 8-bit token
+    rows ``xq`` (qa, nc, dx, kp addresses/stride) of the same values."""
     gw, gs, gg = gate
     uw, us, ug = up
     n_uniq = uniq.shape[0]
@@ -114,7 +167,7 @@ def gate_up_kernel(fmt, gate, up, gb, ub, has_bias, act, uniq, poff, ptok, xa, h
             p0 = poff[ui]
             npairs = poff[ui + 1] - p0
             for q in range(npairs):
-                offs[q] = ptok[p0 + q] * hidden
+                offs[q] = ptok[p0 + q] if q8 else ptok[p0 + q] * hidden
             n = r0
             while n < r_end:
                 nr = 2 if pair_rows and npairs == 1 and n + 1 < r_end else 1
@@ -123,7 +176,7 @@ def gate_up_kernel(fmt, gate, up, gb, ub, has_bias, act, uniq, poff, ptok, xa, h
                         w, s, g, acc = gw, gs, gg, accg_a
                     else:
                         w, s, g, acc = uw, us, ug, accu_a
-                    rows_dot(fmt, w, s, g, e, n, nr, inter, hidden, xa, offs_a, npairs, acc)
+                    rows_dot(fmt, q8, w, s, g, e, n, nr, inter, hidden, xa, xq, offs_a, npairs, acc)
                 for rr in range(nr):
                     gbias = load_f32(gb, e * inter + n + rr) if has_bias else _F32(0.0)
                     ubias = load_f32(ub, e * inter + n + rr) if has_bias else _F32(0.0)
@@ -135,9 +188,9 @@ def gate_up_kernel(fmt, gate, up, gb, ub, has_bias, act, uniq, poff, ptok, xa, h
 
 
 @nb.njit(parallel=True, nogil=True, cache=True, boundscheck=False, fastmath=FASTMATH)
-def down_kernel(fmt, down, db, has_bias, uniq, poff, ptok, pw, h, hidden, inter, out, nthreads):
+def down_kernel(fmt, down, db, has_bias, uniq, poff, ptok, pw, h, q8, hq, hidden, inter, out, nthreads):
     """out[t, r] = sum over pairs p of token t: pw[p] * (down_e[r] . h[p] + db[e, r]); ``down``: bank addresses,
-    ``db``: address of the float32 [E, H] biases."""
+    ``db``: address of the float32 [E, H] biases; with ``q8`` the 8-bit rows ``hq`` of ``h`` are read instead."""
     dw, ds, dg = down
     ha = addr(h)
     n_uniq = uniq.shape[0]
@@ -162,11 +215,11 @@ def down_kernel(fmt, down, db, has_bias, uniq, poff, ptok, pw, h, hidden, inter,
             p0 = poff[ui]
             npairs = poff[ui + 1] - p0
             for q in range(npairs):
-                offs[q] = (p0 + q) * inter
+                offs[q] = p0 + q if q8 else (p0 + q) * inter
             r = r0
             while r < r1:
                 nr = 2 if pair_rows and npairs == 1 and r + 1 < r1 else 1
-                rows_dot(fmt, dw, ds, dg, e, r, nr, hidden, inter, ha, offs_a, npairs, acc_a)
+                rows_dot(fmt, q8, dw, ds, dg, e, r, nr, hidden, inter, ha, hq, offs_a, npairs, acc_a)
                 for rr in range(nr):
                     bias = load_f32(db, e * hidden + r + rr) if has_bias else _F32(0.0)
                     for q in range(npairs):

@@ -1,7 +1,7 @@
 """Per-format row kernels of the CPU expert forward: one row of an expert matrix dotted with 1, 2 or 4 token vectors.
 
 Format codes and decode tables, the bf16 and fp8_block row dots in plain Numba (they vectorise as written), and the
-per-row dispatch over every format (:func:`rows_dot`), which the gate/up and down kernels
+per-row dispatch over every format (``row_dot*``), which the gate/up and down kernels
 (:mod:`freetoken.cpu_kernels.moe_kernels`) inline. The nibble formats' dots are LLVM IR intrinsics
 (:mod:`freetoken.cpu_kernels.moe_nibble`); every access goes through raw addresses
 (:mod:`freetoken.cpu_kernels.moe_memory`).
@@ -16,16 +16,7 @@ from __future__ import annotations
 import ml_dtypes
 import numba as nb
 import numpy as np
-from freetoken.cpu_kernels.moe_memory import (
-    PREFETCH_BYTES,
-    addr,
-    load_f32,
-    load_i64,
-    load_u8,
-    load_u16,
-    prefetch,
-    store_f32,
-)
+from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, addr, load_f32, load_u8, load_u16, prefetch
 from freetoken.cpu_kernels.moe_nibble import (
     mx_dot1,
     mx_dot1x2,
@@ -271,32 +262,3 @@ def row_dot1x2(fmt, w, s, g, e, n, rows, k, x, o0):
     else:  # unreachable: the kernels pair rows for the nibble formats only (bf16 already streams at full speed)
         res = _F32(np.nan), _F32(np.nan)
     return res
-
-
-@nb.njit(fastmath=FASTMATH, inline="always")
-def rows_dot(fmt, w, s, g, e, n, nr, rows, k, x, offs, npairs, acc):
-    """Rows ``n .. n + nr - 1`` of matrix ``e`` dotted with the vectors at ``offs[:npairs]`` (int64 address) into
-    ``acc[r * npairs + q]`` (float32 address). ``nr`` is 1, or 2 with a single vector (the T = 1 path); tokens go in
-    groups of 4, 2, 1."""
-    if nr == 2:
-        r2 = row_dot1x2(fmt, w, s, g, e, n, rows, k, x, load_i64(offs, 0))
-        store_f32(acc, 0, r2[0])
-        store_f32(acc, 1, r2[1])
-        return
-    q = 0
-    while npairs - q >= 4:
-        r4 = row_dot4(fmt, w, s, g, e, n, rows, k, x, load_i64(offs, q), load_i64(offs, q + 1),
-                      load_i64(offs, q + 2), load_i64(offs, q + 3))
-        store_f32(acc, q, r4[0])
-        store_f32(acc, q + 1, r4[1])
-        store_f32(acc, q + 2, r4[2])
-        store_f32(acc, q + 3, r4[3])
-        q += 4
-    if npairs - q >= 2:
-        r2 = row_dot2(fmt, w, s, g, e, n, rows, k, x, load_i64(offs, q), load_i64(offs, q + 1))
-        store_f32(acc, q, r2[0])
-        store_f32(acc, q + 1, r2[1])
-        q += 2
-    if npairs - q >= 1:
-        store_f32(acc, q, row_dot1(fmt, w, s, g, e, n, rows, k, x, load_i64(offs, q)))
-

@@ -67,10 +67,11 @@ def test_gpu_check_table_on_emu():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     from freetoken.testing.cases import CASES
 
-    for case in CASES:
+    cases = [c for c in CASES if not c.cpu_only]  # (the cpu int8 path's cases: no CUDA kernel computes them)
+    for case in cases:
         line = next(line for line in proc.stdout.splitlines() if line.startswith(case.name + " "))
         assert " ok " in line, line
-    assert f"{len(CASES)}/{len(CASES)} kernels match" in proc.stdout
+    assert f"{len(cases)}/{len(cases)} kernels match" in proc.stdout
     # the end-to-end half: the bundled model on the emulated device against the cpu device, decode per mode
     assert "logits vs cpu: NMSE" in proc.stdout and "  ok  " in proc.stdout
     for mode in ("gpu", "hybrid", "cpu"):

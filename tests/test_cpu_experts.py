@@ -2,6 +2,10 @@
 groups, duplicate ids, thread counts, read-only banks, validation. Every format and activation against the float64
 reference through ``ops.moe_experts`` is a registry case (tests/test_kernel_parity.py: moe_decode_*).
 
+The int8 path (``activations="q8"``: 8-bit activations, the default for the 4-bit formats where the CPU has AVX2 or
+AVX-512 VNNI) is checked against the reference with the same activation rounding (``q8_inputs``), with the float
+tolerance widened by ``Q8_REL_ATOL`` (below); tests/test_int8_dots.py checks its row dots at every SIMD level.
+
 Tolerance. The kernels read the stored weights exactly (the reference is ``moe_forward_reference`` on
 ``RecordLayout.dequantize``), so the only difference is float32 arithmetic: two chained dot products of length
 n <= 160 (gate/up over H, down over I, reassociated into 16-lane partial sums) and the activation, against float64.
@@ -23,6 +27,10 @@ from freetoken.testing import assert_close, poison, random_record
 from freetoken.testing.reference.moe_experts import moe_forward_reference
 
 ACTS = {"swiglu": ACT_SWIGLU, "gpt_oss": ACT_GPT_OSS}
+#: The int8 path against the reference with the same 8-bit rounding: the kernel rounds its float32 h where the
+#: reference rounds float64 h cast to float32, so a value lying at a rounding boundary may land one step (max|h| / 127
+#: of its block) apart: ~|w| * max|h| / 127 in an output, ~1e-4 of max|y| at these sizes (a misdecoded weight: 1e-2).
+Q8_REL_ATOL = 5e-4
 
 
 def _record(fmt, hidden, inter, experts, bias, seed):
@@ -48,24 +56,36 @@ def _routes(tokens, k, experts, seed):
     return ids, weights
 
 
-def _check(fmt, banks, deq, hidden, inter, act, tokens, k, seed):
+def _check(fmt, banks, deq, hidden, inter, act, tokens, k, seed, activations="f32"):
     experts = banks["gate.w"].shape[0]
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((tokens, hidden)).astype(np.float32)
     ids, weights = _routes(tokens, k, experts, seed)
     out = poison((tokens, hidden), np.float32)
-    forward(fmt, x, ids, weights, banks, hidden, inter, ACTS[act], out)
-    ref = moe_forward_reference(x, ids, weights, deq, act)
+    forward(fmt, x, ids, weights, banks, hidden, inter, ACTS[act], out, activations=activations)
+    ref = moe_forward_reference(x, ids, weights, deq, act, q8_inputs=activations == "q8")
     scale = float(np.abs(ref).max())
-    assert_close(out, ref, atol=2e-5 * scale, rtol=1e-5, name=f"{fmt} {act} T={tokens} k={k}")
+    atol = (2e-5 if activations == "f32" else Q8_REL_ATOL) * scale
+    assert_close(out, ref, atol=atol, rtol=1e-5, name=f"{fmt} {act} T={tokens} k={k} {activations}")
     return out
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "q4_0"])
-def test_many_tokens_and_odd_k(fmt):
+@pytest.mark.parametrize("activations", ["f32", "q8"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "q4_0", "nvfp4"])
+def test_many_tokens_and_odd_k(fmt, activations):
     banks, deq = _record(fmt, 96, 160, 7, bias=False, seed=3)
     for tokens, k in ((64, 8), (5, 3), (9, 5), (2, 7)):
-        _check(fmt, banks, deq, 96, 160, "swiglu", tokens, k, seed=tokens + k)
+        _check(fmt, banks, deq, 96, 160, "swiglu", tokens, k, seed=tokens + k, activations=activations)
+
+
+def test_q8_is_the_default_where_the_cpu_has_int8_dots():
+    from freetoken.cpu_kernels.moe_experts import uses_q8
+    from freetoken.cpu_kernels.simd import simd_level
+
+    assert uses_q8("q4_0") == (simd_level() != "none") and uses_q8("nvfp4", "q8") and not uses_q8("q4_0", "f32")
+    assert not uses_q8("bf16", "q8") and not uses_q8("fp8_block")
+    with pytest.raises(ValueError, match="activations must be"):
+        uses_q8("q4_0", "int4")
 
 
 def test_duplicate_ids_and_zero_weights_exact():
@@ -116,7 +136,7 @@ def test_read_only_banks_and_inputs_share_the_compiled_kernels():
     x.flags.writeable = False
     ids, weights = _routes(3, 2, 5, seed=4)
     out = poison((3, 96), np.float32)
-    forward("q4_0", x, ids, weights, frozen, 96, 160, np.int64(ACT_GPT_OSS), out)
+    forward("q4_0", x, ids, weights, frozen, 96, 160, np.int64(ACT_GPT_OSS), out, activations="f32")
     ref = moe_forward_reference(x, ids, weights, deq, "gpt_oss")
     assert_close(out, ref, atol=2e-5 * float(np.abs(ref).max()), rtol=1e-5)
     assert (len(moe_experts._gate_up_kernel.signatures), len(moe_experts._down_kernel.signatures)) == compiled

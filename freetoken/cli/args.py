@@ -86,7 +86,8 @@ def real(minimum: float = 0.0, maximum: float = math.inf, above: bool = False):
 
 
 def add_model_args(p: argparse.ArgumentParser, max_tokens: int, what: str) -> None:
-    """--model, --device, --max-tokens (default ``max_tokens``; ``what`` says per what), sampling, --cache-slots."""
+    """--model, --device, --max-tokens (default ``max_tokens``; ``what`` says per what), sampling, --cache-slots,
+    --cpu-activations."""
     p.add_argument("--model", default=None, help="HF model directory or GGUF file (default: the bundled model)")
     p.add_argument("--device", default="auto", choices=["auto", "gpu", "cpu", "emu"],
                    help="where to run (auto: gpu when present, else cpu)")
@@ -101,3 +102,7 @@ def add_model_args(p: argparse.ArgumentParser, max_tokens: int, what: str) -> No
     p.add_argument("--seed", type=count(0), default=None, help="random seed for reproducible sampling")
     p.add_argument("--cache-slots", type=count(1), default=None, metavar="N",
                    help="gpu/emu: device slots of the expert cache (default: room for every expert)")
+    p.add_argument("--cpu-activations", default="auto", choices=["auto", "q8", "f32"],
+                   help="4-bit experts computed on the CPU: q8 quantizes their inputs to 8-bit blocks and uses int8 "
+                        "dot products (llama.cpp's rounding), f32 keeps float32 (exact, slower); auto: q8 where the "
+                        "CPU has AVX2 or AVX-512 VNNI (default)")

@@ -46,7 +46,7 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
 def policy_kwargs(args: argparse.Namespace) -> dict:
     """The :func:`freetoken.load` keywords of the flags above (their types checked the values)."""
     return dict(moe_mode=args.moe_mode, pcie_gbps=args.pcie_gbps, cpu_gbps=args.cpu_gbps,
-                future_value=args.future_value, prefetch=args.prefetch)
+                future_value=args.future_value, prefetch=args.prefetch, cpu_activations=args.cpu_activations)
 
 
 def apply_pinning(model, args: argparse.Namespace, prompt: str | None) -> str:

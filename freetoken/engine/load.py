@@ -32,7 +32,7 @@ def _eos_ids(config: dict, path: Path, tokenizer) -> list[int]:
 def load(path: str | Path | None = None, device="auto", expert_format: str | None = None, max_len: int = 2048,
          progress: bool = False, cache_slots: int | None = None, moe_mode: str = "gpu",
          pcie_gbps: float | None = None, cpu_gbps: float | None = None, future_value: float = 0.0,
-         prefetch: bool = False, options: LoadOptions | None = None) -> Model:
+         prefetch: bool = False, cpu_activations: str = "auto", options: LoadOptions | None = None) -> Model:
     """Load a model: an HF directory (``config.json`` + safetensors + ``tokenizer.json``; bf16/f16/f32 or block
     FP8) or a GGUF file; None: the bundled model.
 
@@ -44,6 +44,8 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
     ``hybrid`` (q*: split by measured bandwidths) or ``auto`` (the stored ``freetoken bench bw`` profile's
     choice); ``pcie_gbps`` / ``cpu_gbps`` pin the oracle's figures; ``future_value``: seconds a fetched expert
     is worth beyond its step; ``prefetch``: copy the next layer's predicted experts while a layer computes.
+    ``cpu_activations``: 4-bit experts on the CPU with 8-bit activations and int8 dots ("q8") or float32 ("f32");
+    "auto": q8 where the CPU has AVX2 or AVX-512 VNNI.
 
     ``options``: all of the above as one :class:`freetoken.engine.options.LoadOptions` (then the keywords are not
     used). Every kernel is compiled (or loaded from the on-disk caches) before this returns."""
@@ -51,7 +53,7 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
         options = LoadOptions(expert_format=expert_format, max_len=max_len, progress=progress,
                               experts=ExpertOptions(mode=moe_mode, cache_slots=cache_slots, pcie_gbps=pcie_gbps,
                                                     cpu_gbps=cpu_gbps, future_value=future_value,
-                                                    prefetch=prefetch))
+                                                    prefetch=prefetch, cpu_activations=cpu_activations))
     p = Path(path) if path is not None else DEFAULT_MODEL
     if not p.exists():
         raise LoadError(str(p), "no such model directory or file")

@@ -11,6 +11,8 @@ from freetoken.policy.runtime import MODES as MOE_MODES  # how misses of the exp
 
 #: Future-value estimators measured while running (see freetoken.policy.estimators), besides a fixed value.
 FUTURE_VALUE_ESTIMATORS = ("auto", "global")
+#: How the CPU's expert kernels take their token vectors for 4-bit experts (freetoken.cpu_kernels.moe_experts).
+CPU_ACTIVATIONS = ("auto", "q8", "f32")
 
 
 def _positive(name: str, value, integer: bool = False, optional: bool = True) -> None:
@@ -24,7 +26,8 @@ def _positive(name: str, value, integer: bool = False, optional: bool = True) ->
 
 @dataclass(frozen=True)
 class ExpertOptions:
-    """How the routed experts run on a gpu/emu device (the cpu device reads them in place and ignores these).
+    """How the routed experts run: on a gpu/emu device through its expert cache (the cpu device reads them in
+    place and ignores all but ``cpu_activations``).
 
     ``cache_slots``: device slots of the expert cache (None: room for every expert). ``mode``: see
     :data:`MOE_MODES`. ``pcie_gbps`` / ``cpu_gbps``: pin the bandwidth estimates (GB/s) instead of measuring.
@@ -32,7 +35,10 @@ class ExpertOptions:
     estimate made while running (``auto``: per expert, from its re-use gaps; ``global``: hits per residency); 0,
     the default, is the greedy per-call split, which ``bench/qstar_sweep.py`` found best on the bundled model.
     ``prefetch``: copy the next MoE layer's predicted experts while a layer computes. ``max_decode_tokens``: the
-    most tokens one decode admission carries (a longer prompt streams whole layers through the prefill buffers)."""
+    most tokens one decode admission carries (a longer prompt streams whole layers through the prefill buffers).
+    ``cpu_activations``: 4-bit experts computed on the CPU (the cpu device, and misses computed by the CPU) take
+    their token vectors as 8-bit blocks with int8 dot products ("q8", llama.cpp's q8_0 rounding) or as float32
+    ("f32", the reference path); "auto" is q8 where the CPU has AVX2 or AVX-512 VNNI."""
 
     mode: str = "gpu"
     cache_slots: int | None = None
@@ -41,8 +47,11 @@ class ExpertOptions:
     future_value: float | str = 0.0
     prefetch: bool = False
     max_decode_tokens: int = 16
+    cpu_activations: str = "auto"
 
     def __post_init__(self):
+        if self.cpu_activations not in CPU_ACTIVATIONS:
+            raise ValueError(f"cpu activations {self.cpu_activations!r}: choose one of {', '.join(CPU_ACTIVATIONS)}")
         if self.mode not in MOE_MODES:
             raise ValueError(f"moe mode {self.mode!r}: choose one of {', '.join(MOE_MODES)}")
         _positive("cache_slots", self.cache_slots, integer=True)

@@ -62,7 +62,8 @@ def _x_kind(x) -> str:
 
 
 def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str = "swiglu", mode: str = "auto",
-                out=None, device=None, validate: bool = True, workspace: MoeWorkspace | None = None):
+                out=None, device=None, validate: bool = True, workspace: MoeWorkspace | None = None,
+                activations: str = "auto"):
     """Routed expert forward over slot-indexed record banks.
 
     Parameters
@@ -78,6 +79,10 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
     validate : check that every id names a slot (synchronises on gpu; off inside captured graphs)
     workspace : a :class:`MoeWorkspace` for these banks (gpu/emu): the plan and intermediate buffers are reused,
         so a call allocates nothing but ``out`` (pass ``out`` too for an allocation-free, capturable call)
+    activations : the cpu device's token vectors for the 4-bit formats: "q8" (8-bit blocks and int8 dot products,
+        llama.cpp's q8_0 rounding), "f32" (the float path) or "auto" (q8 where the CPU has AVX2 or AVX-512 VNNI;
+        :func:`freetoken.cpu_kernels.moe_experts.uses_q8`). The CUDA kernels read float32/bf16: "q8" is refused
+        on gpu/emu, "auto" and "f32" are the same there
 
     Returns
     -------
@@ -103,6 +108,11 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
         return y
     if mode not in ("auto", "decode", "prefill"):
         raise ValueError(f"mode must be auto, decode or prefill, got {mode!r}")
+    if activations not in ("auto", "q8", "f32"):
+        raise ValueError(f"activations must be auto, q8 or f32, got {activations!r}")
+    if activations == "q8" and dev.kind != "cpu":
+        raise ValueError(f"activations='q8' (int8 dot products) is a cpu-device path; the {dev.kind} device reads "
+                         "float activations")
     if dev.kind == "cpu":
         from freetoken.cpu_kernels.moe_experts import forward
 
@@ -114,7 +124,7 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
 
         x32 = np.asarray(x.view(np.uint16).astype(np.uint32) << 16).view(np.float32) if xk == "bf16" else x
         forward(layout.fmt.name, np.ascontiguousarray(x32), ids, weights, banks, layout.hidden, layout.inter, code, y,
-                prepared=prepared)
+                prepared=prepared, activations=activations)
         return y
     if mode == "auto":
         mode = "decode" if tokens <= DECODE_MAX_TOKENS else "prefill"

@@ -21,7 +21,7 @@ def make_runner(device, layout, num_layers: int, num_experts: int, top_k: int,
     its own memory (gpu, or emu standing in for one) caches them."""
     opts = opts or ExpertOptions()
     if device.kind == "cpu" or num_layers == 0:
-        return HostExperts(device, layout, num_layers)
+        return HostExperts(device, layout, num_layers, opts.cpu_activations)
     return CachedExperts(device, layout, num_layers, num_experts, top_k, opts)
 
 

@@ -58,7 +58,8 @@ class CachedExperts(RunnerBase):
         self.split = self.cpu_share = None
         if self.mode != "gpu":
             self.split = MissSplitter(self.cache, self.layout, self.mode, oracle, opts.future_value)
-            self.cpu_share = CpuShare(self.dev, self.layout, self.cache.pool, self.cache.max_active, oracle)
+            self.cpu_share = CpuShare(self.dev, self.layout, self.cache.pool, self.cache.max_active, oracle,
+                                      opts.cpu_activations)
 
     def set_predictor(self, predict) -> None:
         """``predict(layer, h) -> (ids, weights)``: MoE layer ``layer``'s router; enables ``--prefetch``."""

@@ -35,9 +35,10 @@ class CpuShare:
     """Computes (token, expert) pairs on the CPU from ``pool`` (a :class:`freetoken.cache.HostPool`) for up to
     ``max_rows`` tokens per call, reporting to ``oracle``."""
 
-    def __init__(self, device, layout, pool, max_rows: int, oracle):
+    def __init__(self, device, layout, pool, max_rows: int, oracle, activations: str = "auto"):
         self.dev, self.layout, self.oracle = device, layout, oracle
         self.fmt = layout.fmt.name
+        self.activations = activations
         self.num_experts = pool.num_experts
         self.host_banks = {name: pool.host(name) for name in pool.banks}  # [L * E, ...] views
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freetoken-cpu-experts")
@@ -65,7 +66,8 @@ class CpuShare:
 
             out = self._y_pinned.host[: tokens.size]
             t0 = time.perf_counter()
-            forward(self.fmt, x, flat, w_c, self.host_banks, self.layout.hidden, self.layout.inter, 0, out)
+            forward(self.fmt, x, flat, w_c, self.host_banks, self.layout.hidden, self.layout.inter, 0, out,
+                    activations=self.activations)
             self.oracle.add_cpu(self.fmt, nbytes, time.perf_counter() - t0)
             return tokens, out
 

@@ -9,9 +9,10 @@ from freetoken.engine.experts.base import RunnerBase
 class HostExperts(RunnerBase):
     """The Numba expert kernels over each layer's host banks; nothing is copied or cached."""
 
-    def __init__(self, device, layout, num_layers: int):
+    def __init__(self, device, layout, num_layers: int, activations: str = "auto"):
         super().__init__(device, layout, num_layers)
         self.banks: list[dict | None] = [None] * num_layers
+        self.activations = activations  # 4-bit formats: 8-bit (int8 dots) or float32 token vectors
 
     def load_layer(self, layer: int, banks: dict) -> None:
         self.banks[layer] = banks
@@ -19,4 +20,5 @@ class HostExperts(RunnerBase):
     def run(self, layer: int, h, ids, weights):
         self.record(ids)
         # the ids come from the model's top-k: in range by construction, so the kernel skips re-checking them
-        return ops.moe_experts(h, ids, weights, self.banks[layer], self.layout, device=self.dev, validate=False)
+        return ops.moe_experts(h, ids, weights, self.banks[layer], self.layout, device=self.dev, validate=False,
+                               activations=self.activations)

@@ -31,6 +31,7 @@ class KernelCase:
     flops: Callable[[dict], int] = lambda inp: 0
     rel_atol: float = 0.0  # added to atol, times the largest |reference| of each output
     cuda_only: bool = False  # computes something only the CUDA kernels compute (e.g. bf16 tensor-core inputs)
+    cpu_only: bool = False  # computes something only the cpu kernels compute (e.g. 8-bit activations)
     fetch_fn: Callable[[object, dict], dict] | None = None  # outputs not held in "out_*" state entries
     op: str = ""  # the op of freetoken.ops.OPS this case checks
 

@@ -40,8 +40,32 @@ def round_weights_bf16(deq: dict[str, np.ndarray], globals_: dict[str, np.ndarra
     return out
 
 
+def quantize_q8_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """8-bit blocks of the rows of ``x`` [T, K] as the cpu int8 path makes them (:mod:`freetoken.cpu_kernels.q8_act`):
+    (q int8 [T, K], d float32 [T, K / 32]) with ``d = max|x| / 127`` per 32 values and ``q = rint(x / d)``, in
+    float32 arithmetic; a block holding NaN or an infinity gets ``d = NaN`` and ``q = 0``."""
+    x = np.ascontiguousarray(x, np.float32)
+    t, k = x.shape
+    blocks = x.reshape(t, k // 32, 32)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        finite = np.isfinite(blocks).all(axis=-1)
+        amax = np.where(finite, np.abs(np.where(np.isfinite(blocks), blocks, 0)).max(axis=-1), 0).astype(np.float32)
+        d = amax / np.float32(127.0)
+        inv = np.where(d > 0, np.float32(1.0) / np.where(d > 0, d, np.float32(1.0)), np.float32(0.0))
+        q = np.clip(np.rint(blocks * inv[..., None].astype(np.float32)), -127, 127)
+    q = np.where(finite[..., None], q, 0).astype(np.int8)
+    return q.reshape(t, k), np.where(finite, d, np.float32(np.nan)).astype(np.float32)
+
+
+def q8_round_trip(x: np.ndarray) -> np.ndarray:
+    """``x`` as the int8 path sees it: :func:`quantize_q8_reference` dequantized (float64)."""
+    q, d = quantize_q8_reference(x)
+    t, k = q.shape
+    return (q.reshape(t, k // 32, 32).astype(np.float64) * d[..., None].astype(np.float64)).reshape(t, k)
+
+
 def moe_forward_reference(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, deq: dict[str, np.ndarray],
-                          act: str = "swiglu", bf16_inputs: bool = False) -> np.ndarray:
+                          act: str = "swiglu", bf16_inputs: bool = False, q8_inputs: bool = False) -> np.ndarray:
     """float64 [T, H] output.
 
     Parameters
@@ -53,10 +77,15 @@ def moe_forward_reference(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, d
         "gate.b"/"up.b"/"down.b" when the record has biases
     bf16_inputs : round x and the intermediate h to bf16, as the prefill (tensor-core) kernel does; pass
         weights through :func:`round_weights_bf16` for the same reason
+    q8_inputs : quantize x and the intermediate h (rounded to float32 first, as the kernel holds it) to 8-bit blocks,
+        as the cpu int8 path does (:func:`q8_round_trip`; the e2m1 formats' block-split order permutes values
+        within each block of 32 only, so the blocks are the same)
     """
     x = np.asarray(x).astype(np.float64)
     if bf16_inputs:
         x = _bf16(x)
+    if q8_inputs:
+        x = q8_round_trip(x)
     ids = np.asarray(ids)
     weights = np.asarray(weights, np.float64)
     y = np.zeros(x.shape, np.float64)
@@ -69,6 +98,8 @@ def moe_forward_reference(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, d
             g = g + deq["gate.b"][e]
             u = u + deq["up.b"][e]
         h = apply_activation(g, u, act)
+        if q8_inputs:
+            h = q8_round_trip(h)
         o = (_bf16(h) if bf16_inputs else h) @ deq["down"][e].astype(np.float64).T
         if "down.b" in deq:
             o = o + deq["down.b"][e]

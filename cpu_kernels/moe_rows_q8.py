@@ -1,0 +1,93 @@
+"""Per-row dispatch of the int8 row dots (:mod:`freetoken.cpu_kernels.moe_int8`) over the 4-bit formats: the q8
+counterparts of the float path's ``row_dot*`` (:mod:`freetoken.cpu_kernels.moe_rows`), inlined by the gate/up and
+down kernels (:func:`freetoken.cpu_kernels.moe_kernels.rows_dot`).
+
+Token vectors are 8-bit rows ``xq = (qa, nc, dx, kp)`` (:mod:`freetoken.cpu_kernels.q8_act`) addressed by row
+index (``offs`` holds row indices here, element offsets in the float path). K order as in the float path: q4_0
+natural, the e2m1 formats block split.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+from freetoken.cpu_kernels.moe_int8 import (
+    OFFSET,
+    mx_q8_dot1,
+    mx_q8_dot1x2,
+    mx_q8_dot2,
+    mx_q8_dot4,
+    nv_q8_dot1,
+    nv_q8_dot1x2,
+    nv_q8_dot2,
+    nv_q8_dot4,
+    q4_q8_dot1,
+    q4_q8_dot1x2,
+    q4_q8_dot2,
+    q4_q8_dot4,
+)
+from freetoken.cpu_kernels.moe_memory import addr, load_f32
+from freetoken.cpu_kernels.moe_rows import E4M3_TABLE, E8M0_TABLE, FASTMATH, FMT_MXFP4, FMT_NVFP4, FMT_Q4_0
+
+#: Format code -> the weight byte offset its activations' ``nc`` must carry.
+Q8_OFFSETS = {FMT_Q4_0: OFFSET["q4"], FMT_MXFP4: OFFSET["mx"], FMT_NVFP4: OFFSET["nv"]}
+
+_F32 = np.float32
+_U64 = np.uint64
+
+
+@nb.njit(inline="always")
+def _args(fmt, w, s, g, e, n, rows, k):
+    """(value address, scale address, scale table address, global) of row n of matrix e, and its block count."""
+    row = _U64(e) * _U64(rows) + _U64(n)
+    nblk = _U64(k) >> _U64(5)
+    wa = w + row * nblk * _U64(16)
+    if fmt == FMT_MXFP4:
+        return wa, s + row * nblk, addr(E8M0_TABLE), _F32(1.0), nblk
+    if fmt == FMT_NVFP4:
+        return wa, s + row * nblk * _U64(2), addr(E4M3_TABLE), load_f32(g, _U64(e)), nblk
+    return wa, s + row * nblk * _U64(2), addr(E8M0_TABLE), _F32(1.0), nblk
+
+
+@nb.njit(fastmath=FASTMATH, inline="always")
+def row_q8_dot1(fmt, w, s, g, e, n, rows, k, xq, r0):
+    wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
+    qa, nc, dx, kp = xq
+    if fmt == FMT_MXFP4:
+        return mx_q8_dot1(wa, sa, st, gv, qa, nc, dx, kp, r0, nblk)
+    if fmt == FMT_NVFP4:
+        return nv_q8_dot1(wa, sa, st, gv, qa, nc, dx, kp, r0, nblk)
+    return q4_q8_dot1(wa, sa, st, gv, qa, nc, dx, kp, r0, nblk)
+
+
+@nb.njit(fastmath=FASTMATH, inline="always")
+def row_q8_dot2(fmt, w, s, g, e, n, rows, k, xq, r0, r1):
+    wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
+    qa, nc, dx, kp = xq
+    if fmt == FMT_MXFP4:
+        return mx_q8_dot2(wa, sa, st, gv, qa, nc, dx, kp, r0, r1, nblk)
+    if fmt == FMT_NVFP4:
+        return nv_q8_dot2(wa, sa, st, gv, qa, nc, dx, kp, r0, r1, nblk)
+    return q4_q8_dot2(wa, sa, st, gv, qa, nc, dx, kp, r0, r1, nblk)
+
+
+@nb.njit(fastmath=FASTMATH, inline="always")
+def row_q8_dot4(fmt, w, s, g, e, n, rows, k, xq, r0, r1, r2, r3):
+    wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
+    qa, nc, dx, kp = xq
+    if fmt == FMT_MXFP4:
+        return mx_q8_dot4(wa, sa, st, gv, qa, nc, dx, kp, r0, r1, r2, r3, nblk)
+    if fmt == FMT_NVFP4:
+        return nv_q8_dot4(wa, sa, st, gv, qa, nc, dx, kp, r0, r1, r2, r3, nblk)
+    return q4_q8_dot4(wa, sa, st, gv, qa, nc, dx, kp, r0, r1, r2, r3, nblk)
+
+
+@nb.njit(fastmath=FASTMATH, inline="always")
+def row_q8_dot1x2(fmt, w, s, g, e, n, rows, k, xq, r0):
+    wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
+    qa, nc, dx, kp = xq
+    if fmt == FMT_MXFP4:
+        return mx_q8_dot1x2(wa, sa, st, gv, qa, nc, dx, kp, r0, nblk)
+    if fmt == FMT_NVFP4:
+        return nv_q8_dot1x2(wa, sa, st, gv, qa, nc, dx, kp, r0, nblk)
+    return q4_q8_dot1x2(wa, sa, st, gv, qa, nc, dx, kp, r0, nblk)

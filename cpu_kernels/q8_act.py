@@ -1,0 +1,81 @@
+"""8-bit activations for the int8 row dots (:mod:`freetoken.cpu_kernels.moe_int8`).
+
+Each token row of ``x`` (float32, in the weight format's K order) is cut into 32-value blocks; a block's scale is
+``d = max|x| / 127`` and its values ``q = rint(x / d)`` (float32 arithmetic, no fast-math: the NumPy twin
+:func:`freetoken.testing.reference.moe_experts.quantize_q8_reference` gives the same bytes). Rows are padded to an
+even number of blocks with zero blocks. A block that holds NaN or an infinity gets ``d = NaN`` and ``q = 0``, so
+the NaN reaches every dot product that reads it, as in the float path.
+
+Per token the kernels also read ``nc``: for each group of 4 activation bytes, ``-OFFSET * (their sum)``, the int32
+value the dot product's accumulator starts from so that the unsigned (offset) weight bytes give exact signed dots.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+_F32 = np.float32
+
+
+def padded_blocks(k: int) -> int:
+    """Blocks per token row: ``k / 32`` rounded up to even."""
+    nblk = k // 32
+    return nblk + (nblk & 1)
+
+
+@nb.njit(cache=True, boundscheck=False, nogil=True)
+def quantize_rows(x, offset, qa, nc, dx):
+    """``x`` float32 [T, K] -> ``qa`` int8 [T, kp], ``nc`` int32 [T, kp / 4], ``dx`` float32 [T, kp / 32]."""
+    t_count, k = x.shape
+    nblk = k // 32
+    for t in range(t_count):
+        for b in range(dx.shape[1]):
+            if b >= nblk:
+                for j in range(32):
+                    qa[t, b * 32 + j] = 0
+                for j in range(8):
+                    nc[t, b * 8 + j] = 0
+                dx[t, b] = _F32(0.0)
+                continue
+            amax = _F32(0.0)
+            finite = True
+            for j in range(32):
+                a = abs(x[t, b * 32 + j])
+                if not a <= _F32(3.4028234663852886e38):  # NaN or inf
+                    finite = False
+                amax = max(amax, a)
+            d = amax / _F32(127.0)
+            inv = _F32(1.0) / d if d > _F32(0.0) else _F32(0.0)
+            if not finite:
+                d, inv = _F32(np.nan), _F32(0.0)
+            dx[t, b] = d
+            for i in range(8):
+                s = np.int32(0)
+                for j in range(4):
+                    v = np.rint(x[t, b * 32 + 4 * i + j] * inv) if finite else _F32(0.0)
+                    q = np.int32(min(max(v, _F32(-127.0)), _F32(127.0)))
+                    qa[t, b * 32 + 4 * i + j] = q
+                    s += q
+                nc[t, b * 8 + i] = -offset * s
+
+
+class Q8Rows:
+    """Reusable 8-bit activation buffers for up to ``capacity`` rows of ``k`` values."""
+
+    def __init__(self, k: int):
+        self.k, self.kp = k, 32 * padded_blocks(k)
+        self.qa = np.empty((0, self.kp), np.int8)
+        self.nc = np.empty((0, self.kp // 4), np.int32)
+        self.dx = np.empty((0, self.kp // 32), np.float32)
+
+    def quantize(self, x: np.ndarray, offset: int) -> tuple[int, int, int, int]:
+        """Quantize ``x`` [T, k] (float32, C-contiguous); returns the kernels' (qa, nc, dx, kp) addresses/stride.
+        The buffers stay valid until the next call."""
+        t = x.shape[0]
+        if self.qa.shape[0] < t:
+            self.qa = np.empty((t, self.kp), np.int8)
+            self.nc = np.empty((t, self.kp // 4), np.int32)
+            self.dx = np.empty((t, self.kp // 32), np.float32)
+        quantize_rows(x, np.int32(offset), self.qa, self.nc, self.dx)
+        return self.qa.ctypes.data, self.nc.ctypes.data, self.dx.ctypes.data, self.kp
