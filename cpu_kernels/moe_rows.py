@@ -16,7 +16,7 @@ from __future__ import annotations
 import ml_dtypes
 import numba as nb
 import numpy as np
-from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, addr, load_f32, load_u8, load_u16, prefetch
+from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, addr, half_to_f32, load_f32, load_u8, load_u16, prefetch
 from freetoken.cpu_kernels.moe_nibble import (
     mx_dot1,
     mx_dot1x2,
@@ -76,14 +76,15 @@ def _bf16(w16, i):
 
 
 @nb.njit(inline="always")
-def _e4m3(w8, i):
-    """e4m3fn byte -> float32 in vectorisable integer/float arithmetic (subnormals and NaN exact)."""
+def _e4m3_256(w8, i):
+    """e4m3fn byte / 256 as float32, exact (subnormals included; 0x7F/0xFF NaN): the byte's exponent and mantissa
+    moved into a half's fields (``<< 7``) are the value 2^-8 times (exponent bias 15 vs 7, subnormals too). One
+    ``vcvtph2ps`` per 8 or 16 values once vectorised, ~3x fewer instructions than decoding the fields in float
+    arithmetic; the row dots fold the 256 into the block scale."""
     b = _U32(load_u8(w8, i))
     mag = _U32(b & _U32(0x7F))
-    normal = _U32(_U32(mag << _U32(20)) + _U32(120 << 23)).view(_F32)
-    v = _F32(mag) * _F32(1.0 / 512.0) if mag < _U32(8) else normal  # exponent 0: m * 2^-9
-    v = _F32(np.nan) if mag == _U32(0x7F) else v
-    return -v if b >= _U32(0x80) else v
+    v = half_to_f32(_U32(_U32(mag << _U32(7)) | _U32(_U32(b & _U32(0x80)) << _U32(8))))
+    return _F32(np.nan) if mag == _U32(0x7F) else v
 
 
 @nb.njit(fastmath=FASTMATH, inline="always")
@@ -131,8 +132,8 @@ def _fp8_dot1(w8, s32, e, n, rows, k, x, o0):
         prefetch(w8 + src + (kb << _U64(7)) + _U64(PREFETCH_BYTES))
         p0 = _F32(0.0)
         for i in range(kb << _U64(7), min((kb + _U64(1)) << _U64(7), k)):
-            p0 += _e4m3(w8, src + i) * load_f32(x, o0 + i)
-        a0 += p0 * load_f32(s32, sb + kb)
+            p0 += _e4m3_256(w8, src + i) * load_f32(x, o0 + i)
+        a0 += p0 * (load_f32(s32, sb + kb) * _F32(256.0))
     return a0
 
 
@@ -144,10 +145,10 @@ def _fp8_dot2(w8, s32, e, n, rows, k, x, o0, o1):
         prefetch(w8 + src + (kb << _U64(7)) + _U64(PREFETCH_BYTES))
         p0 = p1 = _F32(0.0)
         for i in range(kb << _U64(7), min((kb + _U64(1)) << _U64(7), k)):
-            v = _e4m3(w8, src + i)
+            v = _e4m3_256(w8, src + i)
             p0 += v * load_f32(x, o0 + i)
             p1 += v * load_f32(x, o1 + i)
-        sc = load_f32(s32, sb + kb)
+        sc = load_f32(s32, sb + kb) * _F32(256.0)
         a0 += p0 * sc
         a1 += p1 * sc
     return a0, a1
@@ -161,12 +162,12 @@ def _fp8_dot4(w8, s32, e, n, rows, k, x, o0, o1, o2, o3):
         prefetch(w8 + src + (kb << _U64(7)) + _U64(PREFETCH_BYTES))
         p0 = p1 = p2 = p3 = _F32(0.0)
         for i in range(kb << _U64(7), min((kb + _U64(1)) << _U64(7), k)):
-            v = _e4m3(w8, src + i)
+            v = _e4m3_256(w8, src + i)
             p0 += v * load_f32(x, o0 + i)
             p1 += v * load_f32(x, o1 + i)
             p2 += v * load_f32(x, o2 + i)
             p3 += v * load_f32(x, o3 + i)
-        sc = load_f32(s32, sb + kb)
+        sc = load_f32(s32, sb + kb) * _F32(256.0)
         a0 += p0 * sc
         a1 += p1 * sc
         a2 += p2 * sc
