@@ -24,3 +24,21 @@ def rms_norm_rows(x, w, eps, out):
         wr = r % wrows
         for i in range(d):
             out[r, i] = x[r, i] / s * w[wr, i]
+
+
+@nb.njit(cache=True, boundscheck=False)
+def _add_rows(x, y):
+    """x += y, element for element (float32 adds, as NumPy's)."""
+    rows, d = x.shape
+    for r in range(rows):
+        for i in range(d):
+            x[r, i] = x[r, i] + y[r, i]
+
+
+@nb.njit(cache=True, boundscheck=False)
+def add_rms_norm_rows(x, y, w, eps, out):
+    """x += y, then out = :func:`rms_norm_rows` (x, w, eps): the residual add and the next norm in one call; x, y,
+    out [R, D], w [W, D] float32 (x and out C-contiguous, out not aliasing y). The same arithmetic as NumPy's ``x +=
+    y`` followed by :func:`rms_norm_rows`, bit for bit."""
+    _add_rows(x, y)
+    rms_norm_rows(x, w, eps, out)

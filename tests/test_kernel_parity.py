@@ -417,6 +417,75 @@ def test_rope_bit_identical_to_numpy_float32(device):
             ops.rope(device.asarray(np.zeros((1, 2, 7), np.float32)), cos[:1, :7], sin[:1, :7], device=device)
 
 
+@pytest.mark.parametrize("t,heads,kv_heads,dim,start", [(1, 4, 2, 48, 0), (1, 8, 2, 64, 37), (3, 6, 3, 10, 5),
+                                                       (2, 2, 1, 128, 20)])
+@pytest.mark.parametrize("use_norm", [True, False])
+@pytest.mark.parametrize("checked", [False, True])
+def test_fused_ops_bit_identical_to_unfused(device, t, heads, kv_heads, dim, start, use_norm, checked):
+    """rope_qkv_cache is rms_norm over the q/k heads, rope and the k/v row copies; add_rms_norm is ``x += y`` and
+    rms_norm: bit for bit on cpu (its golden logits rest on it) and emu (the same block sums as rms_norm_f32);
+    a GPU compiler may contract the two kernels' products differently: within rounding there. Checked or not."""
+    from freetoken.models.rope import rope_tables
+
+    def same(got, want):
+        if device.kind == "gpu":
+            assert_close(got, want, atol=1e-6, rtol=1e-6)
+        else:
+            np.testing.assert_array_equal(got, want)
+
+    rng = np.random.default_rng(t * 1000 + dim + start)
+    cos, sin = rope_tables(np, np.arange(64), dim, 1e6)
+    c, s = device.asarray(cos[start:start + t]), device.asarray(sin[start:start + t])
+    qkv = device.asarray((3 * rng.standard_normal((t, (heads + 2 * kv_heads) * dim))).astype(np.float32))
+    qn, kn = (1 + 0.1 * rng.standard_normal((2, dim))).astype(np.float32)
+    norm = device.asarray(np.concatenate([np.tile(qn, (heads, 1)), np.tile(kn, (kv_heads, 1))])) if use_norm else None
+    rows = start + t + 2
+    qk = qkv.reshape(t, heads + 2 * kv_heads, dim)[:, :heads + kv_heads]
+    if use_norm:
+        qk = ops.rms_norm(device.xp.ascontiguousarray(qk), norm, 1e-6, device=device)
+    qk = ops.rope(device.xp.ascontiguousarray(qk), c, s, device=device)
+    k_want, v_want = (np.full((rows, kv_heads, dim), 7.0, np.float32) for _ in range(2))
+    k_want[start:start + t] = device.to_host(qk[:, heads:])
+    v_want[start:start + t] = device.to_host(qkv.reshape(t, -1, dim)[:, heads + kv_heads:])
+    k_got, v_got = device.asarray(np.full_like(k_want, 7.0)), device.asarray(np.full_like(v_want, 7.0))
+    q_got = ops.rope_qkv_cache(qkv, norm, 1e-6, c, s, k_got, v_got, start, device=device, checked=False,
+                               out=device.asarray(np.full((t, heads, dim), np.nan, np.float32)))
+    if checked:  # the checked path on the same (valid) arguments
+        q_got = ops.rope_qkv_cache(qkv, norm, 1e-6, c, s, k_got, v_got, start, out=q_got, device=device,
+                                   checked=True)
+    same(device.to_host(q_got), device.to_host(qk[:, :heads]))
+    same(device.to_host(k_got), k_want)
+    np.testing.assert_array_equal(device.to_host(v_got), v_want)
+
+    x = (3 * rng.standard_normal((t, heads * dim))).astype(np.float32)
+    y = (3 * rng.standard_normal((t, heads * dim))).astype(np.float32)
+    w = device.asarray((1 + 0.1 * rng.standard_normal(heads * dim)).astype(np.float32))
+    want = device.to_host(ops.rms_norm(device.asarray(x + y), w, 1e-6, device=device))
+    xd = device.asarray(x.copy())
+    got = ops.add_rms_norm(xd, device.asarray(y), w, 1e-6, out=device.empty(x.shape), device=device, checked=checked)
+    np.testing.assert_array_equal(device.to_host(xd), x + y)
+    same(device.to_host(got), want)
+
+
+def test_fused_ops_misuse(device):
+    k = device.asarray(np.zeros((4, 2, 8), np.float32))
+    qkv = device.asarray(np.zeros((1, 6 * 8), np.float32))
+    cs = device.asarray(np.zeros((1, 8), np.float32))
+    with pytest.raises(ValueError, match="do not fit caches of 4 rows"):
+        ops.rope_qkv_cache(qkv, None, 1e-6, cs, cs, k, device.asarray(np.zeros((4, 2, 8), np.float32)), 4,
+                           device=device)
+    with pytest.raises(ValueError, match=r"must be \[T, \(H \+ 2 Hkv\) D\] with H > 0"):
+        ops.rope_qkv_cache(device.asarray(np.zeros((1, 4 * 8), np.float32)), None, 1e-6, cs, cs, k, k, 0,
+                           device=device)
+    with pytest.raises(ValueError, match=r"norm must be \[4, 8\]"):
+        ops.rope_qkv_cache(qkv, device.asarray(np.ones((3, 8), np.float32)), 1e-6, cs, cs, k, k, 0, device=device)
+    x = device.asarray(np.zeros((2, 8), np.float32))
+    with pytest.raises(ValueError, match="differs from x shape"):
+        ops.add_rms_norm(x, device.asarray(np.zeros((1, 8), np.float32)), cs[0], 1e-6, device=device)
+    with pytest.raises(ValueError, match="must be C-contiguous"):
+        ops.add_rms_norm(device.asarray(np.zeros((8, 2), np.float32)).T, x, cs[0], 1e-6, device=device)
+
+
 @pytest.mark.parametrize("renorm", [False, True])
 def test_route_softmax_topk_ties_and_nan(device, renorm):
     rng = np.random.default_rng(10)

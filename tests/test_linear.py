@@ -263,6 +263,29 @@ def _rope_numpy(x, cos, sin):
     return x * cos[:, None, :] + np.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin[:, None, :]
 
 
+def _into(out, y):
+    if out is None:
+        return y
+    out[...] = y
+    return out
+
+
+def _add_rms_norm_numpy(x, y, w, eps, out=None, **_):
+    x += y
+    return _into(out, _rms_norm_numpy(x, w, eps))
+
+
+def _rope_qkv_cache_numpy(qkv, norm, eps, cos, sin, k_cache, v_cache, start, out=None, **_):
+    t, (kv_heads, d) = qkv.shape[0], k_cache.shape[1:]
+    x = qkv.reshape(t, -1, d)
+    heads = x.shape[1] - 2 * kv_heads
+    qk = x[:, :heads + kv_heads]
+    qk = _rope_numpy(qk if norm is None else _rms_norm_numpy(qk, norm, eps), cos, sin)
+    k_cache[start:start + t] = qk[:, heads:]
+    v_cache[start:start + t] = x[:, heads + kv_heads:]
+    return _into(out, qk[:, :heads])
+
+
 def _route_numpy(logits, k, renorm):
     from freetoken import ops
 
@@ -313,9 +336,11 @@ def test_decoder_logits_match_the_numpy_path(family, storage, tmp_path, monkeypa
     assert {lin.storage for lin in lins} == {storage}
 
     monkeypatch.setattr(Linear, "__call__", lambda self, x: x @ self.weight.T + (0 if self.bias is None else self.bias))
-    monkeypatch.setattr(ops, "rms_norm", lambda x, w, eps, device=None: _rms_norm_numpy(x, w, eps))
+    monkeypatch.setattr(ops, "rms_norm", lambda x, w, eps, out=None, **_: _into(out, _rms_norm_numpy(x, w, eps)))
+    monkeypatch.setattr(ops, "add_rms_norm", _add_rms_norm_numpy)
     monkeypatch.setattr(ops, "rope", lambda x, c, s, device=None: _rope_numpy(x, c, s))
-    monkeypatch.setattr(ops, "route_softmax_topk", lambda z, k, renorm, device=None: _route_numpy(z, k, renorm))
+    monkeypatch.setattr(ops, "rope_qkv_cache", _rope_qkv_cache_numpy)
+    monkeypatch.setattr(ops, "route_softmax_topk", lambda z, k, renorm, **_: _route_numpy(z, k, renorm))
     _, want = run()
     assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
     np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))

@@ -21,9 +21,41 @@ def _controller():
     return ThreadpoolController()
 
 
+class _OneThread:
+    """NumPy's BLAS libraries on one thread inside, their thread counts restored on exit (re-entrant: each use is
+    its own object). One ``get_num_threads`` per library to enter, nothing more once they already run on one thread:
+    threadpoolctl's ``limit`` re-reads every library's info on each entry (~15 us, a decode step's worth of small
+    kernels)."""
+
+    __slots__ = ("libs", "saved")
+
+    def __init__(self, libs):
+        self.libs, self.saved = libs, None
+
+    def __enter__(self):
+        saved = []
+        for lib in self.libs:
+            n = lib.get_num_threads()
+            if n != 1:
+                lib.set_num_threads(1)
+            saved.append(n)
+        self.saved = saved
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for lib, n in zip(self.libs, self.saved or (), strict=False):
+            if n != 1:
+                lib.set_num_threads(n)
+
+
+@lru_cache(maxsize=1)
+def _blas_libs() -> tuple:
+    return tuple(c for c in _controller().lib_controllers if c.user_api == "blas")
+
+
 def single_threaded_blas():
-    """Context manager: NumPy's BLAS limited to one thread inside (a few microseconds to enter)."""
+    """Context manager: NumPy's BLAS limited to one thread inside (about a microsecond to enter)."""
     try:
-        return _controller().limit(limits=1, user_api="blas")
+        return _OneThread(_blas_libs())
     except Exception:  # threadpoolctl cannot see this BLAS: run as is
         return contextlib.nullcontext()

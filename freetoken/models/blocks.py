@@ -9,7 +9,11 @@
 
 A new attention kind or router is a new block here and one line where :mod:`freetoken.models.decoder` picks blocks
 from the config. Blocks compute with ``freetoken.ops`` (each op picks its implementation per device) and the
-device's array module for elementwise arithmetic; none of them knows which device it runs on.
+device's array module for elementwise arithmetic; none of them knows which device it runs on. Between the dense
+projections a layer runs few ops, each one kernel on buffers of a :class:`freetoken.models.scratch.Scratch`
+reused every step: RMSNorm, q/k norms + RoPE + the KV write (:func:`freetoken.ops.rope_qkv_cache`), attention,
+the residual add + RMSNorm (:func:`freetoken.ops.add_rms_norm`), routing. The blocks hand the ops arguments they
+made and checked at load time (``checked=True``: the ops check nothing again).
 """
 
 from __future__ import annotations
@@ -19,16 +23,44 @@ import numpy as np
 from freetoken import ops
 from freetoken.models.experts import ExpertRunner
 from freetoken.models.linear import Linear
+from freetoken.models.scratch import Scratch
 
 
 def silu(xp, a):
     return a / (1.0 + xp.exp(-a))
 
 
+def silu_mul(xp, g, u):
+    """``silu(g) * u`` as a new C-contiguous array: the same float32 operations as ``silu(xp, g) * u``, in place in
+    one buffer (g and u may be strided views)."""
+    t = xp.negative(g)
+    xp.exp(t, out=t)
+    t += 1.0
+    xp.divide(g, t, out=t)
+    t *= u
+    return t
+
+
+def sigmoid_gate(xp, y, s):
+    """``y / (1 + exp(-s))`` into ``y`` (in place; ``s`` may be a strided view)."""
+    t = xp.negative(s)
+    xp.exp(t, out=t)
+    t += 1.0
+    y /= t
+    return y
+
+
 # ---- attention ---------------------------------------------------------------------------------------------------
 class PlainQK:
     """q and k heads as projected: ``qkv [T, (H + 2 Hkv) D]`` -> (q and k heads ``[T, H + Hkv, D]``, v ``[T, Hkv,
-    D]``)."""
+    D]``).
+
+    ``per_head``: True where the treatment is a per-head norm with weight ``head_norm`` ``[H + Hkv, D]`` (None: no
+    norm), which :func:`freetoken.ops.rope_qkv_cache` fuses with RoPE and the KV write."""
+
+    per_head = True
+    head_norm = None
+    eps = 0.0
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
@@ -52,6 +84,7 @@ class HeadNormQK(PlainQK):
         self.weight = device.asarray(np.concatenate([np.tile(q_norm.reshape(-1), (heads, 1)),
                                                      np.tile(k_norm.reshape(-1), (kv_heads, 1))]))
         self.eps, self.dev = eps, device
+        self.head_norm = self.weight
 
     def __call__(self, qkv_proj: Linear, qkv):
         qk, v = self.split(qkv)
@@ -60,6 +93,8 @@ class HeadNormQK(PlainQK):
 
 class ProjectionNormQK(PlainQK):
     """OLMoE: the whole q projection and the whole k projection RMS-normed (over ``H * D`` and ``Hkv * D``)."""
+
+    per_head = False
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, q_norm: np.ndarray, k_norm: np.ndarray, eps: float,
                  device):
@@ -79,19 +114,28 @@ class ProjectionNormQK(PlainQK):
 class Attention:
     """Causal grouped-query self-attention with RoPE over the layer's KV rows."""
 
-    def __init__(self, qkv: Linear, qk, o_proj: Linear, device):
+    def __init__(self, qkv: Linear, qk, o_proj: Linear, device, scratch: Scratch | None = None):
         self.qkv, self.qk, self.o_proj, self.dev = qkv, qk, o_proj, device
         self.heads = qk.heads
+        self.scratch = scratch if scratch is not None else Scratch(device)
 
     def __call__(self, x, kv, start: int, cos, sin):
         """``x [T, hidden]`` at positions ``start ..``; appends the T keys/values to ``kv`` (the layer's
         :class:`freetoken.models.kv.LayerKV`); returns the output projection ``[T, hidden]``."""
         t = x.shape[0]
-        qk, v = self.qk(self.qkv, self.qkv(x))  # biases included
-        qk = ops.rope(qk, cos[start:start + t], sin[start:start + t], device=self.dev)
-        q, k = qk[:, :self.heads], qk[:, self.heads:]
-        kv.write(start, k, v)
-        return self.o_proj(ops.attention(q, kv.k, kv.v, start, device=self.dev))
+        qkv = self.qkv(x)  # biases included
+        qk = self.qk
+        if qk.per_head:  # norms, RoPE and the KV write: one kernel
+            q = ops.rope_qkv_cache(qkv, qk.head_norm, qk.eps, cos[start:start + t], sin[start:start + t], kv.k, kv.v,
+                                   start, out=self.scratch.get("q", (t, self.heads, qk.head_dim)), device=self.dev,
+                                   checked=True)
+        else:
+            qk, v = qk(self.qkv, qkv)
+            qk = ops.rope(qk, cos[start:start + t], sin[start:start + t], device=self.dev)
+            q, k = qk[:, :self.heads], qk[:, self.heads:]
+            kv.write(start, k, v)
+            q = self.dev.xp.ascontiguousarray(q)
+        return self.o_proj(ops.attention(q, kv.k, kv.v, start, device=self.dev, checked=True))
 
 
 # ---- routers -----------------------------------------------------------------------------------------------------
@@ -102,8 +146,12 @@ class SoftmaxTopKRouter:
         self.gate, self.top_k, self.renormalize, self.dev = gate, top_k, renormalize, device
 
     def __call__(self, h):
-        """``h [T, hidden]`` -> (expert ids int32 ``[T, k]``, weights float32 ``[T, k]``) on the device."""
-        return ops.route_softmax_topk(self.gate(h), self.top_k, self.renormalize, device=self.dev)
+        """``h [T, hidden]`` -> (expert ids int32 ``[T, k]``, weights float32 ``[T, k]``) on the device (new arrays:
+        the routing record keeps them)."""
+        t, dev = h.shape[0], self.dev
+        return ops.route_softmax_topk(self.gate(h), self.top_k, self.renormalize,
+                                      out_ids=dev.empty((t, self.top_k), np.int32),
+                                      out_weights=dev.empty((t, self.top_k), np.float32), device=dev, checked=True)
 
 
 # ---- MLPs --------------------------------------------------------------------------------------------------------
@@ -115,7 +163,7 @@ class DenseMLP:
 
     def __call__(self, h):
         g, u = self.gate_up.split(self.gate_up(h))
-        return self.down(silu(self.xp, g) * u)
+        return self.down(silu_mul(self.xp, g, u))
 
 
 class SharedExpert:
@@ -127,7 +175,7 @@ class SharedExpert:
 
     def __call__(self, h):
         g, u, sg = self.inp.split(self.inp(h))
-        return self.down(silu(self.xp, g) * u) / (1.0 + self.xp.exp(-sg))
+        return sigmoid_gate(self.xp, self.down(silu_mul(self.xp, g, u)), sg)  # down's output: a new array
 
 
 class MoeMLP:
@@ -149,11 +197,16 @@ class MoeMLP:
 class DecoderLayer:
     """Pre-norm residual layer: ``x += attention(norm(x)); x += mlp(norm(x))``."""
 
-    def __init__(self, attn_norm, attention: Attention, mlp_norm, mlp, eps: float, device):
+    def __init__(self, attn_norm, attention: Attention, mlp_norm, mlp, eps: float, device,
+                 scratch: Scratch | None = None):
         self.attn_norm, self.attention, self.mlp_norm, self.mlp = attn_norm, attention, mlp_norm, mlp
         self.eps, self.dev = eps, device
+        self.scratch = scratch if scratch is not None else Scratch(device)
 
     def __call__(self, x, kv, start: int, cos, sin) -> None:
-        """Updates the residual stream ``x [T, hidden]`` in place."""
-        x += self.attention(ops.rms_norm(x, self.attn_norm, self.eps, device=self.dev), kv, start, cos, sin)
-        x += self.mlp(ops.rms_norm(x, self.mlp_norm, self.eps, device=self.dev))
+        """Updates the residual stream ``x [T, hidden]`` (float32, C-contiguous) in place."""
+        dev = self.dev
+        h = ops.rms_norm(x, self.attn_norm, self.eps, out=self.scratch.get("h", x.shape), device=dev, checked=True)
+        a = self.attention(h, kv, start, cos, sin)
+        ops.add_rms_norm(x, a, self.mlp_norm, self.eps, out=h, device=dev, checked=True)  # x += a; h = norm(x)
+        x += self.mlp(h)

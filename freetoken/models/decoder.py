@@ -30,6 +30,7 @@ from freetoken.models.kv import KVCache
 from freetoken.models.linear import Linear
 from freetoken.models.qmatrix import QuantizedMatrix
 from freetoken.models.rope import rope_tables
+from freetoken.models.scratch import Scratch
 from freetoken.models.weights import HFWeights, Weights
 
 
@@ -58,7 +59,7 @@ class _Tensors:
         return Linear.concat(mats, self.dev, biases)
 
 
-def _attention(cfg: ModelConfig, t: _Tensors, i: int, dev) -> Attention:
+def _attention(cfg: ModelConfig, t: _Tensors, i: int, dev, scratch: Scratch) -> Attention:
     qkv = t.linear(("q_proj", "k_proj", "v_proj"), i, ("q_bias", "k_bias", "v_bias") if cfg.qkv_bias else None)
     shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm == "head":
@@ -67,7 +68,7 @@ def _attention(cfg: ModelConfig, t: _Tensors, i: int, dev) -> Attention:
         qk = ProjectionNormQK(*shape, t.host("q_norm", i), t.host("k_norm", i), cfg.rms_eps, dev)
     else:
         qk = PlainQK(*shape)
-    return Attention(qkv, qk, t.linear(("o_proj",), i), dev)
+    return Attention(qkv, qk, t.linear(("o_proj",), i), dev, scratch)
 
 
 def _mlp(cfg: ModelConfig, t: _Tensors, i: int, dev, experts: ExpertRunner, moe_index: int):
@@ -110,8 +111,10 @@ class MoeDecoder:
             from tqdm import tqdm
 
             layer_iter = tqdm(layer_iter, desc="loading layers", unit="layer", leave=False)
-        self.layers = [DecoderLayer(t.vector("attn_norm", i), _attention(cfg, t, i, device), t.vector("mlp_norm", i),
-                                    _mlp(cfg, t, i, device, experts, moe_index[i]), cfg.rms_eps, device)
+        self.scratch = Scratch(device)  # the blocks' work buffers, shared by every layer
+        self.layers = [DecoderLayer(t.vector("attn_norm", i), _attention(cfg, t, i, device, self.scratch),
+                                    t.vector("mlp_norm", i), _mlp(cfg, t, i, device, experts, moe_index[i]),
+                                    cfg.rms_eps, device, self.scratch)
                        for i in layer_iter]
         self.routers = [layer.mlp.router for layer in self.layers if isinstance(layer.mlp, MoeMLP)]
         self.rope_cos, self.rope_sin = rope_tables(self.xp, np.arange(max_len), cfg.head_dim, cfg.rope_theta,
@@ -135,7 +138,7 @@ class MoeDecoder:
         tokens = np.asarray(token_ids, np.int64).reshape(-1)
         if tokens.size == 0:
             return np.zeros((0, cfg.vocab_size), np.float32)
-        if ((tokens < 0) | (tokens >= cfg.vocab_size)).any():
+        if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
             raise ValueError(f"token ids must be in [0, {cfg.vocab_size})")
         start = self.length
         if start + tokens.size > self.max_len:
@@ -147,5 +150,7 @@ class MoeDecoder:
                 layer(x, kv, start, self.rope_cos, self.rope_sin)
             self.experts.end()
             self.length = start + tokens.size
-            logits = self.lm_head(ops.rms_norm(x, self.norm, cfg.rms_eps, device=self.dev))
-            return self.dev.to_host(logits).astype(np.float32)
+            h = ops.rms_norm(x, self.norm, cfg.rms_eps, out=self.scratch.get("h", x.shape), device=self.dev,
+                             checked=True)
+            # the lm_head's output is a new array (on the cpu device to_host returns it as is): no second copy
+            return self.dev.to_host(self.lm_head(h)).astype(np.float32, copy=False)

@@ -19,8 +19,8 @@ from freetoken.ops.dense import dense, dense_gemv
 from freetoken.ops.histogram import histogram
 from freetoken.ops.moe_experts import MoeWorkspace, moe_experts
 from freetoken.ops.reduce import row_sum
-from freetoken.ops.rms_norm import rms_norm
-from freetoken.ops.rope import rope
+from freetoken.ops.rms_norm import add_rms_norm, rms_norm
+from freetoken.ops.rope import rope, rope_qkv_cache
 from freetoken.ops.routing import route_softmax_topk
 from freetoken.ops.topk import topk
 from freetoken.ops.transpose import transpose
@@ -65,8 +65,12 @@ OPS: dict[str, Op] = {op.name: op for op in (
        _R + "dense:dense_reference", _C + "dense"),
     Op("rms_norm", rms_norm, ("rms_norm.cu",), "freetoken.ops.rms_norm", (_K + "rms_norm:rms_norm_rows",),
        _R + "rms_norm:rms_norm_reference", _C + "rms_norm"),
+    Op("add_rms_norm", add_rms_norm, ("rms_norm.cu",), "freetoken.ops.rms_norm",
+       (_K + "rms_norm:add_rms_norm_rows",), _R + "rms_norm:add_rms_norm_reference", _C + "rms_norm"),
     Op("rope", rope, ("rope.cu",), "freetoken.ops.rope", (_K + "rope:rope_rows",), _R + "rope:rope_reference",
        _C + "rope"),
+    Op("rope_qkv_cache", rope_qkv_cache, ("rope.cu",), "freetoken.ops.rope", (_K + "rope:rope_qkv_cache_rows",),
+       _R + "rope:rope_qkv_cache_reference", _C + "rope"),
     Op("route_softmax_topk", route_softmax_topk, ("routing.cu",), "freetoken.ops.routing",
        (_K + "routing:softmax_topk_rows",), _R + "routing:route_softmax_topk_reference", _C + "routing"),
     Op("moe_experts", moe_experts, ("moe_plan.cu", "moe_decode.cu", "moe_prefill.cu"), "freetoken.ops.moe_experts",
@@ -79,6 +83,6 @@ OPS: dict[str, Op] = {op.name: op for op in (
        (_K + "cache:cache_borrow_layer",), _R + "cache:CacheModel", _C + "cache"),
 )}
 
-__all__ = ["OPS", "MoeWorkspace", "Op", "attention", "attention_decode", "cache_admit", "cache_borrow_layer",
-           "cache_copy", "constants", "dense", "dense_gemv", "histogram", "moe_experts", "rms_norm", "rope",
-           "route_softmax_topk", "row_sum", "topk", "transpose"]
+__all__ = ["OPS", "MoeWorkspace", "Op", "add_rms_norm", "attention", "attention_decode", "cache_admit",
+           "cache_borrow_layer", "cache_copy", "constants", "dense", "dense_gemv", "histogram", "moe_experts",
+           "rms_norm", "rope", "rope_qkv_cache", "route_softmax_topk", "row_sum", "topk", "transpose"]

@@ -147,17 +147,19 @@ def attention_arrays(xp, q, k_cache, v_cache, start: int):
     v = v_cache[:total]
     group = heads // kv_heads
     qg = q.reshape(t, kv_heads, group, dim).transpose(1, 2, 0, 3)  # [Hkv, G, T, D]
-    scores = xp.matmul(qg, k.transpose(1, 2, 0)[:, None]) * np.float32(1.0 / np.sqrt(dim))  # [Hkv, G, T, total]
-    mask = np.arange(total)[None, :] > (start + np.arange(t))[:, None]
-    scores = xp.where(xp.asarray(mask), np.float32(-np.inf), scores)
-    scores = scores - scores.max(axis=-1, keepdims=True)
-    p = xp.exp(scores)
+    scores = xp.matmul(qg, k.transpose(1, 2, 0)[:, None])  # [Hkv, G, T, total]
+    scores *= np.float32(1.0 / math.sqrt(dim))  # IEEE sqrt, as np.sqrt (a NumPy scalar call costs ~2 us)
+    if t > 1:  # query t sees keys 0 .. start + t (one query: all of them)
+        mask = np.arange(total)[None, :] > (start + np.arange(t))[:, None]
+        scores = xp.where(xp.asarray(mask), np.float32(-np.inf), scores)
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = xp.exp(scores, out=scores)
     p /= p.sum(axis=-1, keepdims=True)
     out = xp.matmul(p, v.transpose(1, 0, 2)[:, None])  # [Hkv, G, T, D]
     return out.transpose(2, 0, 1, 3).reshape(t, heads * dim)
 
 
-def attention(q, k_cache, v_cache, start: int, *, device=None):
+def attention(q, k_cache, v_cache, start: int, *, device=None, checked: bool = False):
     """Causal grouped-query attention of T new queries at positions start..start+T-1 against KV caches that already
     hold them.
 
@@ -167,6 +169,8 @@ def attention(q, k_cache, v_cache, start: int, *, device=None):
     k_cache, v_cache : float32 arrays [>= start + T, Hkv, D], H divisible by Hkv
     start : int >= 0, the position of the first query
     device : Device or name, optional (default: auto)
+    checked : the caller vouches for the arguments (``device`` a Device, the arrays on it as described, q
+        C-contiguous): nothing is checked (the attention block, on buffers it made at load time)
 
     Returns
     -------
@@ -176,6 +180,10 @@ def attention(q, k_cache, v_cache, start: int, *, device=None):
     (:func:`attention_decode`) for T <= :data:`freetoken.device.constants.DECODE_MAX_TOKENS` and the array code
     beyond (prefill; a flash-attention prefill kernel will take it over).
     """
+    if checked:
+        if device.kind == "cpu" or q.shape[0] > DECODE_MAX_TOKENS:
+            return attention_arrays(device.xp, q, k_cache, v_cache, start)
+        return attention_decode(q, k_cache, v_cache, start, device=device)
     dev = resolve(device)
     q, k_cache, v_cache = dev.as_array(q), dev.as_array(k_cache), dev.as_array(v_cache)
     if q.ndim != 3 or k_cache.ndim != 3 or v_cache.ndim != 3:

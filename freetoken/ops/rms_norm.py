@@ -14,7 +14,7 @@ def rms_norm_arrays(xp, x, weight, eps: float):
     return x / xp.sqrt(var + np.float32(eps)) * weight
 
 
-def rms_norm(x, weight, eps: float, *, out=None, device=None):
+def rms_norm(x, weight, eps: float, *, out=None, device=None, checked: bool = False):
     """``x * rsqrt(mean(x^2 over the last axis) + eps) * weight`` (HF LlamaRMSNorm, float32).
 
     Parameters
@@ -25,6 +25,9 @@ def rms_norm(x, weight, eps: float, *, out=None, device=None):
     eps : float
     out : float32 array of x's shape, C-contiguous, optional
     device : Device or name, optional (default: auto)
+    checked : the caller vouches for every argument (``device`` a Device, ``x`` and ``weight`` float32 arrays on it
+        as described, ``weight`` C-contiguous, ``out`` given, C-contiguous, x's shape): nothing is checked or
+        converted (the decoder's blocks, on buffers they made at load time)
 
     Returns
     -------
@@ -34,6 +37,9 @@ def rms_norm(x, weight, eps: float, *, out=None, device=None):
     the rest NumPy's float32 arithmetic) and falls back to array ops for inputs outside that contract (another
     dtype, an empty ``x``); gpu/emu run ``rms_norm_f32`` and refuse such inputs.
     """
+    if checked:
+        _run(device, x, weight, np.float32(eps), out)
+        return out
     dev = resolve(device)
     x, weight = dev.as_array(x), dev.as_array(weight)
     if dev.kind == "cpu":
@@ -55,12 +61,77 @@ def rms_norm(x, weight, eps: float, *, out=None, device=None):
     x = xp.ascontiguousarray(x)
     weight = xp.ascontiguousarray(weight)
     y = prepare_out(dev, out, x.shape, np.float32)
-    d = int(x.shape[-1])
+    check_int32("rows", x.size // max(1, int(x.shape[-1])))
+    check_int32("D", int(x.shape[-1]))
+    _run(dev, x, weight, np.float32(eps), y)
+    return y
+
+
+def _run(dev, x, weight, eps: np.float32, y, add=None) -> None:
+    """The kernel on checked arguments: ``y = rms_norm(x (+= add))``; x any layout on cpu (viewed or copied as rows,
+    written back when ``add`` updates it), C-contiguous on gpu/emu; ``weight`` and ``y`` C-contiguous."""
+    d = x.shape[-1]
+    if dev.kind == "cpu":
+        from freetoken.cpu_kernels.rms_norm import add_rms_norm_rows, rms_norm_rows
+
+        if add is None:
+            rms_norm_rows(x.reshape(-1, d), weight.reshape(-1, d), eps, y.reshape(-1, d))
+        else:
+            add_rms_norm_rows(x.reshape(-1, d), add.reshape(-1, d), weight.reshape(-1, d), eps, y.reshape(-1, d))
+        return
     if x.size == 0:
-        return y
+        return
     rows, wrows = x.size // d, weight.size // d
     threads = min(NORM_THREADS, 32 * -(-d // 32))
-    fn = cuda_kernel(dev, "rms_norm.cu", "rms_norm_f32")
-    fn((check_int32("rows", rows),), (threads,), (x, weight, y, np.int32(rows), check_int32("D", d),
-                                                  np.int32(wrows), np.float32(eps)))
-    return y
+    if add is None:
+        cuda_kernel(dev, "rms_norm.cu", "rms_norm_f32")(
+            (rows,), (threads,), (x, weight, y, np.int32(rows), np.int32(d), np.int32(wrows), eps))
+    else:
+        cuda_kernel(dev, "rms_norm.cu", "add_rms_norm_f32")(
+            (rows,), (threads,), (x, add, weight, y, np.int32(rows), np.int32(d), np.int32(wrows), eps))
+
+
+def add_rms_norm(x, y, weight, eps: float, *, out=None, device=None, checked: bool = False):
+    """The residual add and the next RMSNorm in one pass: ``x += y`` (in place), returns ``rms_norm(x, weight,
+    eps)`` (:func:`rms_norm`, bit for bit on the cpu device).
+
+    Parameters
+    ----------
+    x : float32 array [..., D], C-contiguous: the residual stream, updated in place
+    y : float32 array of x's shape (any layout on the cpu device)
+    weight : float32 array whose shape equals the trailing axes of ``x`` (as :func:`rms_norm`)
+    eps : float
+    out : float32 array of x's shape, C-contiguous, not aliasing ``y``, optional
+    device : Device or name, optional (default: auto)
+    checked : as :func:`rms_norm` (``y`` then C-contiguous too on gpu/emu)
+
+    Returns
+    -------
+    float32 array of x's shape on the device (``out`` when given).
+
+    The cpu device runs :func:`freetoken.cpu_kernels.rms_norm.add_rms_norm_rows`; gpu/emu run ``add_rms_norm_f32``.
+    """
+    if checked:
+        _run(device, x, weight, np.float32(eps), out, y)
+        return out
+    dev = resolve(device)
+    x, y, weight = dev.as_array(x), dev.as_array(y), dev.as_array(weight)
+    if x.dtype != np.float32 or y.dtype != np.float32 or weight.dtype != np.float32:
+        raise TypeError(f"x, y and weight must be float32, got {x.dtype}, {y.dtype} and {weight.dtype}")
+    if tuple(y.shape) != tuple(x.shape):
+        raise ValueError(f"y shape {tuple(y.shape)} differs from x shape {tuple(x.shape)}")
+    if not 1 <= weight.ndim <= x.ndim or tuple(x.shape[x.ndim - weight.ndim:]) != tuple(weight.shape):
+        raise ValueError(f"weight shape {tuple(weight.shape)} must equal the trailing axes of x {tuple(x.shape)}")
+    if not x.flags.c_contiguous:
+        raise ValueError("x (updated in place) must be C-contiguous")
+    xp = dev.xp
+    if dev.kind != "cpu":
+        y = xp.ascontiguousarray(y)
+    weight = xp.ascontiguousarray(weight)
+    o = prepare_out(dev, out, x.shape, np.float32)
+    if x.size == 0:
+        return o
+    check_int32("rows", x.size // max(1, int(x.shape[-1])))
+    check_int32("D", int(x.shape[-1]))
+    _run(dev, x, weight, np.float32(eps), o, y)
+    return o

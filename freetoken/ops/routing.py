@@ -9,7 +9,8 @@ from freetoken.device.constants import ROUTE_WARPS
 from freetoken.ops._common import as_input, check_int32, cuda_kernel, prepare_out, resolve
 
 
-def route_softmax_topk(logits, k: int, renormalize: bool, *, out_ids=None, out_weights=None, device=None):
+def route_softmax_topk(logits, k: int, renormalize: bool, *, out_ids=None, out_weights=None, device=None,
+                       checked: bool = False):
     """Softmax over the last axis (max-subtracted), the k most probable experts, their probabilities as weights.
 
     Parameters
@@ -20,12 +21,18 @@ def route_softmax_topk(logits, k: int, renormalize: bool, *, out_ids=None, out_w
     out_ids : int32 array [T, k], optional
     out_weights : float32 array [T, k], optional
     device : Device or name, optional (default: auto)
+    checked : the caller vouches for the arguments (``device`` a Device, ``logits`` a C-contiguous float32 [T, E]
+        array on it, 1 <= k <= E, ``out_ids`` / ``out_weights`` given as described): nothing is checked (the
+        router block, on the output of its gate)
 
     Returns
     -------
     (ids int32 [T, k], weights float32 [T, k]) on the device: largest probability first, ties to the lower index and
     NaN ranked as -inf (as :func:`freetoken.ops.topk`); a NaN logit makes its row's probabilities NaN.
     """
+    if checked:
+        _run(device, logits, k, renormalize, out_ids, out_weights)
+        return out_ids, out_weights
     dev = resolve(device)
     logits = dev.as_array(logits)
     if logits.ndim != 2:
@@ -34,19 +41,27 @@ def route_softmax_topk(logits, k: int, renormalize: bool, *, out_ids=None, out_w
     if not 1 <= k <= n:
         raise ValueError(f"k={k} must be in [1, {n}] for {n} experts")
     if dev.kind == "cpu":
-        from freetoken.cpu_kernels.routing import softmax_topk_rows
-
         logits = np.ascontiguousarray(logits, dtype=np.float32)
-        ids = prepare_out(dev, out_ids, (rows, k), np.int32, "out_ids")
-        w = prepare_out(dev, out_weights, (rows, k), np.float32, "out_weights")
-        softmax_topk_rows(logits, k, bool(renormalize), ids, w)
-        return ids, w
-    logits = as_input(dev, logits, "logits", np.float32, 2)
+    else:
+        logits = as_input(dev, logits, "logits", np.float32, 2)
     ids = prepare_out(dev, out_ids, (rows, k), np.int32, "out_ids")
     w = prepare_out(dev, out_weights, (rows, k), np.float32, "out_weights")
+    check_int32("rows", rows)
+    check_int32("E", n)
+    _run(dev, logits, k, renormalize, ids, w)
+    return ids, w
+
+
+def _run(dev, logits, k: int, renormalize: bool, ids, w) -> None:
+    """The kernel on checked arguments."""
+    if dev.kind == "cpu":
+        from freetoken.cpu_kernels.routing import softmax_topk_rows
+
+        softmax_topk_rows(logits, k, bool(renormalize), ids, w)
+        return
+    rows, n = logits.shape
     if rows == 0:
-        return ids, w
+        return
     fn = cuda_kernel(dev, "routing.cu", "route_softmax_topk_f32")
     fn((-(-rows // ROUTE_WARPS),), (32 * ROUTE_WARPS,),
-       (logits, ids, w, check_int32("rows", rows), check_int32("E", n), np.int32(k), np.int32(bool(renormalize))))
-    return ids, w
+       (logits, ids, w, np.int32(rows), np.int32(n), np.int32(k), np.int32(bool(renormalize))))
