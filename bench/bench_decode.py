@@ -167,3 +167,7 @@ def main(argv=None) -> int:
 #: The synthetic models written by default: make_synthetic_gguf arguments per name.
 SYNTHETIC_SHAPES = {"16L-h1024": [], "8L-h2048": ["--layers", "8", "--hidden", "2048", "--moe-inter", "768"]}
 
+
+
+if __name__ == "__main__":
+    sys.exit(main())
