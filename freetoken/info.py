@@ -113,6 +113,26 @@ def cpu_info() -> dict:
     return info
 
 
+def _parallel_probe(a):
+    """A tiny parallel Numba kernel (compiled on first use, then cached) that starts the threading layer."""
+    global _probe
+    if _probe is None:
+        import numba
+
+        @numba.njit(parallel=True, cache=True)
+        def probe(a):
+            s = 0.0
+            for i in numba.prange(a.shape[0]):
+                s += a[i]
+            return s
+
+        _probe = probe
+    return _probe(a)
+
+
+_probe = None
+
+
 def threading_info() -> dict:
     """The cpu device's thread pools: Numba's threading layer (the one its parallel kernels run on: started here
     with a tiny cached kernel if none has run yet) and thread count against the cores this process may use, and
@@ -130,9 +150,7 @@ def threading_info() -> dict:
         try:
             layer = numba.threading_layer()
         except ValueError:  # no parallel kernel has run: start the pool with a tiny one (cached after the first)
-            from freetoken.cpu_kernels.gemv import gemv
-
-            gemv(np.ones((1, 32), np.float32), np.ones((1, 32), np.float32))
+            _parallel_probe(np.ones(64, np.float32))
             layer = numba.threading_layer()
         info["numba_layer"] = layer
     except Exception as e:
