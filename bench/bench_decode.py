@@ -3,9 +3,10 @@
 Models:
 * ``default``: the bundled model from its HF directory (bf16 experts) and its Q4_0 GGUF export (written here by
   ``freetoken.convert``), so the GGUF row is the same file for both engines;
-* ``synthetic``: a Qwen3-MoE-shaped Q4_0 GGUF (16 layers, 64 experts, top-8, hidden 1024; written by
-  ``bench/make_synthetic_gguf.py`` unless --synthetic names an existing file), big enough (0.7 GB) that decode is
-  bound by reading expert weights, as on real models.
+* ``synthetic``: Qwen3-MoE-shaped Q4_0 GGUFs (64 experts, top-8; non-expert matrices f16), big enough that decode
+  is bound by reading expert weights, as on real models: by default two, written by ``bench/make_synthetic_gguf.py``
+  (16 layers, hidden 1024, expert FFN 384: 0.7 GB; 8 layers, hidden 2048, expert FFN 768: 1.4 GB); ``--synthetic
+  PATH`` (repeatable) names existing files instead.
 
 Both engines run the same prompt (random ids), then greedy single-token decode steps, each on ``--threads``
 threads; times are the median of ``--reps`` runs after a warm-up. llama.cpp computes logits for every prompt
@@ -13,7 +14,11 @@ token (logits_all, as freetoken's forward does). ``ratio`` is freetoken / llama.
 ``roof`` is the decode step's expert bytes (top-k records per MoE layer) over this machine's read bandwidth,
 measured in the same run: the best a bandwidth-bound decoder could do.
 
+``--profile`` adds, per model, freetoken's time split of the prefill and of a decode step among routed experts,
+dense projections, attention and the rest (:mod:`profile_split`, timed in a separate run).
+
     python bench/bench_decode.py              # where llama-cpp-python is missing, its columns say so
+    python bench/bench_decode.py --synthetic /tmp/ftbench/syn16.gguf --synthetic /tmp/ftbench/syn8x2048.gguf --profile
 """
 
 from __future__ import annotations
@@ -82,12 +87,16 @@ def _read_bandwidth() -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--synthetic", type=Path, default=None, help="existing synthetic GGUF (default: write one)")
-    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--synthetic", type=Path, action="append", default=None,
+                    help="existing synthetic GGUF (repeatable; default: write the two default shapes)")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp even where it is installed")
+    ap.add_argument("--no-default", action="store_true", help="only the synthetic models")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print freetoken's time split (experts / dense / attention / other) per model")
     args = ap.parse_args(argv)
 
     import numba
@@ -105,27 +114,34 @@ def main(argv=None) -> int:
         have_llama, why = False, "not installed (bash scripts/setup --llama-cpp)"
 
     tmp = Path(tempfile.mkdtemp(prefix="ft-bench-decode-"))
-    default_gguf = export_gguf(DEFAULT_MODEL, tmp / "default-q4_0.gguf")
+    rows = []
+    if not args.no_default:
+        default_gguf = export_gguf(DEFAULT_MODEL, tmp / "default-q4_0.gguf")
+        rows += [("default (HF, bf16 experts)", DEFAULT_MODEL, False), ("default (GGUF q4_0)", default_gguf, True)]
     synthetic = args.synthetic
     if synthetic is None:
         from make_synthetic_gguf import main as make_synthetic
 
-        synthetic = tmp / "synthetic-q4_0.gguf"
-        make_synthetic([str(synthetic)])
+        synthetic = []
+        for name, shape in SYNTHETIC_SHAPES.items():
+            path = tmp / f"synthetic-{name}-q4_0.gguf"
+            make_synthetic([str(path), *shape])
+            synthetic.append(path)
+    rows += [(None, path, True) for path in synthetic]
     rng = np.random.default_rng(0)
     prompt = rng.integers(2, 4096, args.prompt_tokens).tolist()
     bw = _read_bandwidth()
     print(f"# {args.threads} threads; prompt {args.prompt_tokens} tokens, {args.decode_tokens} decode steps, "
           f"median of {args.reps}; memory read bandwidth {bw:.1f} GB/s; llama.cpp: {why or 'llama-cpp-python'}")
-    header = (f"{'model':<28} {'ft prefill':>10} {'llama pf':>9} {'ratio':>6} {'ft decode':>10} {'llama dec':>10} "
+    header = (f"{'model':<32} {'ft prefill':>10} {'llama pf':>9} {'ratio':>6} {'ft decode':>10} {'llama dec':>10} "
               f"{'ratio':>6} {'roof':>7}")
     print(header)
     print("-" * len(header))
-    rows = [("default (HF, bf16 experts)", DEFAULT_MODEL, False), ("default (GGUF q4_0)", default_gguf, True),
-            ("synthetic 16L/64E (q4_0)", synthetic, True)]
+    splits = []
     for name, path, gguf in rows:
         pf, dc, model = _freetoken_times(path, prompt, args.decode_tokens, args.reps)
         cfg = model.config
+        name = name or f"synthetic {cfg.num_layers}L/h{cfg.hidden}/{cfg.num_experts}E (q4_0)"
         step_bytes = sum(cfg.moe_layers) * cfg.top_k * model.experts.layout.record_bytes
         roof = bw * 1e9 / step_bytes
         ft_pf, ft_dc = len(prompt) / pf, args.decode_tokens / dc
@@ -135,9 +151,22 @@ def main(argv=None) -> int:
             cols = f"{l_pf:9.1f} {ft_pf / l_pf:6.2f} {ft_dc:10.1f} {l_dc:10.1f} {ft_dc / l_dc:6.2f}"
         else:
             cols = f"{'-':>9} {'-':>6} {ft_dc:10.1f} {'-':>10} {'-':>6}"
-        print(f"{name:<28} {ft_pf:10.1f} {cols} {roof:7.0f}", flush=True)
+        print(f"{name:<32} {ft_pf:10.1f} {cols} {roof:7.0f}", flush=True)
+        if args.profile:
+            from profile_split import format_split, split
+
+            splits.append(format_split(name, split(model, prompt, min(args.decode_tokens, 16), args.reps),
+                                       len(prompt)))
+        del model
     print("tokens/s; ratio = freetoken / llama.cpp; roof = read bandwidth / expert bytes per decode step")
+    for text in splits:
+        print(text)
     return 0
+
+
+#: The synthetic models written by default: make_synthetic_gguf arguments per name.
+SYNTHETIC_SHAPES = {"16L-h1024": [], "8L-h2048": ["--layers", "8", "--hidden", "2048", "--moe-inter", "768"]}
+
 
 
 if __name__ == "__main__":

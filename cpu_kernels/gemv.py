@@ -6,7 +6,8 @@ Public entry point of the products: :func:`gemv`. ``W`` is float32, float16 or b
 ``ml_dtypes.bfloat16``); ``x`` and ``out`` are float32; accumulation is float32 (reassociated: vector lanes, FMA).
 
 * Few tokens (T <= :data:`GEMV_MAX_TOKENS`), :func:`_gemv_kernel`: bound by reading the weights (two flops per weight
-  and token). A ``prange`` over blocks of output rows; each row is read from memory once per call, widened to float32
+  and token). A ``prange`` over blocks of output rows (below :data:`SERIAL_MACS` multiply-adds the same loops on the
+  calling thread); each row is read from memory once per call, widened to float32
   in registers (bf16: a 16-bit shift; f16: ``vcvtph2ps``) and dotted with every token (groups of 4, 2, 1 tokens; later
   groups re-read the row from L1). Numba's loop vectoriser turns the inner loops into 16-lane FMAs.
 * More tokens, :func:`_gemm_kernel`: compute bound. Register tiles of 4 rows x 4 tokens (16 vector accumulators: 8
@@ -42,6 +43,10 @@ ROWS = 16
 GEMV_MAX_TOKENS = 4
 #: Bytes of ``x`` per token panel of the tiled kernel.
 PANEL_BYTES = 1 << 20
+#: Below this many multiply-adds (N x K x T) the GEMV runs on the calling thread (:func:`_gemv_serial`): a router
+#: gate or a tiny projection takes microseconds, less than waking the other threads, and on a busy machine a
+#: parallel region waits for every one of its threads to be scheduled.
+SERIAL_MACS = 1 << 18
 
 _F32 = np.float32
 
@@ -103,6 +108,10 @@ def _gemv_kernel(x, w, out):
     for blk in nb.prange((n + ROWS - 1) // ROWS):
         for r in range(blk * ROWS, min(blk * ROWS + ROWS, n)):
             _row_tokens(x, w, out, r, 0, t_count, k)
+
+
+#: :func:`_gemv_kernel` compiled without threads (``prange`` runs as ``range``): the same loops, the same sums.
+_gemv_serial = nb.njit(cache=True, boundscheck=False, fastmath=FASTMATH)(_gemv_kernel.py_func)
 
 
 @nb.njit(parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
@@ -183,7 +192,10 @@ def matmul_into(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
     (:func:`storage_view`) [N, K], out float32 [T, N], all C-contiguous, T >= 1."""
     t_count = x.shape[0]
     if t_count <= GEMV_MAX_TOKENS:
-        _gemv_kernel(x, w, out)
+        if w.size * t_count < SERIAL_MACS:
+            _gemv_serial(x, w, out)
+        else:
+            _gemv_kernel(x, w, out)
         return
     panel = max(4, PANEL_BYTES // (4 * max(1, x.shape[1])) // 4 * 4)
     if t_count <= panel:

@@ -2,81 +2,141 @@
 (:mod:`freetoken.models.qmatrix`): the quantized counterpart of :mod:`freetoken.cpu_kernels.gemv`.
 
 * Few tokens (T <= :data:`freetoken.cpu_kernels.gemv.GEMV_MAX_TOKENS`), :func:`_qgemv_kernel`: a ``prange`` over
-  blocks of output rows; each row's blocks are read once per call (groups of 4 tokens, then single tokens: later
-  groups re-read the row from L1). Per block and token the integer quants are dotted with ``x`` in float32 and the
-  sum is scaled by the block's ``d`` once; accumulation is float32.
-* More tokens: row chunks are dequantized (exactly) into one reused float32 buffer and multiplied by the tiled
-  float32 kernel of :mod:`freetoken.cpu_kernels.gemv`.
+  blocks of output rows (tiny products on the calling thread); each row's blocks are read once per call (groups of
+  4 tokens, then single tokens). Per block the 32 weights ``d * q`` are made in vector registers (Q4_0 nibbles
+  unpacked in 8-bit lanes, :func:`_nibble`) and multiplied into 32 float32 lane sums per token, summed once at the
+  end of the row (no horizontal sum per block). Measured on the 2-core Xeon (AVX-512, one thread) for a 1536 x 1024
+  Q4_0 matrix and one token: 0.23-0.4 ms, 5-9x faster than the per-block dot products it replaces.
+* More tokens, :func:`_qgemm_kernel`: a ``prange`` over tiles of :data:`QTILE_ROWS` block rows, each decoded once
+  (exactly) into a float32 buffer of the thread and multiplied by every token of an L2-resident panel of ``x`` with
+  4 x 4 register tiles (the micro-kernel of the float32 product): no dequantized copy of the whole matrix.
 
-The block rows travel as two views of one buffer: ``int16`` (the float16 scales: every block starts at an even
-byte) and ``int8`` (the quants).
+Accumulation is float32. The block rows travel as two views of one buffer: ``int16`` (the float16 scales: every
+block starts at an even byte) and ``int8`` (the quants).
 """
 
 from __future__ import annotations
 
 import numba as nb
 import numpy as np
-from freetoken.cpu_kernels.gemv import FASTMATH, GEMV_MAX_TOKENS, ROWS, _widen, matmul_into
+from freetoken.cpu_kernels.gemv import FASTMATH, GEMV_MAX_TOKENS, PANEL_BYTES, ROWS, SERIAL_MACS, _widen
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
-__all__ = ["QCHUNK_ELEMENTS", "dequantize_rows", "qmatmul_into"]
+__all__ = ["QTILE_ROWS", "dequantize_rows", "qmatmul_into"]
 
-#: Weights dequantized per chunk of the many-token product (bounds the float32 buffer: 16 MiB).
-QCHUNK_ELEMENTS = 1 << 22
+#: Block rows per tile of the many-token product (decoded once into a float32 buffer of the thread, then used
+#: by every token of the panel).
+QTILE_ROWS = 16
 
 _F32 = np.float32
 
 
+@intrinsic
+def _nibble(typingctx, v, high):
+    """A Q4_0 quant byte (int8) -> float32 of its low (``high`` False) or high nibble minus 8, computed in 8-bit
+    lanes (Numba's integer arithmetic would widen to int64 and vectorise 4x narrower)."""
+    if v != types.int8 or not isinstance(high, types.BooleanLiteral):
+        return None
+    hi = high.literal_value
+
+    def codegen(context, builder, signature, args):
+        i8 = ir.IntType(8)
+        a = builder.lshr(args[0], ir.Constant(i8, 4)) if hi else builder.and_(args[0], ir.Constant(i8, 15))
+        return builder.sitofp(builder.sub(a, ir.Constant(i8, 8)), ir.FloatType())
+    return types.float32(v, high), codegen
+
+
 @nb.njit(fastmath=FASTMATH, inline="always")
-def _block_dot(q8, r, o, x, t, xb, q4):
-    """sum_j q_j * x[t, xb + j] over one block's 32 quants (bytes from q8[r, o]); q4: nibbles minus 8."""
-    c = _F32(0.0)
+def _qrow1(q8, s16, r, x, t, nblk, acc, q4):
+    """sum_i w[r, i] * x[t, i] for one row r of blocks: per block, the 32 weights d * q are made in registers and
+    multiplied into 32 lane sums ``acc[0:32]`` (no per-block horizontal sum); the lanes are summed at the end."""
+    for j in range(32):
+        acc[j] = 0.0
     if q4:
-        for j in range(16):
-            byte = np.int32(q8[r, o + j]) & 0xFF
-            c += _F32((byte & 15) - 8) * x[t, xb + j] + _F32((byte >> 4) - 8) * x[t, xb + 16 + j]
+        for b in range(nblk):
+            d = _widen(s16[r, b * 9])
+            o = b * 18 + 2
+            xb = b * 32
+            for j in range(16):
+                byte = q8[r, o + j]
+                acc[j] += (d * _nibble(byte, False)) * x[t, xb + j]
+                acc[16 + j] += (d * _nibble(byte, True)) * x[t, xb + 16 + j]
     else:
-        for j in range(32):
-            c += _F32(q8[r, o + j]) * x[t, xb + j]
-    return c
+        for b in range(nblk):
+            d = _widen(s16[r, b * 17])
+            o = b * 34 + 2
+            xb = b * 32
+            for j in range(32):
+                acc[j] += (d * _F32(q8[r, o + j])) * x[t, xb + j]
+    s = _F32(0.0)
+    for j in range(32):
+        s += acc[j]
+    return s
 
 
 @nb.njit(fastmath=FASTMATH, inline="always")
-def _qrow_tokens(x, s16, q8, out, r, t_count, nblk, q4):
-    bb = 18 if q4 else 34
-    hw = bb // 2
-    t = 0
-    while t_count - t >= 4:
-        a0 = a1 = a2 = a3 = _F32(0.0)
+def _qrow4(q8, s16, r, x, t, nblk, acc, out, q4):
+    """out[t:t+4, r]: :func:`_qrow1` for 4 tokens at once, each weight made once and used 4 times (lane sums
+    ``acc[32 * u : 32 * u + 32]`` for token t + u)."""
+    for j in range(128):
+        acc[j] = 0.0
+    if q4:
         for b in range(nblk):
-            d = _widen(s16[r, b * hw])
-            o = b * bb + 2
+            d = _widen(s16[r, b * 9])
+            o = b * 18 + 2
             xb = b * 32
-            a0 += d * _block_dot(q8, r, o, x, t, xb, q4)
-            a1 += d * _block_dot(q8, r, o, x, t + 1, xb, q4)
-            a2 += d * _block_dot(q8, r, o, x, t + 2, xb, q4)
-            a3 += d * _block_dot(q8, r, o, x, t + 3, xb, q4)
-        out[t, r] = a0
-        out[t + 1, r] = a1
-        out[t + 2, r] = a2
-        out[t + 3, r] = a3
-        t += 4
-    while t < t_count:
-        a0 = _F32(0.0)
+            for j in range(16):
+                byte = q8[r, o + j]
+                lo = d * _nibble(byte, False)
+                hi = d * _nibble(byte, True)
+                acc[j] += lo * x[t, xb + j]
+                acc[16 + j] += hi * x[t, xb + 16 + j]
+                acc[32 + j] += lo * x[t + 1, xb + j]
+                acc[48 + j] += hi * x[t + 1, xb + 16 + j]
+                acc[64 + j] += lo * x[t + 2, xb + j]
+                acc[80 + j] += hi * x[t + 2, xb + 16 + j]
+                acc[96 + j] += lo * x[t + 3, xb + j]
+                acc[112 + j] += hi * x[t + 3, xb + 16 + j]
+    else:
         for b in range(nblk):
-            a0 += _widen(s16[r, b * hw]) * _block_dot(q8, r, b * bb + 2, x, t, b * 32, q4)
-        out[t, r] = a0
-        t += 1
+            d = _widen(s16[r, b * 17])
+            o = b * 34 + 2
+            xb = b * 32
+            for j in range(32):
+                v = d * _F32(q8[r, o + j])
+                acc[j] += v * x[t, xb + j]
+                acc[32 + j] += v * x[t + 1, xb + j]
+                acc[64 + j] += v * x[t + 2, xb + j]
+                acc[96 + j] += v * x[t + 3, xb + j]
+    for u in range(4):
+        s = _F32(0.0)
+        for j in range(32):
+            s += acc[32 * u + j]
+        out[t + u, r] = s
 
 
 @nb.njit(parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
 def _qgemv_kernel(x, s16, q8, out, q4):
-    """out[t, r] = sum over blocks d * (q . x); x [T, K], s16/q8 the block rows [N, *], out [T, N]."""
+    """out[t, r] = sum over blocks and lanes of d * q * x; x [T, K], s16/q8 the block rows [N, *], out [T, N]."""
     t_count, k = x.shape
     n = q8.shape[0]
     nblk = k // 32
     for blk in nb.prange((n + ROWS - 1) // ROWS):
+        acc = np.empty(128, np.float32)
         for r in range(blk * ROWS, min(blk * ROWS + ROWS, n)):
-            _qrow_tokens(x, s16, q8, out, r, t_count, nblk, q4)
+            t = 0
+            while t_count - t >= 4:
+                _qrow4(q8, s16, r, x, t, nblk, acc, out, q4)
+                t += 4
+            while t < t_count:
+                out[t, r] = _qrow1(q8, s16, r, x, t, nblk, acc, q4)
+                t += 1
+
+
+#: :func:`_qgemv_kernel` without threads, for products below :data:`freetoken.cpu_kernels.gemv.SERIAL_MACS`.
+_qgemv_serial = nb.njit(cache=True, boundscheck=False, fastmath=FASTMATH)(_qgemv_kernel.py_func)
 
 
 @nb.njit(parallel=True, cache=True, boundscheck=False)
@@ -98,6 +158,117 @@ def _dequant_kernel(s16, q8, r0, out, q4):
             else:
                 for j in range(32):
                     out[i, b * 32 + j] = d * _F32(q8[r, o + j])
+
+
+@nb.njit(fastmath=FASTMATH, inline="always")
+def _dequant_row(s16, q8, r, dst, i, nblk, q4):
+    """dst[i, :] = the float32 weights of block row r (exact: d * q)."""
+    if q4:
+        for b in range(nblk):
+            d = _widen(s16[r, b * 9])
+            o = b * 18 + 2
+            for j in range(16):
+                byte = q8[r, o + j]
+                dst[i, b * 32 + j] = d * _nibble(byte, False)
+                dst[i, b * 32 + 16 + j] = d * _nibble(byte, True)
+    else:
+        for b in range(nblk):
+            d = _widen(s16[r, b * 17])
+            o = b * 34 + 2
+            for j in range(32):
+                dst[i, b * 32 + j] = d * _F32(q8[r, o + j])
+
+
+@nb.njit(fastmath=FASTMATH, inline="always")
+def _tile_rows4(x, w, i, out, r, t_count, k):
+    """out[:, r:r+4] = x @ w[i:i+4].T: register tiles of 4 rows x 4 tokens (16 accumulators), the last T % 4
+    tokens as 4 rows x 1 token (the micro-kernel of :func:`freetoken.cpu_kernels.gemv._gemm_kernel`)."""
+    t = 0
+    while t_count - t >= 4:
+        a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = _F32(0.0)
+        a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = _F32(0.0)
+        for c in range(k):
+            w0 = w[i, c]
+            w1 = w[i + 1, c]
+            w2 = w[i + 2, c]
+            w3 = w[i + 3, c]
+            x0 = x[t, c]
+            x1 = x[t + 1, c]
+            x2 = x[t + 2, c]
+            x3 = x[t + 3, c]
+            a00 += w0 * x0
+            a01 += w0 * x1
+            a02 += w0 * x2
+            a03 += w0 * x3
+            a10 += w1 * x0
+            a11 += w1 * x1
+            a12 += w1 * x2
+            a13 += w1 * x3
+            a20 += w2 * x0
+            a21 += w2 * x1
+            a22 += w2 * x2
+            a23 += w2 * x3
+            a30 += w3 * x0
+            a31 += w3 * x1
+            a32 += w3 * x2
+            a33 += w3 * x3
+        out[t, r] = a00
+        out[t + 1, r] = a01
+        out[t + 2, r] = a02
+        out[t + 3, r] = a03
+        out[t, r + 1] = a10
+        out[t + 1, r + 1] = a11
+        out[t + 2, r + 1] = a12
+        out[t + 3, r + 1] = a13
+        out[t, r + 2] = a20
+        out[t + 1, r + 2] = a21
+        out[t + 2, r + 2] = a22
+        out[t + 3, r + 2] = a23
+        out[t, r + 3] = a30
+        out[t + 1, r + 3] = a31
+        out[t + 2, r + 3] = a32
+        out[t + 3, r + 3] = a33
+        t += 4
+    while t < t_count:
+        a0 = a1 = a2 = a3 = _F32(0.0)
+        for c in range(k):
+            xv = x[t, c]
+            a0 += w[i, c] * xv
+            a1 += w[i + 1, c] * xv
+            a2 += w[i + 2, c] * xv
+            a3 += w[i + 3, c] * xv
+        out[t, r] = a0
+        out[t, r + 1] = a1
+        out[t, r + 2] = a2
+        out[t, r + 3] = a3
+        t += 1
+
+
+@nb.njit(parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
+def _qgemm_kernel(x, s16, q8, out, q4):
+    """out = x @ dequantize(blocks).T for many tokens: a ``prange`` over tiles of :data:`QTILE_ROWS` block rows;
+    each tile is decoded once into a float32 buffer of the thread (QTILE_ROWS x K: L1/L2-resident) and multiplied
+    by every token of ``x`` (an L2-resident panel) with 4 x 4 register tiles."""
+    t_count, k = x.shape
+    n = q8.shape[0]
+    nblk = k // 32
+    for tile in nb.prange((n + QTILE_ROWS - 1) // QTILE_ROWS):
+        r0 = tile * QTILE_ROWS
+        rows = min(QTILE_ROWS, n - r0)
+        w = np.empty((QTILE_ROWS, k), np.float32)
+        for i in range(rows):
+            _dequant_row(s16, q8, r0 + i, w, i, nblk, q4)
+        i = 0
+        while rows - i >= 4:
+            _tile_rows4(x, w, i, out, r0 + i, t_count, k)
+            i += 4
+        while i < rows:  # the last N % 4 rows
+            for t in range(t_count):
+                a = _F32(0.0)
+                for c in range(k):
+                    a += w[i, c] * x[t, c]
+                out[t, r0 + i] = a
+            i += 1
 
 
 def _views(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -126,20 +297,12 @@ def qmatmul_into(x: np.ndarray, blocks: np.ndarray, kind: str, out: np.ndarray) 
     s16, q8 = _views(blocks)
     t_count, k = x.shape
     if t_count <= GEMV_MAX_TOKENS:
-        _qgemv_kernel(x, s16, q8, out, q4)
-        return
-    n = blocks.shape[0]
-    rows = max(1, QCHUNK_ELEMENTS // max(1, k))
-    buf = np.empty((min(rows, n), k), np.float32)
-    tmp = np.empty((t_count, min(rows, n)), np.float32) if rows < n else out
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        wc = buf[:r1 - r0]
-        _dequant_kernel(s16, q8, r0, wc, q4)
-        if tmp is out:
-            matmul_into(x, wc, out)
+        if blocks.shape[0] * k * t_count < SERIAL_MACS:
+            _qgemv_serial(x, s16, q8, out, q4)
         else:
-            y = tmp[:, :r1 - r0] if r1 - r0 == tmp.shape[1] else np.empty((t_count, r1 - r0), np.float32)
-            matmul_into(x, wc, y)
-            out[:, r0:r1] = y
+            _qgemv_kernel(x, s16, q8, out, q4)
+        return
+    panel = max(4, PANEL_BYTES // (4 * max(1, k)) // 4 * 4)
+    for t0 in range(0, t_count, panel):  # out rows of a panel are a C-contiguous block
+        _qgemm_kernel(x[t0:t0 + panel], s16, q8, out[t0:t0 + panel], q4)
 

@@ -113,6 +113,75 @@ def cpu_info() -> dict:
     return info
 
 
+def _parallel_probe(a):
+    """A tiny parallel Numba kernel (compiled on first use, then cached) that starts the threading layer."""
+    global _probe
+    if _probe is None:
+        import numba
+
+        @numba.njit(parallel=True, cache=True)
+        def probe(a):
+            s = 0.0
+            for i in numba.prange(a.shape[0]):
+                s += a[i]
+            return s
+
+        _probe = probe
+    return _probe(a)
+
+
+_probe = None
+
+
+def threading_info() -> dict:
+    """The cpu device's thread pools: Numba's threading layer (the one its parallel kernels run on: started here
+    with a tiny cached kernel if none has run yet) and thread count against the cores this process may use, and
+    the native pools threadpoolctl sees (BLAS, OpenMP) with their thread counts, and the BLAS limit freetoken
+    applies while its kernels run (:mod:`freetoken.device.blas`)."""
+    info: dict = {"cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
+                  os.cpu_count()}
+    try:
+        import numba
+        import numpy as np
+
+        info["numba_threads"] = numba.get_num_threads()
+        info["numba_max_threads"] = numba.config.NUMBA_NUM_THREADS
+        info["numba_layer_requested"] = str(numba.config.THREADING_LAYER)
+        try:
+            layer = numba.threading_layer()
+        except ValueError:  # no parallel kernel has run: start the pool with a tiny one (cached after the first)
+            _parallel_probe(np.ones(64, np.float32))
+            layer = numba.threading_layer()
+        info["numba_layer"] = layer
+    except Exception as e:
+        info["numba_error"] = f"{type(e).__name__}: {e}"
+    info["omp_env"] = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+                                                  "NUMBA_NUM_THREADS", "NUMBA_THREADING_LAYER",
+                                                  "OPENBLAS_NUM_THREADS") if k in os.environ}
+    pools = []
+    try:
+        from threadpoolctl import threadpool_info
+
+        for p in threadpool_info():
+            pools.append({"api": p.get("user_api"), "library": p.get("internal_api"),
+                          "threads": p.get("num_threads"), "version": p.get("version"),
+                          "path": p.get("filepath")})
+    except Exception as e:
+        info["pools_error"] = f"{type(e).__name__}: {e}"
+    info["pools"] = pools
+    try:
+        from freetoken.device.blas import single_threaded_blas
+
+        with single_threaded_blas():
+            from threadpoolctl import threadpool_info
+
+            limited = [p.get("num_threads") for p in threadpool_info() if p.get("user_api") == "blas"]
+        info["blas_threads_in_kernels"] = max(limited) if limited else None
+    except Exception:
+        info["blas_threads_in_kernels"] = None
+    return info
+
+
 def collect() -> dict:
     from freetoken.device import device_status
     from freetoken.version import __version__
@@ -125,6 +194,7 @@ def collect() -> dict:
         "libraries": library_versions(),
         "gpus": gpu_info(),
         "cpu": cpu_info(),
+        "threads": threading_info(),
         "cache_dir": str(cache_dir()),
     }
 
@@ -145,8 +215,32 @@ def format_report(info: dict) -> str:
     lines += ["", "CPU", f"  {c['model']}",
               f"  {c.get('physical_cores', '?')} physical / {c['logical_cores']} logical cores, "
               f"{c.get('memory_gib', '?')} GiB memory",
-              f"  SIMD: {' '.join(c['simd']) or 'none detected'}", "", "Libraries"]
+              f"  SIMD: {' '.join(c['simd']) or 'none detected'}"]
+    lines += _format_threads(info.get("threads"), c)
+    lines += ["", "Libraries"]
     for name, ver in info["libraries"].items():
         lines.append(f"  {name:<24} {ver or 'not installed'}")
     lines += ["", f"Cache directory: {info['cache_dir']}"]
     return "\n".join(lines)
+
+
+def _format_threads(t: dict | None, cpu: dict) -> list[str]:
+    if not t:
+        return []
+    lines = ["", "CPU threads"]
+    cores = f"{t['cores_available']} usable cores ({cpu.get('physical_cores', '?')} physical)"
+    if "numba_error" in t:
+        lines.append(f"  Numba: unavailable ({t['numba_error']})")
+    else:
+        lines.append(f"  Numba: {t['numba_layer']} threading layer (requested: {t['numba_layer_requested']}), "
+                     f"{t['numba_threads']} threads (at most {t['numba_max_threads']}) on {cores}")
+    for p in t.get("pools", []):
+        lines.append(f"  {p['api']} pool: {p['library']} {p['version'] or ''}, {p['threads']} threads  "
+                     f"({p['path']})")
+    blas = t.get("blas_threads_in_kernels")
+    lines.append("  BLAS while freetoken's kernels run: "
+                 + (f"limited to {blas} thread{'s' if blas != 1 else ''} (threadpoolctl)" if blas is not None
+                    else "not limited (threadpoolctl cannot see this BLAS)"))
+    if t.get("omp_env"):
+        lines.append("  environment: " + " ".join(f"{k}={v}" for k, v in t["omp_env"].items()))
+    return lines

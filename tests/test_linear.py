@@ -208,7 +208,7 @@ def test_linear_quantized(device, kind, monkeypatch):
     np.testing.assert_array_equal(device.to_host(lin.weight), w32)
     np.testing.assert_array_equal(q.dequantize(), w32)
     monkeypatch.setattr(_dense_module(), "CHUNK_ELEMENTS", 8 * k)  # gpu/emu T > 8: 6 chunks, the last of 5 rows
-    monkeypatch.setattr(qgemv, "QCHUNK_ELEMENTS", 8 * k)  # cpu T > 4: the same
+    monkeypatch.setattr(qgemv, "PANEL_BYTES", 8 * 4 * k)  # cpu T > 4: panels of 8 tokens, the last of 4
     for t in (1, 2, 3, 5, 8, 20):
         x = rng.standard_normal((t, k), dtype=np.float32)
         _check_dense(device.to_host(lin(device.asarray(x))), x, w32, b)

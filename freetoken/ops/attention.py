@@ -137,9 +137,37 @@ def attention_decode(q, k_cache, v_cache, start, out=None, device=None, *, split
     return out
 
 
+#: Query rows per task of the host prefill (:func:`attention_arrays` on NumPy): the [G, rows, context] score block
+#: of one kv head stays in L2 for context ~ 512.
+_HOST_QUERY_ROWS = 128
+#: Score elements (T x context x heads) from which the host path splits its work over threads.
+_HOST_PARALLEL_SCORES = 1 << 18
+
+
+@lru_cache(maxsize=1)
+def _host_pool(workers: int):
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="freetoken-attention")
+
+
+def _host_threads() -> int:
+    try:
+        import numba
+
+        return numba.get_num_threads()
+    except Exception:
+        return 1
+
+
 def attention_arrays(xp, q, k_cache, v_cache, start: int):
     """Causal grouped-query attention on an array module (numpy or cupy), float32: the prefill path of
-    :func:`attention` (and the whole op on the cpu device). Same arguments and result as :func:`attention`."""
+    :func:`attention` (and the whole op on the cpu device). Same arguments and result as :func:`attention`.
+
+    On NumPy the work is cut into (kv head, block of query rows) tasks, each the same array operations on its
+    slice (scores, in place: scale, mask, max, exp, sum, divide; then the product with V), run on the cpu
+    device's threads (Numba's thread count; NumPy releases the GIL in its loops and BLAS calls). Every output
+    element is computed by the same operations as on the whole batch: the result does not depend on the split."""
     t, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     total = start + t
@@ -147,16 +175,47 @@ def attention_arrays(xp, q, k_cache, v_cache, start: int):
     v = v_cache[:total]
     group = heads // kv_heads
     qg = q.reshape(t, kv_heads, group, dim).transpose(1, 2, 0, 3)  # [Hkv, G, T, D]
-    scores = xp.matmul(qg, k.transpose(1, 2, 0)[:, None])  # [Hkv, G, T, total]
-    scores *= np.float32(1.0 / math.sqrt(dim))  # IEEE sqrt, as np.sqrt (a NumPy scalar call costs ~2 us)
-    if t > 1:  # query t sees keys 0 .. start + t (one query: all of them)
-        mask = np.arange(total)[None, :] > (start + np.arange(t))[:, None]
-        scores = xp.where(xp.asarray(mask), np.float32(-np.inf), scores)
-    scores -= scores.max(axis=-1, keepdims=True)
-    p = xp.exp(scores, out=scores)
-    p /= p.sum(axis=-1, keepdims=True)
-    out = xp.matmul(p, v.transpose(1, 0, 2)[:, None])  # [Hkv, G, T, D]
-    return out.transpose(2, 0, 1, 3).reshape(t, heads * dim)
+    if xp is not np or t * total * heads < _HOST_PARALLEL_SCORES:  # a device, or small: batched over heads
+        scores = xp.matmul(qg, k.transpose(1, 2, 0)[:, None])  # [Hkv, G, T, total]
+        scores *= np.float32(1.0 / math.sqrt(dim))  # IEEE sqrt, as np.sqrt (a NumPy scalar call costs ~2 us)
+        if t > 1:  # query t sees keys 0 .. start + t (one query: all of them)
+            mask = np.arange(total)[None, :] > (start + np.arange(t))[:, None]
+            scores = xp.where(xp.asarray(mask), np.float32(-np.inf), scores)
+        scores -= scores.max(axis=-1, keepdims=True)
+        p = xp.exp(scores, out=scores)
+        p /= p.sum(axis=-1, keepdims=True)
+        out = xp.matmul(p, v.transpose(1, 0, 2)[:, None])  # [Hkv, G, T, D]
+        return out.transpose(2, 0, 1, 3).reshape(t, heads * dim)
+    # large products on the host: (kv head, query block) tasks on a few threads, the same operations in place
+    kt = k.transpose(1, 2, 0)  # [Hkv, D, total]
+    vt = v.transpose(1, 0, 2)  # [Hkv, total, D]
+    out = np.empty((t, heads * dim), np.float32)
+    if t == 0:
+        return out
+    out4 = out.reshape(t, kv_heads, group, dim)
+    scale = np.float32(1.0 / math.sqrt(dim))
+    nblk = -(-t // _HOST_QUERY_ROWS) if t >= 2 * _HOST_QUERY_ROWS else 1
+    rows = -(-t // nblk)
+    tasks = [(h, r0, min(t, r0 + rows)) for h in range(kv_heads) for r0 in range(0, t, rows)]
+
+    def run(part):
+        for h, r0, r1 in part:
+            s = np.matmul(qg[h, :, r0:r1], kt[h][None])  # [G, rows, total]
+            np.multiply(s, scale, out=s)
+            mask = np.arange(total)[None, :] > (start + np.arange(r0, r1))[:, None]
+            np.copyto(s, np.float32(-np.inf), where=mask)
+            s -= s.max(axis=-1, keepdims=True)
+            np.exp(s, out=s)
+            s /= s.sum(axis=-1, keepdims=True)
+            out4[r0:r1, h] = np.matmul(s, vt[h][None]).transpose(1, 0, 2)  # [rows, G, D]
+
+    threads = min(_host_threads(), len(tasks))
+    if threads <= 1:
+        run(tasks)
+    else:
+        for f in [_host_pool(threads).submit(run, tasks[i::threads]) for i in range(threads)]:
+            f.result()
+    return out
 
 
 def attention(q, k_cache, v_cache, start: int, *, device=None, checked: bool = False):
