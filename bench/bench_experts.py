@@ -34,7 +34,7 @@ import time
 import numba as nb
 import numpy as np
 from freetoken.cpu_kernels.moe_experts import ACT_SWIGLU, forward, uses_q8
-from freetoken.cpu_kernels.simd import simd_level
+from freetoken.device.simd import simd_level
 
 from freetoken import formats
 from freetoken.formats import RecordLayout

@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="a model with 4-bit experts (default: the bundled one)")
     ap.add_argument("--tokens", type=int, default=128, help="prompt length (default 128)")
     args = ap.parse_args(argv)
-    from freetoken.cpu_kernels.simd import simd_level
+    from freetoken.device.simd import simd_level
 
     from freetoken.convert import export_gguf
     from freetoken.engine.load import DEFAULT_MODEL

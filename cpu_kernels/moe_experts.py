@@ -48,7 +48,7 @@ from freetoken.cpu_kernels.moe_rows import (
 )
 from freetoken.cpu_kernels.moe_rows_q8 import Q8_OFFSETS
 from freetoken.cpu_kernels.q8_act import Q8Rows
-from freetoken.cpu_kernels.simd import simd_level
+from freetoken.device.simd import simd_level
 
 from freetoken.device.constants import ACT_GPT_OSS, ACT_SWIGLU
 

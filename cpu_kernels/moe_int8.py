@@ -29,7 +29,7 @@ past a row (the weights' odd tail block is loaded alone and its phantom partner 
 from __future__ import annotations
 
 from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, declare_prefetch, typed_ptr
-from freetoken.cpu_kernels.simd import simd_level
+from freetoken.device.simd import simd_level
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils

@@ -104,6 +104,12 @@ def cpu_info() -> dict:
     if cores:
         info["physical_cores"] = len(cores)
     info["simd"] = [f for f in SIMD_FLAGS if f in flags]
+    try:  # what the CPU kernels compile to (Numba's target: NUMBA_CPU_NAME / NUMBA_CPU_FEATURES can narrow it)
+        from freetoken.device.simd import simd_level
+
+        info["kernel_simd"] = simd_level()
+    except Exception as e:  # llvmlite missing or broken: say so rather than fail the report
+        info["kernel_simd"] = f"unknown ({e})"
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):
@@ -199,6 +205,10 @@ def collect() -> dict:
     }
 
 
+#: The instructions the int8 expert dots compile to at each level (freetoken.device.simd).
+_INT8_DOTS = {"avx512_vnni": "vpdpbusd, 512-bit", "avx2": "vpmaddubsw + vpmaddwd, 256-bit"}
+
+
 def format_report(info: dict) -> str:
     lines = [f"freetoken {info['freetoken']}  (Python {info['python']}, {info['platform']})", "", "Devices"]
     for kind, st in info["devices"].items():
@@ -215,7 +225,9 @@ def format_report(info: dict) -> str:
     lines += ["", "CPU", f"  {c['model']}",
               f"  {c.get('physical_cores', '?')} physical / {c['logical_cores']} logical cores, "
               f"{c.get('memory_gib', '?')} GiB memory",
-              f"  SIMD: {' '.join(c['simd']) or 'none detected'}"]
+              f"  SIMD: {' '.join(c['simd']) or 'none detected'}",
+              f"  CPU kernels compiled for: {c.get('kernel_simd', '?')} (int8 expert dots: "
+              f"{_INT8_DOTS.get(c.get('kernel_simd'), 'portable code, slow')})"]
     lines += _format_threads(info.get("threads"), c)
     lines += ["", "Libraries"]
     for name, ver in info["libraries"].items():

@@ -73,7 +73,7 @@ def test_q8_activations_against_the_float_path(exported):
     """The cpu int8 path (8-bit expert inputs) against float32 inputs on the same q4_0 experts: the one rounding
     llama.cpp's q8_0 dots make too. Measured on these checkpoints: NMSE 1e-5 .. 6e-5 (the bundled model's q4_0 export:
     see bench/q8_logits.py); bounded at 1e-3, with the greedy tokens mostly unchanged."""
-    from freetoken.cpu_kernels.simd import simd_level
+    from freetoken.device.simd import simd_level
 
     _, root = exported
     f32 = load(root / "q4.gguf", device="cpu", cpu_activations="f32").logits(TOKENS)

@@ -26,7 +26,7 @@ import pytest
 from freetoken.cpu_kernels import moe_int8 as mi
 from freetoken.cpu_kernels.moe_rows import E4M3_TABLE, E8M0_TABLE, block_split_perm
 from freetoken.cpu_kernels.q8_act import Q8Rows, quantize_rows
-from freetoken.cpu_kernels.simd import LEVELS, avx2_only_features, level_of, simd_level, target_features
+from freetoken.device.simd import LEVELS, avx2_only_features, level_of, simd_level, target_features
 
 from freetoken import formats
 from freetoken.formats import RecordLayout
@@ -152,7 +152,7 @@ def test_dots_other_levels(level, tmp_path):
     env = dict(os.environ, NUMBA_CPU_NAME="haswell" if level == "avx2" else "ivybridge",
                NUMBA_CPU_FEATURES=features, FREETOKEN_CACHE_DIR=str(tmp_path), NUMBA_CACHE_DIR=str(tmp_path))
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_int8_dots as t; "
-            "from freetoken.cpu_kernels.simd import simd_level; "
+            "from freetoken.device.simd import simd_level; "
             f"assert simd_level() == {level!r}, simd_level(); t.run_all(); print('ok', simd_level())")
     r = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True,
                        text=True, timeout=900)
