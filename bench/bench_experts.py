@@ -34,9 +34,9 @@ import time
 import numba as nb
 import numpy as np
 from freetoken.cpu_kernels.moe_experts import ACT_SWIGLU, forward, uses_q8
-from freetoken.device.simd import simd_level
 
 from freetoken import formats
+from freetoken.device.simd import simd_level
 from freetoken.formats import RecordLayout
 
 SHAPES = {  # name: (hidden, inter, experts, experts with --quick)

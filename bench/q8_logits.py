@@ -33,9 +33,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="a model with 4-bit experts (default: the bundled one)")
     ap.add_argument("--tokens", type=int, default=128, help="prompt length (default 128)")
     args = ap.parse_args(argv)
-    from freetoken.device.simd import simd_level
-
     from freetoken.convert import export_gguf
+    from freetoken.device.simd import simd_level
     from freetoken.engine.load import DEFAULT_MODEL
 
     rng = np.random.default_rng(0)

@@ -48,9 +48,9 @@ from freetoken.cpu_kernels.moe_rows import (
 )
 from freetoken.cpu_kernels.moe_rows_q8 import Q8_OFFSETS
 from freetoken.cpu_kernels.q8_act import Q8Rows
-from freetoken.device.simd import simd_level
 
 from freetoken.device.constants import ACT_GPT_OSS, ACT_SWIGLU
+from freetoken.device.simd import simd_level
 
 __all__ = ["ACTIVATIONS", "ACT_GPT_OSS", "ACT_SWIGLU", "FMT_BF16", "FMT_FP8_BLOCK", "FMT_MXFP4", "FMT_NVFP4",
            "FMT_Q4_0", "FORMAT_CODES", "SPLIT_FORMATS", "PreparedBanks", "block_split_perm", "forward", "prepare",

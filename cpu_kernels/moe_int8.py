@@ -29,11 +29,12 @@ past a row (the weights' odd tail block is loaded alone and its phantom partner 
 from __future__ import annotations
 
 from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, declare_prefetch, typed_ptr
-from freetoken.device.simd import simd_level
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from freetoken.device.simd import simd_level
 
 #: ``weight = (byte - OFFSET) * FACTOR`` per kind: q4 (q4_0), mx (mxfp4/ds_fp4, scale e8m0), nv (nvfp4, e4m3 scales
 #: per 16 values and a per-matrix global).

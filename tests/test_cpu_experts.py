@@ -80,6 +80,7 @@ def test_many_tokens_and_odd_k(fmt, activations):
 
 def test_q8_is_the_default_where_the_cpu_has_int8_dots():
     from freetoken.cpu_kernels.moe_experts import uses_q8
+
     from freetoken.device.simd import simd_level
 
     assert uses_q8("q4_0") == (simd_level() != "none") and uses_q8("nvfp4", "q8") and not uses_q8("q4_0", "f32")

@@ -26,9 +26,9 @@ import pytest
 from freetoken.cpu_kernels import moe_int8 as mi
 from freetoken.cpu_kernels.moe_rows import E4M3_TABLE, E8M0_TABLE, block_split_perm
 from freetoken.cpu_kernels.q8_act import Q8Rows, quantize_rows
-from freetoken.device.simd import LEVELS, avx2_only_features, level_of, simd_level, target_features
 
 from freetoken import formats
+from freetoken.device.simd import LEVELS, avx2_only_features, level_of, simd_level, target_features
 from freetoken.formats import RecordLayout
 from freetoken.testing import random_record
 from freetoken.testing.reference.moe_experts import q8_round_trip, quantize_q8_reference
