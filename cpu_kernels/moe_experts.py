@@ -47,7 +47,7 @@ from freetoken.cpu_kernels.moe_rows import (
     block_split_perm,
 )
 from freetoken.cpu_kernels.moe_rows_q8 import Q8_OFFSETS
-from freetoken.cpu_kernels.q8_act import Q8Rows
+from freetoken.cpu_kernels.q8_act import NO_Q8, q8_buffers
 
 from freetoken.device.constants import ACT_GPT_OSS, ACT_SWIGLU
 from freetoken.device.simd import simd_level
@@ -59,7 +59,6 @@ __all__ = ["ACTIVATIONS", "ACT_GPT_OSS", "ACT_SWIGLU", "FMT_BF16", "FMT_FP8_BLOC
 
 #: The token-vector kinds of :func:`forward` ("auto": see :func:`uses_q8`).
 ACTIVATIONS = ("auto", "q8", "f32")
-_NO_Q8 = (0, 0, 0, 0)  # the kernels' q8 argument when the float path runs
 
 
 @functools.cache
@@ -156,15 +155,18 @@ def forward(fmt_name: str, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, 
     q8 = uses_q8(fmt_name, activations)
     split = p.fmt in SPLIT_FORMATS
     xs = np.ascontiguousarray(x[:, _perm(hidden, True)]) if split else x
+    if not xs.flags.writeable:  # a read-only array is another Numba type: one compiled kernel for both
+        xs = xs.copy()
     h = np.empty((pw.shape[0], inter), np.float32)
     nthreads = nb.get_num_threads()
-    xq_rows, hq_rows = Q8Rows(hidden), Q8Rows(inter)  # (read through their addresses: kept referenced here)
-    xq = xq_rows.quantize(xs, Q8_OFFSETS[p.fmt]) if q8 else _NO_Q8
+    xq8 = q8_buffers(t_count, hidden) if q8 else NO_Q8  # filled by the kernels
+    hq8 = q8_buffers(pw.shape[0], inter) if q8 else NO_Q8
+    qoff = Q8_OFFSETS.get(p.fmt, 0)
     # p.banks, xs and the biases stay referenced here while the kernels read them through their addresses
-    _gate_up_kernel(p.fmt, p.gate, p.up, p.gb, p.ub, p.has_bias, act_code, uniq, poff, ptok, xs.ctypes.data, q8, xq,
+    _gate_up_kernel(p.fmt, p.gate, p.up, p.gb, p.ub, p.has_bias, act_code, uniq, poff, ptok, xs, q8, qoff, xq8,
                     hidden, inter, _inverse_perm(inter, split), h, nthreads)
-    hq = hq_rows.quantize(h, Q8_OFFSETS[p.fmt]) if q8 else _NO_Q8
-    _down_kernel(p.fmt, p.down, p.db, p.has_bias, uniq, poff, ptok, pw, h, q8, hq, hidden, inter, out, nthreads)
+    _down_kernel(p.fmt, p.down, p.db, p.has_bias, uniq, poff, ptok, pw, h, q8, qoff, hq8, hidden, inter, out,
+                 nthreads)
 
 
 class PreparedBanks(NamedTuple):

@@ -32,6 +32,7 @@ from freetoken.cpu_kernels.moe_rows import (
     row_dot4,
 )
 from freetoken.cpu_kernels.moe_rows_q8 import row_q8_dot1, row_q8_dot1x2, row_q8_dot2, row_q8_dot4
+from freetoken.cpu_kernels.q8_act import quantize_row
 
 from freetoken.device.constants import ACT_SWIGLU, GPT_OSS_ALPHA, GPT_OSS_LIMIT
 
@@ -39,6 +40,7 @@ from freetoken.device.constants import ACT_SWIGLU, GPT_OSS_ALPHA, GPT_OSS_LIMIT
 ROWS_GATE_UP = 8
 
 _F32 = np.float32
+_U64 = np.uint64
 
 
 @nb.njit(cache=True)
@@ -128,6 +130,22 @@ def rows_dot(fmt, q8, w, s, g, e, n, nr, rows, k, x, xq, offs, npairs, acc):
 
 
 @nb.njit(inline="always")
+def quantize_rows_parallel(q8, x, qoff, xq8):
+    """With ``q8``: every row of ``x`` into the 8-bit rows ``xq8`` = (qa, nc, dx) (one parallel region), returning
+    the row dots' (qa, nc, dx, kp) addresses; without: zeros. Many rows (a prompt) in one parallel region."""
+    qa, nc, dx = xq8
+    if not q8:
+        return _U64(0), _U64(0), _U64(0), _U64(0)
+    if x.shape[0] <= 16:  # a few rows: cheaper than entering a parallel region (~5 us)
+        for t in range(x.shape[0]):
+            quantize_row(x, t, qoff, qa, nc, dx)
+    else:
+        for t in nb.prange(x.shape[0]):
+            quantize_row(x, t, qoff, qa, nc, dx)
+    return addr(qa), addr(nc), addr(dx), _U64(qa.shape[1])
+
+
+@nb.njit(inline="always")
 def _activation(g, u, act):
     if act == ACT_SWIGLU:
         return g / (_F32(1.0) + np.exp(-g)) * u
@@ -138,13 +156,16 @@ def _activation(g, u, act):
 
 
 @nb.njit(parallel=True, nogil=True, cache=True, boundscheck=False, fastmath=FASTMATH)
-def gate_up_kernel(fmt, gate, up, gb, ub, has_bias, act, uniq, poff, ptok, xa, q8, xq, hidden, inter, hperm, h,
-                   nthreads):
+def gate_up_kernel(fmt, gate, up, gb, ub, has_bias, act, uniq, poff, ptok, xs, q8, qoff, xq8, hidden, inter, hperm,
+                   h, nthreads):
     """h[p, hperm[n]] = act(gate_e[n] . x[ptok[p]] + gb, up_e[n] . x[ptok[p]] + ub) for the pairs p of each e.
 
     ``gate``/``up``: addresses (values, scales, globals) of the matrices' banks; ``gb``/``ub``: addresses of the
-    float32 [E, I] biases; ``xa``: address of the float32 [T, H] tokens in K order, or with ``q8`` the 8-bit token
-    rows ``xq`` (qa, nc, dx, kp addresses/stride) of the same values."""
+    float32 [E, I] biases; ``xs``: the float32 [T, H] tokens in K order. With ``q8`` they are first quantized into
+    the 8-bit rows ``xq8`` = (qa, nc, dx) (offset ``qoff``, :mod:`freetoken.cpu_kernels.q8_act`) and those are read.
+    """
+    xa = addr(xs)
+    xq = quantize_rows_parallel(q8, xs, qoff, xq8)
     gw, gs, gg = gate
     uw, us, ug = up
     n_uniq = uniq.shape[0]
@@ -188,9 +209,10 @@ def gate_up_kernel(fmt, gate, up, gb, ub, has_bias, act, uniq, poff, ptok, xa, q
 
 
 @nb.njit(parallel=True, nogil=True, cache=True, boundscheck=False, fastmath=FASTMATH)
-def down_kernel(fmt, down, db, has_bias, uniq, poff, ptok, pw, h, q8, hq, hidden, inter, out, nthreads):
+def down_kernel(fmt, down, db, has_bias, uniq, poff, ptok, pw, h, q8, qoff, hq8, hidden, inter, out, nthreads):
     """out[t, r] = sum over pairs p of token t: pw[p] * (down_e[r] . h[p] + db[e, r]); ``down``: bank addresses,
-    ``db``: address of the float32 [E, H] biases; with ``q8`` the 8-bit rows ``hq`` of ``h`` are read instead."""
+    ``db``: address of the float32 [E, H] biases; with ``q8`` h is first quantized into ``hq8`` and that is read."""
+    hq = quantize_rows_parallel(q8, h, qoff, hq8)
     dw, ds, dg = down
     ha = addr(h)
     n_uniq = uniq.shape[0]

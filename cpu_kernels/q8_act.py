@@ -24,40 +24,59 @@ def padded_blocks(k: int) -> int:
     return nblk + (nblk & 1)
 
 
+@nb.njit(boundscheck=False, nogil=True)
+def quantize_row(x, t, offset, qa, nc, dx):
+    """Row ``t`` of ``x`` float32 [T, K] -> row t of ``qa`` int8 [.., kp], ``nc`` int32 [.., kp / 4], ``dx`` float32
+    [.., kp / 32]. Not inlined on purpose: compiled without fast-math (the kernels calling it use it), so ``d`` and
+    ``q`` are the reference's bytes."""
+    k = x.shape[1]
+    nblk = k // 32
+    for b in range(dx.shape[1]):
+        if b >= nblk:
+            for j in range(32):
+                qa[t, b * 32 + j] = 0
+            for j in range(8):
+                nc[t, b * 8 + j] = 0
+            dx[t, b] = _F32(0.0)
+            continue
+        amax = _F32(0.0)
+        finite = True
+        for j in range(32):
+            a = abs(x[t, b * 32 + j])
+            if not a <= _F32(3.4028234663852886e38):  # NaN or inf
+                finite = False
+            amax = max(amax, a)
+        d = amax / _F32(127.0)
+        inv = _F32(1.0) / d if d > _F32(0.0) else _F32(0.0)
+        if not finite:
+            d, inv = _F32(np.nan), _F32(0.0)
+        dx[t, b] = d
+        for i in range(8):
+            s = np.int32(0)
+            for j in range(4):
+                v = np.rint(x[t, b * 32 + 4 * i + j] * inv) if finite else _F32(0.0)
+                q = np.int32(min(max(v, _F32(-127.0)), _F32(127.0)))
+                qa[t, b * 32 + 4 * i + j] = q
+                s += q
+            nc[t, b * 8 + i] = -offset * s
+
+
 @nb.njit(cache=True, boundscheck=False, nogil=True)
 def quantize_rows(x, offset, qa, nc, dx):
-    """``x`` float32 [T, K] -> ``qa`` int8 [T, kp], ``nc`` int32 [T, kp / 4], ``dx`` float32 [T, kp / 32]."""
-    t_count, k = x.shape
-    nblk = k // 32
-    for t in range(t_count):
-        for b in range(dx.shape[1]):
-            if b >= nblk:
-                for j in range(32):
-                    qa[t, b * 32 + j] = 0
-                for j in range(8):
-                    nc[t, b * 8 + j] = 0
-                dx[t, b] = _F32(0.0)
-                continue
-            amax = _F32(0.0)
-            finite = True
-            for j in range(32):
-                a = abs(x[t, b * 32 + j])
-                if not a <= _F32(3.4028234663852886e38):  # NaN or inf
-                    finite = False
-                amax = max(amax, a)
-            d = amax / _F32(127.0)
-            inv = _F32(1.0) / d if d > _F32(0.0) else _F32(0.0)
-            if not finite:
-                d, inv = _F32(np.nan), _F32(0.0)
-            dx[t, b] = d
-            for i in range(8):
-                s = np.int32(0)
-                for j in range(4):
-                    v = np.rint(x[t, b * 32 + 4 * i + j] * inv) if finite else _F32(0.0)
-                    q = np.int32(min(max(v, _F32(-127.0)), _F32(127.0)))
-                    qa[t, b * 32 + 4 * i + j] = q
-                    s += q
-                nc[t, b * 8 + i] = -offset * s
+    """Every row of ``x`` float32 [T, K] -> ``qa`` int8 [T, kp], ``nc`` int32 [T, kp / 4], ``dx`` float32
+    [T, kp / 32] (the kernels quantize inside their parallel regions with :func:`quantize_row`)."""
+    for t in range(x.shape[0]):
+        quantize_row(x, t, offset, qa, nc, dx)
+
+
+def q8_buffers(rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Uninitialised (qa, nc, dx) for ``rows`` token rows of ``k`` values."""
+    kp = 32 * padded_blocks(k)
+    return np.empty((rows, kp), np.int8), np.empty((rows, kp // 4), np.int32), np.empty((rows, kp // 32), np.float32)
+
+
+#: The kernels' q8 buffers when the float path runs.
+NO_Q8 = q8_buffers(0, 32)
 
 
 class Q8Rows:
@@ -65,17 +84,13 @@ class Q8Rows:
 
     def __init__(self, k: int):
         self.k, self.kp = k, 32 * padded_blocks(k)
-        self.qa = np.empty((0, self.kp), np.int8)
-        self.nc = np.empty((0, self.kp // 4), np.int32)
-        self.dx = np.empty((0, self.kp // 32), np.float32)
+        self.qa, self.nc, self.dx = q8_buffers(0, k)
 
     def quantize(self, x: np.ndarray, offset: int) -> tuple[int, int, int, int]:
         """Quantize ``x`` [T, k] (float32, C-contiguous); returns the kernels' (qa, nc, dx, kp) addresses/stride.
         The buffers stay valid until the next call."""
         t = x.shape[0]
         if self.qa.shape[0] < t:
-            self.qa = np.empty((t, self.kp), np.int8)
-            self.nc = np.empty((t, self.kp // 4), np.int32)
-            self.dx = np.empty((t, self.kp // 32), np.float32)
+            self.qa, self.nc, self.dx = q8_buffers(t, self.k)
         quantize_rows(x, np.int32(offset), self.qa, self.nc, self.dx)
         return self.qa.ctypes.data, self.nc.ctypes.data, self.dx.ctypes.data, self.kp
