@@ -114,6 +114,72 @@ def _gemv_kernel(x, w, out):
 _gemv_serial = nb.njit(cache=True, boundscheck=False, fastmath=FASTMATH)(_gemv_kernel.py_func)
 
 
+@nb.njit(fastmath=FASTMATH, inline="always")
+def tile_rows4(x, w, i, out, r, t_count, k):
+    """out[:, r:r+4] = x @ widen(w[i:i+4]).T: register tiles of 4 rows x 4 tokens (16 accumulators), the last
+    T % 4 tokens as 4 rows x 1 token. Shared by :func:`_gemm_kernel` (i = r) and the quantized product's
+    dequantized panels (:mod:`freetoken.cpu_kernels.qgemv`)."""
+    t = 0
+    while t_count - t >= 4:
+        a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = _F32(0.0)
+        a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = _F32(0.0)
+        for c in range(k):
+            w0 = _widen(w[i, c])
+            w1 = _widen(w[i + 1, c])
+            w2 = _widen(w[i + 2, c])
+            w3 = _widen(w[i + 3, c])
+            x0 = x[t, c]
+            x1 = x[t + 1, c]
+            x2 = x[t + 2, c]
+            x3 = x[t + 3, c]
+            a00 += w0 * x0
+            a01 += w0 * x1
+            a02 += w0 * x2
+            a03 += w0 * x3
+            a10 += w1 * x0
+            a11 += w1 * x1
+            a12 += w1 * x2
+            a13 += w1 * x3
+            a20 += w2 * x0
+            a21 += w2 * x1
+            a22 += w2 * x2
+            a23 += w2 * x3
+            a30 += w3 * x0
+            a31 += w3 * x1
+            a32 += w3 * x2
+            a33 += w3 * x3
+        out[t, r] = a00
+        out[t + 1, r] = a01
+        out[t + 2, r] = a02
+        out[t + 3, r] = a03
+        out[t, r + 1] = a10
+        out[t + 1, r + 1] = a11
+        out[t + 2, r + 1] = a12
+        out[t + 3, r + 1] = a13
+        out[t, r + 2] = a20
+        out[t + 1, r + 2] = a21
+        out[t + 2, r + 2] = a22
+        out[t + 3, r + 2] = a23
+        out[t, r + 3] = a30
+        out[t + 1, r + 3] = a31
+        out[t + 2, r + 3] = a32
+        out[t + 3, r + 3] = a33
+        t += 4
+    while t < t_count:
+        a0 = a1 = a2 = a3 = _F32(0.0)
+        for c in range(k):
+            xv = x[t, c]
+            a0 += _widen(w[i, c]) * xv
+            a1 += _widen(w[i + 1, c]) * xv
+            a2 += _widen(w[i + 2, c]) * xv
+            a3 += _widen(w[i + 3, c]) * xv
+        out[t, r] = a0
+        out[t, r + 1] = a1
+        out[t, r + 2] = a2
+        out[t, r + 3] = a3
+        t += 1
+
+
 @nb.njit(parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
 def _gemm_kernel(x, w, out):
     """The same product in register tiles of 4 rows x 4 tokens (for T beyond a few tokens); the last N % 4 rows and
@@ -126,65 +192,7 @@ def _gemm_kernel(x, w, out):
             for rr in range(r, n):
                 _row_tokens(x, w, out, rr, 0, t_count, k)
             continue
-        t = 0
-        while t_count - t >= 4:
-            a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = _F32(0.0)
-            a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = _F32(0.0)
-            for i in range(k):
-                w0 = _widen(w[r, i])
-                w1 = _widen(w[r + 1, i])
-                w2 = _widen(w[r + 2, i])
-                w3 = _widen(w[r + 3, i])
-                x0 = x[t, i]
-                x1 = x[t + 1, i]
-                x2 = x[t + 2, i]
-                x3 = x[t + 3, i]
-                a00 += w0 * x0
-                a01 += w0 * x1
-                a02 += w0 * x2
-                a03 += w0 * x3
-                a10 += w1 * x0
-                a11 += w1 * x1
-                a12 += w1 * x2
-                a13 += w1 * x3
-                a20 += w2 * x0
-                a21 += w2 * x1
-                a22 += w2 * x2
-                a23 += w2 * x3
-                a30 += w3 * x0
-                a31 += w3 * x1
-                a32 += w3 * x2
-                a33 += w3 * x3
-            out[t, r] = a00
-            out[t + 1, r] = a01
-            out[t + 2, r] = a02
-            out[t + 3, r] = a03
-            out[t, r + 1] = a10
-            out[t + 1, r + 1] = a11
-            out[t + 2, r + 1] = a12
-            out[t + 3, r + 1] = a13
-            out[t, r + 2] = a20
-            out[t + 1, r + 2] = a21
-            out[t + 2, r + 2] = a22
-            out[t + 3, r + 2] = a23
-            out[t, r + 3] = a30
-            out[t + 1, r + 3] = a31
-            out[t + 2, r + 3] = a32
-            out[t + 3, r + 3] = a33
-            t += 4
-        while t < t_count:  # the last T % 4 tokens: 4 rows x 1 token
-            a0 = a1 = a2 = a3 = _F32(0.0)
-            for i in range(k):
-                xv = x[t, i]
-                a0 += _widen(w[r, i]) * xv
-                a1 += _widen(w[r + 1, i]) * xv
-                a2 += _widen(w[r + 2, i]) * xv
-                a3 += _widen(w[r + 3, i]) * xv
-            out[t, r] = a0
-            out[t, r + 1] = a1
-            out[t, r + 2] = a2
-            out[t, r + 3] = a3
-            t += 1
+        tile_rows4(x, w, r, out, r, t_count, k)
 
 
 def matmul_into(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:

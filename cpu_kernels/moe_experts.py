@@ -9,11 +9,19 @@ Public entry points: :func:`prepare` (validate record banks once) and :func:`for
 One call groups the (token, expert) pairs by unique expert, runs the gate/up kernel (``prange`` over unique expert x
 block of rows, the activation into ``h``) and the down kernel (``prange`` over ranges of output rows, experts outer,
 no atomics). Every record byte is read once per call; nothing is dequantized into memory; fp32 accumulation
-throughout. The code, one job per module, bottom up (each module's docstring has the measurements behind its design):
+throughout. The 4-bit formats have two paths (``activations``, :func:`uses_q8`): by default, where the CPU has AVX2
+or AVX-512 VNNI, the kernels quantize x and h to 8-bit blocks and use int8 dot products (the float path's table
+lookups fall to ~5% of the bandwidth without AVX-512); the float path is the exact reference. The code, one job per
+module, bottom up (each module's docstring has the measurements behind its design):
 
 * :mod:`~freetoken.cpu_kernels.moe_memory`: raw-memory intrinsics; the hot path passes addresses, not arrays;
-* :mod:`~freetoken.cpu_kernels.moe_nibble`: the nibble formats' (mxfp4/ds_fp4, nvfp4, q4_0) row dots in LLVM vector IR;
-* :mod:`~freetoken.cpu_kernels.moe_rows`: format codes and tables, bf16/fp8_block row dots, the per-row dispatch;
+* :mod:`~freetoken.cpu_kernels.moe_nibble`: the nibble formats' (mxfp4/ds_fp4, nvfp4, q4_0) float row dots in LLVM
+  vector IR;
+* :mod:`~freetoken.cpu_kernels.moe_int8`: their int8 row dots (vpdpbusd / vpmaddubsw / portable, per
+  :mod:`freetoken.device.simd`), with :mod:`~freetoken.cpu_kernels.q8_act` (8-bit activations) and
+  :mod:`~freetoken.cpu_kernels.moe_rows_q8` (per-row dispatch);
+* :mod:`~freetoken.cpu_kernels.moe_rows`: format codes and tables, bf16/fp8_block row dots, the float path's per-row
+  dispatch;
 * :mod:`~freetoken.cpu_kernels.moe_kernels`: pair grouping, the gate/up and down kernels;
 * this module: checks every argument, permutes the tokens, launches the kernels.
 

@@ -19,7 +19,15 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
-from freetoken.cpu_kernels.gemv import FASTMATH, GEMV_MAX_TOKENS, PANEL_BYTES, ROWS, SERIAL_MACS, _widen
+from freetoken.cpu_kernels.gemv import (
+    FASTMATH,
+    GEMV_MAX_TOKENS,
+    PANEL_BYTES,
+    ROWS,
+    SERIAL_MACS,
+    _widen,
+    tile_rows4,
+)
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -179,71 +187,6 @@ def _dequant_row(s16, q8, r, dst, i, nblk, q4):
                 dst[i, b * 32 + j] = d * _F32(q8[r, o + j])
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
-def _tile_rows4(x, w, i, out, r, t_count, k):
-    """out[:, r:r+4] = x @ w[i:i+4].T: register tiles of 4 rows x 4 tokens (16 accumulators), the last T % 4
-    tokens as 4 rows x 1 token (the micro-kernel of :func:`freetoken.cpu_kernels.gemv._gemm_kernel`)."""
-    t = 0
-    while t_count - t >= 4:
-        a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = _F32(0.0)
-        a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = _F32(0.0)
-        for c in range(k):
-            w0 = w[i, c]
-            w1 = w[i + 1, c]
-            w2 = w[i + 2, c]
-            w3 = w[i + 3, c]
-            x0 = x[t, c]
-            x1 = x[t + 1, c]
-            x2 = x[t + 2, c]
-            x3 = x[t + 3, c]
-            a00 += w0 * x0
-            a01 += w0 * x1
-            a02 += w0 * x2
-            a03 += w0 * x3
-            a10 += w1 * x0
-            a11 += w1 * x1
-            a12 += w1 * x2
-            a13 += w1 * x3
-            a20 += w2 * x0
-            a21 += w2 * x1
-            a22 += w2 * x2
-            a23 += w2 * x3
-            a30 += w3 * x0
-            a31 += w3 * x1
-            a32 += w3 * x2
-            a33 += w3 * x3
-        out[t, r] = a00
-        out[t + 1, r] = a01
-        out[t + 2, r] = a02
-        out[t + 3, r] = a03
-        out[t, r + 1] = a10
-        out[t + 1, r + 1] = a11
-        out[t + 2, r + 1] = a12
-        out[t + 3, r + 1] = a13
-        out[t, r + 2] = a20
-        out[t + 1, r + 2] = a21
-        out[t + 2, r + 2] = a22
-        out[t + 3, r + 2] = a23
-        out[t, r + 3] = a30
-        out[t + 1, r + 3] = a31
-        out[t + 2, r + 3] = a32
-        out[t + 3, r + 3] = a33
-        t += 4
-    while t < t_count:
-        a0 = a1 = a2 = a3 = _F32(0.0)
-        for c in range(k):
-            xv = x[t, c]
-            a0 += w[i, c] * xv
-            a1 += w[i + 1, c] * xv
-            a2 += w[i + 2, c] * xv
-            a3 += w[i + 3, c] * xv
-        out[t, r] = a0
-        out[t, r + 1] = a1
-        out[t, r + 2] = a2
-        out[t, r + 3] = a3
-        t += 1
-
-
 @nb.njit(parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
 def _qgemm_kernel(x, s16, q8, out, q4):
     """out = x @ dequantize(blocks).T for many tokens: a ``prange`` over tiles of :data:`QTILE_ROWS` block rows;
@@ -260,7 +203,7 @@ def _qgemm_kernel(x, s16, q8, out, q4):
             _dequant_row(s16, q8, r0 + i, w, i, nblk, q4)
         i = 0
         while rows - i >= 4:
-            _tile_rows4(x, w, i, out, r0 + i, t_count, k)
+            tile_rows4(x, w, i, out, r0 + i, t_count, k)
             i += 4
         while i < rows:  # the last N % 4 rows
             for t in range(t_count):
