@@ -58,15 +58,13 @@ from freetoken.cpu_kernels.moe_rows_q8 import Q8_OFFSETS
 from freetoken.cpu_kernels.q8_act import NO_Q8, q8_buffers
 
 from freetoken.device.constants import ACT_GPT_OSS, ACT_SWIGLU
-from freetoken.device.simd import simd_level
+from freetoken.device.simd import ACTIVATIONS, simd_level
 
 __all__ = ["ACTIVATIONS", "ACT_GPT_OSS", "ACT_SWIGLU", "FMT_BF16", "FMT_FP8_BLOCK", "FMT_MXFP4", "FMT_NVFP4",
            "FMT_Q4_0", "FORMAT_CODES", "SPLIT_FORMATS", "PreparedBanks", "block_split_perm", "forward", "prepare",
            "uses_q8"]
 
 
-#: The token-vector kinds of :func:`forward` ("auto": see :func:`uses_q8`).
-ACTIVATIONS = ("auto", "q8", "f32")
 
 
 @functools.cache

@@ -82,19 +82,6 @@ load_f32 = _make_load(types.float32, ir.FloatType())
 
 
 @intrinsic
-def half_to_f32(typingctx, bits):
-    """IEEE half-precision bits (uint16) -> float32, exactly: ``fpext half``, which a vectorised loop turns into
-    ``vcvtph2ps`` (F16C: every AVX2 CPU has it)."""
-    if not isinstance(bits, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        h = builder.bitcast(context.cast(builder, args[0], signature.args[0], types.uint16), ir.HalfType())
-        return builder.fpext(h, ir.FloatType())
-    return types.float32(bits), codegen
-
-
-@intrinsic
 def store_f32(typingctx, address, index, value):
     """``((float32 *) address)[index] = value``."""
     if not (isinstance(address, types.Integer) and isinstance(index, types.Integer) and value == types.float32):

@@ -16,7 +16,8 @@ from __future__ import annotations
 import ml_dtypes
 import numba as nb
 import numpy as np
-from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, addr, half_to_f32, load_f32, load_u8, load_u16, prefetch
+from freetoken.cpu_kernels.gemv import _widen
+from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, addr, load_f32, load_u8, load_u16, prefetch
 from freetoken.cpu_kernels.moe_nibble import (
     mx_dot1,
     mx_dot1x2,
@@ -83,7 +84,7 @@ def _e4m3_256(w8, i):
     arithmetic; the row dots fold the 256 into the block scale."""
     b = _U32(load_u8(w8, i))
     mag = _U32(b & _U32(0x7F))
-    v = half_to_f32(_U32(_U32(mag << _U32(7)) | _U32(_U32(b & _U32(0x80)) << _U32(8))))
+    v = _widen(np.int16(_U32(mag << _U32(7)) | _U32(_U32(b & _U32(0x80)) << _U32(8))))  # half bits -> float32
     return _F32(np.nan) if mag == _U32(0x7F) else v
 
 

@@ -77,20 +77,3 @@ def q8_buffers(rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 #: The kernels' q8 buffers when the float path runs.
 NO_Q8 = q8_buffers(0, 32)
-
-
-class Q8Rows:
-    """Reusable 8-bit activation buffers for up to ``capacity`` rows of ``k`` values."""
-
-    def __init__(self, k: int):
-        self.k, self.kp = k, 32 * padded_blocks(k)
-        self.qa, self.nc, self.dx = q8_buffers(0, k)
-
-    def quantize(self, x: np.ndarray, offset: int) -> tuple[int, int, int, int]:
-        """Quantize ``x`` [T, k] (float32, C-contiguous); returns the kernels' (qa, nc, dx, kp) addresses/stride.
-        The buffers stay valid until the next call."""
-        t = x.shape[0]
-        if self.qa.shape[0] < t:
-            self.qa, self.nc, self.dx = q8_buffers(t, self.k)
-        quantize_rows(x, np.int32(offset), self.qa, self.nc, self.dx)
-        return self.qa.ctypes.data, self.nc.ctypes.data, self.dx.ctypes.data, self.kp

@@ -4,7 +4,8 @@ reference through ``ops.moe_experts`` is a registry case (tests/test_kernel_pari
 
 The int8 path (``activations="q8"``: 8-bit activations, the default for the 4-bit formats where the CPU has AVX2 or
 AVX-512 VNNI) is checked against the reference with the same activation rounding (``q8_inputs``), with the float
-tolerance widened by ``Q8_REL_ATOL`` (below); tests/test_int8_dots.py checks its row dots at every SIMD level.
+tolerance widened by ``Q8_REL_ATOL`` (freetoken.testing.cases.moe_experts, with the reason);
+tests/test_int8_dots.py checks its row dots at every SIMD level.
 
 Tolerance. The kernels read the stored weights exactly (the reference is ``moe_forward_reference`` on
 ``RecordLayout.dequantize``), so the only difference is float32 arithmetic: two chained dot products of length
@@ -24,13 +25,10 @@ from freetoken.cpu_kernels.moe_experts import ACT_GPT_OSS, ACT_SWIGLU, forward
 from freetoken import formats
 from freetoken.formats import RecordLayout
 from freetoken.testing import assert_close, poison, random_record
+from freetoken.testing.cases.moe_experts import Q8_REL_ATOL
 from freetoken.testing.reference.moe_experts import moe_forward_reference
 
 ACTS = {"swiglu": ACT_SWIGLU, "gpt_oss": ACT_GPT_OSS}
-#: The int8 path against the reference with the same 8-bit rounding: the kernel rounds its float32 h where the
-#: reference rounds float64 h cast to float32, so a value lying at a rounding boundary may land one step (max|h| / 127
-#: of its block) apart: ~|w| * max|h| / 127 in an output, ~1e-4 of max|y| at these sizes (a misdecoded weight: 1e-2).
-Q8_REL_ATOL = 5e-4
 
 
 def _record(fmt, hidden, inter, experts, bias, seed):

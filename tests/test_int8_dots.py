@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from freetoken.cpu_kernels import moe_int8 as mi
 from freetoken.cpu_kernels.moe_rows import E4M3_TABLE, E8M0_TABLE, block_split_perm
-from freetoken.cpu_kernels.q8_act import Q8Rows, quantize_rows
+from freetoken.cpu_kernels.q8_act import q8_buffers, quantize_rows
 
 from freetoken import formats
 from freetoken.device.simd import LEVELS, avx2_only_features, level_of, simd_level, target_features
@@ -33,7 +33,8 @@ from freetoken.formats import RecordLayout
 from freetoken.testing import random_record
 from freetoken.testing.reference.moe_experts import q8_round_trip, quantize_q8_reference
 
-KINDS = {"q4_0": 0, "mxfp4": 1, "ds_fp4": 1, "nvfp4": 2}
+KINDS = {"q4_0": "q4", "mxfp4": "mx", "ds_fp4": "mx", "nvfp4": "nv"}  # format -> intrinsic family
+_CODES = {"q4": 0, "mx": 1, "nv": 2}  # the family argument of _dots
 BLOCKS = (1, 2, 3, 4, 5, 7, 24)
 
 
@@ -67,23 +68,23 @@ def check_format(fmt: str, nblk: int, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((5, k)).astype(np.float32) * np.float32(3.0)
     x[2, :32] = 0.0  # an all-zero block: scale 0
-    split = KINDS[fmt] != 0
-    xs = np.ascontiguousarray(x[:, block_split_perm(k)]) if split else x
-    rows = Q8Rows(k)
-    qa, nc, dx, kp = rows.quantize(xs, mi.OFFSET[("q4", "mx", "mx", "nv")[list(KINDS).index(fmt)]])
+    kind = KINDS[fmt]
+    xs = np.ascontiguousarray(x[:, block_split_perm(k)]) if kind != "q4" else x
+    qa, nc, dx = q8_buffers(5, k)
+    quantize_rows(xs, np.int32(mi.OFFSET[kind]), qa, nc, dx)
     q_ref, d_ref = quantize_q8_reference(xs)
-    np.testing.assert_array_equal(rows.qa[:5, :k], q_ref)
-    np.testing.assert_array_equal(rows.dx[:5, :nblk], d_ref)
+    np.testing.assert_array_equal(qa[:, :k], q_ref)
+    np.testing.assert_array_equal(dx[:, :nblk], d_ref)
     xq = q8_round_trip(x)  # natural order (the split order permutes within blocks only)
     row_bytes, scale_bytes = 16 * nblk, banks["gate.s"][0].nbytes // 32
     w = banks["gate.w"].ctypes.data + (32 + 3) * row_bytes
     s = banks["gate.s"].ctypes.data + (32 + 3) * scale_bytes
-    stab = E4M3_TABLE if KINDS[fmt] == 2 else E8M0_TABLE
+    stab = E4M3_TABLE if kind == "nv" else E8M0_TABLE
     g = np.float32(banks["gate.g"][1]) if "gate.g" in banks else np.float32(1.0)
     order = np.array([4, 0, 2, 1], np.int64)
     out = np.full(9, np.nan, np.float32)
-    _dots(KINDS[fmt], np.uint64(w), np.uint64(s), np.uint64(stab.ctypes.data), g, np.uint64(qa), np.uint64(nc),
-          np.uint64(dx), np.uint64(kp), order, np.uint64(nblk), out)
+    _dots(_CODES[kind], np.uint64(w), np.uint64(s), np.uint64(stab.ctypes.data), g, np.uint64(qa.ctypes.data),
+          np.uint64(nc.ctypes.data), np.uint64(dx.ctypes.data), np.uint64(qa.shape[1]), order, np.uint64(nblk), out)
     want = [(3, order[0]), (3, order[0]), (3, order[1]), *((3, t) for t in order), (3, order[0]), (4, order[0])]
     for i, (n, t) in enumerate(want):
         terms = deq[n] * xq[t]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from freetoken.device.simd import ACTIVATIONS
+
 
 class UsageError(Exception):
     """A flag or argument the parser refused; ``prog`` is the command it belongs to."""
@@ -102,7 +104,7 @@ def add_model_args(p: argparse.ArgumentParser, max_tokens: int, what: str) -> No
     p.add_argument("--seed", type=count(0), default=None, help="random seed for reproducible sampling")
     p.add_argument("--cache-slots", type=count(1), default=None, metavar="N",
                    help="gpu/emu: device slots of the expert cache (default: room for every expert)")
-    p.add_argument("--cpu-activations", default="auto", choices=["auto", "q8", "f32"],
+    p.add_argument("--cpu-activations", default="auto", choices=list(ACTIVATIONS),
                    help="4-bit experts computed on the CPU: q8 quantizes their inputs to 8-bit blocks and uses int8 "
                         "dot products (llama.cpp's rounding), f32 keeps float32 (exact, slower); auto: q8 where the "
                         "CPU has AVX2 or AVX-512 VNNI (default)")

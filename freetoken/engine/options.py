@@ -7,12 +7,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from freetoken.device.simd import ACTIVATIONS as CPU_ACTIVATIONS  # 4-bit experts on the CPU: auto, q8, f32
 from freetoken.policy.runtime import MODES as MOE_MODES  # how misses of the expert cache are served
 
 #: Future-value estimators measured while running (see freetoken.policy.estimators), besides a fixed value.
 FUTURE_VALUE_ESTIMATORS = ("auto", "global")
-#: How the CPU's expert kernels take their token vectors for 4-bit experts (freetoken.cpu_kernels.moe_experts).
-CPU_ACTIVATIONS = ("auto", "q8", "f32")
 
 
 def _positive(name: str, value, integer: bool = False, optional: bool = True) -> None:

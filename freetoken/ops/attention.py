@@ -164,9 +164,9 @@ def attention_arrays(xp, q, k_cache, v_cache, start: int):
     """Causal grouped-query attention on an array module (numpy or cupy), float32: the prefill path of
     :func:`attention` (and the whole op on the cpu device). Same arguments and result as :func:`attention`.
 
-    On NumPy the work is cut into (kv head, block of query rows) tasks, each the same array operations on its
-    slice (scores, in place: scale, mask, max, exp, sum, divide; then the product with V), run on the cpu
-    device's threads (Numba's thread count; NumPy releases the GIL in its loops and BLAS calls). Every output
+    On NumPy a large product (a prompt) is cut into (kv head, block of query rows) tasks, each the same array
+    operations on its slice (scores, in place: scale, mask, max, exp, sum, divide; then the product with V), run on
+    the cpu device's threads (Numba's thread count; NumPy releases the GIL in its loops and BLAS calls). Every output
     element is computed by the same operations as on the whole batch: the result does not depend on the split."""
     t, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -190,8 +190,6 @@ def attention_arrays(xp, q, k_cache, v_cache, start: int):
     kt = k.transpose(1, 2, 0)  # [Hkv, D, total]
     vt = v.transpose(1, 0, 2)  # [Hkv, total, D]
     out = np.empty((t, heads * dim), np.float32)
-    if t == 0:
-        return out
     out4 = out.reshape(t, kv_heads, group, dim)
     scale = np.float32(1.0 / math.sqrt(dim))
     nblk = -(-t // _HOST_QUERY_ROWS) if t >= 2 * _HOST_QUERY_ROWS else 1

@@ -23,6 +23,7 @@ from freetoken.device.constants import (
     TILE_M,
     activation_code,
 )
+from freetoken.device.simd import ACTIVATIONS
 from freetoken.formats import MATRICES, RecordLayout
 from freetoken.ops._common import as_input, check_int32, cuda_kernel, prepare_out, resolve
 
@@ -108,8 +109,8 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
         return y
     if mode not in ("auto", "decode", "prefill"):
         raise ValueError(f"mode must be auto, decode or prefill, got {mode!r}")
-    if activations not in ("auto", "q8", "f32"):
-        raise ValueError(f"activations must be auto, q8 or f32, got {activations!r}")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     if activations == "q8" and dev.kind != "cpu":
         raise ValueError(f"activations='q8' (int8 dot products) is a cpu-device path; the {dev.kind} device reads "
                          "float activations")
