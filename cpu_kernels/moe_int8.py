@@ -115,6 +115,49 @@ def dot_u8_s8(builder, level, acc, w, a):
     return acc
 
 
+def _i64(v):
+    return ir.Constant(_I64, v)
+
+
+def weight_bytes(builder, kind, level, wp, b, tail):
+    """[lo A | hi A | lo B | hi B]: the unsigned weight bytes (``weight = (byte - OFFSET) * FACTOR``) of blocks b,
+    b + 1 of the row whose value bytes start at ``wp`` (i8*); B is zero when ``tail``."""
+    v64i8 = _vec(_I8, 64)
+    ptr = builder.gep(wp, [builder.mul(b, _i64(16))])
+    if tail:
+        raw16 = builder.load(builder.bitcast(ptr, _vec(_I8, 16).as_pointer()), align=1)
+        raw = _concat(builder, raw16, ir.Constant(_vec(_I8, 16), [0] * 16))
+    else:
+        raw = builder.load(builder.bitcast(ptr, _vec(_I8, 32).as_pointer()), align=1)
+    dup = builder.shuffle_vector(raw, raw, _mask(list(range(16)) * 2 + list(range(16, 32)) * 2))
+    lo = builder.and_(dup, ir.Constant(v64i8, [15] * 64))
+    hi = builder.lshr(dup, ir.Constant(v64i8, [4] * 64))
+    sel = ir.Constant(_vec(ir.IntType(1), 64), ([1] * 16 + [0] * 16) * 2)
+    nib = builder.select(sel, lo, hi)
+    return nib if kind == "q4" else lookup_bytes(builder, level, ir.Constant(_vec(_I8, 16), E2M1_BYTES), nib)
+
+
+def weight_scales(builder, kind, sp, stp, b, tail):
+    """q4/mx: <2 x float> block scales of blocks b, b + 1; nv: <4 x float> sub-block scales (the phantom block
+    after a ``tail`` block gets 0). ``sp``: the row's first scale (i16* for q4, i8* otherwise); ``stp``: the
+    byte -> float table (float*)."""
+    if kind == "q4":
+        v2h = _vec(ir.HalfType(), 2)
+        if tail:
+            h = builder.bitcast(builder.load(builder.gep(sp, [b])), ir.HalfType())
+            pair = builder.insert_element(ir.Constant(v2h, [0.0, 0.0]), h, _c32(0))
+        else:
+            pair = builder.load(builder.bitcast(builder.gep(sp, [b]), v2h.as_pointer()), align=2)
+        return builder.fpext(pair, _vec(_F32, 2))
+    n = 2 if kind == "mx" else 4
+    first = b if kind == "mx" else builder.mul(b, _i64(2))
+    out = ir.Constant(_vec(_F32, n), [0.0] * n)
+    for i in range(n // 2 if tail else n):
+        byte = builder.load(builder.gep(sp, [builder.add(first, _i64(i))]))
+        out = builder.insert_element(out, builder.load(builder.gep(stp, [builder.zext(byte, _I64)])), _c32(i))
+    return out
+
+
 def _codegen(kind, ntok, nrow, level):
     """Arguments (uint64 after casting): w (value bytes of the first row), s (its first scale), stab (256 float32:
     scale byte -> float; unused by q4), g (float32 global, nv), qa, nc, dx (token arrays), kp (bytes per token row
@@ -145,53 +188,17 @@ def _codegen(kind, ntok, nrow, level):
             dxs.append(typed_ptr(builder, builder.add(dx, builder.lshr(base, const(3))), _F32))
         fmuladd = _fn(builder, "llvm.fmuladd.v16f32", v16f, [v16f] * 3)
         prefetch = declare_prefetch(builder.module)
-        table = ir.Constant(_vec(_I8, 16), E2M1_BYTES)
         # accs[r][t][parity]: two accumulators per (row, token), alternating two-block steps
         accs = [[[cgutils.alloca_once_value(builder, zero16f) for _ in range(2)] for _ in range(ntok)]
                 for _ in range(nrow)]
-
-        def weight_bytes(r, b, tail):
-            """[lo A | hi A | lo B | hi B] unsigned weight bytes of blocks b, b + 1 (B zero when ``tail``)."""
-            ptr = builder.gep(wps[r], [builder.mul(b, const(16))])
-            if tail:
-                raw16 = builder.load(builder.bitcast(ptr, _vec(_I8, 16).as_pointer()), align=1)
-                raw = _concat(builder, raw16, ir.Constant(_vec(_I8, 16), [0] * 16))
-            else:
-                raw = builder.load(builder.bitcast(ptr, _vec(_I8, 32).as_pointer()), align=1)
-            dup = builder.shuffle_vector(raw, raw, _mask(list(range(16)) * 2 + list(range(16, 32)) * 2))
-            lo = builder.and_(dup, ir.Constant(v64i8, [15] * 64))
-            hi = builder.lshr(dup, ir.Constant(v64i8, [4] * 64))
-            sel = ir.Constant(_vec(ir.IntType(1), 64), ([1] * 16 + [0] * 16) * 2)
-            nib = builder.select(sel, lo, hi)
-            return nib if kind == "q4" else lookup_bytes(builder, level, table, nib)
-
-        def weight_scales(r, b, tail):
-            """q4/mx: <2 x float> block scales of blocks b, b + 1; nv: <4 x float> sub-block scales."""
-            sp = sps[r]
-            if kind == "q4":
-                v2h = _vec(ir.HalfType(), 2)
-                if tail:
-                    h = builder.bitcast(builder.load(builder.gep(sp, [b])), ir.HalfType())
-                    pair = builder.insert_element(ir.Constant(v2h, [0.0, 0.0]), h, _c32(0))
-                else:
-                    pair = builder.load(builder.bitcast(builder.gep(sp, [b]), v2h.as_pointer()), align=2)
-                return builder.fpext(pair, _vec(_F32, 2))
-            n = 2 if kind == "mx" else 4
-            first = b if kind == "mx" else builder.mul(b, const(2))
-            out = ir.Constant(_vec(_F32, n), [0.0] * n)
-            for i in range(n // 2 if tail else n):
-                byte = builder.load(builder.gep(sp, [builder.add(first, const(i))]))
-                out = builder.insert_element(out, builder.load(builder.gep(stp, [builder.zext(byte, _I64)])),
-                                             _c32(i))
-            return out
 
         def step(b, parity, tail=False):
             for r in range(nrow):
                 if not tail:
                     ahead = builder.gep(wps[r], [builder.add(builder.mul(b, const(16)), const(PREFETCH_BYTES))])
                     builder.call(prefetch, [ahead, _c32(0), _c32(3), _c32(1)])
-                wv = weight_bytes(r, b, tail)
-                sw = weight_scales(r, b, tail)
+                wv = weight_bytes(builder, kind, level, wps[r], b, tail)
+                sw = weight_scales(builder, kind, sps[r], stp, b, tail)
                 for t in range(ntok):
                     a = builder.load(builder.bitcast(builder.gep(qas[t], [builder.mul(b, const(32))]),
                                                      v64i8.as_pointer()), align=1)

@@ -26,6 +26,14 @@ from freetoken.cpu_kernels.moe_int8 import (
     q4_q8_dot2,
     q4_q8_dot4,
 )
+from freetoken.cpu_kernels.moe_int8_tile import (
+    mx_q8_repack16,
+    mx_q8_tile,
+    nv_q8_repack16,
+    nv_q8_tile,
+    q4_q8_repack16,
+    q4_q8_tile,
+)
 from freetoken.cpu_kernels.moe_memory import addr, load_f32
 from freetoken.cpu_kernels.moe_rows import E4M3_TABLE, E8M0_TABLE, FASTMATH, FMT_MXFP4, FMT_NVFP4, FMT_Q4_0
 
@@ -91,3 +99,31 @@ def row_q8_dot1x2(fmt, w, s, g, e, n, rows, k, xq, r0):
     if fmt == FMT_NVFP4:
         return nv_q8_dot1x2(wa, sa, st, gv, qa, nc, dx, kp, r0, nblk)
     return q4_q8_dot1x2(wa, sa, st, gv, qa, nc, dx, kp, r0, nblk)
+
+
+@nb.njit(inline="always")
+def panel_repack(fmt, w, s, g, e, n, rows, k, panel, pscale):
+    """Rows ``n .. n + 15`` of matrix ``e`` into the int8 panel at address ``panel`` and its scales at ``pscale``
+    (:mod:`freetoken.cpu_kernels.moe_int8_tile`)."""
+    wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
+    if fmt == FMT_MXFP4:
+        mx_q8_repack16(wa, sa, st, gv, nblk, panel, pscale)
+    elif fmt == FMT_NVFP4:
+        nv_q8_repack16(wa, sa, st, gv, nblk, panel, pscale)
+    else:
+        q4_q8_repack16(wa, sa, st, gv, nblk, panel, pscale)
+
+
+@nb.njit(inline="always")
+def panel_tile(fmt, panel, pscale, xq, cs, toks, k, out):
+    """The panel's 16 rows dotted with ``TILE_TOKENS`` 8-bit token rows (indices at address ``toks``) into float32
+    ``out [TILE_TOKENS, 16]`` (addresses); ``cs``: the token rows' half-block sums
+    (:mod:`freetoken.cpu_kernels.q8_act`)."""
+    qa, _, dx, kp = xq
+    nblk = _U64(k) >> _U64(5)
+    if fmt == FMT_MXFP4:
+        mx_q8_tile(panel, pscale, qa, cs, dx, kp, toks, nblk, out)
+    elif fmt == FMT_NVFP4:
+        nv_q8_tile(panel, pscale, qa, cs, dx, kp, toks, nblk, out)
+    else:
+        q4_q8_tile(panel, pscale, qa, cs, dx, kp, toks, nblk, out)

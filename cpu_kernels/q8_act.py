@@ -7,7 +7,11 @@ even number of blocks with zero blocks. A block that holds NaN or an infinity ge
 the NaN reaches every dot product that reads it, as in the float path.
 
 Per token the kernels also read ``nc``: for each group of 4 activation bytes, ``-OFFSET * (their sum)``, the int32
-value the dot product's accumulator starts from so that the unsigned (offset) weight bytes give exact signed dots.
+value the dot product's accumulator starts from so that the unsigned (offset) weight bytes give exact signed dots;
+and ``cs``, the same summed per half block: the 4-byte groups 0, 1, 4, 5 and 2, 3, 6, 7 (nvfp4's two 16-value
+sub-blocks in block-split order; the other formats add both halves), for the panel micro-kernel
+(:mod:`freetoken.cpu_kernels.moe_int8_tile`), whose int32 lanes are weight rows: it adds one such scalar per block
+and token.
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ def padded_blocks(k: int) -> int:
 
 
 @nb.njit(boundscheck=False, nogil=True)
-def quantize_row(x, t, offset, qa, nc, dx):
+def quantize_row(x, t, offset, qa, nc, dx, cs):
     """Row ``t`` of ``x`` float32 [T, K] -> row t of ``qa`` int8 [.., kp], ``nc`` int32 [.., kp / 4], ``dx`` float32
-    [.., kp / 32]. Not inlined on purpose: compiled without fast-math (the kernels calling it use it), so ``d`` and
-    ``q`` are the reference's bytes."""
+    [.., kp / 32], ``cs`` int32 [.., kp / 16] (half-block sums). Not inlined on purpose: compiled without fast-math
+    (the kernels calling it use it), so ``d`` and ``q`` are the reference's bytes."""
     k = x.shape[1]
     nblk = k // 32
     for b in range(dx.shape[1]):
@@ -37,6 +41,8 @@ def quantize_row(x, t, offset, qa, nc, dx):
                 qa[t, b * 32 + j] = 0
             for j in range(8):
                 nc[t, b * 8 + j] = 0
+            cs[t, 2 * b] = 0
+            cs[t, 2 * b + 1] = 0
             dx[t, b] = _F32(0.0)
             continue
         amax = _F32(0.0)
@@ -59,20 +65,25 @@ def quantize_row(x, t, offset, qa, nc, dx):
                 qa[t, b * 32 + 4 * i + j] = q
                 s += q
             nc[t, b * 8 + i] = -offset * s
+        for sub in range(2):  # chunks 0, 1, 4, 5 and 2, 3, 6, 7: nvfp4's two sub-blocks in block-split order
+            cs[t, 2 * b + sub] = (nc[t, b * 8 + 2 * sub] + nc[t, b * 8 + 2 * sub + 1] + nc[t, b * 8 + 2 * sub + 4]
+                                  + nc[t, b * 8 + 2 * sub + 5])
 
 
 @nb.njit(cache=True, boundscheck=False, nogil=True)
-def quantize_rows(x, offset, qa, nc, dx):
+def quantize_rows(x, offset, qa, nc, dx, cs):
     """Every row of ``x`` float32 [T, K] -> ``qa`` int8 [T, kp], ``nc`` int32 [T, kp / 4], ``dx`` float32
-    [T, kp / 32] (the kernels quantize inside their parallel regions with :func:`quantize_row`)."""
+    [T, kp / 32], ``cs`` int32 [T, kp / 16] (the kernels quantize inside their parallel regions with
+    :func:`quantize_row`)."""
     for t in range(x.shape[0]):
-        quantize_row(x, t, offset, qa, nc, dx)
+        quantize_row(x, t, offset, qa, nc, dx, cs)
 
 
-def q8_buffers(rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Uninitialised (qa, nc, dx) for ``rows`` token rows of ``k`` values."""
+def q8_buffers(rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Uninitialised (qa, nc, dx, cs) for ``rows`` token rows of ``k`` values."""
     kp = 32 * padded_blocks(k)
-    return np.empty((rows, kp), np.int8), np.empty((rows, kp // 4), np.int32), np.empty((rows, kp // 32), np.float32)
+    return (np.empty((rows, kp), np.int8), np.empty((rows, kp // 4), np.int32), np.empty((rows, kp // 32), np.float32),
+            np.empty((rows, kp // 16), np.int32))
 
 
 #: The kernels' q8 buffers when the float path runs.

@@ -1,5 +1,6 @@
-"""The int8 row dots of the 4-bit formats (``cpu_kernels/moe_int8.py``) and the 8-bit activations
-(``cpu_kernels/q8_act.py``), at every SIMD level the kernels compile to.
+"""The int8 row dots of the 4-bit formats (``cpu_kernels/moe_int8.py``), their panel micro-kernel
+(``cpu_kernels/moe_int8_tile.py``) and the 8-bit activations (``cpu_kernels/q8_act.py``), at every SIMD level the
+kernels compile to.
 
 The level is fixed when Numba compiles, from its target features (``cpu_kernels/simd.py``), so this machine's
 level runs in-process and the others run in subprocesses that compile for them (``NUMBA_CPU_NAME`` plus a feature
@@ -24,7 +25,10 @@ import numba as nb
 import numpy as np
 import pytest
 from freetoken.cpu_kernels import moe_int8 as mi
-from freetoken.cpu_kernels.moe_rows import E4M3_TABLE, E8M0_TABLE, block_split_perm
+from freetoken.cpu_kernels.moe_int8_tile import PANEL_BLOCK_BYTES, PANEL_ROWS, TILE_TOKENS
+from freetoken.cpu_kernels.moe_memory import addr
+from freetoken.cpu_kernels.moe_rows import E4M3_TABLE, E8M0_TABLE, FORMAT_CODES, block_split_perm
+from freetoken.cpu_kernels.moe_rows_q8 import Q8_OFFSETS, panel_repack, panel_tile
 from freetoken.cpu_kernels.q8_act import q8_buffers, quantize_rows
 
 from freetoken import formats
@@ -70,8 +74,8 @@ def check_format(fmt: str, nblk: int, seed: int = 0) -> None:
     x[2, :32] = 0.0  # an all-zero block: scale 0
     kind = KINDS[fmt]
     xs = np.ascontiguousarray(x[:, block_split_perm(k)]) if kind != "q4" else x
-    qa, nc, dx = q8_buffers(5, k)
-    quantize_rows(xs, np.int32(mi.OFFSET[kind]), qa, nc, dx)
+    qa, nc, dx, cs = q8_buffers(5, k)
+    quantize_rows(xs, np.int32(mi.OFFSET[kind]), qa, nc, dx, cs)
     q_ref, d_ref = quantize_q8_reference(xs)
     np.testing.assert_array_equal(qa[:, :k], q_ref)
     np.testing.assert_array_equal(dx[:, :nblk], d_ref)
@@ -93,10 +97,48 @@ def check_format(fmt: str, nblk: int, seed: int = 0) -> None:
         assert abs(out[i] - ref) <= tol, f"{fmt} nblk={nblk} level={simd_level()} out[{i}]={out[i]} ref={ref}"
 
 
+@nb.njit
+def _panel(fmt, w, s, g, e, n, rows, k, panel, pscale, xq, cs, toks, out):
+    panel_repack(fmt, w, s, g, e, n, rows, k, addr(panel), addr(pscale))
+    panel_tile(fmt, addr(panel), addr(pscale), xq, cs, addr(toks), k, addr(out))
+
+
+def check_panel(fmt: str, nblk: int, seed: int = 0) -> None:
+    """Rows 16-31 of expert 1's gate matrix against TILE_TOKENS of 11 token rows (shuffled, one repeated) through
+    the panel micro-kernel."""
+    k = 32 * nblk
+    layout = RecordLayout(formats.get(fmt), k, 2 * PANEL_ROWS)
+    banks = random_record(layout, 2, seed=seed, scale=0.3)
+    deq = layout.dequantize(banks)["gate"][1].astype(np.float64)[PANEL_ROWS:]
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((11, k)).astype(np.float32) * np.float32(3.0)
+    x[2, :32] = 0.0
+    code = FORMAT_CODES[fmt]
+    xs = np.ascontiguousarray(x[:, block_split_perm(k)]) if KINDS[fmt] != "q4" else x
+    qa, nc, dx, cs = q8_buffers(11, k)
+    quantize_rows(xs, np.int32(Q8_OFFSETS[code]), qa, nc, dx, cs)
+    panel = np.full(nblk * PANEL_BLOCK_BYTES, 0xFF, np.uint8)
+    pscale = np.full(nblk * 2 * PANEL_ROWS, np.nan, np.float32)
+    toks = np.append(rng.permutation(11), [4] * TILE_TOKENS)[:TILE_TOKENS].astype(np.int64)
+    toks[-1] = toks[0]
+    out = np.full(TILE_TOKENS * PANEL_ROWS, np.nan, np.float32)
+    g = banks["gate.g"] if "gate.g" in banks else np.zeros(2, np.float32)
+    xq = tuple(np.uint64(v) for v in (qa.ctypes.data, nc.ctypes.data, dx.ctypes.data, qa.shape[1]))
+    _panel(code, np.uint64(banks["gate.w"].ctypes.data), np.uint64(banks["gate.s"].ctypes.data),
+           np.uint64(g.ctypes.data), 1, PANEL_ROWS, 2 * PANEL_ROWS, k, panel, pscale, xq, np.uint64(cs.ctypes.data),
+           toks, out)
+    xq64 = q8_round_trip(x)[toks]
+    want, size = xq64 @ deq.T, np.abs(xq64) @ np.abs(deq).T
+    got = out.reshape(TILE_TOKENS, PANEL_ROWS)
+    bad = np.abs(got - want) > 1e-5 * size + 1e-30
+    assert not bad.any(), f"{fmt} nblk={nblk} level={simd_level()} panel: {np.argwhere(bad)[:4]} {got[bad][:4]}"
+
+
 def run_all() -> None:
     for fmt in KINDS:
         for nblk in BLOCKS:
             check_format(fmt, nblk, seed=nblk)
+            check_panel(fmt, nblk, seed=nblk)
 
 
 def test_quantizer_matches_reference_and_propagates_nan():
@@ -104,15 +146,17 @@ def test_quantizer_matches_reference_and_propagates_nan():
     x = (rng.standard_normal((3, 96)) * np.array([1e-30, 1.0, 1e30])[:, None]).astype(np.float32)
     x[1, 40] = np.nan
     x[2, 70] = np.inf
-    qa, nc = np.empty((3, 128), np.int8), np.empty((3, 32), np.int32)
-    dx = np.empty((3, 4), np.float32)
-    quantize_rows(x, np.int32(8), qa, nc, dx)
+    qa, nc, dx, cs = q8_buffers(3, 96)
+    quantize_rows(x, np.int32(8), qa, nc, dx, cs)
     q, d = quantize_q8_reference(x)
     np.testing.assert_array_equal(qa[:, :96], q)
     np.testing.assert_array_equal(dx[:, :3], d)
     assert np.isnan(dx[1, 1]) and np.isnan(dx[2, 2]) and not np.isnan(dx[0]).any()
     assert (qa[:, 96:] == 0).all() and (dx[:, 3] == 0).all() and (nc[:, 24:] == 0).all()
     np.testing.assert_array_equal(nc, -8 * qa.astype(np.int32).reshape(3, 32, 4).sum(-1))
+    sums4 = nc.reshape(3, 4, 8)
+    np.testing.assert_array_equal(cs[:, 0::2], sums4[..., [0, 1, 4, 5]].sum(-1))
+    np.testing.assert_array_equal(cs[:, 1::2], sums4[..., [2, 3, 6, 7]].sum(-1))
 
 
 def test_level_matches_features():
@@ -127,6 +171,12 @@ def test_level_matches_features():
 def test_dots_this_level(fmt):
     for nblk in BLOCKS:
         check_format(fmt, nblk, seed=nblk)
+
+
+@pytest.mark.parametrize("fmt", list(KINDS))
+def test_panel_this_level(fmt):
+    for nblk in BLOCKS:
+        check_panel(fmt, nblk, seed=nblk)
 
 
 def _features_for(level: str) -> str | None:

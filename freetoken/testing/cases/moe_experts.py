@@ -29,21 +29,29 @@ def _moe_record(fmt_name: str, size: str, bias: bool = False):
 Q8_REL_ATOL = 5e-4
 
 
-def _make_moe(fmt_name: str, mode: str, act: str = "swiglu", activations: str = "f32"):
+def _make_moe(fmt_name: str, mode: str, act: str = "swiglu", activations: str = "f32", prompt: bool = False):
     """``act`` "gpt_oss": records with biases, and routes with the same expert twice in a row, cancelling weights
     (+w and -w on one expert) and many tokens on one expert (token groups of 4, 2 and 1 in the cpu kernels).
     ``activations`` "q8": the cpu device's int8 path (x and h in 8-bit blocks) against the reference with the same
-    rounding; "f32": the float path on every device."""
+    rounding; "f32": the float path on every device. ``prompt``: 40 tokens of top-2 with skewed routing (experts
+    with tens of tokens take the cpu int8 path's panel micro-kernel with a partial token tile, the rarest ones its
+    row dots)."""
     bias = act == "gpt_oss"
 
     def make(rng, size):
         layout, banks, experts = _moe_record(fmt_name, size, bias)
         if size == "small":
             tokens, k = ((3, 2) if not bias else (17, 8)) if mode == "decode" else (40, 2)
+            if prompt:
+                tokens, k = 40, 2
         else:
             tokens, k = (1, 8) if mode == "decode" else (256, 8)
         if bias:
             ids = rng.integers(0, experts, (tokens, k)).astype(np.int32)
+        elif prompt:
+            p = np.array([0.3, 0.3, 0.2, 0.1, 0.07, 0.03])[:experts]
+            ids = np.stack([rng.choice(experts, k, replace=False, p=p / p.sum()) for _ in range(tokens)])
+            ids = ids.astype(np.int32)
         else:
             ids = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]).astype(np.int32)
         x = rng.standard_normal((tokens, layout.hidden)).astype(np.float32)
@@ -77,7 +85,8 @@ def _make_moe(fmt_name: str, mode: str, act: str = "swiglu", activations: str = 
     def flops(inp):
         return 6 * inp["ids"].size * inp["layout"].hidden * inp["layout"].inter
 
-    name = f"moe_{mode}_{fmt_name}" + ("_gpt_oss" if bias else "") + ("_q8" if activations == "q8" else "")
+    name = (f"moe_{mode}_{fmt_name}" + ("_gpt_oss" if bias else "") + ("_q8" if activations == "q8" else "")
+            + ("_prompt" if prompt else ""))
     rel_atol = (2e-6 if activations == "f32" else Q8_REL_ATOL) if mode == "decode" else 1e-4
     return KernelCase(name, f"moe_{mode}.cu", make, setup, launch, reference,
                       rtol=1e-5 if mode == "decode" else 1e-4, rel_atol=rel_atol, bytes_moved=bytes_moved,
@@ -86,7 +95,9 @@ def _make_moe(fmt_name: str, mode: str, act: str = "swiglu", activations: str = 
 
 SWIGLU_CASES = [_make_moe(f, m) for m in ("decode", "prefill") for f in formats.NAMES]
 GPT_OSS_CASES = [_make_moe(f, m, "gpt_oss") for m in ("decode", "prefill") for f in formats.NAMES]
-#: The cpu int8 path of the 4-bit formats (swiglu and gpt_oss: token groups 4, 2, 1 and the two-row T = 1 path).
+#: The cpu int8 path of the 4-bit formats: row dots (swiglu: 1-2 tokens per expert, the two-row T = 1 path), panel
+#: micro-kernel (gpt_oss: ~22 tokens per expert, biases, repeated experts) and both in one call (prompt).
 Q8_CASES = [_make_moe(f, "decode", a, "q8") for f in ("q4_0", "mxfp4", "ds_fp4", "nvfp4")
-            for a in ("swiglu", "gpt_oss")]
+            for a in ("swiglu", "gpt_oss")] + [_make_moe(f, "decode", "swiglu", "q8", prompt=True)
+                                               for f in ("q4_0", "mxfp4", "ds_fp4", "nvfp4")]
 CASES = SWIGLU_CASES + GPT_OSS_CASES + Q8_CASES
