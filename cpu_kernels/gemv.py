@@ -10,9 +10,9 @@ Public entry point of the products: :func:`gemv`. ``W`` is float32, float16 or b
   calling thread); each row is read from memory once per call, widened to float32
   in registers (bf16: a 16-bit shift; f16: ``vcvtph2ps``) and dotted with every token (groups of 4, 2, 1 tokens; later
   groups re-read the row from L1). Numba's loop vectoriser turns the inner loops into 16-lane FMAs.
-* More tokens, :func:`_gemm_kernel`: compute bound. Register tiles of 4 rows x 4 tokens (16 vector accumulators: 8
-  loads per 16 FMAs), a ``prange`` over blocks of 4 rows, tokens in panels of about 1 MiB of ``x`` (L2-resident
-  while every row block streams past it).
+* More tokens, :func:`_gemm_kernel`: compute bound. A ``prange`` over 16-row panels of the weights, each widened
+  once into float32 and multiplied by every token with the micro-kernel of :mod:`~freetoken.cpu_kernels.gemm_panel`
+  (rows in vector lanes, one panel load per ``TOKENS`` FMAs); tokens in panels of about 1 MiB of ``x``.
 
 One kernel source serves the three storage types: it is compiled per weight dtype, and float16 (which Numba cannot
 type) travels as its ``int16`` bits, bf16 as ``uint16`` bits. Measured on a 2-core Zen 5 with the projections of a
@@ -24,19 +24,15 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from freetoken.cpu_kernels.gemm_panel import PANEL_ROWS, TOKENS, panel_product, widen_panel
 from freetoken.cpu_kernels.rms_norm import rms_norm_rows
 from freetoken.cpu_kernels.rope import rope_rows
 from freetoken.cpu_kernels.routing import softmax_topk_rows
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
+from freetoken.cpu_kernels.widen import FASTMATH, _widen
 
 __all__ = ["GEMV_MAX_TOKENS", "gemv", "matmul_into", "rms_norm_rows", "rope_rows", "softmax_topk_rows",
            "storage_view", "widen"]
 
-#: LLVM fast-math flags of the products: reassociation (vectorised reductions) and contraction (FMA); NaN and inf
-#: propagate.
-FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 #: Output rows per parallel work item of the GEMV.
 ROWS = 16
 #: Up to this many tokens :func:`gemv` runs the GEMV kernel, beyond it the register-tiled one (measured crossover).
@@ -49,23 +45,6 @@ PANEL_BYTES = 1 << 20
 SERIAL_MACS = 1 << 18
 
 _F32 = np.float32
-
-
-@intrinsic
-def _widen(typingctx, v):
-    """One stored weight -> float32: float32 as is, uint16 as bf16 bits, int16 as IEEE half bits."""
-    if v not in (types.float32, types.uint16, types.int16):
-        return None
-
-    def codegen(context, builder, signature, args):
-        (a,) = args
-        if signature.args[0] == types.float32:
-            return a
-        if signature.args[0] == types.int16:  # fpext half: vcvtph2ps once vectorised
-            return builder.fpext(builder.bitcast(a, ir.HalfType()), ir.FloatType())
-        bits = builder.shl(builder.zext(a, ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
-        return builder.bitcast(bits, ir.FloatType())
-    return types.float32(v), codegen
 
 
 @nb.njit(fastmath=FASTMATH, inline="always")
@@ -114,85 +93,22 @@ def _gemv_kernel(x, w, out):
 _gemv_serial = nb.njit(cache=True, boundscheck=False, fastmath=FASTMATH)(_gemv_kernel.py_func)
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
-def tile_rows4(x, w, i, out, r, t_count, k):
-    """out[:, r:r+4] = x @ widen(w[i:i+4]).T: register tiles of 4 rows x 4 tokens (16 accumulators), the last
-    T % 4 tokens as 4 rows x 1 token. Shared by :func:`_gemm_kernel` (i = r) and the quantized product's
-    dequantized panels (:mod:`freetoken.cpu_kernels.qgemv`)."""
-    t = 0
-    while t_count - t >= 4:
-        a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = _F32(0.0)
-        a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = _F32(0.0)
-        for c in range(k):
-            w0 = _widen(w[i, c])
-            w1 = _widen(w[i + 1, c])
-            w2 = _widen(w[i + 2, c])
-            w3 = _widen(w[i + 3, c])
-            x0 = x[t, c]
-            x1 = x[t + 1, c]
-            x2 = x[t + 2, c]
-            x3 = x[t + 3, c]
-            a00 += w0 * x0
-            a01 += w0 * x1
-            a02 += w0 * x2
-            a03 += w0 * x3
-            a10 += w1 * x0
-            a11 += w1 * x1
-            a12 += w1 * x2
-            a13 += w1 * x3
-            a20 += w2 * x0
-            a21 += w2 * x1
-            a22 += w2 * x2
-            a23 += w2 * x3
-            a30 += w3 * x0
-            a31 += w3 * x1
-            a32 += w3 * x2
-            a33 += w3 * x3
-        out[t, r] = a00
-        out[t + 1, r] = a01
-        out[t + 2, r] = a02
-        out[t + 3, r] = a03
-        out[t, r + 1] = a10
-        out[t + 1, r + 1] = a11
-        out[t + 2, r + 1] = a12
-        out[t + 3, r + 1] = a13
-        out[t, r + 2] = a20
-        out[t + 1, r + 2] = a21
-        out[t + 2, r + 2] = a22
-        out[t + 3, r + 2] = a23
-        out[t, r + 3] = a30
-        out[t + 1, r + 3] = a31
-        out[t + 2, r + 3] = a32
-        out[t + 3, r + 3] = a33
-        t += 4
-    while t < t_count:
-        a0 = a1 = a2 = a3 = _F32(0.0)
-        for c in range(k):
-            xv = x[t, c]
-            a0 += _widen(w[i, c]) * xv
-            a1 += _widen(w[i + 1, c]) * xv
-            a2 += _widen(w[i + 2, c]) * xv
-            a3 += _widen(w[i + 3, c]) * xv
-        out[t, r] = a0
-        out[t, r + 1] = a1
-        out[t, r + 2] = a2
-        out[t, r + 3] = a3
-        t += 1
-
-
 @nb.njit(parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
-def _gemm_kernel(x, w, out):
-    """The same product in register tiles of 4 rows x 4 tokens (for T beyond a few tokens); the last N % 4 rows and
-    T % 4 tokens in narrower tiles."""
+def _gemm_kernel(x, w, out, nthreads):
+    """The same product for many tokens: a ``prange`` over 16-row panels, each widened once into a float32
+    ``[K, 16]`` buffer of the thread and multiplied by every token in K slices of ``KC`` and token tiles of
+    ``TOKENS`` (the micro-kernel of :mod:`freetoken.cpu_kernels.gemm_panel`: rows in vector lanes)."""
     t_count, k = x.shape
     n = w.shape[0]
-    for blk in nb.prange((n + 3) // 4):
-        r = blk * 4
-        if r + 4 > n:  # the last N % 4 rows
-            for rr in range(r, n):
-                _row_tokens(x, w, out, rr, 0, t_count, k)
-            continue
-        tile_rows4(x, w, r, out, r, t_count, k)
+    npanel = (n + PANEL_ROWS - 1) // PANEL_ROWS
+    for wk in nb.prange(nthreads):
+        panel = np.empty((k, PANEL_ROWS), np.float32)
+        toks = np.empty(TOKENS, np.int64)
+        acc = np.empty((t_count, PANEL_ROWS), np.float32)
+        for p in range(wk * npanel // nthreads, (wk + 1) * npanel // nthreads):
+            r0 = p * PANEL_ROWS
+            widen_panel(w, r0, panel)
+            panel_product(x, panel, r0, min(PANEL_ROWS, n - r0), out, toks, acc)
 
 
 def matmul_into(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
@@ -206,11 +122,12 @@ def matmul_into(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
             _gemv_kernel(x, w, out)
         return
     panel = max(4, PANEL_BYTES // (4 * max(1, x.shape[1])) // 4 * 4)
+    nthreads = nb.get_num_threads()
     if t_count <= panel:
-        _gemm_kernel(x, w, out)
+        _gemm_kernel(x, w, out, nthreads)
         return
     for t0 in range(0, t_count, panel):  # out rows of a panel are a C-contiguous block
-        _gemm_kernel(x[t0:t0 + panel], w, out[t0:t0 + panel])
+        _gemm_kernel(x[t0:t0 + panel], w, out[t0:t0 + panel], nthreads)
 
 
 def storage_view(w: np.ndarray) -> np.ndarray:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import ml_dtypes
 import numba as nb
 import numpy as np
-from freetoken.cpu_kernels.gemv import _widen
 from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, addr, load_f32, load_u8, load_u16, prefetch
 from freetoken.cpu_kernels.moe_nibble import (
     mx_dot1,
@@ -32,6 +31,7 @@ from freetoken.cpu_kernels.moe_nibble import (
     q4_dot2,
     q4_dot4,
 )
+from freetoken.cpu_kernels.widen import _widen
 
 # Format codes of the kernels (mxfp4 and ds_fp4 share banks and kernel).
 FMT_BF16 = 0

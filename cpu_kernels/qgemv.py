@@ -9,7 +9,8 @@
   Q4_0 matrix and one token: 0.23-0.4 ms, 5-9x faster than the per-block dot products it replaces.
 * More tokens, :func:`_qgemm_kernel`: a ``prange`` over tiles of :data:`QTILE_ROWS` block rows, each decoded once
   (exactly) into a float32 buffer of the thread and multiplied by every token of an L2-resident panel of ``x`` with
-  4 x 4 register tiles (the micro-kernel of the float32 product): no dequantized copy of the whole matrix.
+  the float product's micro-kernel (:mod:`freetoken.cpu_kernels.gemm_panel`): no dequantized copy of the whole
+  matrix, and the same sums as the float product of the decoded values.
 
 Accumulation is float32. The block rows travel as two views of one buffer: ``int16`` (the float16 scales: every
 block starts at an even byte) and ``int8`` (the quants).
@@ -19,15 +20,9 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
-from freetoken.cpu_kernels.gemv import (
-    FASTMATH,
-    GEMV_MAX_TOKENS,
-    PANEL_BYTES,
-    ROWS,
-    SERIAL_MACS,
-    _widen,
-    tile_rows4,
-)
+from freetoken.cpu_kernels.gemm_panel import PANEL_ROWS, TOKENS, panel_product, widen_panel
+from freetoken.cpu_kernels.gemv import GEMV_MAX_TOKENS, PANEL_BYTES, ROWS, SERIAL_MACS
+from freetoken.cpu_kernels.widen import FASTMATH, _widen
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -36,7 +31,7 @@ __all__ = ["QTILE_ROWS", "dequantize_rows", "qmatmul_into"]
 
 #: Block rows per tile of the many-token product (decoded once into a float32 buffer of the thread, then used
 #: by every token of the panel).
-QTILE_ROWS = 16
+QTILE_ROWS = PANEL_ROWS
 
 _F32 = np.float32
 
@@ -188,30 +183,28 @@ def _dequant_row(s16, q8, r, dst, i, nblk, q4):
 
 
 @nb.njit(parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
-def _qgemm_kernel(x, s16, q8, out, q4):
+def _qgemm_kernel(x, s16, q8, out, q4, nthreads):
     """out = x @ dequantize(blocks).T for many tokens: a ``prange`` over tiles of :data:`QTILE_ROWS` block rows;
-    each tile is decoded once into a float32 buffer of the thread (QTILE_ROWS x K: L1/L2-resident) and multiplied
-    by every token of ``x`` (an L2-resident panel) with 4 x 4 register tiles."""
+    each tile is decoded once (exactly) into a float32 buffer of the thread, transposed into a panel and multiplied
+    by every token of ``x`` (an L2-resident panel) with the float product's micro-kernel
+    (:func:`freetoken.cpu_kernels.gemm_panel.panel_product`): the same sums as the float product of the decoded
+    values."""
     t_count, k = x.shape
     n = q8.shape[0]
     nblk = k // 32
-    for tile in nb.prange((n + QTILE_ROWS - 1) // QTILE_ROWS):
-        r0 = tile * QTILE_ROWS
-        rows = min(QTILE_ROWS, n - r0)
-        w = np.empty((QTILE_ROWS, k), np.float32)
-        for i in range(rows):
-            _dequant_row(s16, q8, r0 + i, w, i, nblk, q4)
-        i = 0
-        while rows - i >= 4:
-            tile_rows4(x, w, i, out, r0 + i, t_count, k)
-            i += 4
-        while i < rows:  # the last N % 4 rows
-            for t in range(t_count):
-                a = _F32(0.0)
-                for c in range(k):
-                    a += w[i, c] * x[t, c]
-                out[t, r0 + i] = a
-            i += 1
+    ntile = (n + QTILE_ROWS - 1) // QTILE_ROWS
+    for wk in nb.prange(nthreads):
+        w = np.zeros((QTILE_ROWS, k), np.float32)
+        panel = np.empty((k, QTILE_ROWS), np.float32)
+        toks = np.empty(TOKENS, np.int64)
+        acc = np.empty((t_count, QTILE_ROWS), np.float32)
+        for tile in range(wk * ntile // nthreads, (wk + 1) * ntile // nthreads):
+            r0 = tile * QTILE_ROWS
+            rows = min(QTILE_ROWS, n - r0)
+            for i in range(rows):
+                _dequant_row(s16, q8, r0 + i, w, i, nblk, q4)
+            widen_panel(w, 0, panel)
+            panel_product(x, panel, r0, rows, out, toks, acc)
 
 
 def _views(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -246,6 +239,7 @@ def qmatmul_into(x: np.ndarray, blocks: np.ndarray, kind: str, out: np.ndarray) 
             _qgemv_kernel(x, s16, q8, out, q4)
         return
     panel = max(4, PANEL_BYTES // (4 * max(1, k)) // 4 * 4)
+    nthreads = nb.get_num_threads()
     for t0 in range(0, t_count, panel):  # out rows of a panel are a C-contiguous block
-        _qgemm_kernel(x[t0:t0 + panel], s16, q8, out[t0:t0 + panel], q4)
+        _qgemm_kernel(x[t0:t0 + panel], s16, q8, out[t0:t0 + panel], q4, nthreads)
 

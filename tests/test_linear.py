@@ -65,17 +65,20 @@ def test_gemv_matches_float64(kind, shape):
 
 @pytest.mark.parametrize("kind", ["bf16", "f16", "f32"])
 def test_both_kernels_every_remainder(kind):
-    """Each kernel at every T in 1..9 and N % 4 in 0..3 (the tiled kernel's narrower edge tiles)."""
+    """Each kernel at every T in 1..9 and 25 (token tiles of 4, 6 or 12 and a short last one), partial 16-row
+    panels (N = 36..39, 47) and a K that is not a multiple of 16 (the panel widening's column tail)."""
     rng = np.random.default_rng(2)
-    for n in (36, 37, 38, 39):
+    for n in (36, 37, 38, 39, 47):
         w, wv = _stored(rng.standard_normal((n, 50), np.float32), kind)
         w = G.storage_view(w)
-        for t in range(1, 10):
+        for t in (*range(1, 10), 25):
             x = rng.standard_normal((t, 50), np.float32)
-            for kernel in (G._gemv_kernel, G._gemm_kernel):
-                out = np.full((t, n), np.nan, np.float32)
-                kernel(x, w, out)
-                _check(out, x, wv)
+            out = np.full((t, n), np.nan, np.float32)
+            G._gemv_kernel(x, w, out)
+            _check(out, x, wv)
+            out = np.full((t, n), np.nan, np.float32)
+            G._gemm_kernel(x, w, out, 2)
+            _check(out, x, wv)
 
 
 def test_gemv_token_panels_and_arguments():
@@ -102,9 +105,9 @@ def test_special_values_propagate():
     for kind in ("bf16", "f16", "f32"):
         ws = G.storage_view(to_storage(w, kind))
         for t in (1, 2):
-            for kernel in (G._gemv_kernel, G._gemm_kernel):
+            for gemm in (False, True):
                 out = np.empty((t, 5), np.float32)
-                kernel(x[:t], ws, out)
+                G._gemm_kernel(x[:t], ws, out, 2) if gemm else G._gemv_kernel(x[:t], ws, out)
                 np.testing.assert_array_equal(out, np.broadcast_to([8.0, np.inf, np.nan, -np.inf, 8.0], (t, 5)))
 
 
