@@ -67,6 +67,14 @@ __all__ = ["ACTIVATIONS", "ACT_GPT_OSS", "ACT_SWIGLU", "FMT_BF16", "FMT_FP8_BLOC
 
 
 
+#: Below this many multiply-adds per call (pairs x 3 x H x I) the kernels' parallel regions run on the calling
+#: thread alone. A region waits at its end for every thread it woke; on a busy machine a descheduled thread turns
+#: microseconds into milliseconds (measured on the bundled model, 2 cores shared with two other busy processes:
+#: 78 ms per decode step with the tiny expert calls on 2 threads, 3.1 ms with them on 1), and below this size one
+#: thread does the work in tens of microseconds anyway.
+SERIAL_MACS = 1 << 19
+
+
 @functools.cache
 def _layout(fmt_name: str, hidden: int, inter: int, bias: bool):
     from freetoken.formats import RecordLayout, get
@@ -164,15 +172,22 @@ def forward(fmt_name: str, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, 
     if not xs.flags.writeable:  # a read-only array is another Numba type: one compiled kernel for both
         xs = xs.copy()
     h = np.empty((pw.shape[0], inter), np.float32)
-    nthreads = nb.get_num_threads()
+    threads = nb.get_num_threads()
+    nthreads = 1 if pw.shape[0] * 3 * hidden * inter < SERIAL_MACS else threads
     xq8 = q8_buffers(t_count, hidden) if q8 else NO_Q8  # filled by the kernels
     hq8 = q8_buffers(pw.shape[0], inter) if q8 else NO_Q8
     qoff = Q8_OFFSETS.get(p.fmt, 0)
-    # p.banks, xs and the biases stay referenced here while the kernels read them through their addresses
-    _gate_up_kernel(p.fmt, p.gate, p.up, p.gb, p.ub, p.has_bias, act_code, uniq, poff, ptok, xs, q8, qoff, xq8,
-                    hidden, inter, _inverse_perm(inter, split), h, nthreads)
-    _down_kernel(p.fmt, p.down, p.db, p.has_bias, uniq, poff, ptok, pw, h, q8, qoff, hq8, hidden, inter, out,
-                 nthreads)
+    if nthreads != threads:  # the parallel regions on the calling thread alone: no other thread to wait for
+        nb.set_num_threads(nthreads)
+    try:
+        # p.banks, xs and the biases stay referenced here while the kernels read them through their addresses
+        _gate_up_kernel(p.fmt, p.gate, p.up, p.gb, p.ub, p.has_bias, act_code, uniq, poff, ptok, xs, q8, qoff, xq8,
+                        hidden, inter, _inverse_perm(inter, split), h, nthreads)
+        _down_kernel(p.fmt, p.down, p.db, p.has_bias, uniq, poff, ptok, pw, h, q8, qoff, hq8, hidden, inter, out,
+                     nthreads)
+    finally:
+        if nthreads != threads:
+            nb.set_num_threads(threads)
 
 
 class PreparedBanks(NamedTuple):
