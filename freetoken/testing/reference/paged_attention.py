@@ -31,9 +31,11 @@ frame as the scores); the sink carries no value. All of it in float64 here.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
-from freetoken.formats._fp import E4M3_MAX, bf16_decode, bf16_encode, e4m3_decode, e4m3_encode
+#: Largest finite e4m3fn magnitude.
+E4M3_MAX = 448.0
 
 #: KV kind -> storage dtype of the pool arrays.
 KV_DTYPES: dict[str, type] = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "fp8": np.uint8}
@@ -56,11 +58,12 @@ def kv_encode_reference(x: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarra
         with np.errstate(over="ignore"):
             return x.astype(np.float16), None
     if kind == "bf16":
-        return bf16_encode(x), None
+        return x.astype(ml_dtypes.bfloat16).view(np.uint16), None
     if kind == "fp8":
         amax = np.max(np.abs(x), axis=-1)
         scale = np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1.0)).astype(np.float32)
-        return e4m3_encode(x / scale[..., None]), scale
+        q = np.clip(x / scale[..., None], -E4M3_MAX, E4M3_MAX)  # saturate: ml_dtypes makes overflow NaN
+        return q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scale
     raise ValueError(f"unknown KV kind {kind!r}")
 
 
@@ -72,10 +75,10 @@ def kv_decode_reference(stored: np.ndarray, scale: np.ndarray | None = None) -> 
     if kind == "f16":
         return stored.astype(np.float32)
     if kind == "bf16":
-        return bf16_decode(stored)
+        return (stored.astype(np.uint32) << np.uint32(16)).view(np.float32)
     if scale is None:
         raise ValueError("fp8 KV needs its scales")
-    return e4m3_decode(stored) * np.asarray(scale, np.float32)[..., None]
+    return stored.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * np.asarray(scale, np.float32)[..., None]
 
 
 def kv_store_reference(k, v, k_pool, v_pool, k_scale, v_scale, block_table, start: int):
