@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def _freetoken_times(path, prompt, steps, reps):
     from freetoken.engine.load import load
 
-    model = load(path, device="cpu", max_len=len(prompt) + steps + 8)
+    model = load(path, device="cpu", ctx=len(prompt) + steps + 8)
     dec = model.decoder
 
     def run():

@@ -41,7 +41,7 @@ def _decode_table(path, dev_kind: str, slots_list, steps: int, label: str) -> No
     prompt = list(np.random.default_rng(7).integers(2, 4000, 16))
     for slots in slots_list:
         for mode in ("gpu", "hybrid", "cpu"):
-            model = load(path, device=dev_kind, cache_slots=slots, moe_mode=mode, max_len=256)
+            model = load(path, device=dev_kind, cache_slots=slots, moe_mode=mode, ctx=256)
             rate = _decode_rate(model, prompt, steps)
             hit_rate, _, _ = model.experts.hit_stats()
             print(f"  {label:<10} slots {model.experts.cache.slots:>5}  {mode:<7} decode {rate:8.1f} tok/s  "

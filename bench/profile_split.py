@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     prompt = np.random.default_rng(0).integers(2, 4096, args.prompt_tokens).tolist()
     for path in args.model:
-        model = load(path, device="cpu", max_len=len(prompt) + args.decode_tokens + 8)
+        model = load(path, device="cpu", ctx=len(prompt) + args.decode_tokens + 8)
         res = split(model, prompt, args.decode_tokens, args.reps)
         print(format_split(path.name, res, len(prompt)), flush=True)
     layer = numba.threading_layer() if _launched() else "?"

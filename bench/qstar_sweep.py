@@ -26,7 +26,7 @@ def record(path: Path, prompts: int, tokens: int, seed: int) -> None:
     from freetoken.engine.sampling import SamplingParams
     from freetoken.trace.format import TraceRecorder
 
-    model = load(None, device="cpu", max_len=1024)
+    model = load(None, device="cpu", ctx=1024)
     cfg = model.config
     rec = TraceRecorder(sum(cfg.moe_layers), cfg.num_experts, cfg.top_k, model.experts.layout.record_bytes,
                         model="bundled qwen3_moe")

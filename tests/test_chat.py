@@ -170,8 +170,8 @@ def _spy_forward(model):
     calls = []
     forward = model.decoder.forward
 
-    def spy(ids):
-        out = forward(ids)
+    def spy(ids, **kw):
+        out = forward(ids, **kw)
         calls.append((np.asarray(ids).copy(), out))
         return out
 
@@ -197,7 +197,9 @@ def _check_reuse(model, first: list[int], second: list[int], expect_cached: int)
     assert list(calls[0][0]) == second[expect_cached:]  # only the new tail was prefilled
     reused_last = calls[0][1][-1]
     fresh_last = model.logits(second)[-1]
-    np.testing.assert_allclose(reused_last, fresh_last, rtol=1e-5, atol=1e-5)
+    # the reused keys were written by decode steps (one-row products), the fresh ones by a prefill: float32 rounding
+    # apart, which the bf16 KV cache may turn into a neighbouring bf16 value (2^-8 relative) for a few elements
+    np.testing.assert_allclose(reused_last, fresh_last, rtol=1e-3, atol=1e-3)
     assert cont == list(model.generate(second, max_tokens=8, sampling=GREEDY))  # fresh prefill, same tokens
     assert model.stats.cached_tokens == 0 and model.stats.prompt_tokens == len(second)
 
@@ -308,13 +310,13 @@ class ScriptedDecoder:
     """Emits a fixed byte sequence whatever the input (a stand-in for MoeDecoder)."""
 
     def __init__(self, script: bytes):
-        self.script, self.length, self.max_len, self.i = list(script), 0, 1000, 0
+        self.script, self.length, self.ctx, self.i = list(script), 0, 1000, 0
         self.last_routing = []
 
     def reset(self):
         self.length = 0
 
-    def forward(self, ids):
+    def forward(self, ids, last_only=False):
         self.length += len(ids)
         tok = self.script[self.i] if self.i < len(self.script) else 0
         self.i += 1
@@ -343,7 +345,7 @@ def test_chat_stops_at_end_of_turn_token():
 
 def test_chat_error_takes_the_message_back():
     model = Model(ScriptedDecoder(b"x"), ByteTokenizer(), eos_ids=[0])
-    model.decoder.max_len = 20
+    model.decoder.ctx = 20
     chat = Chat(model)
     with pytest.raises(ValueError, match="context"):
         "".join(chat.send("a long message that does not fit", max_tokens=4))

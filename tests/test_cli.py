@@ -1,6 +1,8 @@
-"""The command line: help, info (text and JSON), and bench/gpu_check run through the emulator."""
+"""The command line: help, info (text and JSON), run's context and memory lines and --prompt-file, and
+bench/gpu_check run through the emulator."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +42,35 @@ def test_info_json(capsys):
     assert info["cpu"]["logical_cores"] >= 1
     assert isinstance(info["cpu"]["simd"], list)
     assert info["libraries"]["numpy"]
+
+
+def test_run_prompt_file_context_and_memory_lines(tmp_path, capsys):
+    prompt = tmp_path / "prompt.py"
+    prompt.write_text("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
+    argv = ["run", "--device", "cpu", "--temperature", "0", "--max-tokens", "3", "--prompt-file", str(prompt)]
+    assert main([*argv, "--ctx", "256", "--kv-dtype", "fp8", "--prefill-chunk", "8", "--verbose"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(prompt.read_text())
+    lines = err.splitlines()
+    assert "[cpu] context 256 tokens (--ctx); KV pool fp8" in lines[0] and "prefill chunk 8 tokens" in lines[0]
+    memory = [line for line in lines if "] memory: " in line]
+    assert len(memory) == 1 and re.search(r"weights [\d.]+ MiB, expert slots 0.0 MiB, KV pool [\d.]+ MiB \(fp8, "
+                                          r"\d+/256 tokens\), peak host RSS [\d.]+ GiB", memory[0]), memory
+    assert any("memory breakdown: embedding (host)" in line and "expert banks (host)" in line for line in lines)
+    assert main(argv[:-2] + ["def add(a, b):"]) == 0
+    err = capsys.readouterr().err
+    assert "context 1024 tokens (the model's max_position_embeddings); KV pool bf16" in err
+    assert "] memory: " in err and "memory breakdown" not in err
+
+
+def test_chat_reports_context_and_memory(capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("def add(a, b):\n"))
+    assert main(["chat", "--device", "cpu", "--temperature", "0", "--max-tokens", "3", "--kv-memory", "1MiB"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert "context 448 tokens (max_position_embeddings 1024 capped by the KV budget: --kv-memory 1.0 MiB)" in err[0]
+    assert "] memory: " in err[-1] and "(bf16, " in err[-1]
 
 
 def test_console_script_runs():

@@ -40,7 +40,43 @@ def test_run_rejects_bad_input(capsys, argv, expected):
 
 
 def test_prompt_past_the_context(capsys):
-    _one_error_line(capsys, main([*RUN, "x y " * 50_000]), "tokens; the context holds 2048")
+    _one_error_line(capsys, main([*RUN, "x y " * 50_000]), "tokens; the context holds 1024")
+    _one_error_line(capsys, main([*RUN, "--ctx", "64", "x y " * 40]), "the prompt is 81 tokens; the context holds 64")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--kv-dtype", "int4", "hi"], "argument --kv-dtype: invalid choice: 'int4'"),
+    (["--kv-memory", "2XB", "hi"], "argument --kv-memory: expected a size such as 2GiB, 512MiB or 1.5G, got '2XB'"),
+    (["--kv-memory", "0GiB", "hi"], "argument --kv-memory: expected a size"),
+    (["--ctx", "0", "hi"], "argument --ctx: must be >= 1, got 0"),
+    (["--prefill-chunk", "x", "hi"], "argument --prefill-chunk: expected a whole number, got 'x'"),
+    (["--ctx", "1000", "--kv-memory", "1MiB", "hi"], "--ctx 1000 needs a KV pool of"),
+    (["--kv-memory", "1KiB", "hi"], "holds no block of 64 tokens"),
+    ([], "give the prompt as an argument or with --prompt-file PATH"),
+    (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file /nonexistent/prompt.txt: no such file"),
+    (["--prompt-file", "/", "hi"], "give the prompt as an argument or with --prompt-file PATH (one of the two)"),
+])
+def test_run_rejects_bad_context_flags(capsys, argv, expected):
+    _one_error_line(capsys, main([*RUN, *argv]), "freetoken run: error:", expected)
+
+
+def test_prompt_file_errors(capsys, tmp_path):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"caf\xe9\n")
+    _one_error_line(capsys, main([*RUN, "--prompt-file", str(bad)]), f"--prompt-file {bad} is not valid UTF-8 (byte 3)")
+    _one_error_line(capsys, main([*RUN, "--prompt-file", str(tmp_path)]), f"--prompt-file {tmp_path}: is a directory")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    _one_error_line(capsys, main([*RUN, "--prompt-file", str(empty)]), f"the prompt is empty (--prompt-file {empty})")
+
+
+def test_chat_past_the_context_is_a_message(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("x y " * 40 + "\nhi\n"))
+    rc = main(["chat", "--device", "cpu", "--temperature", "0", "--max-tokens", "2", "--ctx", "64"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "Traceback" not in err, err
+    assert "freetoken chat: error: the conversation is" in err and "the context holds 64: reset it to go on" in err
+    assert "prefill" in err  # the session went on: the next message got a reply
 
 
 @pytest.mark.skipif(device_status()["gpu"][0], reason="a GPU is present")

@@ -24,13 +24,13 @@ class ScriptedDecoder:
     """Emits a fixed byte sequence whatever the input (a stand-in for MoeDecoder)."""
 
     def __init__(self, script: bytes, eos: int):
-        self.script, self.eos, self.length, self.max_len, self.i = list(script), eos, 0, 1000, 0
+        self.script, self.eos, self.length, self.ctx, self.i = list(script), eos, 0, 1000, 0
         self.last_routing = []
 
     def reset(self):
         self.length, self.i = 0, 0
 
-    def forward(self, ids):
+    def forward(self, ids, last_only=False):
         self.length += len(ids)
         tok = self.script[self.i] if self.i < len(self.script) else self.eos
         self.i += 1

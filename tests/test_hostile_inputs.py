@@ -161,7 +161,7 @@ def test_memory_is_checked_before_allocating(seeds, tmp_path, monkeypatch):
     with pytest.raises(LoadError, match="only 0.1 MiB is available"):
         freetoken.load(seeds.gguf, device="cpu")
     monkeypatch.setenv(memory.SKIP_ENV, "1")
-    freetoken.load(seeds.gguf, device="cpu", max_len=32)
+    freetoken.load(seeds.gguf, device="cpu", ctx=32)
 
 
 def test_available_bytes_sees_the_address_space_limit():

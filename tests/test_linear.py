@@ -323,7 +323,7 @@ def test_decoder_logits_match_the_numpy_path(family, storage, tmp_path, monkeypa
     tokens = np.random.default_rng(11).integers(0, cfg.vocab_size, 14)
 
     def run():
-        dec = build_decoder(cfg, lambda name: tensors[name], CPU, LoadOptions(max_len=32), warm_up=False)
+        dec = build_decoder(cfg, lambda name: tensors[name], CPU, LoadOptions(ctx=32), warm_up=False)
         out = [dec.forward(tokens[:10])] + [dec.forward(tokens[i:i + 1]) for i in range(10, 14)]
         return dec, np.concatenate(out)
 

@@ -121,7 +121,7 @@ def _decode(path, device, **kw):
     cfg = from_hf(json.loads((path / "config.json").read_text()))
     tensors = load_file(str(path / "model.safetensors"))
     dec = build_decoder(cfg, lambda n: tensors[n], device,
-                        LoadOptions(max_len=64, experts=ExpertOptions(max_decode_tokens=4, **kw)))
+                        LoadOptions(ctx=64, experts=ExpertOptions(max_decode_tokens=4, **kw)))
     tokens = np.random.default_rng(5).integers(0, 128, PROMPT + STEPS)
     out = [dec.forward(tokens[:PROMPT])]
     out += [dec.forward(tokens[i:i + 1]) for i in range(PROMPT, PROMPT + STEPS)]

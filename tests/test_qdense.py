@@ -71,7 +71,7 @@ def test_gguf_quantized_non_expert_matrices(quantized_gguf, dev_name, monkeypatc
     if not ok:
         pytest.skip(f"{dev_name} unavailable: {why}")
     family, other, path = quantized_gguf
-    model = load(path, device=dev_name, max_len=64)
+    model = load(path, device=dev_name, ctx=64)
     dec = model.decoder
     gf = dec.weights.gguf
     seen = set()
@@ -98,7 +98,7 @@ def test_gguf_quantized_non_expert_matrices(quantized_gguf, dev_name, monkeypatc
     got = model.logits(TOKENS)
     monkeypatch.setattr(GGUFWeights, "get_matrix", GGUFWeights.get)
     monkeypatch.setattr(GGUFWeights, "quantized_kind", lambda self, key, layer=None: None)
-    ref_model = load(path, device=dev_name, max_len=64)
+    ref_model = load(path, device=dev_name, ctx=64)
     assert all(lin.storage in ("bf16", "f16", "f32") for _, _, lin in _linears(ref_model.decoder))
     want = ref_model.logits(TOKENS)
     assert_close(got, want, atol=1e-5 * float(np.abs(want).max()), name=f"{family} {other} logits")

@@ -53,7 +53,7 @@ def test_yarn_model_matches_transformers(tmp_path):
     with torch.no_grad():
         want = model(torch.from_numpy(tokens)[None]).logits[0].float().numpy()
     tensors = load_file(str(tmp_path / "model.safetensors"))
-    dec = build_decoder(cfg, lambda n: tensors[n], get_device("cpu"), LoadOptions(max_len=64))
+    dec = build_decoder(cfg, lambda n: tensors[n], get_device("cpu"), LoadOptions(ctx=64))
     got = np.concatenate([dec.forward(tokens[:32]), *(dec.forward(tokens[i:i + 1]) for i in range(32, 40))])
     nmse = float(((got - want) ** 2).sum() / (want**2).sum())
     assert nmse < 5e-5, nmse  # bf16 experts, as in test_model_parity

@@ -11,7 +11,7 @@ freetoken runs huge Mixture-of-Experts language models on one consumer NVIDIA GP
 the routed experts live in host memory, the GPU caches the hot ones.
 
 Commands:
-  run     generate text from a prompt (the bundled model unless --model is given)
+  run     generate text from a prompt or --prompt-file (the bundled model unless --model is given)
   chat    chat through the model's chat template, one message a line; the KV cache carries over between turns
   info    what this machine offers: devices, GPU and PCIe link, CPU SIMD, library versions, cache dir
   bench   measure this machine: `bench bw` stores PCIe/CPU bandwidth for --moe-mode auto
@@ -29,24 +29,32 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from freetoken.cli.args import check_text, check_writable
+    from freetoken.cli.args import check_text, check_writable, context_kwargs, read_prompt_file
     from freetoken.cli.policy import apply_pinning, policy_kwargs
     from freetoken.engine.load import load
+    from freetoken.engine.memory_report import breakdown_line, memory_line
     from freetoken.engine.sampling import SamplingParams
 
-    prompt = check_text(args.prompt, "the prompt")
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise ValueError("give the prompt as an argument or with --prompt-file PATH (one of the two)")
+    if args.prompt_file is not None:
+        prompt = read_prompt_file(args.prompt_file)
+    else:
+        prompt = check_text(args.prompt, "the prompt")
     if not prompt:
-        raise ValueError("the prompt is empty")
+        raise ValueError("the prompt is empty" + (f" (--prompt-file {args.prompt_file})" if args.prompt_file else ""))
     if args.record_trace is not None:
         check_writable(args.record_trace, "--record-trace")  # before the work, not after it
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               repetition_penalty=args.repetition_penalty, seed=args.seed)
     model = load(args.model, device=args.device, progress=sys.stderr.isatty(), cache_slots=args.cache_slots,
-                 **policy_kwargs(args))
+                 **policy_kwargs(args), **context_kwargs(args))
+    kind = model.decoder.dev.kind
     n = len(model.encode(prompt))
-    if n >= model.decoder.max_len:
-        raise ValueError(f"the prompt is {n} tokens; the context holds {model.decoder.max_len} (prompt and "
-                         "generated tokens together)")
+    if n >= model.decoder.ctx:
+        raise ValueError(f"the prompt is {n} tokens; the context holds {model.decoder.ctx} (prompt and generated "
+                         "tokens together; --ctx or --kv-memory for more)")
+    print(f"[{kind}] {model.decoder.context_plan.why}", file=sys.stderr)
     pin_note = apply_pinning(model, args, prompt)
     record = args.record_trace is not None
     sys.stdout.write(prompt)
@@ -55,7 +63,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     st = model.stats
-    kind = model.decoder.dev.kind
     print(f"[{kind}] prefill {st.prompt_tokens} tokens at {st.prefill_tps:.1f} tok/s, "
           f"generated {st.generated_tokens} tokens, decode at {st.decode_tps:.1f} tok/s; {model.experts.summary()}",
           file=sys.stderr)
@@ -76,6 +83,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             rec.add_decode_step(step)
         rec.save(args.record_trace)
         print(f"routing trace: {rec.num_steps} decode steps -> {args.record_trace}", file=sys.stderr)
+    print(f"[{kind}] {memory_line(model)}", file=sys.stderr)
+    if args.verbose:
+        print(f"[{kind}] {breakdown_line(model)}", file=sys.stderr)
     return 0
 
 
@@ -89,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="generate text from a prompt",
                          description="Stream a continuation of PROMPT, then report prefill and decode speed.")
-    run.add_argument("prompt", help="the text to continue")
+    run.add_argument("prompt", nargs="?", default=None, help="the text to continue (or --prompt-file)")
+    run.add_argument("--prompt-file", metavar="PATH", default=None, help="read the prompt from a UTF-8 text file")
     add_model_args(run, 128, "to generate")
     run.add_argument("--record-trace", metavar="FILE", default=None,
                      help="write the routing trace (npz) for `freetoken trace simulate`")

@@ -1,5 +1,5 @@
 """The command line's parser class and value types, and the flags shared by the commands that run a model (``run``,
-``chat``): model, device, sampling, cache slots.
+``chat``): model, device, sampling, cache slots, context and KV cache.
 
 Bad input is one clear line on stderr and exit code 2 (:class:`Parser` for the flags, ``freetoken.cli.main`` for
 what the loaders and the model refuse); ``--debug`` shows the traceback instead."""
@@ -10,6 +10,7 @@ import argparse
 import math
 
 from freetoken.device.simd import ACTIVATIONS
+from freetoken.models.kv import KV_KINDS
 
 
 class UsageError(Exception):
@@ -87,9 +88,72 @@ def real(minimum: float = 0.0, maximum: float = math.inf, above: bool = False):
     return parse
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def size(text: str) -> int:
+    """An argparse type: a memory size in bytes, such as ``2GiB``, ``512MiB``, ``1.5G`` (powers of 1000 without
+    the ``i``) or a plain byte count."""
+    t = text.strip().lower().replace(" ", "")
+    num = t.rstrip("kmgtib")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = math.nan
+    if unit not in _SIZE_UNITS or not (math.isfinite(value) and value > 0) or value * _SIZE_UNITS[unit] < 1:
+        raise argparse.ArgumentTypeError(f"expected a size such as 2GiB, 512MiB or 1.5G, got {text!r}")
+    return int(value * _SIZE_UNITS[unit])
+
+
+size.__name__ = "size"
+
+
+def add_context_args(p: argparse.ArgumentParser) -> None:
+    """--ctx, --kv-dtype, --kv-memory, --prefill-chunk (the context and its paged KV cache), --verbose."""
+    g = p.add_argument_group("context and KV cache")
+    g.add_argument("--ctx", type=count(1), default=None, metavar="N",
+                   help="the longest sequence, prompt and generated tokens together (default: the model's "
+                        "max_position_embeddings, capped by what the KV memory holds)")
+    g.add_argument("--kv-dtype", default="bf16", choices=list(KV_KINDS),
+                   help="how keys and values are stored: bf16 (default), f16, f32, or fp8 (e4m3 with a float32 scale "
+                        "per token and kv head: half of bf16's memory)")
+    g.add_argument("--kv-memory", type=size, default=None, metavar="SIZE",
+                   help="bytes of the KV pool, e.g. 2GiB (default: on gpu what is left after the weights and expert "
+                        "slots less a 1 GiB margin; on cpu/emu what the context needs, at most half of the available "
+                        "host memory)")
+    g.add_argument("--prefill-chunk", type=count(1), default=None, metavar="N",
+                   help="prompt tokens per forward pass, which bounds the activations of a long prompt (default: the "
+                        "largest power of two from 512 to 2048 whose activations fit in 256 MiB)")
+    g.add_argument("--verbose", action="store_true", help="a breakdown of the memory report")
+
+
+def context_kwargs(args: argparse.Namespace) -> dict:
+    """The :func:`freetoken.load` keywords of :func:`add_context_args`' flags."""
+    return dict(ctx=args.ctx, kv_dtype=args.kv_dtype, kv_memory=args.kv_memory, prefill_chunk=args.prefill_chunk)
+
+
+def read_prompt_file(path: str) -> str:
+    """The text of ``--prompt-file PATH``; a missing, unreadable or undecodable file is a ValueError naming it."""
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"--prompt-file {path}: {'is a directory' if p.is_dir() else 'no such file'}")
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise ValueError(f"--prompt-file {path}: cannot read it ({e.strerror or e})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file {path} is not valid UTF-8 (byte {e.start})") from None
+
+
 def add_model_args(p: argparse.ArgumentParser, max_tokens: int, what: str) -> None:
     """--model, --device, --max-tokens (default ``max_tokens``; ``what`` says per what), sampling, --cache-slots,
-    --cpu-activations."""
+    --cpu-activations, and the context flags (:func:`add_context_args`)."""
     p.add_argument("--model", default=None, help="HF model directory or GGUF file (default: the bundled model)")
     p.add_argument("--device", default="auto", choices=["auto", "gpu", "cpu", "emu"],
                    help="where to run (auto: gpu when present, else cpu)")
@@ -108,3 +172,4 @@ def add_model_args(p: argparse.ArgumentParser, max_tokens: int, what: str) -> No
                    help="4-bit experts computed on the CPU: q8 quantizes their inputs to 8-bit blocks and uses int8 "
                         "dot products (llama.cpp's rounding), f32 keeps float32 (exact, slower); auto: q8 where the "
                         "CPU has AVX2 or AVX-512 VNNI (default)")
+    add_context_args(p)

@@ -52,13 +52,12 @@ def _turn_stats(model) -> str:
     st = model.stats
     return (f"[{model.decoder.dev.kind}] prefill {st.prompt_tokens} new tokens at {st.prefill_tps:.1f} tok/s, "
             f"{st.cached_tokens} cached tokens reused, generated {st.generated_tokens} tokens, "
-            f"decode at {st.decode_tps:.1f} tok/s; context {model.decoder.length}/{model.decoder.max_len}")
+            f"decode at {st.decode_tps:.1f} tok/s; context {model.decoder.length}/{model.decoder.ctx}")
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from freetoken.cli.args import check_text
-    from freetoken.cli.policy import apply_pinning, policy_kwargs
-    from freetoken.engine.chat import Chat
+    from freetoken.cli.args import check_text, context_kwargs
+    from freetoken.cli.policy import policy_kwargs
     from freetoken.engine.load import load
     from freetoken.engine.sampling import SamplingParams
 
@@ -70,7 +69,27 @@ def cmd_chat(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               repetition_penalty=args.repetition_penalty, seed=args.seed)
     model = load(args.model, device=args.device, progress=sys.stderr.isatty(), cache_slots=args.cache_slots,
-                 **policy_kwargs(args))
+                 **policy_kwargs(args), **context_kwargs(args))
+    print(f"[{model.decoder.dev.kind}] {model.decoder.context_plan.why}", file=sys.stderr)
+    rc = _converse(model, args, sampling)
+    _report_memory(model, args.verbose)
+    return rc
+
+
+def _report_memory(model, verbose: bool) -> None:
+    from freetoken.engine.memory_report import breakdown_line, memory_line
+
+    kind = model.decoder.dev.kind
+    print(f"[{kind}] {memory_line(model)}", file=sys.stderr)
+    if verbose:
+        print(f"[{kind}] {breakdown_line(model)}", file=sys.stderr)
+
+
+def _converse(model, args: argparse.Namespace, sampling) -> int:
+    """The session's loop: one user message a line until /exit or the end of input; the exit code."""
+    from freetoken.cli.policy import apply_pinning
+    from freetoken.engine.chat import Chat
+
     apply_pinning(model, args, None)
     chat = Chat(model, system=args.system)
     if chat.uses_fallback:
@@ -116,7 +135,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
         print(_turn_stats(model), file=sys.stderr)
-        if model.decoder.length >= model.decoder.max_len:
+        if model.decoder.length >= model.decoder.ctx:
             print("freetoken chat: warning: the context is full; /reset to go on", file=sys.stderr)
 
 

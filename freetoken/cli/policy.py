@@ -66,7 +66,7 @@ def apply_pinning(model, args: argparse.Namespace, prompt: str | None) -> str:
     else:
         if not prompt:
             raise ValueError("--pin-hot without --pin-trace needs a prompt to warm up on")
-        model.logits(model.encode(prompt))  # warm-up pass: the prompt's routing
+        model.logits(model.encode(prompt), last_only=True)  # warm-up pass: the prompt's routing
         counts = counts_from_routing([np.asarray(model.decoder.dev.to_host(r)) for r in experts.last_routing],
                                      model.config.num_experts)
         source = "a warm-up pass over the prompt"

@@ -10,11 +10,13 @@ from collections.abc import Callable
 import numpy as np
 
 from freetoken import formats
+from freetoken.engine.context import plan_context
 from freetoken.engine.experts import make_runner
 from freetoken.engine.options import ExpertOptions, LoadOptions
 from freetoken.formats import RecordLayout
 from freetoken.models import MoeDecoder
 from freetoken.models.config import ModelConfig
+from freetoken.models.kv import KVPool
 from freetoken.models.weights import HFWeights, Weights
 
 
@@ -24,7 +26,11 @@ def build_decoder(cfg: ModelConfig, weights: Weights | Callable[[str], np.ndarra
     ``experts``: :class:`ExpertOptions` fields (``cache_slots=..., mode=...``) when no ``options`` are given.
 
     ``warm_up``: compile (or load from the on-disk caches) every kernel a forward pass uses now, so no prefill or
-    decode is ever timed with compilation in it (:func:`warm_up_kernels`)."""
+    decode is ever timed with compilation in it (:func:`warm_up_kernels`).
+
+    The KV pool and the context are sized once the weights and the expert slots are in place
+    (:func:`freetoken.engine.context.plan_context`); the plan is kept as ``decoder.context_plan`` (its ``why``
+    is the line ``run`` and ``chat`` print)."""
     if options is None:
         options = LoadOptions(experts=ExpertOptions(**experts))
     elif experts:
@@ -34,7 +40,11 @@ def build_decoder(cfg: ModelConfig, weights: Weights | Callable[[str], np.ndarra
     fmt = options.expert_format or weights.native_expert_format or "bf16"
     layout = RecordLayout(formats.get(fmt), cfg.hidden, cfg.moe_inter)
     runner = make_runner(device, layout, sum(cfg.moe_layers), cfg.num_experts, cfg.top_k, options.experts)
-    decoder = MoeDecoder(cfg, weights, device, runner, max_len=options.max_len, progress=options.progress)
+    decoder = MoeDecoder(cfg, weights, device, runner, progress=options.progress)
+    plan = plan_context(cfg, device, options)
+    pool = KVPool(device, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, plan.num_blocks, plan.kind)
+    decoder.set_context(pool, plan.ctx, plan.prefill_chunk)
+    decoder.context_plan = plan
     if hasattr(runner, "set_predictor"):
         runner.set_predictor(decoder.route)
     if warm_up:
@@ -56,7 +66,7 @@ def warm_up_kernels(decoder: MoeDecoder, prompt_tokens: int = _DECODE_PATH_TOKEN
     if progress:
         print(f"freetoken: preparing kernels for the {decoder.dev.kind} device (compiled once, then cached) ...",
               file=sys.stderr, flush=True)
-    prompt = min(decoder.max_len, max(prompt_tokens, _DECODE_PATH_TOKENS + 1))
+    prompt = min(decoder.ctx, max(prompt_tokens, _DECODE_PATH_TOKENS + 1))
     decoder.reset()
     decoder.forward(np.zeros(1, np.int64))  # a decode step
     decoder.reset()

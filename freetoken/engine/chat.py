@@ -232,9 +232,9 @@ class Chat:
             if sampling is not None and sampling.seed is not None:
                 sampling = dataclasses.replace(sampling, seed=sampling.seed + self._turns)
             self._turns += 1
-            max_len = self.model.decoder.max_len
-            if len(ids) >= max_len:
-                raise ValueError(f"the conversation is {len(ids)} tokens and the context holds {max_len}: "
+            ctx = self.model.decoder.ctx
+            if len(ids) >= ctx:
+                raise ValueError(f"the conversation is {len(ids)} tokens and the context holds {ctx}: "
                                  "reset it to go on")
             for piece in self.model.generate_text(ids, max_tokens, sampling, reuse_cache=True, stop=self.stop):
                 pieces.append(piece)

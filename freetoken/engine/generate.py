@@ -70,12 +70,12 @@ class Model:
             raise ValueError("this model has no tokenizer")
         return self.tokenizer.decode(list(ids))
 
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """float32 [T, vocab] logits of a fresh sequence."""
+    def logits(self, token_ids: Sequence[int], last_only: bool = False) -> np.ndarray:
+        """float32 [T, vocab] logits of a fresh sequence (``last_only``: [1, vocab], the last token's)."""
         self.decoder.reset()
         self.cached_ids = []
         ids = [int(i) for i in np.asarray(token_ids, np.int64).reshape(-1)]
-        out = self.decoder.forward(np.asarray(ids, np.int64))
+        out = self.decoder.forward(np.asarray(ids, np.int64), last_only=last_only)
         self.cached_ids = ids
         return out
 
@@ -109,12 +109,12 @@ class Model:
         keep = self._reusable_prefix(ids) if reuse_cache else 0
         st = self.stats = GenerationStats(prompt_tokens=len(ids) - keep, cached_tokens=keep)
         if keep:
-            self.decoder.length = keep  # rows past ``keep`` are overwritten by the prefill below
+            self.decoder.length = keep  # the tokens past ``keep`` are dropped; the prefill below appends the rest
         else:
             self.decoder.reset()
         self.cached_ids = ids[:keep]
         t0 = time.perf_counter()
-        logits = self.decoder.forward(np.asarray(ids[keep:], np.int64))[-1]
+        logits = self.decoder.forward(np.asarray(ids[keep:], np.int64), last_only=True)[-1]
         st.prefill_seconds = time.perf_counter() - t0
         self.cached_ids = list(ids)
         if record_routing:
@@ -125,7 +125,7 @@ class Model:
             history.append(tok)
             st.generated_tokens += 1
             yield tok
-            if st.generated_tokens == max_tokens or tok in self.eos_ids or self.decoder.length >= self.decoder.max_len:
+            if st.generated_tokens == max_tokens or tok in self.eos_ids or self.decoder.length >= self.decoder.ctx:
                 return
             t0 = time.perf_counter()
             logits = self.decoder.forward(np.array([tok], np.int64))[-1]

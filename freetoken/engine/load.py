@@ -8,6 +8,7 @@ from pathlib import Path
 from freetoken.device import get_device
 from freetoken.engine.build import build_decoder
 from freetoken.engine.chat import ChatTemplate
+from freetoken.engine.context import kv_load_bytes
 from freetoken.engine.generate import Model
 from freetoken.engine.options import ExpertOptions, LoadOptions
 from freetoken.loaders import LoadError, SafetensorsDir
@@ -29,7 +30,8 @@ def _eos_ids(config: dict, path: Path, tokenizer) -> list[int]:
     return sorted(set(ids))
 
 
-def load(path: str | Path | None = None, device="auto", expert_format: str | None = None, max_len: int = 2048,
+def load(path: str | Path | None = None, device="auto", expert_format: str | None = None, ctx: int | None = None,
+         kv_dtype: str = "bf16", kv_memory: int | None = None, prefill_chunk: int | None = None,
          progress: bool = False, cache_slots: int | None = None, moe_mode: str = "gpu",
          pcie_gbps: float | None = None, cpu_gbps: float | None = None, future_value: float = 0.0,
          prefetch: bool = False, cpu_activations: str = "auto", options: LoadOptions | None = None) -> Model:
@@ -39,6 +41,11 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
     ``expert_format``: the :mod:`freetoken.formats` name the routed experts run in; default: as stored (bf16 for
     unquantized HF checkpoints, fp8_block for block-FP8 ones, q4_0/mxfp4 for such GGUF files). On gpu/emu the
     routed experts go through an expert cache of ``cache_slots`` slots (default: room for all).
+
+    Context: ``ctx`` tokens at most (prompt and generated; default the model's ``max_position_embeddings`` capped
+    by the KV pool), keys and values stored as ``kv_dtype`` (bf16, f16, f32 or fp8) in a paged pool of
+    ``kv_memory`` bytes (default: sized from free memory, see :mod:`freetoken.engine.context`); prompts run in
+    forward passes of ``prefill_chunk`` tokens (default sized from the model's activations).
 
     Miss policy (gpu/emu): ``moe_mode`` ``gpu`` (copy every miss in), ``cpu`` (compute misses on the CPU),
     ``hybrid`` (q*: split by measured bandwidths) or ``auto`` (the stored ``freetoken bench bw`` profile's
@@ -50,7 +57,8 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
     ``options``: all of the above as one :class:`freetoken.engine.options.LoadOptions` (then the keywords are not
     used). Every kernel is compiled (or loaded from the on-disk caches) before this returns."""
     if options is None:
-        options = LoadOptions(expert_format=expert_format, max_len=max_len, progress=progress,
+        options = LoadOptions(expert_format=expert_format, ctx=ctx, kv_dtype=kv_dtype, kv_memory=kv_memory,
+                              prefill_chunk=prefill_chunk, progress=progress,
                               experts=ExpertOptions(mode=moe_mode, cache_slots=cache_slots, pcie_gbps=pcie_gbps,
                                                     cpu_gbps=cpu_gbps, future_value=future_value,
                                                     prefetch=prefetch, cpu_activations=cpu_activations))
@@ -69,7 +77,7 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
         raise LoadError(str(p / "config.json"), f"{q.method} checkpoints are not supported by the runner yet "
                         "(bf16/f16/f32 and block-FP8 checkpoints are; their experts load through freetoken.formats)")
     cfg = from_hf(sd.config, str(p / "config.json"))
-    check_hf_tensors(cfg, sd, q.method == "fp8_block", options.max_len, options.expert_format)
+    check_hf_tensors(cfg, sd, q.method == "fp8_block", kv_load_bytes(cfg, dev.kind, options), options.expert_format)
     weights = HFWeights(cfg, sd.get, sd.has, fp8_block=q.method == "fp8_block", where=str(p))
     decoder = build_decoder(cfg, weights, dev, options)
     tokenizer = None

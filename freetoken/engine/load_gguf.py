@@ -55,7 +55,7 @@ def _dequantizable() -> frozenset:
     return frozenset(traits)
 
 
-def check_tensors(gf: GGUFFile, cfg: ModelConfig, w: GGUFWeights, max_len: int = 2048,
+def check_tensors(gf: GGUFFile, cfg: ModelConfig, w: GGUFWeights, kv_bytes: int = 0,
                   expert_format: str | None = None) -> int:
     """LoadError for the first missing, misshapen or mistyped tensor of any layer, for a tensor of a kind the
     decoder reads that the config leaves unread (a layer beyond ``block_count``, q/k norms or biases in some
@@ -99,7 +99,7 @@ def check_tensors(gf: GGUFFile, cfg: ModelConfig, w: GGUFWeights, max_len: int =
                                      f"{cfg.shared_inter or 'none'}, layer {layer} "
                                      f"{'MoE' if cfg.is_moe(layer) else 'dense'})", name)
     fmt = expert_format or w.native_expert_format or "bf16"
-    need = load_bytes(cfg, dense, fmt, max_len)
+    need = load_bytes(cfg, dense, fmt, kv_bytes)
     if fmt == w.native_expert_format:
         need["float32 experts of one layer while quantized"] = 0
     return check_load_bytes(gf.path, need)
@@ -111,7 +111,9 @@ def load_gguf(path: Path, device, options):
     gf = GGUFFile(path, archs=tuple(GGUF_FAMILIES))
     cfg = from_gguf(gf)
     weights = GGUFWeights(cfg, gf)
-    check_tensors(gf, cfg, weights, options.max_len, options.expert_format)
+    from freetoken.engine.context import kv_load_bytes
+
+    check_tensors(gf, cfg, weights, kv_load_bytes(cfg, device.kind, options), options.expert_format)
     meta = gf.tokenizer_meta() if gf.has_meta("tokenizer.ggml.model") else None
     tokenizer = None
     if meta is not None:

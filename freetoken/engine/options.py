@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 from freetoken.device.simd import ACTIVATIONS as CPU_ACTIVATIONS  # 4-bit experts on the CPU: auto, q8, f32
+from freetoken.models.kv import KV_KINDS  # how the paged KV cache stores keys and values
 from freetoken.policy.runtime import MODES as MOE_MODES  # how misses of the expert cache are served
 
 #: Future-value estimators measured while running (see freetoken.policy.estimators), besides a fixed value.
@@ -67,16 +68,27 @@ class ExpertOptions:
 @dataclass(frozen=True)
 class LoadOptions:
     """``expert_format``: the :mod:`freetoken.formats` name the routed experts run in (None: as stored).
-    ``max_len``: the longest sequence (prompt + generated) the KV cache holds. ``progress``: progress lines on
-    stderr while loading and preparing kernels."""
+    ``kv_dtype``: how the paged KV cache stores keys and values (:data:`KV_KINDS`: bf16, the default; f16; f32;
+    fp8 e4m3 with a float32 scale per token and kv head). ``kv_memory``: bytes of the KV pool (None: sized by
+    :func:`freetoken.engine.context.plan_context`). ``ctx``: the longest sequence (prompt and generated tokens)
+    the model runs (None: the model's ``max_position_embeddings``, capped by the pool). ``prefill_chunk``: prompt
+    tokens per forward pass (None: sized from the model's activations). ``progress``: progress lines on stderr while
+    loading and preparing kernels."""
 
     expert_format: str | None = None
-    max_len: int = 2048
+    kv_dtype: str = "bf16"
+    kv_memory: int | None = None
+    ctx: int | None = None
+    prefill_chunk: int | None = None
     progress: bool = False
     experts: ExpertOptions = field(default_factory=ExpertOptions)
 
     def __post_init__(self):
-        _positive("max_len", self.max_len, integer=True, optional=False)
+        if self.kv_dtype not in KV_KINDS:
+            raise ValueError(f"kv dtype {self.kv_dtype!r}: choose one of {', '.join(KV_KINDS)}")
+        _positive("kv_memory", self.kv_memory, integer=True)
+        _positive("ctx", self.ctx, integer=True)
+        _positive("prefill_chunk", self.prefill_chunk, integer=True)
         if self.expert_format is not None:
             from freetoken import formats
 

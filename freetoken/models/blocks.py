@@ -1,8 +1,8 @@
 """The blocks a decoder layer is made of, each chosen from the config once at load time.
 
 * attention: a fused q/k/v projection, a q/k treatment (:class:`PlainQK`, Qwen3's per-head norms :class:`HeadNormQK`,
-  OLMoE's whole-projection norms :class:`ProjectionNormQK`), RoPE, causal GQA over the layer's KV rows, the output
-  projection;
+  OLMoE's whole-projection norms :class:`ProjectionNormQK`), RoPE, the append to the paged KV cache, causal GQA over
+  it (with the layer's sliding window and sinks), the output projection;
 * routers: :class:`SoftmaxTopKRouter` (softmax over the experts, top-k, optional renormalisation);
 * MLPs: :class:`DenseMLP` (SwiGLU), :class:`MoeMLP` (router + routed experts through the model's expert runner +
   an optional :class:`SharedExpert` with a sigmoid gate).
@@ -11,7 +11,8 @@ A new attention kind or router is a new block here and one line where :mod:`free
 from the config. Blocks compute with ``freetoken.ops`` (each op picks its implementation per device) and the
 device's array module for elementwise arithmetic; none of them knows which device it runs on. Between the dense
 projections a layer runs few ops, each one kernel on buffers of a :class:`freetoken.models.scratch.Scratch`
-reused every step: RMSNorm, q/k norms + RoPE + the KV write (:func:`freetoken.ops.rope_qkv_cache`), attention,
+reused every step: RMSNorm, q/k norms + RoPE (:func:`freetoken.ops.rope_qkv_cache`), the KV append
+(:func:`freetoken.ops.kv_store`), paged attention (:func:`freetoken.ops.paged_attention`),
 the residual add + RMSNorm (:func:`freetoken.ops.add_rms_norm`), routing. The blocks hand the ops arguments they
 made and checked at load time (``checked=True``: the ops check nothing again).
 """
@@ -112,30 +113,43 @@ class ProjectionNormQK(PlainQK):
 
 
 class Attention:
-    """Causal grouped-query self-attention with RoPE over the layer's KV rows."""
+    """Causal grouped-query self-attention with RoPE over the sequence's paged KV cache.
 
-    def __init__(self, qkv: Linear, qk, o_proj: Linear, device, scratch: Scratch | None = None):
+    ``window``: the layer's sliding window (0: the whole context); ``sinks``: gpt-oss' per-head logits ``[H]``
+    (host float32) or None."""
+
+    def __init__(self, qkv: Linear, qk, o_proj: Linear, device, scratch: Scratch | None = None, window: int = 0,
+                 sinks: np.ndarray | None = None):
         self.qkv, self.qk, self.o_proj, self.dev = qkv, qk, o_proj, device
         self.heads = qk.heads
         self.scratch = scratch if scratch is not None else Scratch(device)
+        self.window = int(window)
+        self.sinks = None if sinks is None else device.asarray(np.ascontiguousarray(sinks, np.float32).reshape(-1))
 
     def __call__(self, x, kv, start: int, cos, sin):
-        """``x [T, hidden]`` at positions ``start ..``; appends the T keys/values to ``kv`` (the layer's
-        :class:`freetoken.models.kv.LayerKV`); returns the output projection ``[T, hidden]``."""
-        t = x.shape[0]
+        """``x [T, hidden]`` at positions ``start ..`` with ``cos``/``sin`` their RoPE rows; appends the T keys and
+        values to ``kv`` (the layer's :class:`freetoken.models.kv.LayerKV`, positions up to ``start + T`` already
+        allocated); returns the output projection ``[T, hidden]``."""
+        t, dev = x.shape[0], self.dev
         qkv = self.qkv(x)  # biases included
         qk = self.qk
-        if qk.per_head:  # norms, RoPE and the KV write: one kernel
-            q = ops.rope_qkv_cache(qkv, qk.head_norm, qk.eps, cos[start:start + t], sin[start:start + t], kv.k, kv.v,
-                                   start, out=self.scratch.get("q", (t, self.heads, qk.head_dim)), device=self.dev,
-                                   checked=True)
+        dim = qk.head_dim
+        shape = (t, qk.kv_heads, dim)
+        if qk.per_head:  # norms and RoPE in one kernel, the roped keys and the values into float32 scratch rows
+            k, v = self.scratch.get("k", shape), self.scratch.get("v", shape)
+            q = ops.rope_qkv_cache(qkv, qk.head_norm, qk.eps, cos, sin, k, v, 0,
+                                   out=self.scratch.get("q", (t, self.heads, dim)), device=dev, checked=True)
         else:
             qk, v = qk(self.qkv, qkv)
-            qk = ops.rope(qk, cos[start:start + t], sin[start:start + t], device=self.dev)
+            qk = ops.rope(qk, cos, sin, device=dev)
             q, k = qk[:, :self.heads], qk[:, self.heads:]
-            kv.write(start, k, v)
-            q = self.dev.xp.ascontiguousarray(q)
-        return self.o_proj(ops.attention(q, kv.k, kv.v, start, device=self.dev, checked=True))
+            xp = dev.xp
+            q, k, v = xp.ascontiguousarray(q), xp.ascontiguousarray(k), xp.ascontiguousarray(v)
+        ops.kv_store(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, kv.block_table, start, device=dev, checked=True)
+        a = ops.paged_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, kv.block_table, start, window=self.window,
+                                sinks=self.sinks, out=self.scratch.get("att", (t, self.heads * dim)),
+                                device=dev, checked=True)
+        return self.o_proj(a)
 
 
 # ---- routers -----------------------------------------------------------------------------------------------------

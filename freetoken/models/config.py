@@ -59,6 +59,12 @@ class ModelConfig:
     moe_layers: tuple[bool, ...] = field(default=())
     tie_word_embeddings: bool = False
     max_position: int = 32768
+    #: Per-layer sliding window: a query sees itself and the ``w - 1`` positions before it (0: the whole context);
+    #: empty: no layer has one. No parser sets it yet (the model-families issue does); the attention block takes it.
+    sliding_windows: tuple[int, ...] = ()
+    #: gpt-oss' attention sinks: a learned logit per query head (weight key ``attn_sinks`` ``[H]``) in each layer's
+    #: softmax denominator.
+    attention_sinks: bool = False
 
     def __post_init__(self):
         """The invariants every reader relies on (a parser names the file; a config built in code is checked too)."""
@@ -75,6 +81,9 @@ class ModelConfig:
             bad("MoE layers without experts or an expert FFN size")
         if not all(self.moe_layers) and not self.dense_inter:
             bad("dense layers without an FFN size (intermediate_size)")
+        if self.sliding_windows and (len(self.sliding_windows) != self.num_layers
+                                     or any(w < 0 for w in self.sliding_windows)):
+            bad(f"{len(self.sliding_windows)} sliding windows for {self.num_layers} layers (each >= 0)")
         if self.head_dim % 2:
             bad(f"head_dim {self.head_dim} is odd (RoPE rotates pairs)")
         if not (math.isfinite(self.rms_eps) and 0 < self.rms_eps < 1):
@@ -84,6 +93,10 @@ class ModelConfig:
 
     def is_moe(self, layer: int) -> bool:
         return self.moe_layers[layer]
+
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window (0: none)."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
 
 
 def _rope(f: Fields, cfg: dict) -> tuple[float, dict | None]:

@@ -26,7 +26,7 @@ from freetoken.models.blocks import (
 )
 from freetoken.models.config import ModelConfig
 from freetoken.models.experts import ExpertRunner
-from freetoken.models.kv import KVCache
+from freetoken.models.kv import KVPool, KVSequence
 from freetoken.models.linear import Linear
 from freetoken.models.qmatrix import QuantizedMatrix
 from freetoken.models.rope import rope_tables
@@ -68,7 +68,8 @@ def _attention(cfg: ModelConfig, t: _Tensors, i: int, dev, scratch: Scratch) -> 
         qk = ProjectionNormQK(*shape, t.host("q_norm", i), t.host("k_norm", i), cfg.rms_eps, dev)
     else:
         qk = PlainQK(*shape)
-    return Attention(qkv, qk, t.linear(("o_proj",), i), dev, scratch)
+    sinks = t.host("attn_sinks", i) if cfg.attention_sinks else None
+    return Attention(qkv, qk, t.linear(("o_proj",), i), dev, scratch, window=cfg.window(i), sinks=sinks)
 
 
 def _mlp(cfg: ModelConfig, t: _Tensors, i: int, dev, experts: ExpertRunner, moe_index: int):
@@ -83,15 +84,24 @@ def _mlp(cfg: ModelConfig, t: _Tensors, i: int, dev, experts: ExpertRunner, moe_
     return MoeMLP(router, experts, moe_index, shared, dev)
 
 
+#: Prompt tokens per forward chunk unless the decoder is told otherwise (:meth:`MoeDecoder.set_context`).
+DEFAULT_PREFILL_CHUNK = 1024
+
+
+class ContextExceeded(ValueError):
+    """A forward pass would take the sequence past the context it was given."""
+
+
 class MoeDecoder:
-    """Forward pass with a KV cache over ``max_len`` positions.
+    """Forward pass over one sequence in a paged KV cache.
 
     ``weights``: a :class:`freetoken.models.weights.Weights` source, or ``get(hf_name)`` returning a checkpoint
     tensor (an HF checkpoint held in memory). ``experts``: the runner of the routed experts, which receives every
-    MoE layer's expert records while the decoder loads."""
+    MoE layer's expert records while the decoder loads. :meth:`set_context` gives it the KV pool and the context
+    length before the first forward pass (the engine sizes the pool after the weights, from what memory is left)."""
 
     def __init__(self, cfg: ModelConfig, weights: Weights | Callable[[str], np.ndarray], device,
-                 experts: ExpertRunner, max_len: int = 1024, progress: bool = False):
+                 experts: ExpertRunner, progress: bool = False):
         self.cfg, self.dev, self.xp, self.experts = cfg, device, device.xp, experts
         if not isinstance(weights, Weights):
             weights = HFWeights(cfg, weights)
@@ -117,40 +127,111 @@ class MoeDecoder:
                                     cfg.rms_eps, device, self.scratch)
                        for i in layer_iter]
         self.routers = [layer.mlp.router for layer in self.layers if isinstance(layer.mlp, MoeMLP)]
-        self.rope_cos, self.rope_sin = rope_tables(self.xp, np.arange(max_len), cfg.head_dim, cfg.rope_theta,
-                                                   cfg.rope_scaling, cfg.max_position)
-        self.kv = KVCache(self.xp, cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_dim)
+        self.pool: KVPool | None = None
+        self.kv: KVSequence | None = None
+        self.prefill_chunk = DEFAULT_PREFILL_CHUNK
 
-    # the sequence: rows [0, length) of the KV cache hold it; max_len bounds it
-    length = property(lambda self: self.kv.length, lambda self, n: setattr(self.kv, "length", int(n)))
-    max_len = property(lambda self: self.kv.max_len, lambda self, n: setattr(self.kv, "max_len", int(n)))
+    def set_context(self, pool: KVPool, ctx: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+        """Hold the sequence in ``pool`` (made for this model's layers and kv heads), up to ``ctx`` tokens, and run
+        prompts in forward chunks of ``prefill_chunk`` tokens. Forgets the current sequence."""
+        cfg = self.cfg
+        if (pool.num_layers, pool.kv_heads, pool.head_dim) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
+            raise ValueError(f"a KV pool of {pool.num_layers} layers x {pool.kv_heads} heads x {pool.head_dim} does "
+                             f"not fit this model ({cfg.num_layers} x {cfg.num_kv_heads} x {cfg.head_dim})")
+        if not 1 <= ctx <= pool.tokens:
+            raise ValueError(f"a context of {ctx} tokens does not fit the KV pool of {pool.tokens} tokens")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if self.kv is not None:
+            self.kv.reset()
+        self.pool, self.kv = pool, KVSequence(pool, ctx)
+        self._layer_kv = [self.kv.layer(i) for i in range(cfg.num_layers)]  # views; the block table updates in place
+        self.prefill_chunk = int(prefill_chunk)
+        self.rope_cos, self.rope_sin = rope_tables(self.xp, np.arange(ctx), cfg.head_dim, cfg.rope_theta,
+                                                   cfg.rope_scaling, cfg.max_position)
+
+    def _sequence(self) -> KVSequence:
+        if self.kv is None:
+            raise RuntimeError("the decoder has no KV cache yet: call set_context(pool, ctx) first")
+        return self.kv
+
+    @property
+    def ctx(self) -> int:
+        """The most tokens (prompt and generated) the sequence may hold."""
+        return self._sequence().capacity
+
+    @property
+    def length(self) -> int:
+        """Tokens of the sequence in the KV cache (positions ``0 .. length - 1``)."""
+        return 0 if self.kv is None else self.kv.length
+
+    @length.setter
+    def length(self, n: int) -> None:
+        """Roll the sequence back to its first ``n`` tokens (their blocks stay, the rest go back to the pool)."""
+        self._sequence().truncate(int(n))
 
     def reset(self) -> None:
-        self.length = 0
+        if self.kv is not None:
+            self.kv.reset()
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of the non-expert weights: the embedding table on the host, the rest on the device."""
+        dense = self.lm_head.nbytes if not (self.cfg.tie_word_embeddings and self.dev.kind == "cpu"
+                                            and self.lm_head.storage == "f32") else 0  # cpu f32: the embed itself
+        dense += int(self.norm.nbytes)
+        for layer in self.layers:
+            att, mlp = layer.attention, layer.mlp
+            dense += int(layer.attn_norm.nbytes) + int(layer.mlp_norm.nbytes) + att.qkv.nbytes + att.o_proj.nbytes
+            dense += sum(int(w.nbytes) for w in (getattr(att.qk, "weight", None), getattr(att.qk, "q_norm", None),
+                                                 getattr(att.qk, "k_norm", None), att.sinks) if w is not None)
+            if isinstance(mlp, MoeMLP):
+                dense += mlp.router.gate.nbytes
+                if mlp.shared is not None:
+                    dense += mlp.shared.inp.nbytes + mlp.shared.down.nbytes
+            else:
+                dense += mlp.gate_up.nbytes + mlp.down.nbytes
+        return {"embedding (host)": int(self.embed.nbytes), "dense weights": dense}
 
     def route(self, moe_layer: int, h):
         """MoE layer ``moe_layer``'s routing of hidden states ``h`` (what its router block computes)."""
         return self.routers[moe_layer](h)
 
-    def forward(self, token_ids) -> np.ndarray:
-        """Append ``token_ids`` to the sequence; returns float32 logits ``[T, vocab]`` on the host."""
+    def forward(self, token_ids, last_only: bool = False) -> np.ndarray:
+        """Append ``token_ids`` to the sequence; returns float32 logits ``[T, vocab]`` on the host (``last_only``:
+        ``[1, vocab]``, the last token's: what generation needs, without a ``[T, vocab]`` array for a long prompt).
+
+        A prompt longer than ``prefill_chunk`` runs as consecutive forward passes over chunks of it (each chunk's
+        keys and values are appended before the next chunk attends to them): the activations of one pass stay
+        bounded by the chunk, and each chunk is a forward pass for the expert runner (``begin``/``end``)."""
         cfg, xp = self.cfg, self.xp
+        kv = self._sequence()
         tokens = np.asarray(token_ids, np.int64).reshape(-1)
         if tokens.size == 0:
             return np.zeros((0, cfg.vocab_size), np.float32)
         if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
             raise ValueError(f"token ids must be in [0, {cfg.vocab_size})")
-        start = self.length
-        if start + tokens.size > self.max_len:
-            raise ValueError(f"sequence of {start + tokens.size} tokens exceeds max_len={self.max_len}")
+        start, n = self.length, tokens.size
+        if start + n > kv.capacity:
+            raise ContextExceeded(f"{start} tokens in the context and {n} new ones make {start + n}, more than the "
+                                  f"context of {kv.capacity} tokens")
+        kv.prepare(start, n)  # every block of the pass allocated up front: running out fails before any work
+        logits = []
         with self.dev.kernel_scope():
-            self.experts.begin(tokens.size)
-            x = xp.asarray(self.embed[tokens])
-            for layer, kv in zip(self.layers, self.kv.layers, strict=True):
-                layer(x, kv, start, self.rope_cos, self.rope_sin)
-            self.experts.end()
-            self.length = start + tokens.size
-            h = ops.rms_norm(x, self.norm, cfg.rms_eps, out=self.scratch.get("h", x.shape), device=self.dev,
-                             checked=True)
-            # the lm_head's output is a new array (on the cpu device to_host returns it as is): no second copy
-            return self.dev.to_host(self.lm_head(h)).astype(np.float32, copy=False)
+            for c0 in range(0, n, self.prefill_chunk):
+                c1 = min(n, c0 + self.prefill_chunk)
+                pos = start + c0
+                self.experts.begin(c1 - c0, first=c0 == 0)
+                x = xp.asarray(self.embed[tokens[c0:c1]])
+                cos, sin = self.rope_cos[pos:start + c1], self.rope_sin[pos:start + c1]
+                for layer, layer_kv in zip(self.layers, self._layer_kv, strict=True):
+                    layer(x, layer_kv, pos, cos, sin)
+                self.experts.end()
+                kv.length = start + c1
+                if last_only and c1 < n:
+                    continue
+                h = x[-1:] if last_only else x
+                h = ops.rms_norm(h, self.norm, cfg.rms_eps, out=self.scratch.get("h", h.shape), device=self.dev,
+                                 checked=True)
+                # the lm_head's output is a new array (on the cpu device to_host returns it as is): no second copy
+                logits.append(self.dev.to_host(self.lm_head(h)).astype(np.float32, copy=False))
+        return logits[0] if len(logits) == 1 else np.concatenate(logits)

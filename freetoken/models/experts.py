@@ -16,7 +16,9 @@ class ExpertRunner(ABC):
     """Runs the routed experts of a model's MoE layers (numbered 0 .. n_moe - 1 in model order).
 
     A forward pass calls :meth:`begin` once with its token count, then :meth:`run` once per MoE layer in order, then
-    :meth:`end`. ``layout`` is the record layout (expert format and shape) every layer's experts are held in."""
+    :meth:`end`; a prompt run in chunks is one such pass per chunk, the first with ``first=True``, the next ones with
+    ``first=False`` (the same prompt goes on). ``layout`` is the record layout (expert format and shape) every
+    layer's experts are held in."""
 
     layout: RecordLayout
 
@@ -24,8 +26,9 @@ class ExpertRunner(ABC):
     def load_layer(self, layer: int, banks: dict) -> None:
         """Take MoE layer ``layer``'s expert records (host banks ``[E, ...]`` per ``layout.bank_specs()``)."""
 
-    def begin(self, tokens: int) -> None:  # noqa: B027 - runners without per-pass state need nothing here
-        """A forward pass of ``tokens`` tokens starts (a prompt or a decode step)."""
+    def begin(self, tokens: int, first: bool = True) -> None:  # noqa: B027 - runners without per-pass state
+        """A forward pass of ``tokens`` tokens starts (a prompt, a chunk of one, or a decode step); ``first``: False
+        for the second and later chunks of a prompt."""
 
     @abstractmethod
     def run(self, layer: int, h, ids, weights):

@@ -36,7 +36,7 @@ _HF_LAYER = {
     "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
     **{f"{x}_proj": f"self_attn.{x}_proj.weight" for x in "qkvo"},
     **{f"{x}_bias": f"self_attn.{x}_proj.bias" for x in "qkv"},
-    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+    "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight", "attn_sinks": "self_attn.sinks",
     "router": "{moe}gate.weight",
     **{f"shared_{w}": f"mlp.shared_expert.{w}_proj.weight" for w in ("gate", "up", "down")},
     "shared_sigmoid": "mlp.shared_expert_gate.weight",
@@ -49,7 +49,7 @@ _GGUF_LAYER = {
     "attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight",
     "q_proj": "attn_q.weight", "k_proj": "attn_k.weight", "v_proj": "attn_v.weight", "o_proj": "attn_output.weight",
     "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
-    "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+    "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight", "attn_sinks": "attn_sinks.weight",
     "router": "ffn_gate_inp.weight",
     **{f"shared_{w}": f"ffn_{w}_shexp.weight" for w in ("gate", "up", "down")},
     "shared_sigmoid": "ffn_gate_inp_shexp.weight",
@@ -73,6 +73,8 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
         s.update(q_norm=(hd,), k_norm=(hd,))
     elif cfg.qk_norm == "full":
         s.update(q_norm=(cfg.num_heads * hd,), k_norm=(cfg.num_kv_heads * hd,))
+    if cfg.attention_sinks:
+        s["attn_sinks"] = (cfg.num_heads,)
     if cfg.is_moe(i):
         s["router"] = (cfg.num_experts, h)
         if cfg.shared_inter:
@@ -92,10 +94,11 @@ def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def load_bytes(cfg: ModelConfig, dense_bytes: int, expert_format: str, max_len: int) -> dict[str, int]:
+def load_bytes(cfg: ModelConfig, dense_bytes: int, expert_format: str, kv_bytes: int = 0) -> dict[str, int]:
     """What a load allocates on the host, by kind: ``dense_bytes`` (the non-expert weights as the decoder holds
     them), the expert banks in ``expert_format``, one layer's float32 expert matrices while they are quantized
-    (callers zero this entry when the experts move as stored), the KV cache (float32)."""
+    (callers zero this entry when the experts move as stored), the KV pool (``kv_bytes``: what the caller knows of
+    it before the load)."""
     from freetoken import formats
 
     moe = sum(cfg.moe_layers)
@@ -106,14 +109,14 @@ def load_bytes(cfg: ModelConfig, dense_bytes: int, expert_format: str, max_len: 
         record = 3 * h * i * 4
     return {"non-expert weights": dense_bytes, "expert banks": moe * e * record,
             "float32 experts of one layer while quantized": 3 * e * h * i * 4 if moe else 0,
-            "KV cache": 2 * cfg.num_layers * max_len * cfg.num_kv_heads * cfg.head_dim * 4}
+            "KV pool": int(kv_bytes)}
 
 
 #: safetensors dtypes the decoder reads as weights (integers would be read as numbers, never as weights).
 HF_FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 
-def check_hf_tensors(cfg: ModelConfig, sd, fp8_block: bool = False, max_len: int = 2048,
+def check_hf_tensors(cfg: ModelConfig, sd, fp8_block: bool = False, kv_bytes: int = 0,
                      expert_format: str | None = None) -> int:
     """Check every tensor the decoder will read from the :class:`freetoken.loaders.SafetensorsDir` ``sd`` by
     name, shape and dtype, that no tensor of a kind the decoder knows sits where the config has no use for it
@@ -164,7 +167,7 @@ def check_hf_tensors(cfg: ModelConfig, sd, fp8_block: bool = False, max_len: int
     from freetoken.loaders.memory import check_load_bytes
 
     fmt = expert_format or ("fp8_block" if fp8_block else "bf16")
-    need = load_bytes(cfg, dense, fmt, max_len)
+    need = load_bytes(cfg, dense, fmt, kv_bytes)
     if fp8_block and fmt == "fp8_block":
         need["float32 experts of one layer while quantized"] = 0  # the FP8 bytes and scales move as stored
     return check_load_bytes(sd.path, need)

@@ -18,6 +18,7 @@ from freetoken.ops.cache import cache_admit, cache_borrow_layer, cache_copy
 from freetoken.ops.dense import dense, dense_gemv
 from freetoken.ops.histogram import histogram
 from freetoken.ops.moe_experts import MoeWorkspace, moe_experts
+from freetoken.ops.paged_attention import kv_store, paged_attention  # noqa: F401 - SHIM (drop at merge): not in OPS
 from freetoken.ops.reduce import row_sum
 from freetoken.ops.rms_norm import add_rms_norm, rms_norm
 from freetoken.ops.rope import rope, rope_qkv_cache

@@ -559,7 +559,7 @@ def load_input(kind: str, path: Path) -> str:
         return f"trace {t.steps} steps"
     from freetoken.engine.load import load
 
-    m = load(path, device="cpu", max_len=64)
+    m = load(path, device="cpu", ctx=64)
     m.decoder.forward(np.arange(3))
     return f"model {m.decoder.cfg.family} {m.decoder.cfg.num_layers} layers"
 

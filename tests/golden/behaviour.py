@@ -2,7 +2,9 @@
 device and expert mode, and the simulator's tables on a fixed synthetic trace.
 
 ``python tests/golden/behaviour.py`` rewrites the golden files from the code as it is; do that only when a change
-of behaviour is intended, and say so in the commit.
+of behaviour is intended, and say so in the commit: before it overwrites a model file it prints how the new run
+compares with the old one (logits NMSE, greedy tokens that agree, decode routing that agrees), for the commit
+message. ``--dry-run`` prints the comparison and writes nothing.
 """
 
 from __future__ import annotations
@@ -79,11 +81,33 @@ def make_trace(path: Path) -> None:
         main(["trace", "synth", str(path), *SYNTH])
 
 
-def write_all() -> None:
+def compare(old: dict, new: dict) -> str:
+    """One line: how a new run of a model differs from the golden file's."""
+    if not np.array_equal(old["prompt_ids"], new["prompt_ids"]):
+        return "prompt ids differ (the tokenizer changed): nothing else is comparable"
+    ref = old["logits"].astype(np.float64)
+    nmse = float(((new["logits"] - ref) ** 2).mean() / (ref ** 2).mean())
+    tokens = int((old["tokens"] == new["tokens"]).sum()) if old["tokens"].shape == new["tokens"].shape else 0
+    first = next((i for i, (a, b) in enumerate(zip(old["tokens"], new["tokens"], strict=False)) if a != b), None)
+    same_routing = (old["decode_routing"].shape == new["decode_routing"].shape
+                    and float((old["decode_routing"] == new["decode_routing"]).mean()))
+    return (f"logits NMSE {nmse:.3g}; greedy tokens {tokens}/{len(old['tokens'])} agree"
+            + ("" if first is None else f" (first difference at token {first})")
+            + f"; decode routing {float(same_routing):.1%} agrees")
+
+
+def write_all(dry_run: bool = False) -> None:
     import tempfile
 
     for name in MODEL_RUNS:
-        np.savez_compressed(HERE / f"model_{name}.npz", **run_model(name))
+        new = run_model(name)
+        path = HERE / f"model_{name}.npz"
+        if path.exists():
+            print(f"{name}: {compare(dict(np.load(path)), new)}", flush=True)
+        if not dry_run:
+            np.savez_compressed(path, **new)
+    if dry_run:
+        return
     with tempfile.TemporaryDirectory() as d:
         trace = Path(d) / "t.npz"
         make_trace(trace)
@@ -92,4 +116,6 @@ def write_all() -> None:
 
 
 if __name__ == "__main__":
-    write_all()
+    import sys
+
+    write_all(dry_run="--dry-run" in sys.argv[1:])

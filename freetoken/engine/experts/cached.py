@@ -70,8 +70,8 @@ class CachedExperts(RunnerBase):
         self.cache.pool.write_layer(layer, banks)  # the host pool: the authoritative copy
 
     # ---- a forward pass --------------------------------------------------------------------------------------
-    def begin(self, tokens: int) -> None:
-        super().begin(tokens)
+    def begin(self, tokens: int, first: bool = True) -> None:
+        super().begin(tokens, first)
         if self.prefetch is not None:
             self.prefetch.forget()
         self.streaming = tokens * self.top_k > self.cache.max_active
@@ -185,6 +185,10 @@ class CachedExperts(RunnerBase):
         return y
 
     # ---- state, counters, report -----------------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        return {"expert banks (host pool)": int(self.cache.pool.nbytes),
+                "expert slots": sum(int(b.nbytes) for b in self.cache.slot_banks.values())}
+
     def reset(self) -> None:
         self.dev.synchronize()
         self.cache.reset()

@@ -17,6 +17,9 @@ class HostExperts(RunnerBase):
     def load_layer(self, layer: int, banks: dict) -> None:
         self.banks[layer] = banks
 
+    def memory(self) -> dict[str, int]:
+        return {"expert banks (host)": sum(int(b.nbytes) for banks in self.banks if banks for b in banks.values())}
+
     def run(self, layer: int, h, ids, weights):
         self.record(ids)
         # the ids come from the model's top-k: in range by construction, so the kernel skips re-checking them
