@@ -7,7 +7,7 @@ in freetoken is edited):
 * ``experts``: the routed experts (the model's expert runner, ``run``);
 * ``dense``: the dense projections (``freetoken.ops.dense``: attention q/k/v and o, the router gate, a shared
   expert, the lm_head; also listed per weight shape);
-* ``attention``: the attention itself (``freetoken.ops.attention``, KV already written);
+* ``attention``: the attention itself (``freetoken.ops.paged_attention``, KV already written);
 * ``other``: the rest of the forward (embedding, norms, RoPE, routing softmax/top-k, residual adds, Python).
 
 Times are exclusive (a wrapped op called inside another counts only once, for the outer one).
@@ -70,20 +70,20 @@ def _dense_shape(x, w, storage, *args, **kwargs):
 
 @contextmanager
 def instrumented(model):
-    """Wrap ops.dense, ops.attention and the model's expert runner for the duration; yields the timers."""
+    """Wrap ops.dense, ops.paged_attention and the model's expert runner for the duration; yields the timers."""
     from freetoken import ops
 
     timers = _Timers()
-    saved_dense, saved_att = ops.dense, ops.attention
+    saved_dense, saved_att = ops.dense, ops.paged_attention
     runner = model.decoder.experts
     saved_run = runner.run
     ops.dense = timers.wrap("dense", saved_dense, _dense_shape)
-    ops.attention = timers.wrap("attention", saved_att)
+    ops.paged_attention = timers.wrap("attention", saved_att)
     runner.run = timers.wrap("experts", saved_run)
     try:
         yield timers
     finally:
-        ops.dense, ops.attention = saved_dense, saved_att
+        ops.dense, ops.paged_attention = saved_dense, saved_att
         del runner.run
 
 

@@ -1,7 +1,8 @@
 """Behaviour pinned across refactors: the bundled model's logits, greedy tokens, decode routing and expert counters
 on every device and expert mode, and the simulator's tables, against files written from the code before (see
-tests/golden/behaviour.py). The cpu device must match bit for bit; emu runs within NMSE 1e-9 (a rewritten kernel
-may sum in another order), with identical tokens, routing and counters."""
+tests/golden/behaviour.py). The cpu device must match bit for bit on a machine of the golden run's SIMD level (the
+file records it; on another level the sums run in other orders, so NMSE 1e-9 as for emu); emu runs within NMSE 1e-9
+(a rewritten kernel may sum in another order); tokens, routing and counters identical everywhere."""
 
 import json
 import sys
@@ -27,9 +28,9 @@ def test_model_matches_golden(name):
     want = dict(np.load(behaviour.HERE / f"model_{name}.npz"))
     got = behaviour.run_model(name)
     np.testing.assert_array_equal(got["prompt_ids"], want["prompt_ids"])
-    if device == "cpu":
+    if device == "cpu" and str(got["simd"]) == str(want["simd"]):
         np.testing.assert_array_equal(got["logits"], want["logits"])
-    else:
+    else:  # emu, or cpu kernels built for another SIMD level than the golden run's (other summation orders)
         err = float(((got["logits"] - want["logits"]) ** 2).mean() / (want["logits"] ** 2).mean())
         assert err <= 1e-9, f"logits NMSE {err:.3g} against the golden run"
     np.testing.assert_array_equal(got["tokens"], want["tokens"])

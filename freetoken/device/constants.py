@@ -70,6 +70,10 @@ DENSE_WARPS = 4
 ATT_TILE = 32
 ATT_WARPS = 4
 
+# ---- paged KV cache (cuda/paged_attention.cu, cuda/kv.cuh) -------------------------------------------------------
+#: Largest finite e4m3fn magnitude: an fp8 row's scale is its amax / KV_FP8_MAX (FT_KV_FP8_MAX).
+KV_FP8_MAX = 448.0
+
 # ---- small row ops (cuda/rms_norm.cu, cuda/routing.cu) ----------------------------------------------------------
 #: The largest block of rms_norm_f32 (FT_NORM_THREADS).
 NORM_THREADS = 256
@@ -107,6 +111,7 @@ CUDA_DEFINES: dict[str, str] = {
     "FT_DENSE_WARPS": str(DENSE_WARPS),
     "FT_ATT_TILE": str(ATT_TILE),
     "FT_ATT_WARPS": str(ATT_WARPS),
+    "FT_KV_FP8_MAX": _float(KV_FP8_MAX),
     "FT_NORM_THREADS": str(NORM_THREADS),
     "FT_ROUTE_WARPS": str(ROUTE_WARPS),
     **_struct_defines("FT_EXPERT_BANKS", EXPERT_BANKS),

@@ -18,7 +18,7 @@ from freetoken.ops.cache import cache_admit, cache_borrow_layer, cache_copy
 from freetoken.ops.dense import dense, dense_gemv
 from freetoken.ops.histogram import histogram
 from freetoken.ops.moe_experts import MoeWorkspace, moe_experts
-from freetoken.ops.paged_attention import kv_store, paged_attention  # noqa: F401 - SHIM (drop at merge): not in OPS
+from freetoken.ops.paged_attention import kv_store, paged_attention
 from freetoken.ops.reduce import row_sum
 from freetoken.ops.rms_norm import add_rms_norm, rms_norm
 from freetoken.ops.rope import rope, rope_qkv_cache
@@ -57,6 +57,12 @@ OPS: dict[str, Op] = {op.name: op for op in (
        _R + "transpose:transpose_reference", _C + "transpose"),
     Op("attention_decode", attention_decode, ("attention.cu",), "freetoken.ops.attention",
        (_K + "attention:attention_decode_f32",), _R + "attention:attention_reference", _C + "attention"),
+    Op("kv_store", kv_store, ("paged_attention.cu",), "freetoken.ops.paged_attention", (),
+       _R + "paged_attention:kv_store_reference", _C + "paged_attention",
+       cpu="array code (freetoken.ops.paged_attention.kv_encode and a scatter)"),
+    Op("paged_attention", paged_attention, ("paged_attention.cu",), "freetoken.ops.paged_attention",
+       (_K + "paged_attention:paged_attention_rows",), _R + "paged_attention:paged_attention_reference",
+       _C + "paged_attention"),
     Op("attention", attention, ("attention.cu",), "freetoken.ops.attention", (), _R + "attention:attention_reference",
        _C + "attention", cpu="array code (freetoken.ops.attention.attention_arrays)"),
     Op("dense_gemv", dense_gemv, ("dense.cu",), "freetoken.ops.dense",
@@ -86,4 +92,5 @@ OPS: dict[str, Op] = {op.name: op for op in (
 
 __all__ = ["OPS", "MoeWorkspace", "Op", "add_rms_norm", "attention", "attention_decode", "cache_admit",
            "cache_borrow_layer", "cache_copy", "constants", "dense", "dense_gemv", "histogram", "moe_experts",
-           "rms_norm", "rope", "rope_qkv_cache", "route_softmax_topk", "row_sum", "topk", "transpose"]
+           "kv_store", "paged_attention", "rms_norm", "rope", "rope_qkv_cache", "route_softmax_topk", "row_sum", "topk",
+           "transpose"]

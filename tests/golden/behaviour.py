@@ -4,7 +4,8 @@ device and expert mode, and the simulator's tables on a fixed synthetic trace.
 ``python tests/golden/behaviour.py`` rewrites the golden files from the code as it is; do that only when a change
 of behaviour is intended, and say so in the commit: before it overwrites a model file it prints how the new run
 compares with the old one (logits NMSE, greedy tokens that agree, decode routing that agrees), for the commit
-message. ``--dry-run`` prints the comparison and writes nothing.
+message. ``--dry-run`` prints the comparison and writes nothing; names of model runs (``cpu``, ``emu_gpu_slots40``, ...) limit
+the rewrite to those runs.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ def run_model(name: str) -> dict:
            "decode_routing": np.asarray(model.stats.routing, np.int32)}
     # the counters a run reports: cache hits/misses (gpu/emu), the split's counts, prefetch precision
     out.update({f"stat_{k}": np.asarray(v, np.int64) for k, v in model.experts.counters().items()})
+    if device == "cpu":  # the cpu kernels' sums follow the SIMD level they compiled for (bit-exact within a level)
+        from freetoken.device.simd import simd_level
+
+        out["simd"] = np.asarray(simd_level())
     return out
 
 
@@ -96,17 +101,18 @@ def compare(old: dict, new: dict) -> str:
             + f"; decode routing {float(same_routing):.1%} agrees")
 
 
-def write_all(dry_run: bool = False) -> None:
+def write_all(dry_run: bool = False, only: list[str] | None = None) -> None:
+    """Rewrite the golden files (``only``: just these model runs, and not the simulator tables)."""
     import tempfile
 
-    for name in MODEL_RUNS:
+    for name in only or MODEL_RUNS:
         new = run_model(name)
         path = HERE / f"model_{name}.npz"
         if path.exists():
             print(f"{name}: {compare(dict(np.load(path)), new)}", flush=True)
         if not dry_run:
             np.savez_compressed(path, **new)
-    if dry_run:
+    if dry_run or only:
         return
     with tempfile.TemporaryDirectory() as d:
         trace = Path(d) / "t.npz"
@@ -118,4 +124,5 @@ def write_all(dry_run: bool = False) -> None:
 if __name__ == "__main__":
     import sys
 
-    write_all(dry_run="--dry-run" in sys.argv[1:])
+    only = [a for a in sys.argv[1:] if not a.startswith("--")]
+    write_all(dry_run="--dry-run" in sys.argv[1:], only=only or None)

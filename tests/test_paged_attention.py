@@ -1,0 +1,129 @@
+"""The paged KV ops on the cpu device beyond the registry cases (tests/test_kernel_parity.py runs those on every
+device): float32 accuracy of the prompt path against the float64 reference, the storage encodings on awkward values,
+independence from where the blocks sit in the pool, and errors that name the bad argument."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from freetoken import get_device, ops
+from freetoken.ops.paged_attention import kv_encode
+from freetoken.testing.reference.paged_attention import (KV_DTYPES, kv_encode_reference,
+                                                         paged_attention_reference)
+
+CPU = get_device("cpu")
+
+
+def _sequence(rng, kind, total, kv_heads, dim, block_size, shuffle=True):
+    k = rng.standard_normal((total, kv_heads, dim)).astype(np.float32)
+    v = rng.standard_normal((total, kv_heads, dim)).astype(np.float32)
+    nblocks = -(-total // block_size) + 2
+    table = (rng.permutation(nblocks) if shuffle else np.arange(nblocks)).astype(np.int32)
+    shape = (nblocks, block_size, kv_heads, dim)
+    pools = [np.zeros(shape, KV_DTYPES[kind]) for _ in range(2)]
+    scales = [np.zeros(shape[:3], np.float32) for _ in range(2)] if kind == "fp8" else [None, None]
+    ops.kv_store(k, v, pools[0], pools[1], scales[0], scales[1], table, 0, device=CPU)
+    return pools, scales, table
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "fp8"])
+@pytest.mark.parametrize("heads, kv_heads, dim, t, start, window, sinks", [
+    (8, 2, 128, 70, 0, 0, False),      # a whole prompt, several query tiles and blocks
+    (4, 4, 64, 33, 90, 0, True),       # a chunk continuing a sequence, no GQA, sinks
+    (6, 2, 96, 40, 25, 17, False),     # a sliding window shorter than the chunk
+    (4, 1, 256, 18, 0, 0, False),      # the largest head dim, one kv head for all
+])
+def test_prompt_attention_float32_accuracy(kind, heads, kv_heads, dim, t, start, window, sinks):
+    """The cpu kernel sums in float32 (exponentials in float64): within 1e-5 of the largest output of the float64
+    reference on the same stored keys and values, for every kind (the kinds' rounding is in both)."""
+    rng = np.random.default_rng(7)
+    (kp, vp), (ks, vs), table = _sequence(rng, kind, start + t, kv_heads, dim, 16)
+    q = (2.0 * rng.standard_normal((t, heads, dim))).astype(np.float32)
+    sk = rng.uniform(-1, 3, heads).astype(np.float32) if sinks else None
+    got = ops.paged_attention(q, kp, vp, ks, vs, table, start, window=window, sinks=sk, device=CPU)
+    want = paged_attention_reference(q, kp, vp, ks, vs, table, start, window=window, sinks=sk)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_result_does_not_depend_on_block_placement():
+    """The same sequence in blocks 0, 1, 2, ... and in shuffled blocks gives bit-identical outputs."""
+    out = []
+    for shuffle in (False, True):
+        rng = np.random.default_rng(3)
+        (kp, vp), (ks, vs), table = _sequence(rng, "bf16", 150, 2, 64, 16, shuffle=shuffle)
+        q = np.random.default_rng(4).standard_normal((20, 8, 64)).astype(np.float32)
+        out.append(ops.paged_attention(q, kp, vp, ks, vs, table, 130, device=CPU))
+    np.testing.assert_array_equal(out[0], out[1])
+
+
+def test_bf16_and_f16_encodings_on_awkward_values():
+    """Ties (round to even), the largest values (overflow to inf), subnormals, signed zeros, inf and NaN encode as
+    ml_dtypes / NumPy round them (the reference), and NaN stays NaN."""
+    f32 = np.float32
+    ties = (np.array([0x3F808000, 0x3F818000, 0x7F7F8000, 0x00008000, 0x80018000], np.uint32)).view(f32)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3.4e38, -3.4e38, 1e-40, -1e-45, 65504.0, 65520.0,
+                        6e-8, 2.9e-8], f32)
+    rand = np.random.default_rng(1).standard_normal(4096).astype(f32) * f32(1e3)
+    x = np.concatenate([ties, special, rand])[None]
+    for kind in ("bf16", "f16"):
+        got, _ = kv_encode(x, kind)
+        want, _ = kv_encode_reference(x, kind)
+        gv = got.view(ml_dtypes.bfloat16) if kind == "bf16" else got
+        wv = want.view(ml_dtypes.bfloat16) if kind == "bf16" else want
+        assert np.array_equal(np.isnan(gv.astype(f32)), np.isnan(wv.astype(f32)))
+        ok = ~np.isnan(wv.astype(f32))
+        np.testing.assert_array_equal(got[ok], want[ok], err_msg=kind)
+
+
+def test_fp8_rows_scale_and_saturate():
+    """fp8 rows: scale amax / 448 (1 for an all-zero row), codes as the reference rounds them."""
+    x = np.random.default_rng(2).standard_normal((5, 3, 32)).astype(np.float32) * np.float32(50)
+    x[1, 2] = 0.0
+    x[3, 0, 7] = 1e30
+    got, gs = kv_encode(x, "fp8")
+    want, ws = kv_encode_reference(x, "fp8")
+    np.testing.assert_array_equal(gs, ws)
+    np.testing.assert_array_equal(got, want)
+    assert gs[1, 2] == 1.0
+
+
+def _args(kind="bf16", nblocks=4, bs=16, kv_heads=2, dim=32):
+    pools = [np.zeros((nblocks, bs, kv_heads, dim), KV_DTYPES[kind]) for _ in range(2)]
+    scales = [np.ones((nblocks, bs, kv_heads), np.float32) for _ in range(2)] if kind == "fp8" else [None, None]
+    return pools, scales, np.arange(nblocks, dtype=np.int32)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(q=np.zeros((2, 4, 16), np.float32)), "head dim of q"),
+    (dict(q=np.zeros((2, 3, 32), np.float32)), "multiple of kv heads"),
+    (dict(q=np.zeros((2, 4, 32), np.float64)), "q must be float32"),
+    (dict(start=63), "too short"),
+    (dict(start=-1), "must be >= 0"),
+    (dict(table=np.array([0, 9, 1, 2], np.int32), start=20), "outside the pool"),
+    (dict(window=-3), "window=-3"),
+    (dict(sinks=np.zeros(3, np.float32)), "one logit per query head"),
+    (dict(k_scale=np.ones((4, 16, 2), np.float32)), "has no scales"),
+    (dict(k_pool=np.zeros((4, 16, 2, 32), np.int32)), "KV pool stores"),
+])
+def test_attention_errors_name_the_argument(change, match):
+    (kp, vp), (ks, vs), table = _args()
+    a = dict(q=np.zeros((2, 4, 32), np.float32), k_pool=kp, v_pool=vp, k_scale=ks, v_scale=vs, table=table,
+             start=0, window=0, sinks=None)
+    a.update(change)
+    if "k_pool" in change:
+        a["v_pool"] = a["k_pool"]
+    with pytest.raises((ValueError, TypeError), match=match):
+        ops.paged_attention(a["q"], a["k_pool"], a["v_pool"], a["k_scale"], a["v_scale"], a["table"], a["start"],
+                            window=a["window"], sinks=a["sinks"], device=CPU)
+
+
+def test_store_errors_name_the_argument():
+    (kp, vp), (ks, vs), table = _args("fp8")
+    k = np.zeros((3, 2, 32), np.float32)
+    with pytest.raises(ValueError, match="needs k_scale"):
+        ops.kv_store(k, k, kp, vp, None, vs, table, 0, device=CPU)
+    with pytest.raises(ValueError, match="differ from the pool"):
+        ops.kv_store(np.zeros((3, 1, 32), np.float32), np.zeros((3, 1, 32), np.float32), kp, vp, ks, vs, table, 0,
+                     device=CPU)
+    with pytest.raises(ValueError, match="v_pool"):
+        ops.kv_store(k, k, kp, vp[:2], ks, vs, table, 0, device=CPU)
