@@ -4,11 +4,8 @@
 // K elements of one row (K is a multiple of 32), with 16-byte loads, and dequantized in registers. A
 // per-matrix global scale (nvfp4) is NOT applied per element: callers multiply the finished dot product.
 #pragma once
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-#include <cuda_fp8.h>
-
 #include "common.cuh"
+#include "numeric.cuh"
 
 // Format codes FT_FMT_*, activation codes FT_ACT_* and the gpt-oss FT_GPT_OSS_LIMIT / FT_GPT_OSS_ALPHA come from
 // freetoken/ops/constants.py (-D options on every compile).
@@ -39,20 +36,6 @@ __device__ __forceinline__ float e2m1_to_float(unsigned c) {
 __device__ __forceinline__ float e8m0_to_float(unsigned e) {
   return __uint_as_float(e == 0u ? 0x00400000u : e == 255u ? 0x7FC00000u : (e << 23));
 }
-
-// E4M3 (fn) byte -> float through the CUDA headers' converter (0x7F / 0xFF are NaN).
-__device__ __forceinline__ float e4m3_to_float(unsigned b) {
-  __nv_fp8_e4m3 v;
-  v.__x = static_cast<__nv_fp8_storage_t>(b);
-  return static_cast<float>(v);
-}
-
-__device__ __forceinline__ float bf16_bits_to_float(unsigned b) { return __uint_as_float((b & 0xFFFFu) << 16); }
-
-__device__ __forceinline__ float f16_bits_to_float(unsigned short b) { return __half2float(__ushort_as_half(b)); }
-
-// Round a float to bf16 and back (the precision tensor-core inputs have).
-__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 __device__ __forceinline__ uint4 load16(const unsigned char* p) { return *reinterpret_cast<const uint4*>(p); }
 

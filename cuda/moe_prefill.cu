@@ -8,17 +8,13 @@
 // Both paths compute the same function (bf16 inputs, fp32 accumulation); only the summation order differs.
 // Warp w owns tile rows [16w, 16w + 16) and all 64 columns: 8 fragments of 16 x 8.
 #include "common.cuh"
+#include "mma.cuh"  // FT_USE_MMA: sm_80+ without FT_NO_MMA
 #include "moe_common.cuh"
 
 // FT_TILE_M (pairs per tile) and FT_TILE_N (output rows per block) come from freetoken/ops/constants.py.
 #define FT_TILE_K 32
 #define FT_SK (FT_TILE_K + 8)  // shared row stride in bf16 elements: 80 bytes, conflict-free fragment loads
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(FT_NO_MMA)
-#define FT_USE_MMA 1
-#else
-#define FT_USE_MMA 0
-#endif
 
 namespace {
 

@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 
 from freetoken import formats, ops
+from freetoken.device.constants import DECODE_MAX_TOKENS
 from freetoken.formats import RecordLayout
 from freetoken.models.qmatrix import QuantizedMatrix
-from freetoken.ops.attention import attention_arrays, plan_splits
 from freetoken.ops.dense import MAX_TOKENS, dense_dequant, dense_gemv
 from freetoken.testing import assert_close, poison, random_record
 from freetoken.testing.cases import CASES
 from freetoken.testing.cases.dense import dense_weights, quantized_blocks
-from freetoken.testing.reference.attention import attention_reference
 from freetoken.testing.reference.dense import dense_reference, gguf_dequantized
 from freetoken.testing.reference.moe_experts import moe_forward_reference
+from freetoken.testing.reference.paged_attention import paged_attention_reference
 from freetoken.testing.reference.rms_norm import rms_norm_reference
 from freetoken.testing.reference.rope import rope_reference
 from freetoken.testing.reference.routing import route_softmax_topk_reference
@@ -230,59 +230,88 @@ def test_dense_empty_and_errors(device):
         QuantizedMatrix("q5_0", np.zeros((3, 34), np.uint8), (3, 32))
 
 
-# ---- attention_decode / attention --------------------------------------------------------------------------------
-def _att_inputs(seed, t, start, heads, kv_heads, dim, extra_rows=3, q_scale=1.0):
-    """Random q and a cache with `extra_rows` NaN rows past start + T - 1 (never to be read)."""
+# ---- kv_store / paged_attention (beyond the registry cases) --------------------------------------------------------
+def _paged_inputs(device, seed, kind, t, start, heads, kv_heads, dim, block_size=16, q_scale=1.0):
+    """A sequence of start + T positions stored through ops.kv_store in shuffled blocks of a pool whose other rows
+    hold NaN (f32/f16) or random codes, and T queries; returns (device arrays for the op, host arrays for the
+    reference)."""
     rng = np.random.default_rng(seed)
-    rows = start + t + extra_rows
+    total = start + t
+    nblocks = -(-total // block_size) + 2
+    table = rng.permutation(nblocks).astype(np.int32)
+    shape = (nblocks, block_size, kv_heads, dim)
+    dt = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "fp8": np.uint8}[kind]
+    pools = [np.full(shape, np.nan, dt) if kind in ("f32", "f16") else rng.integers(0, np.iinfo(dt).max + 1, shape,
+                                                                                      dtype=dt) for _ in range(2)]
+    scales = [rng.uniform(0.5, 2.0, shape[:3]).astype(np.float32) for _ in range(2)] if kind == "fp8" else [None] * 2
+    dpools = [device.asarray(p) for p in pools]
+    dscales = [None if s is None else device.asarray(s) for s in scales]
+    dtable = device.asarray(table)
+    k = rng.standard_normal((total, kv_heads, dim)).astype(np.float32)
+    v = rng.standard_normal((total, kv_heads, dim)).astype(np.float32)
+    ops.kv_store(device.asarray(k), device.asarray(v), *dpools, *dscales, dtable, 0, device=device)
     q = (q_scale * rng.standard_normal((t, heads, dim))).astype(np.float32)
-    k = rng.standard_normal((rows, kv_heads, dim)).astype(np.float32)
-    v = rng.standard_normal((rows, kv_heads, dim)).astype(np.float32)
-    k[start + t:] = np.nan
-    v[start + t:] = np.nan
-    return q, k, v
+    host = [device.to_host(p) for p in dpools] + [None if s is None else device.to_host(s) for s in dscales]
+    return (q, *dpools, *dscales, dtable), (q, *host, table)
 
 
-def _att_run(device, q, k, v, start, **kw):
-    t, heads, dim = q.shape
-    out = device.asarray(poison((t, heads * dim), np.float32))
-    got = ops.attention_decode(device.asarray(q), device.asarray(k), device.asarray(v), start, out=out,
-                               device=device, **kw)
+def _paged_tolerance(device, t):
+    """Decode (T <= 16) and the cpu device: fp32 sums on the widened values; prefill on gpu/emu: bf16 tensor-core
+    products (Q, K, V and the probabilities rounded to bf16), fp32 softmax and sums."""
+    return 1e-5 if device.kind == "cpu" or t <= DECODE_MAX_TOKENS else 1e-2
+
+
+def _paged_run(device, args, start, **kw):
+    q = args[0]
+    out = device.asarray(poison((q.shape[0], q.shape[1] * q.shape[2]), np.float32))
+    got = ops.paged_attention(device.asarray(q), *args[1:], start, out=out, device=device, **kw)
     assert got is out
     return device.to_host(got)
 
 
-def _att_check(got, want, name="attention"):
-    assert_close(got, want, atol=1e-5 * float(np.abs(want).max()), name=name)
-
-
-@pytest.mark.parametrize("t,start,heads,kv_heads,dim", [
-    (1, 0, 4, 4, 32),     # the first position
-    (3, 300, 8, 2, 128),  # a long context: several splits on gpu/emu
-    (2, 20, 12, 1, 32),   # group of 12: two blocks of up to 8 heads, the second half empty
-    (1, 70, 16, 1, 32),   # group of 16: two full blocks of 8
-    (2, 9, 3, 3, 256),    # the largest head dim
-    (1, 40, 4, 2, 48),    # head dims that are not whole 32-lane chunks (the bundled model: 48)
-    (3, 5, 8, 8, 16),
-    (2, 130, 6, 2, 80),
-    (3, 45, 6, 2, 96),    # 3 elements per lane, group of 3 in blocks of 4
-    (1, 5, 4, 2, 224),
-    (17, 0, 4, 2, 32),    # prefill-like: more queries than keys at the start
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("t,start,heads,kv_heads,dim,window", [
+    (1, 0, 4, 4, 32, 0),      # the first position
+    (3, 300, 8, 2, 128, 0),   # a long context: several splits on gpu/emu
+    (2, 20, 12, 1, 32, 0),    # group of 12: two decode blocks of up to 8 heads, the second half empty
+    (1, 70, 16, 1, 32, 5),    # group of 16, a window of 5
+    (2, 9, 3, 3, 256, 0),     # the largest head dim
+    (1, 40, 4, 2, 48, 0),     # head dims that are not whole 32-lane chunks (the bundled model: 48)
+    (3, 45, 6, 2, 96, 20),    # group of 3 in blocks of 4, window inside the context
+    (1, 5, 4, 2, 224, 0),
+    (17, 0, 4, 2, 32, 0),     # the smallest prompt: more queries than keys at the start
+    (40, 23, 6, 2, 80, 0),    # a prompt chunk after a prefix; group of 3 (64 rows hold 21 queries)
+    (33, 64, 8, 1, 192, 30),  # group of 8, a window, a chunk starting on a block boundary
+    (20, 3, 64, 1, 64, 0),    # group of 64: one query per prefill block
 ])
-def test_attention_decode_awkward_shapes(device, t, start, heads, kv_heads, dim):
-    q, k, v = _att_inputs(dim + heads, t, start, heads, kv_heads, dim)
-    _att_check(_att_run(device, q, k, v, start), attention_reference(q, k, v, start))
+def test_paged_attention_awkward_shapes(device, kind, t, start, heads, kv_heads, dim, window):
+    args, host = _paged_inputs(device, dim + heads + t, kind, t, start, heads, kv_heads, dim)
+    want = paged_attention_reference(*host, start, window=window)
+    assert_close(_paged_run(device, args, start, window=window), want,
+                 atol=_paged_tolerance(device, t) * float(np.abs(want).max()), name="paged_attention")
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 1000])
-@pytest.mark.parametrize("t,start", [(1, 300), (3, 130), (40, 0)])
-def test_attention_decode_context_splits(cuda_device, t, start, splits):
-    """Flash-decoding splits, including splits that are empty for the early queries (t=40, start=0)."""
-    q, k, v = _att_inputs(splits + t, t, start, 4, 2, 32)
-    _att_check(_att_run(cuda_device, q, k, v, start, splits=splits), attention_reference(q, k, v, start))
+@pytest.mark.parametrize("t,start,window,sinks", [(1, 300, 0, False), (3, 130, 0, True), (16, 0, 0, False),
+                                                  (2, 400, 100, True)])
+def test_paged_decode_context_splits(cuda_device, t, start, window, sinks, splits):
+    """Flash-decoding splits, including splits that are empty for the early queries (T=16 at the start) or outside
+    the window, merged with the sinks."""
+    from freetoken.ops.paged_attention_cuda import paged_attention_cuda
+
+    dev = cuda_device
+    args, host = _paged_inputs(dev, splits + t, "bf16", t, start, 4, 2, 32)
+    sk = np.random.default_rng(t).uniform(-1, 3, 4).astype(np.float32) if sinks else None
+    out = dev.asarray(poison((t, 4 * 32), np.float32))
+    paged_attention_cuda(dev, dev.asarray(args[0]), *args[1:], start, window, None if sk is None else dev.asarray(sk),
+                         1 / np.sqrt(32), out, splits=splits)
+    want = paged_attention_reference(*host, start, window=window, sinks=sk)
+    assert_close(dev.to_host(out), want, atol=1e-5 * float(np.abs(want).max()), name="paged decode")
 
 
-def test_attention_plan_splits(cuda_device):
+def test_paged_plan_splits(cuda_device):
+    from freetoken.ops.paged_attention_cuda import plan_splits
+
     assert plan_splits(cuda_device, 1, 1, 1000, splits=3) == (3, 352)
     assert plan_splits(cuda_device, 1, 1, 40, splits=1000) == (2, 32)  # chunks are whole 32-key tiles
     assert plan_splits(cuda_device, 1, 1, 1, splits=None) == (1, 32)
@@ -290,81 +319,61 @@ def test_attention_plan_splits(cuda_device):
     assert nsplit > 1 and nsplit * chunk >= 100_000 and (nsplit - 1) * chunk < 100_000
 
 
-@pytest.mark.parametrize("t", [1, 16, 17])
-def test_attention_dispatch(device, t, monkeypatch):
-    """ops.attention: the array code on cpu and beyond 16 queries, the decode kernel up to 16 on gpu/emu."""
-    A = import_module("freetoken.ops.attention")  # the module (freetoken.ops.attention is the op function)
-
-    q, k, v = _att_inputs(t, t, 11, 4, 2, 32, extra_rows=0)
-    calls = []
-    monkeypatch.setattr(A, "attention_decode", lambda *a, **kw: calls.append(1) or ops.attention_decode(*a, **kw))
-    got = device.to_host(ops.attention(device.asarray(q), device.asarray(k), device.asarray(v), 11, device=device))
-    assert bool(calls) == (device.kind != "cpu" and t <= 16)
-    _att_check(got, attention_reference(q, k, v, 11))
-    if device.kind == "cpu":  # exactly the array code (the cpu device's logits stay bit-identical)
-        np.testing.assert_array_equal(got, attention_arrays(np, q, k, v, 11))
-
-
-def test_attention_large_scores_stay_finite(device):
-    """Scores in the hundreds: only a max-subtracted softmax survives."""
-    q, k, v = _att_inputs(5, 2, 50, 4, 2, 64, q_scale=40.0)
-    got = _att_run(device, q, k, v, 50)
+@pytest.mark.parametrize("t", [2, 30])
+def test_paged_attention_large_scores_stay_finite(device, t):
+    """Scores in the hundreds: only a max-subtracted softmax survives (decode and prompt kernels). The prompt kernel
+    on gpu/emu rounds q and k to bf16, which moves scores of ~300 by ~1: its bound is the overflow check's, 10%."""
+    args, host = _paged_inputs(device, 5, "bf16", t, 50, 4, 2, 64, q_scale=40.0)
+    got = _paged_run(device, args, 50)
     assert np.isfinite(got).all()
-    _att_check(got, attention_reference(q, k, v, 50))
+    want = paged_attention_reference(*host, 50)
+    tol = _paged_tolerance(device, t)
+    assert_close(got, want, atol=(0.1 if tol > 1e-5 else tol) * float(np.abs(want).max()), name="paged_attention")
 
 
-def test_attention_decode_deterministic(device):
-    q, k, v = _att_inputs(11, 2, 260, 8, 2, 64)
-    np.testing.assert_array_equal(_att_run(device, q, k, v, 260), _att_run(device, q, k, v, 260))
+@pytest.mark.parametrize("t", [2, 20])
+def test_paged_attention_deterministic(device, t):
+    args, _ = _paged_inputs(device, 11, "f16", t, 260, 8, 2, 64)
+    np.testing.assert_array_equal(_paged_run(device, args, 260), _paged_run(device, args, 260))
 
 
-def test_attention_decode_noncontiguous_q_and_new_out(device):
-    q, k, v = _att_inputs(3, 2, 10, 8, 4, 32)
-    k_d, v_d = device.asarray(k), device.asarray(v)
-    got = device.to_host(ops.attention_decode(device.asarray(q), k_d, v_d, 10, device=device))
-    wide = device.asarray(np.zeros(q.shape[:2] + (2 * q.shape[2],), np.float32))
-    wide[..., ::2] = device.asarray(q)  # wide[..., ::2]: the values of q, strided
-    got2 = device.to_host(ops.attention_decode(wide[..., ::2], k_d, v_d, 10, device=device))
-    np.testing.assert_array_equal(got, got2)
-    assert got.shape == (2, 8 * 32) and got.dtype == np.float32
-    _att_check(got, attention_reference(q, k, v, 10))
-
-
-def test_attention_no_queries(device):
+def test_paged_attention_no_queries(device):
+    args, _ = _paged_inputs(device, 1, "bf16", 1, 4, 4, 2, 32)
     q = device.asarray(np.zeros((0, 4, 32), np.float32))
-    k = device.asarray(np.zeros((5, 2, 32), np.float32))
-    assert tuple(ops.attention_decode(q, k, k, 5, device=device).shape) == (0, 128)
-    assert tuple(ops.attention(q, k, k, 5, device=device).shape) == (0, 128)
+    assert tuple(ops.paged_attention(q, *args[1:], 5, device=device).shape) == (0, 128)
+    ops.kv_store(q[:, :2], q[:, :2], *args[1:5], args[5], 5, device=device)  # nothing to append
 
 
-@pytest.mark.parametrize("q_shape,k_shape,start,kw,exc,match", [
-    ((4, 32), (8, 2, 32), 0, {}, ValueError, r"q must be \[T, H, D\]"),
-    ((1, 4, 32), (8, 64), 0, {}, ValueError, r"k_cache must be \[rows, Hkv, D\]"),
-    ((1, 6, 32), (8, 4, 32), 0, {}, ValueError, r"query heads \(6\) must be a positive multiple of kv heads \(4\)"),
-    ((1, 4, 0), (8, 2, 0), 0, {}, ValueError, r"head dim 0 unsupported"),
-    ((1, 4, 288), (8, 2, 288), 0, {}, ValueError, r"head dim 288 unsupported"),
-    ((1, 4, 32), (8, 2, 64), 0, {}, ValueError, r"head dim of q \(32\) and of the cache \(64\) differ"),
-    ((3, 4, 32), (8, 2, 32), 6, {}, ValueError, r"cache of 8 rows is too short for start=6 \+ T=3"),
-    ((1, 4, 32), (8, 2, 32), -1, {}, ValueError, r"start=-1 must be >= 0"),
-    ((1, 4, 32), (8, 2, 32), 1.0, {}, TypeError, r"start must be an integer"),
-    ((1, 4, 32), (8, 2, 32), 0, {"splits": 0}, ValueError, r"splits=0 must be at least 1"),
-])
-def test_attention_decode_rejects_bad_inputs(device, q_shape, k_shape, start, kw, exc, match):
-    q = device.asarray(np.zeros(q_shape, np.float32))
-    k = device.asarray(np.zeros(k_shape, np.float32))
-    with pytest.raises(exc, match=match):
-        ops.attention_decode(q, k, k, start, device=device, **kw)
+def test_kv_store_encodes_awkward_values_as_the_host(device):
+    """Ties (round to even), overflow, subnormals, signed zeros, inf and NaN: the device's bf16 / f16 rows are the
+    host encoder's bits; fp8 rows saturate at +-448 with the row scale amax / 448 (1 for an all-zero row)."""
+    from freetoken.ops.paged_attention import kv_encode
 
-
-def test_attention_decode_rejects_mismatched_cache_and_dtypes(device):
-    q = device.asarray(np.zeros((1, 4, 32), np.float32))
-    k = device.asarray(np.zeros((8, 2, 32), np.float32))
-    with pytest.raises(ValueError, match=r"v_cache shape \(9, 2, 32\) differs from k_cache shape \(8, 2, 32\)"):
-        ops.attention_decode(q, k, device.asarray(np.zeros((9, 2, 32), np.float32)), 0, device=device)
-    with pytest.raises(TypeError, match="k_cache must be float32"):
-        ops.attention_decode(q, k.astype(np.float16), k, 0, device=device)
-    with pytest.raises(ValueError, match=r"out must be float32 of shape \(1, 128\)"):
-        ops.attention_decode(q, k, k, 0, out=device.asarray(np.zeros((1, 64), np.float32)), device=device)
+    f32 = np.float32
+    ties = np.array([0x3F808000, 0x3F818000, 0x7F7F8000, 0x00008000, 0x80018000], np.uint32).view(f32)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3.4e38, -3.4e38, 1e-40, -1e-45, 65504.0, 65520.0,
+                        6e-8, 2.9e-8, 1.0], f32)
+    rows = np.zeros((4, 1, 19), f32)
+    rows[0, 0] = np.concatenate([ties, special])
+    rows[1, 0] = np.random.default_rng(1).standard_normal(19) * f32(1e3)
+    rows[2, 0, :3] = [1e-30, -2.0, 0.5]  # row 3 stays zero
+    table = device.asarray(np.array([1, 0], np.int32))
+    for kind in ("bf16", "f16", "fp8"):
+        x = rows if kind != "fp8" else np.nan_to_num(rows, nan=0.0, posinf=0.0, neginf=0.0)
+        dt = {"bf16": np.uint16, "f16": np.float16, "fp8": np.uint8}[kind]
+        pools = [device.asarray(np.zeros((2, 3, 1, 19), dt)) for _ in range(2)]
+        scales = [device.asarray(np.zeros((2, 3, 1), f32)) for _ in range(2)] if kind == "fp8" else [None, None]
+        ops.kv_store(device.asarray(x), device.asarray(x), *pools, *scales, table, 1, device=device)
+        want, want_scale = kv_encode(x, kind)
+        got = device.to_host(pools[1]).reshape(6, 1, 19)[[4, 5, 0, 1]]  # positions 1..4: block 1 rows 1, 2, block 0
+        nan = np.isnan(x)  # any NaN code will do (CUDA's half NaN is 0x7FFF, NumPy's 0x7E00)
+        if kind == "f16":
+            assert np.isnan(got[nan]).all()
+        elif kind == "bf16":
+            assert np.isnan((got[nan].astype(np.uint32) << 16).view(f32)).all()
+        np.testing.assert_array_equal(got[~nan], want[~nan], err_msg=kind)
+        if want_scale is not None:
+            np.testing.assert_array_equal(device.to_host(scales[1]).reshape(6, 1)[[4, 5, 0, 1]], want_scale)
 
 
 # ---- rms_norm, rope, route_softmax_topk ---------------------------------------------------------------------------

@@ -8,8 +8,7 @@ import pytest
 
 from freetoken import get_device, ops
 from freetoken.ops.paged_attention import kv_encode
-from freetoken.testing.reference.paged_attention import (KV_DTYPES, kv_encode_reference,
-                                                         paged_attention_reference)
+from freetoken.testing.reference.paged_attention import KV_DTYPES, kv_encode_reference, paged_attention_reference
 
 CPU = get_device("cpu")
 

@@ -65,12 +65,10 @@ DENSE_MAX_TOKENS = 8
 #: Warps (output rows) per block of dense_gemv (FT_DENSE_WARPS).
 DENSE_WARPS = 4
 
-# ---- attention (cuda/attention.cu) ------------------------------------------------------------------------------
-#: Keys per warp tile (FT_ATT_TILE) and warps per block (FT_ATT_WARPS) of attention_decode.
+# ---- paged KV cache (cuda/paged_attention.cu, cuda/kv.cuh) -------------------------------------------------------
+#: Keys per warp tile (FT_ATT_TILE) and warps per block (FT_ATT_WARPS) of the paged decode kernels.
 ATT_TILE = 32
 ATT_WARPS = 4
-
-# ---- paged KV cache (cuda/paged_attention.cu, cuda/kv.cuh) -------------------------------------------------------
 #: Largest finite e4m3fn magnitude: an fp8 row's scale is its amax / KV_FP8_MAX (FT_KV_FP8_MAX).
 KV_FP8_MAX = 448.0
 

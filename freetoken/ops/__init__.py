@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from freetoken.device import constants
-from freetoken.ops.attention import attention, attention_decode
 from freetoken.ops.cache import cache_admit, cache_borrow_layer, cache_copy
 from freetoken.ops.dense import dense, dense_gemv
 from freetoken.ops.histogram import histogram
@@ -55,16 +54,12 @@ OPS: dict[str, Op] = {op.name: op for op in (
        _R + "histogram:histogram_reference", _C + "histogram"),
     Op("transpose", transpose, ("transpose.cu",), "freetoken.ops.transpose", (_K + "transpose:transpose_2d",),
        _R + "transpose:transpose_reference", _C + "transpose"),
-    Op("attention_decode", attention_decode, ("attention.cu",), "freetoken.ops.attention",
-       (_K + "attention:attention_decode_f32",), _R + "attention:attention_reference", _C + "attention"),
     Op("kv_store", kv_store, ("paged_attention.cu",), "freetoken.ops.paged_attention", (),
        _R + "paged_attention:kv_store_reference", _C + "paged_attention",
        cpu="array code (freetoken.ops.paged_attention.kv_encode and a scatter)"),
     Op("paged_attention", paged_attention, ("paged_attention.cu",), "freetoken.ops.paged_attention",
        (_K + "paged_attention:paged_attention_rows",), _R + "paged_attention:paged_attention_reference",
        _C + "paged_attention"),
-    Op("attention", attention, ("attention.cu",), "freetoken.ops.attention", (), _R + "attention:attention_reference",
-       _C + "attention", cpu="array code (freetoken.ops.attention.attention_arrays)"),
     Op("dense_gemv", dense_gemv, ("dense.cu",), "freetoken.ops.dense",
        (_K + "gemv:matmul_into", _K + "qgemv:qmatmul_into"), _R + "dense:dense_reference", _C + "dense"),
     Op("dense", dense, ("dense.cu",), "freetoken.ops.dense",
@@ -90,7 +85,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
        (_K + "cache:cache_borrow_layer",), _R + "cache:CacheModel", _C + "cache"),
 )}
 
-__all__ = ["OPS", "MoeWorkspace", "Op", "add_rms_norm", "attention", "attention_decode", "cache_admit",
+__all__ = ["OPS", "MoeWorkspace", "Op", "add_rms_norm", "cache_admit",
            "cache_borrow_layer", "cache_copy", "constants", "dense", "dense_gemv", "histogram", "moe_experts",
            "kv_store", "paged_attention", "rms_norm", "rope", "rope_qkv_cache", "route_softmax_topk", "row_sum", "topk",
            "transpose"]

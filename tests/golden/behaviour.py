@@ -4,8 +4,8 @@ device and expert mode, and the simulator's tables on a fixed synthetic trace.
 ``python tests/golden/behaviour.py`` rewrites the golden files from the code as it is; do that only when a change
 of behaviour is intended, and say so in the commit: before it overwrites a model file it prints how the new run
 compares with the old one (logits NMSE, greedy tokens that agree, decode routing that agrees), for the commit
-message. ``--dry-run`` prints the comparison and writes nothing; names of model runs (``cpu``, ``emu_gpu_slots40``, ...) limit
-the rewrite to those runs.
+message. ``--dry-run`` prints the comparison and writes nothing; names of model runs (``cpu``, ``emu_gpu_slots40``,
+...) limit the rewrite to those runs.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from importlib import import_module
 
 from freetoken.testing.cases.base import KernelCase, poisoned
 
-MODULES = ("reduce", "topk", "histogram", "transpose", "attention", "dense", "rms_norm", "rope", "routing",
+MODULES = ("reduce", "topk", "histogram", "transpose", "dense", "rms_norm", "rope", "routing",
            "moe_experts", "cache", "paged_attention")
 
 
@@ -19,7 +19,7 @@ def _ordered() -> list[KernelCase]:
     across runs; the rest follow."""
     mods = {m: import_module(f"freetoken.testing.cases.{m}") for m in MODULES}
     first = (mods["reduce"].CASES + mods["topk"].CASES + mods["histogram"].CASES + mods["transpose"].CASES
-             + mods["attention"].DECODE_CASES + mods["dense"].DENSE_CASES + mods["dense"].QDENSE_CASES
+             + mods["dense"].DENSE_CASES + mods["dense"].QDENSE_CASES
              + mods["moe_experts"].SWIGLU_CASES + mods["cache"].CACHE_CASES)
     names = {c.name for c in first}
     return first + [c for m in MODULES for c in mods[m].CASES if c.name not in names]

@@ -11,8 +11,12 @@ import numpy as np
 
 from freetoken import ops
 from freetoken.testing.cases.base import KernelCase, poisoned
-from freetoken.testing.reference.paged_attention import (KV_DTYPES, kv_encode_reference, kv_store_reference,
-                                                         paged_attention_reference)
+from freetoken.testing.reference.paged_attention import (
+    KV_DTYPES,
+    kv_encode_reference,
+    kv_store_reference,
+    paged_attention_reference,
+)
 
 
 def _pool(rng, kind: str, shape, fill_nan: bool):
@@ -94,11 +98,13 @@ STORE_CASES = [
 
 
 # ---- paged_attention ----------------------------------------------------------------------------------------------
-def _make_attention(kind: str, t: int, window: int = 0, sinks: bool = False):
+def _make_attention(kind: str, t_small: int, window: int = 0, sinks: bool = False, t_large: int | None = None):
     def make(rng, size):
+        t = t_small
         if size == "small":  # odd head dims, groups of 3 and 4, contexts over several blocks
             heads, kv_heads, dim, start, block_size = ((6, 2, 96, 150, 16) if t <= 16 else (8, 2, 40, 19, 16))
-        else:  # Qwen3-30B-A3B attention (32 q / 4 kv heads of 128) at 4096 tokens of context
+        else:  # Qwen3-30B-A3B attention (32 q / 4 kv heads of 128) ending at 4096 tokens of context
+            t = t_large or t
             heads, kv_heads, dim, start, block_size = 32, 4, 128, 4096 - t, 64
         total = start + t
         k, v, ks, vs, table = _layout(rng, kind, total, block_size, kv_heads, dim, fill_nan=True)
@@ -161,6 +167,10 @@ ATTENTION_CASES = [
                flops=_attention_flops, op="paged_attention")
     for kind, t, w, s in (("bf16", 1, 0, False), ("fp8", 4, 0, True), ("f16", 1, 37, False),
                           ("bf16", 40, 0, False), ("f32", 40, 23, True))
+] + [  # a prompt chunk (on the GPU: 1024 queries after 3072 tokens, the prefill kernel's TFLOP/s)
+    KernelCase("paged_prefill_bf16_chunk", "paged_attention.cu", _make_attention("bf16", 24, t_large=1024),
+               _setup_attention, _launch_attention, _ref_attention, rel_atol=1e-2, bytes_moved=_attention_bytes,
+               flops=_attention_flops, op="paged_attention"),
 ]
 
 CASES = STORE_CASES + ATTENTION_CASES
