@@ -59,11 +59,11 @@ class SyntheticWeights:
 
 
 def synthetic_config(layers=16, experts=64, top_k=8, hidden=1024, moe_inter=384, heads=16, kv_heads=4, head_dim=64,
-                     vocab=4096) -> ModelConfig:
+                     vocab=4096, max_position=4096) -> ModelConfig:
     return ModelConfig(family="qwen3_moe", vocab_size=vocab, hidden=hidden, num_layers=layers, num_heads=heads,
                        num_kv_heads=kv_heads, head_dim=head_dim, num_experts=experts, top_k=top_k,
                        moe_inter=moe_inter, dense_inter=0, norm_topk_prob=True, rms_eps=1e-6, rope_theta=1e6,
-                       qk_norm="head", moe_layers=(True,) * layers, tie_word_embeddings=True, max_position=4096)
+                       qk_norm="head", moe_layers=(True,) * layers, tie_word_embeddings=True, max_position=max_position)
 
 
 def main(argv=None) -> int:
@@ -74,10 +74,16 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--moe-inter", type=int, default=384)
+    ap.add_argument("--heads", type=int, default=16, help="query heads (default 16)")
+    ap.add_argument("--kv-heads", type=int, default=4, help="key/value heads (default 4)")
+    ap.add_argument("--head-dim", type=int, default=64, help="(default 64)")
+    ap.add_argument("--max-position", type=int, default=4096,
+                    help="the context the file declares (max_position_embeddings; default 4096)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     cfg = synthetic_config(layers=args.layers, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-                           moe_inter=args.moe_inter)
+                           moe_inter=args.moe_inter, heads=args.heads, kv_heads=args.kv_heads,
+                           head_dim=args.head_dim, max_position=args.max_position)
     tok = gguf_tokenizer_fields(DEFAULT_MODEL / "tokenizer.json", DEFAULT_MODEL / "tokenizer_config.json")
     out = write_gguf(cfg, SyntheticWeights(cfg, args.seed), args.output, experts="q4_0", other="f16", tokenizer=tok,
                      name="freetoken synthetic qwen3moe", progress=sys.stderr.isatty())
