@@ -6,8 +6,9 @@
 
 Columns: kernel, max error against the NumPy reference, pass/FAIL, median time, achieved GB/s and that as a
 fraction of the card's device-to-device copy bandwidth measured in the same run. Without a GPU it says so and
-exits 0 (exit 1 with --require-gpu). Exit 1 when any case fails. If only moe_prefill_* fail, rerun with
-FREETOKEN_NO_MMA=1 (the prefill kernels' plain fallback): passing then points at the tensor-core path.
+exits 0 (exit 1 with --require-gpu). Exit 1 when any case fails. If only moe_prefill_* or the prompt-sized
+paged_attention / paged_prefill cases fail, rerun with FREETOKEN_NO_MMA=1 (the prefill kernels' portable twin of the
+tensor-core products): passing then points at the tensor-core path.
 On a GPU it then runs the bundled model end to end (--model-check, bench/gpu_model_check.py): logits against the
 cpu device, decode tokens/s by cache size and --moe-mode, and bench bw's PCIe and CPU figures;
 --synthetic FILE.gguf adds a decode table on a larger model.

@@ -12,6 +12,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "numeric.cuh"  // cuda_bf16.h
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(FT_NO_MMA)
 #define FT_USE_MMA 1

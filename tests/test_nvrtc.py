@@ -40,9 +40,10 @@ def test_warnings_are_errors():
         compile_cubin(src, "warn.cu", "sm_80")
 
 
-def test_prefill_fallback_compiles_for_gpus():
+@pytest.mark.parametrize("name", ["moe_prefill.cu", "paged_attention.cu"])
+def test_prefill_fallback_compiles_for_gpus(name):
     """FREETOKEN_NO_MMA=1 builds the prefill kernels without tensor cores; that build must stay warning-free too."""
-    src = cuda_dir() / "moe_prefill.cu"
+    src = cuda_dir() / name
     compile_cubin(src.read_text(), src.name, "sm_86", ["-DFT_NO_MMA"])
 
 

@@ -10,6 +10,7 @@ result is deterministic for a given device.
 from __future__ import annotations
 
 import math
+import os
 from functools import lru_cache
 
 import numpy as np
@@ -97,7 +98,10 @@ def paged_attention_cuda(dev, q, k_pool, v_pool, k_scale, v_scale, block_table, 
             raise ValueError(f"{group} query heads per kv head exceed the prefill kernel's {MAX_GROUP}")
         dp = next(d for d in PREFILL_DIMS if d >= dim)
         per_block = PREFILL_ROWS // group
-        fn = cuda_kernel(dev, _SOURCE, f"paged_prefill_d{dp}")
+        # FREETOKEN_NO_MMA=1: the prefill kernels' portable mma twin instead of tensor cores (as for moe_experts: to
+        # tell a tensor-core fault on a GPU from the rest of the kernel)
+        opts = ("-DFT_NO_MMA",) if os.environ.get("FREETOKEN_NO_MMA") == "1" else ()
+        fn = cuda_kernel(dev, _SOURCE, f"paged_prefill_d{dp}", opts)
         fn((-(-t // per_block), kv_heads), (128,),
            (*pools, code, np.int32(t), np.int32(heads), np.int32(kv_heads), np.int32(dim), np.int32(block_size),
             np.int32(start), check_int32("window", window), has_sinks, qscale))
