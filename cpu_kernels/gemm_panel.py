@@ -76,39 +76,50 @@ def panel_tile(typingctx, panel, x, k, k0, kc, toks, acc):
     return types.void(*args), _codegen(TOKENS)
 
 
-def _widen_codegen(kind):
-    def codegen(context, builder, signature, args):
-        w, k, rows, panel = (context.cast(builder, a, t, types.uint64)
-                             for a, t in zip(args, signature.args, strict=True))
-        elem = {"f32": _F32, "bf16": ir.IntType(16), "f16": ir.HalfType()}[kind]
-        v16e, v16f = ir.VectorType(elem, 16), ir.VectorType(_F32, 16)
-        stride = builder.mul(k, ir.Constant(_I64, 4 if kind == "f32" else 2))
-        wps = [typed_ptr(builder, builder.add(w, builder.mul(stride, ir.Constant(_I64, r))), v16e)
-               for r in range(PANEL_ROWS)]
-        pp = typed_ptr(builder, panel, v16f)
-        zero = ir.Constant(v16f, [0.0] * 16)
-        with cgutils.for_range(builder, builder.lshr(k, ir.Constant(_I64, 4))) as loop:
-            j = loop.index
-            vecs = []
-            for r in range(PANEL_ROWS):
-                slot = cgutils.alloca_once_value(builder, zero)
-                with builder.if_then(builder.icmp_unsigned("<", ir.Constant(_I64, r), rows)):
-                    v = builder.load(builder.gep(wps[r], [j]), align=2)
-                    if kind == "f16":
-                        v = builder.fpext(v, v16f)
-                    elif kind == "bf16":
-                        v = builder.bitcast(builder.shl(builder.zext(v, ir.VectorType(_I32, 16)),
-                                                        ir.Constant(ir.VectorType(_I32, 16), [16] * 16)), v16f)
-                    builder.store(v, slot)
-                vecs.append(builder.load(slot))
-            for c, col in enumerate(_transpose16(builder, vecs)):
-                at = builder.add(builder.mul(j, ir.Constant(_I64, 16)), ir.Constant(_I64, c))
-                builder.store(col, builder.gep(pp, [at]), align=4)
-        return context.get_dummy_value()
-    return codegen
+#: Token rows of :func:`panel_tile4`.
+SHORT_TOKENS = 4
+
+
+@intrinsic
+def panel_tile4(typingctx, panel, x, k, k0, kc, toks, acc):
+    """:func:`panel_tile` for ``SHORT_TOKENS`` token rows: short tiles (the few query heads of a decode step)
+    without computing padding rows."""
+    args = (panel, x, k, k0, kc, toks, acc)
+    if not all(isinstance(a, types.Integer) for a in args):
+        return None
+    return types.void(*args), _codegen(SHORT_TOKENS)
+
+
+def _emit_widen(builder, kind, w, k, stride, rows, panel):
+    """IR: rows ``0 .. rows - 1`` (``stride`` bytes apart from address ``w``; the rest zero) of a 16-row block,
+    widened to float32 and transposed into ``panel [k - k % 16, 16]`` in 16 x 16 register blocks."""
+    elem = {"f32": _F32, "bf16": ir.IntType(16), "f16": ir.HalfType()}[kind]
+    v16e, v16f = ir.VectorType(elem, 16), ir.VectorType(_F32, 16)
+    wps = [typed_ptr(builder, builder.add(w, builder.mul(stride, ir.Constant(_I64, r))), v16e)
+           for r in range(PANEL_ROWS)]
+    pp = typed_ptr(builder, panel, v16f)
+    zero = ir.Constant(v16f, [0.0] * 16)
+    with cgutils.for_range(builder, builder.lshr(k, ir.Constant(_I64, 4))) as loop:
+        j = loop.index
+        vecs = []
+        for r in range(PANEL_ROWS):
+            slot = cgutils.alloca_once_value(builder, zero)
+            with builder.if_then(builder.icmp_unsigned("<", ir.Constant(_I64, r), rows)):
+                v = builder.load(builder.gep(wps[r], [j]), align=2)
+                if kind == "f16":
+                    v = builder.fpext(v, v16f)
+                elif kind == "bf16":
+                    v = builder.bitcast(builder.shl(builder.zext(v, ir.VectorType(_I32, 16)),
+                                                    ir.Constant(ir.VectorType(_I32, 16), [16] * 16)), v16f)
+                builder.store(v, slot)
+            vecs.append(builder.load(slot))
+        for c, col in enumerate(_transpose16(builder, vecs)):
+            at = builder.add(builder.mul(j, ir.Constant(_I64, 16)), ir.Constant(_I64, c))
+            builder.store(col, builder.gep(pp, [at]), align=4)
 
 
 _KINDS = {types.float32: "f32", types.uint16: "bf16", types.int16: "f16"}
+_SIZES = {"f32": 4, "bf16": 2, "f16": 2}
 
 
 @intrinsic
@@ -119,9 +130,28 @@ def _widen16(typingctx, w, k, rows, panel, sample):
         return None
 
     def codegen(context, builder, signature, args):
-        return _widen_codegen(_KINDS[sample])(context, builder, signature.replace(args=signature.args[:4]),
-                                              args[:4])
+        w_, k_, rows_, panel_ = (context.cast(builder, a, t, types.uint64)
+                                 for a, t in zip(args[:4], signature.args[:4], strict=True))
+        kind = _KINDS[sample]
+        _emit_widen(builder, kind, w_, k_, builder.mul(k_, ir.Constant(_I64, _SIZES[kind])), rows_, panel_)
+        return context.get_dummy_value()
     return types.void(w, k, rows, panel, sample), codegen
+
+
+@intrinsic
+def widen16_strided(typingctx, w, k, stride, rows, panel, sample):
+    """As the 16-row widen of :func:`widen_panel`, for rows ``stride`` bytes apart (a strided view, e.g. one kv
+    head's keys in a paged KV block): rows ``0 .. rows - 1`` of ``k`` values from address ``w`` into
+    ``panel [k - k % 16, 16]``, the rest zero; the stored type is ``sample``'s."""
+    if sample not in _KINDS or not all(isinstance(a, types.Integer) for a in (w, k, stride, rows, panel)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        w_, k_, stride_, rows_, panel_ = (context.cast(builder, a, t, types.uint64)
+                                          for a, t in zip(args[:5], signature.args[:5], strict=True))
+        _emit_widen(builder, _KINDS[sample], w_, k_, stride_, rows_, panel_)
+        return context.get_dummy_value()
+    return types.void(w, k, stride, rows, panel, sample), codegen
 
 
 @nb.njit(inline="always", fastmath=FASTMATH)

@@ -33,6 +33,9 @@ def kv_kind_of(pool) -> str:
     return kind
 
 
+_NO_TABLE = np.zeros(1, np.float32)  # the cpu kernel's table argument where the kind has none
+
+
 @lru_cache(maxsize=4)
 def decode_table(kind: str) -> np.ndarray | None:
     """float32 value of every stored code of a 16- or 8-bit kind (fp8: before its row scale); None for f32."""
@@ -220,8 +223,9 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, block_table, start, *, 
     from freetoken.cpu_kernels.paged_attention import paged_attention_rows
 
     kind = kv_kind_of(k_pool)
-    if kind == "f16":  # the kernel reads the bits (Numba does not index by float16)
-        k_pool, v_pool = k_pool.view(np.uint16), v_pool.view(np.uint16)
-    paged_attention_rows(q, k_pool, v_pool, k_scale, v_scale, decode_table(kind), block_table, start, window,
-                         sinks, np.float32(sc), out)
+    if kind == "f16":  # the kernel widens IEEE half bits from int16 (Numba has no float16 arithmetic)
+        k_pool, v_pool = k_pool.view(np.int16), v_pool.view(np.int16)
+    table = decode_table("fp8") if kind == "fp8" else _NO_TABLE
+    paged_attention_rows(q, k_pool, v_pool, k_scale, v_scale, table, block_table, start, window, sinks,
+                         np.float32(sc), out)
     return out
