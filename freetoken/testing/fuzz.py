@@ -655,9 +655,19 @@ def run_forked(kind: str, path: Path, n: int = 0, timeout: float = 10.0,
 
 
 def warm_up(seeds: Seeds) -> None:
-    """Load every seed once in this process, so forked children inherit compiled kernels and imports."""
+    """Load every seed once in this process, so forked children inherit compiled kernels and imports; and run the
+    dense product once per weight storage and shape class (a mutated GGUF may turn a seed matrix into another
+    storage: compiling its kernel in a child took ~10 s, the hang timeout)."""
     for kind, path in (("safetensors", seeds.hf_dir), ("gguf", seeds.gguf), ("trace", seeds.trace)):
         load_input(kind, path)
+    from freetoken import ops
+    from freetoken.ops.dense import QUANT_BLOCK_BYTES, STORAGE_DTYPES
+
+    for storage, dtype in STORAGE_DTYPES.items():
+        width = QUANT_BLOCK_BYTES.get(storage, 32)  # one row of 32 weights: a block, or 32 values
+        w = np.zeros((8, width), dtype)
+        for tokens in (1, 64):  # a decode GEMV and a prompt product
+            ops.dense(np.zeros((tokens, 32), np.float32), w, storage, device="cpu")
 
 
 # ---- a fork server: loads run in children of a fresh process ---------------------------------------------------
