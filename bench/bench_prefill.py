@@ -3,12 +3,13 @@ at several prompt lengths and decode tokens/s at several context lengths.
 
 The model is a synthetic Qwen3-MoE-shaped Q4_0 GGUF (``bench/make_synthetic_gguf.py``; by default 16 layers, hidden
 1024, 64 experts top-8, 16 query / 4 kv heads of 64, written here with room for the longest context), or
-``--model PATH``. Both engines get the same random prompt on ``--threads`` threads and compute the last position's
-logits only; llama.cpp runs with flash attention and an f16 KV cache (its defaults for a long context), freetoken
-with its default bf16 paged KV cache and prefill chunk. Each prefill is timed once after a warm-up on a short
-prompt (a 16k-token prefill takes minutes on two cores; the ratio is what matters, and it comes from one run);
-decode at context C is the median step time of ``--decode-tokens`` greedy steps after a C-token prefill (context 0:
-after a one-token prompt).
+``--model PATH``. Both engines get the same random prompt on ``--threads`` threads; freetoken computes the last
+position's logits, llama.cpp every position's (llama-cpp-python reads them so; its LM head is ~2% of the
+synthetic model's prefill work). llama.cpp runs with flash attention and an f16 KV cache (its defaults for a long
+context), freetoken with its default bf16 paged KV cache and prefill chunk. Each prefill is timed once after a
+warm-up on a short prompt (a 16k-token prefill takes minutes on two cores; the ratio is what matters, and it comes
+from one run); decode at context C is the median step time of ``--decode-tokens`` greedy steps after a C-token
+prefill (context 0: after a one-token prompt).
 
     python bench/bench_prefill.py                      # 512 / 4k / 16k prefill, decode at 0 / 4k / 16k
     python bench/bench_prefill.py --lengths 512,2048 --model /tmp/syn.gguf --no-llama
@@ -63,7 +64,7 @@ class LlamaCpp:
         import llama_cpp
 
         kw = dict(n_ctx=ctx, n_batch=2048, n_ubatch=512, n_threads=threads, n_threads_batch=threads,
-                  logits_all=False, verbose=False)
+                  logits_all=True, verbose=False)  # (its scores array needs it; the LM head is ~2% of a prefill)
         try:
             self.llm = llama_cpp.Llama(str(path), flash_attn=True, **kw)
             self.flash = True
@@ -82,24 +83,27 @@ class LlamaCpp:
 
 
 def measure(engine, prompt: list[int], lengths: list[int], contexts: list[int], steps: int) -> dict:
-    """{("prefill", L): tokens/s, ("decode", C): tokens/s} for one engine."""
+    """{("prefill", L): tokens/s, ("decode", C): tokens/s} for one engine (a decode context that is also a prefill
+    length decodes right after that timed prefill)."""
     out = {}
     engine.prefill(prompt[:64])  # warm-up: Numba compiles, buffers fill
     engine.step(1)
-    for n in lengths:
+    for n in sorted(set(lengths) | {max(c, 1) for c in contexts}):
         t0 = time.perf_counter()
-        engine.prefill(prompt[:n])
-        out["prefill", n] = n / (time.perf_counter() - t0)
-        print(f"  {engine.name}: prefill {n} tokens: {out['prefill', n]:.1f} tok/s", file=sys.stderr, flush=True)
-    for c in contexts:
-        tok = engine.prefill(prompt[:max(c, 1)])
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            tok = engine.step(tok)
-            times.append(time.perf_counter() - t0)
-        out["decode", c] = 1.0 / statistics.median(times)
-        print(f"  {engine.name}: decode at context {c}: {out['decode', c]:.1f} tok/s", file=sys.stderr, flush=True)
+        tok = engine.prefill(prompt[:n])
+        if n in lengths:
+            out["prefill", n] = n / (time.perf_counter() - t0)
+            print(f"  {engine.name}: prefill {n} tokens: {out['prefill', n]:.1f} tok/s", file=sys.stderr, flush=True)
+        for c in [c for c in contexts if max(c, 1) == n]:
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                tok = engine.step(tok)
+                times.append(time.perf_counter() - t0)
+            out["decode", c] = 1.0 / statistics.median(times)
+            print(f"  {engine.name}: decode at context {c}: {out['decode', c]:.1f} tok/s", file=sys.stderr,
+                  flush=True)
+            tok = engine.prefill(prompt[:n]) if len([x for x in contexts if max(x, 1) == n]) > 1 else tok
     return out
 
 
@@ -123,7 +127,7 @@ def main(argv=None) -> int:
         from make_synthetic_gguf import main as make_synthetic
 
         path = Path(tempfile.mkdtemp(prefix="ft-bench-prefill-")) / "synthetic-q4_0.gguf"
-        make_synthetic([str(path), "--max-position", str(longest)])
+        make_synthetic([str(path), "--max-position", str(longest + 1024)])  # llama.cpp rounds its context up
     have_llama, why = not args.no_llama, "skipped (--no-llama)"
     if have_llama:
         try:
