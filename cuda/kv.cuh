@@ -9,11 +9,12 @@
 #include "common.cuh"
 #include "numeric.cuh"
 
-// FT_KV_FP8_MAX (448, the largest e4m3fn magnitude) comes from freetoken/device/constants.py.
+// FT_KV_FP8_MAX (448, the largest e4m3fn magnitude) and the kind codes FT_KV_F32 ... FT_KV_FP8 (the kernels' `kind`
+// argument) come from freetoken/device/constants.py.
 
 namespace ft {
 
-enum KvKind { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_FP8 = 3 };
+enum KvKind { KV_F32 = FT_KV_F32, KV_F16 = FT_KV_F16, KV_BF16 = FT_KV_BF16, KV_FP8 = FT_KV_FP8 };
 
 template <int KIND>
 struct Kv;

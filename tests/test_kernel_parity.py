@@ -18,7 +18,7 @@ from freetoken.testing.cases import CASES
 from freetoken.testing.cases.dense import dense_weights, quantized_blocks
 from freetoken.testing.reference.dense import dense_reference, gguf_dequantized
 from freetoken.testing.reference.moe_experts import moe_forward_reference
-from freetoken.testing.reference.paged_attention import paged_attention_reference
+from freetoken.testing.reference.paged_attention import KV_DTYPES, paged_attention_reference
 from freetoken.testing.reference.rms_norm import rms_norm_reference
 from freetoken.testing.reference.rope import rope_reference
 from freetoken.testing.reference.routing import route_softmax_topk_reference
@@ -240,7 +240,7 @@ def _paged_inputs(device, seed, kind, t, start, heads, kv_heads, dim, block_size
     nblocks = -(-total // block_size) + 2
     table = rng.permutation(nblocks).astype(np.int32)
     shape = (nblocks, block_size, kv_heads, dim)
-    dt = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "fp8": np.uint8}[kind]
+    dt = KV_DTYPES[kind]
     pools = [np.full(shape, np.nan, dt) if kind in ("f32", "f16") else rng.integers(0, np.iinfo(dt).max + 1, shape,
                                                                                       dtype=dt) for _ in range(2)]
     scales = [rng.uniform(0.5, 2.0, shape[:3]).astype(np.float32) for _ in range(2)] if kind == "fp8" else [None] * 2
@@ -360,7 +360,7 @@ def test_kv_store_encodes_awkward_values_as_the_host(device):
     table = device.asarray(np.array([1, 0], np.int32))
     for kind in ("bf16", "f16", "fp8"):
         x = rows if kind != "fp8" else np.nan_to_num(rows, nan=0.0, posinf=0.0, neginf=0.0)
-        dt = {"bf16": np.uint16, "f16": np.float16, "fp8": np.uint8}[kind]
+        dt = KV_DTYPES[kind]
         pools = [device.asarray(np.zeros((2, 3, 1, 19), dt)) for _ in range(2)]
         scales = [device.asarray(np.zeros((2, 3, 1), f32)) for _ in range(2)] if kind == "fp8" else [None, None]
         ops.kv_store(device.asarray(x), device.asarray(x), *pools, *scales, table, 1, device=device)

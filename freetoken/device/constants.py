@@ -71,6 +71,8 @@ ATT_TILE = 32
 ATT_WARPS = 4
 #: Largest finite e4m3fn magnitude: an fp8 row's scale is its amax / KV_FP8_MAX (FT_KV_FP8_MAX).
 KV_FP8_MAX = 448.0
+#: KV kind -> the code the paged attention kernels take as their ``kind`` argument (FT_KV_F32, ..., ft::KvKind).
+KV_KIND_CODES = {"f32": 0, "f16": 1, "bf16": 2, "fp8": 3}
 
 # ---- small row ops (cuda/rms_norm.cu, cuda/routing.cu) ----------------------------------------------------------
 #: The largest block of rms_norm_f32 (FT_NORM_THREADS).
@@ -110,6 +112,7 @@ CUDA_DEFINES: dict[str, str] = {
     "FT_ATT_TILE": str(ATT_TILE),
     "FT_ATT_WARPS": str(ATT_WARPS),
     "FT_KV_FP8_MAX": _float(KV_FP8_MAX),
+    **{f"FT_KV_{kind.upper()}": str(code) for kind, code in KV_KIND_CODES.items()},
     "FT_NORM_THREADS": str(NORM_THREADS),
     "FT_ROUTE_WARPS": str(ROUTE_WARPS),
     **_struct_defines("FT_EXPERT_BANKS", EXPERT_BANKS),

@@ -71,6 +71,17 @@ def kv_encode(x: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray | None]:
     return y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scale
 
 
+def _whole(name: str, value, note: str = "") -> int:
+    """``value`` as an int >= 0 (TypeError / ValueError naming ``name`` otherwise)."""
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+    if value < 0:
+        raise ValueError(f"{name}={value} must be >= 0{note}")
+    return value
+
+
 def _check(dev, q, k_pool, v_pool, k_scale, v_scale, block_table, start, t_count):
     """Validate the pools, scales, block table and start shared by both ops; returns (pools, scales, table, start)."""
     k_pool, v_pool = dev.as_array(k_pool), dev.as_array(v_pool)
@@ -97,12 +108,7 @@ def _check(dev, q, k_pool, v_pool, k_scale, v_scale, block_table, start, t_count
     elif k_scale is not None or v_scale is not None:
         raise ValueError(f"a {kind} pool has no scales: pass k_scale=None, v_scale=None")
     table = as_input(dev, block_table, "block_table", np.int32, 1)
-    try:
-        start = operator.index(start)
-    except TypeError:
-        raise TypeError(f"start must be an integer, got {type(start).__name__}") from None
-    if start < 0:
-        raise ValueError(f"start={start} must be >= 0")
+    start = _whole("start", start)
     need = -(-(start + t_count) // bs)
     if table.shape[0] < need:
         raise ValueError(f"block_table of {table.shape[0]} blocks is too short for positions up to "
@@ -196,12 +202,7 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, block_table, start, *, 
             raise ValueError(f"head dim of q ({dim}) and of the pool ({k_pool.shape[3]}) differ")
         if heads == 0 or heads % kv_heads:
             raise ValueError(f"query heads ({heads}) must be a positive multiple of kv heads ({kv_heads})")
-        try:
-            window = operator.index(window)
-        except TypeError:
-            raise TypeError(f"window must be an integer, got {type(window).__name__}") from None
-        if window < 0:
-            raise ValueError(f"window={window} must be >= 0 (0: no window)")
+        window = _whole("window", window, " (0: no window)")
         if sinks is not None:
             sinks = as_input(dev, sinks, "sinks", np.float32, 1)
             if sinks.shape[0] != heads:

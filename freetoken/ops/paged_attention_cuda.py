@@ -15,8 +15,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from freetoken.device.constants import ATT_TILE, ATT_WARPS, DECODE_MAX_TOKENS
+from freetoken.device.constants import ATT_TILE, ATT_WARPS, DECODE_MAX_TOKENS, KV_KIND_CODES
 from freetoken.ops._common import check_int32, cuda_kernel
+from freetoken.ops.paged_attention import kv_kind_of
 
 _SOURCE = "paged_attention.cu"
 _MIN_CHUNK = ATT_WARPS * ATT_TILE  # fewest keys worth a split of their own: one tile per warp
@@ -29,10 +30,6 @@ PREFILL_DIMS = (48, 64, 96, 128, 192, 256)
 #: (query, head) rows of one prefill block: a kv group of more query heads does not fit one block.
 PREFILL_ROWS = 64
 MAX_GROUP = PREFILL_ROWS
-_KINDS = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.uint16): "bf16",
-          np.dtype(np.uint8): "fp8"}
-#: KV kind -> ft::KvKind (cuda/kv.cuh), the attention kernels' `kind` argument.
-_KIND_CODES = {"f32": 0, "f16": 1, "bf16": 2, "fp8": 3}
 
 
 @lru_cache(maxsize=8)
@@ -63,7 +60,7 @@ def plan_splits(dev, t: int, kv_blocks: int, keys: int, splits: int | None = Non
 
 def _pool_args(k_pool, v_pool, k_scale, v_scale):
     """The pools' kind and the scale pointers (fp8; else the pools stand in: the kernels never read them)."""
-    kind = _KINDS[np.dtype(k_pool.dtype)]
+    kind = kv_kind_of(k_pool)
     if kind != "fp8":
         k_scale, v_scale = k_pool, v_pool
     return kind, k_scale, v_scale
@@ -92,7 +89,7 @@ def paged_attention_cuda(dev, q, k_pool, v_pool, k_scale, v_scale, block_table, 
     has_sinks = np.int32(sinks is not None)
     sinks = q if sinks is None else sinks  # never read without has_sinks
     pools = (q, k_pool, v_pool, k_scale, v_scale, block_table, sinks, out)
-    code = np.int32(_KIND_CODES[kind])
+    code = np.int32(KV_KIND_CODES[kind])
     if t > DECODE_MAX_TOKENS:
         if group > MAX_GROUP:
             raise ValueError(f"{group} query heads per kv head exceed the prefill kernel's {MAX_GROUP}")
