@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: Bottom to top: a package may import only packages listed before it.
 LAYERS = ["version", "paths", "default_model", "device", "info", "formats", "cpu_kernels", "ops", "cache", "loaders",
-          "trace", "policy", "sim", "models", "convert", "engine", "testing", "cli", "__main__"]
+          "trace", "policy", "sim", "models", "convert", "engine", "testing", "serve", "cli", "__main__"]
 #: The model's blocks compute with ops on a device; which experts are resident, how misses are served and what a
 #: run reports belong to the engine's expert runner.
 MODELS_MAY_IMPORT = {"paths", "device", "formats", "ops", "loaders", "models"}

@@ -13,6 +13,7 @@ the routed experts live in host memory, the GPU caches the hot ones.
 Commands:
   run     generate text from a prompt or --prompt-file (the bundled model unless --model is given)
   chat    chat through the model's chat template, one message a line; the KV cache carries over between turns
+  serve   an OpenAI-compatible HTTP server (chat and text completions, streaming, metrics) for coding agents
   info    what this machine offers: devices, GPU and PCIe link, CPU SIMD, library versions, cache dir
   bench   measure this machine: `bench bw` stores PCIe/CPU bandwidth for --moe-mode auto
   convert write an HF MoE checkpoint as a GGUF file (q4_0 experts) for llama.cpp and freetoken
@@ -122,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     from freetoken.cli.chat import add_chat_parser
 
     add_chat_parser(sub)
+    from freetoken.cli.serve import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -255,6 +255,11 @@ class Chat:
                 self.stats = self.model.stats
 
 
+def model_template(model) -> ChatTemplate:
+    """The model's chat template, or the ChatML fallback (:data:`CHATML_TEMPLATE`) when it has none."""
+    return model.chat_template or ChatTemplate.chatml(_special_tokens(model))
+
+
 def _special_tokens(model) -> dict[str, str]:
     """bos/eos token text for the fallback template, from the model's end-of-sequence ids."""
     tok = model.tokenizer

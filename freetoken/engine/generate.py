@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +20,9 @@ class GenerationStats:
     decode_seconds: float = 0.0
     routing: list = field(default_factory=list)  # per decode step: expert ids per MoE layer (host arrays)
     prefill_routing: list = field(default_factory=list)  # the prompt's expert ids per MoE layer ([T, k] each)
+    #: why generation ended: "stop" (an end-of-sequence token or a stop string), "length" (``max_tokens``),
+    #: "context" (the context is full); None while running or when the caller closed the iterator early
+    finish_reason: str | None = None
 
     @property
     def prefill_tps(self) -> float:
@@ -120,12 +123,20 @@ class Model:
         if record_routing:
             st.prefill_routing = [np.asarray(self.decoder.dev.to_host(r)) for r in self.experts.last_routing]
         history = list(ids)
+        if max_tokens == 0:
+            st.finish_reason = "length"
         for _ in range(max_tokens):
             tok = sampler(logits, history)
             history.append(tok)
             st.generated_tokens += 1
+            if tok in self.eos_ids:
+                st.finish_reason = "stop"
+            elif st.generated_tokens == max_tokens:
+                st.finish_reason = "length"
+            elif self.decoder.length >= self.decoder.ctx:
+                st.finish_reason = "context"
             yield tok
-            if st.generated_tokens == max_tokens or tok in self.eos_ids or self.decoder.length >= self.decoder.ctx:
+            if st.finish_reason is not None:
                 return
             t0 = time.perf_counter()
             logits = self.decoder.forward(np.array([tok], np.int64))[-1]
@@ -136,12 +147,14 @@ class Model:
 
     def generate_text(self, prompt: str | Sequence[int], max_tokens: int = 64, sampling: SamplingParams | None = None,
                       record_routing: bool = False, reuse_cache: bool = False,
-                      stop: Sequence[str] = ()) -> Iterator[str]:
+                      stop: Sequence[str] = (), should_stop: Callable[[], bool] | None = None) -> Iterator[str]:
         """Yield text pieces as tokens come (a piece is held back while it ends in an incomplete character).
 
         ``stop``: strings that end the text (not included). One that is a single token of the vocabulary stops at
         that token; any of them stops when it shows up in the decoded text, so text that could be the start of a
-        stop string is held back until it is clear that it is not. ``reuse_cache``: as in :meth:`generate`."""
+        stop string is held back until it is clear that it is not. ``reuse_cache``: as in :meth:`generate`.
+        ``should_stop``: asked after every token (held-back ones too); True ends generation there (a cancelled
+        request: ``stats.finish_reason`` stays None)."""
         stop = [s for s in stop if s]
         stop_ids = set(self.eos_ids)
         to_id = getattr(self.tokenizer, "token_to_id", None)
@@ -154,7 +167,11 @@ class Model:
         tokens = self.generate(prompt, max_tokens, sampling, record_routing, reuse_cache=reuse_cache)
         try:
             for tok in tokens:
+                if should_stop is not None and should_stop():
+                    self.stats.finish_reason = None
+                    return
                 if tok in stop_ids:
+                    self.stats.finish_reason = "stop"
                     break
                 out.append(tok)
                 text = self.decode(out)
@@ -165,6 +182,7 @@ class Model:
                     yield text[len(shown):]
                     shown = text
                 if stopped:
+                    self.stats.finish_reason = "stop"
                     return
         finally:
             tokens.close()  # stopping early: the decoder holds exactly the tokens it ran (``cached_ids``)

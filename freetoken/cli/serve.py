@@ -1,0 +1,112 @@
+"""``freetoken serve``: the model behind an OpenAI-compatible HTTP API, for coding agents and other clients."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+SERVE_DESCRIPTION = """\
+Serve a model over HTTP with the OpenAI API, for coding agents and any OpenAI client:
+
+  GET  /v1/models            the one model served (--served-model-name)
+  POST /v1/chat/completions  chat through the model's chat template (stream: server-sent events)
+  POST /v1/completions       plain text continuation
+  GET  /health               503 while the model loads, 200 when it serves (needs no key)
+  GET  /metrics              Prometheus metrics: tokens, speeds, time to first token, queue, KV use, expert cache
+
+Requests queue for the one sequence engine (first come, first served); a client that disconnects frees it within
+one decode step. The KV cache is reused from request to request, so an agent's next turn prefills only its new
+tail. Point a client at http://HOST:PORT/v1 (any API key unless --api-key is set).
+"""
+
+
+def add_serve_parser(sub) -> None:
+    from freetoken.cli.args import add_model_args, count
+    from freetoken.cli.policy import add_policy_args
+
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                       description=SERVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to the "
+                        "network, with --api-key)")
+    p.add_argument("--port", type=count(0), default=8080, help="TCP port (default 8080; 0: any free one)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
+                        "$FREETOKEN_API_KEY; unset: no key)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id clients send and /v1/models lists (default: the model's file or folder "
+                        "name, 'freetoken-default' for the bundled model)")
+    add_model_args(p, 1024, "per request when the request does not say (max_tokens)")
+    add_policy_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def served_name(model_path: str | None) -> str:
+    if model_path is None:
+        return "freetoken-default"
+    p = Path(model_path)
+    return p.stem if p.suffix == ".gguf" else (p.resolve().name or str(p))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from freetoken.cli.args import context_kwargs
+    from freetoken.cli.policy import policy_kwargs
+    from freetoken.engine.load import load
+    from freetoken.serve.app import Defaults, create_app
+
+    if args.port > 65535:
+        raise ValueError(f"--port {args.port}: a TCP port is at most 65535")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("FREETOKEN_API_KEY") or None
+    name = args.served_model_name or served_name(args.model)
+    defaults = Defaults(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                        top_k=args.top_k, repetition_penalty=args.repetition_penalty)
+    failure: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def load_model():
+        return load(args.model, device=args.device, progress=False, cache_slots=args.cache_slots,
+                    **policy_kwargs(args), **context_kwargs(args))
+
+    def ready(model):
+        kind = model.decoder.dev.kind
+        print(f"[{kind}] {model.decoder.context_plan.why}", file=sys.stderr)
+        print(f"[{kind}] serving {name!r} at http://{args.host}:{bound_port()}/v1"
+              + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
+
+    def load_failed(e: BaseException):
+        failure.append(e)
+        if server is not None:
+            server.should_exit = True
+
+    def bound_port() -> int:
+        try:
+            return server.servers[0].sockets[0].getsockname()[1]
+        except (AttributeError, IndexError, TypeError):
+            return args.port
+
+    app = create_app(load_model, name, api_key=api_key, defaults=defaults, on_load_error=load_failed,
+                     on_ready=ready)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    print(f"freetoken serve: loading {args.model or 'the bundled model'} ({name!r}); listening on "
+          f"{args.host}:{args.port} meanwhile (GET /health: 503 until ready)", file=sys.stderr, flush=True)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down gracefully, then passes the signal on
+        if not failure:
+            print("freetoken serve: stopped", file=sys.stderr)
+            return 0
+    if failure:
+        e = failure[0]
+        if isinstance(e, (ValueError, OSError)) or type(e).__name__ in ("LoadError", "ConfigError",
+                                                                       "DeviceUnavailable", "CacheError"):
+            raise e
+        raise RuntimeError(f"loading the model failed: {type(e).__name__}: {e}") from e
+    if not server.started:
+        raise OSError(f"could not listen on {args.host}:{args.port} (in use, or not an address of this machine)")
+    return 0

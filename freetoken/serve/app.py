@@ -1,0 +1,150 @@
+"""The ASGI application: ``create_app(load)`` -> a FastAPI app that loads the model in the background and serves it.
+
+- ``GET /health``: 503 ``{"status": "loading"}`` until the model is loaded, then 200 ``{"status": "ok"}`` (503
+  ``{"status": "error"}`` if loading failed). It needs no API key.
+- ``GET /metrics``: Prometheus metrics (:mod:`freetoken.serve.metrics`).
+- the OpenAI endpoints (:mod:`freetoken.serve.openai_api`).
+
+With an API key every endpoint but ``/health`` wants ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``, as
+Anthropic clients send it), compared in constant time. Every error, a malformed body included, is a JSON body in
+the OpenAI error shape (:mod:`freetoken.serve.errors`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from freetoken.serve.errors import APIError, validation_error
+from freetoken.serve.metrics import CONTENT_TYPE, ServerMetrics
+from freetoken.serve.openai_api import ENDPOINTS, router
+from freetoken.serve.worker import EngineWorker
+
+OPEN_PATHS = {"/health"}
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What a request that does not say gets (the ``serve`` command's sampling flags)."""
+
+    max_tokens: int = 1024
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+
+
+@dataclass
+class ServerState:
+    model_name: str
+    defaults: Defaults
+    api_key: str | None
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    worker: EngineWorker | None = None
+    load_error: BaseException | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def ready(self) -> EngineWorker:
+        """The worker, or a 503 while the model loads (or after its load failed)."""
+        if self.worker is None:
+            if self.load_error is not None:
+                raise APIError(503, f"the model failed to load: {self.load_error}", code="model_load_failed")
+            raise APIError(503, "the model is still loading (GET /health says when it is ready)",
+                           code="model_loading")
+        return self.worker
+
+
+def create_app(load: Callable[[], object], model_name: str, api_key: str | None = None,
+               defaults: Defaults = Defaults(), on_load_error: Callable[[BaseException], None] | None = None,
+               on_ready: Callable[[object], None] | None = None) -> FastAPI:
+    """``load()`` returns the :class:`freetoken.engine.generate.Model`; it runs on a thread once the app starts,
+    so ``/health`` answers (503) meanwhile. ``on_load_error(e)`` / ``on_ready(model)`` are told how it went."""
+    state = ServerState(model_name=model_name, defaults=defaults, api_key=api_key or None)
+
+    def load_in_background():
+        try:
+            model = load()
+        except BaseException as e:  # noqa: BLE001 - reported through /health and on_load_error
+            state.load_error = e
+            if on_load_error is not None:
+                on_load_error(e)
+            return
+        state.worker = EngineWorker(model, on_finish=state.metrics.job_finished)
+        state.metrics.worker = state.worker
+        if on_ready is not None:
+            on_ready(model)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        loader = threading.Thread(target=load_in_background, name="freetoken-load", daemon=True)
+        loader.start()
+        try:
+            yield
+        finally:
+            if state.worker is not None:
+                state.worker.close()
+
+    app = FastAPI(title="freetoken", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+
+    @app.middleware("http")
+    async def auth_and_count(request: Request, call_next):
+        path = request.url.path
+        if state.api_key is not None and path not in OPEN_PATHS and not _key_matches(request, state.api_key):
+            response = APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY'",
+                                code="invalid_api_key").response()
+        else:
+            response = await call_next(request)
+        state.metrics.requests.labels(endpoint=_endpoint(path), status=str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, e: RequestValidationError):  # the routes parse bodies themselves
+        return validation_error(e.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        return APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                        code="not_found" if e.status_code == 404 else None).response()
+
+    @app.get("/health")
+    async def health():
+        if state.worker is not None:
+            return {"status": "ok"}
+        if state.load_error is not None:
+            return JSONResponse({"status": "error", "error": str(state.load_error)}, status_code=503)
+        return JSONResponse({"status": "loading"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    app.include_router(router)
+    return app
+
+
+def _key_matches(request: Request, key: str) -> bool:
+    given = request.headers.get("authorization", "")
+    if given[:7].lower() == "bearer ":
+        given = given[7:].strip()
+    else:
+        given = request.headers.get("x-api-key", "")
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), key.encode("utf-8", "surrogatepass"))
+
+
+def _endpoint(path: str) -> str:
+    """The endpoint a path is (an unknown path counts as "other": a scan cannot grow the label set)."""
+    return path if path in OPEN_PATHS or path in ENDPOINTS or path == "/metrics" else "other"

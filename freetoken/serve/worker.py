@@ -1,0 +1,180 @@
+"""The one sequence engine behind the server: a worker thread that owns the model and runs queued jobs in order.
+
+The product is single-session and interactive: one sequence at a time, and its KV cache is reused from request to
+request (``reuse_cache``: an agent's next request repeats the conversation so far, so only its new tail is
+prefilled). A job's text pieces reach the request's asyncio task through an ``asyncio.Queue`` fed with
+``call_soon_threadsafe``. A job whose client went away is cancelled: a waiting one is dropped, a running one stops
+after the token it is on, so the engine is free within one decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from freetoken.engine.sampling import SamplingParams
+
+#: Finish reasons of :class:`freetoken.engine.generate.GenerationStats` -> the OpenAI API's
+FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length"}
+
+
+@dataclass
+class Outcome:
+    """What a finished job reports (the usage block, the finish reason, the timings)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    finish_reason: str  # "stop" or "length"
+    prefill_tps: float
+    decode_tps: float
+    seconds_to_first_token: float
+    hit_rate: float | None  # the expert cache's over this job's decode steps (None: no cache, or no decode step)
+
+
+@dataclass
+class Job:
+    """One request's generation: token ids in, text pieces and then an :class:`Outcome` (or an error) out."""
+
+    ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    number: int = 0
+    enqueued: float = field(default_factory=time.perf_counter)
+
+    def post(self, kind: str, value) -> None:
+        """From the worker thread: hand ``(kind, value)`` to the request's task ("text", "done" or "error")."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the loop is closed (the server is shutting down): nobody is listening
+            pass
+
+
+class EngineWorker:
+    """Runs :class:`Job` s on ``model`` one at a time, first come first served, on a daemon thread.
+
+    ``on_finish(job, outcome_or_None, error_or_None)`` is called on the worker thread after each job (metrics)."""
+
+    def __init__(self, model, on_finish=None):
+        self.model = model
+        self.on_finish = on_finish
+        self._waiting: deque[Job] = deque()
+        self._cv = threading.Condition()
+        self._running: Job | None = None
+        self._closed = False
+        self._numbers = itertools.count(1)
+        self.counters: dict[str, int] = dict(model.experts.counters())  # a snapshot, taken between jobs
+        self._thread = threading.Thread(target=self._loop, name="freetoken-engine", daemon=True)
+        self._thread.start()
+
+    # ---- the request side ---------------------------------------------------------------------------------
+    def submit(self, job: Job) -> Job:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine is shut down")
+            job.number = next(self._numbers)
+            self._waiting.append(job)
+            self._cv.notify()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: drop the job if it waits, stop it after its current token if it runs."""
+        job.cancelled.set()
+        with self._cv:
+            try:
+                self._waiting.remove(job)
+            except ValueError:
+                return
+        self._finished(job, None, None)
+
+    def queue(self) -> list[Job]:
+        """The waiting jobs, next first (the running one is not among them)."""
+        with self._cv:
+            return list(self._waiting)
+
+    @property
+    def running(self) -> Job | None:
+        return self._running
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            waiting, self._waiting = list(self._waiting), deque()
+            self._cv.notify()
+        for job in waiting:
+            job.cancelled.set()
+            job.post("error", RuntimeError("the server is shutting down"))
+        if self._running is not None:
+            self._running.cancelled.set()
+        self._thread.join(timeout=30)
+
+    # ---- the worker thread --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._waiting and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                job = self._running = self._waiting.popleft()
+            try:
+                self._run(job)
+            finally:
+                self._running = None
+
+    def _run(self, job: Job) -> None:
+        model = self.model
+        experts = model.experts
+        hits_before = _hits(experts)
+        first = None
+        try:
+            pieces = model.generate_text(job.ids, job.max_tokens, job.sampling, reuse_cache=True, stop=job.stop,
+                                         should_stop=job.cancelled.is_set)
+            for piece in pieces:
+                if first is None:
+                    first = time.perf_counter()
+                job.post("text", piece)
+        except Exception as e:  # the model refused the job (or broke): the client gets an error, the server goes on
+            self.counters = dict(experts.counters())
+            job.post("error", e)
+            self._finished(job, None, e)
+            return
+        st = model.stats
+        self.counters = dict(experts.counters())
+        if job.cancelled.is_set() and st.finish_reason is None:
+            self._finished(job, None, None)
+            return
+        hits_after = _hits(experts)
+        rate = None
+        if hits_before is not None and hits_after is not None:
+            h, m = hits_after[0] - hits_before[0], hits_after[1] - hits_before[1]
+            rate = h / (h + m) if h + m else None
+        now = time.perf_counter()
+        outcome = Outcome(prompt_tokens=len(job.ids), cached_tokens=st.cached_tokens,
+                          completion_tokens=st.generated_tokens,
+                          finish_reason=FINISH_REASONS.get(st.finish_reason or "stop", "stop"),
+                          prefill_tps=st.prefill_tps, decode_tps=st.decode_tps,
+                          seconds_to_first_token=(first or now) - job.enqueued, hit_rate=rate)
+        job.post("done", outcome)
+        self._finished(job, outcome, None)
+
+    def _finished(self, job: Job, outcome: Outcome | None, error: BaseException | None) -> None:
+        if self.on_finish is not None:
+            self.on_finish(job, outcome, error)
+
+
+def _hits(experts) -> tuple[int, int] | None:
+    """(hits, misses) of the expert cache's decode steps so far, or None for a runner without a cache."""
+    stats = getattr(experts, "hit_stats", None)
+    if stats is None:
+        return None
+    _, hits, misses = stats()
+    return hits, misses

@@ -1,0 +1,347 @@
+"""`freetoken serve` against the real `openai` client: a live server in a subprocess on a free loopback port, with
+the bundled model on the cpu device.
+
+Greedy answers are compared between paths (streamed or whole, alone or among 16 concurrent clients): the engine
+runs one sequence at a time, so the same prompt gives the same tokens whichever way it is asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+KEY = "test-key-1234"
+CTX = 512
+MODEL = "freetoken-default"
+STARTUP_SECONDS = 900  # a cold Numba cache compiles the cpu kernels on first load (minutes on 2 cores)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, tmp: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / "serve.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "freetoken", "serve", "--device", "cpu", "--port", str(self.port), "--ctx",
+             str(CTX), "--api-key", KEY, "--max-tokens", "32"],
+            stdout=subprocess.DEVNULL, stderr=self.log.open("w"), env={**os.environ, "FREETOKEN_API_KEY": ""})
+        self.health: list[int] = []  # every /health status seen while starting
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}: {self.log.read_text()}")
+            try:
+                code = httpx.get(self.url + "/health", timeout=5).status_code
+            except httpx.TransportError:
+                time.sleep(0.05)
+                continue
+            self.health.append(code)
+            if code == 200:
+                return
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"the server was not ready after {STARTUP_SECONDS} s: {self.log.read_text()}")
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", KEY), max_retries=0, timeout=300,
+                             **kw)
+
+    def post(self, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+        content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+        return httpx.post(self.url + path, content=content, headers=headers, timeout=300, **kw)
+
+    def metric(self, name: str, labels: str = "") -> float:
+        text = httpx.get(self.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+        m = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve"))
+    yield s
+    s.stop()
+    assert s.proc.returncode == 0, s.log.read_text()  # a clean shutdown on Ctrl-C
+
+
+def _chat(client, text: str, **kw):
+    kw.setdefault("temperature", 0)
+    kw.setdefault("max_tokens", 12)
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], **kw)
+
+
+def _stream_text(client, text: str, **kw):
+    chunks = list(_chat(client, text, stream=True, **kw))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return content, chunks
+
+
+def test_health_and_models(server):
+    # the port opens before the model has loaded (seconds even with warm kernel caches): 503 first, then 200
+    assert server.health[0] == 503 and server.health[-1] == 200 and set(server.health) == {200, 503}
+    r = httpx.get(server.url + "/health")  # no key needed
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_chat_whole_and_streamed_agree(server):
+    client = server.client()
+    whole = _chat(client, "def add(a, b):")
+    choice = whole.choices[0]
+    assert whole.object == "chat.completion" and whole.model == MODEL and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length") and choice.message.content
+    u = whole.usage
+    assert u.completion_tokens <= 12 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    # the prompt as the template renders it: the bundled template writes each message and a newline
+    from tokenizers import Tokenizer
+
+    from freetoken.engine.load import DEFAULT_MODEL
+
+    tok = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
+    assert u.prompt_tokens == len(tok.encode("def add(a, b):\n", add_special_tokens=False).ids)
+
+    text, chunks = _stream_text(client, "def add(a, b):", stream_options={"include_usage": True})
+    assert text == choice.message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == u.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    # the same conversation again: all but its last prompt token come from the KV cache
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == u.prompt_tokens - 1
+
+
+def test_text_parts_and_system_messages(server):
+    client = server.client()
+    a = _chat(client, "import os\n")
+    b = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=12, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "import "}, {"type": "text", "text": "os\n"}]}])
+    assert a.choices[0].message.content == b.choices[0].message.content
+    r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=4, messages=[
+        {"role": "developer", "content": "# a module"}, {"role": "user", "content": "import sys"}])
+    assert r.usage.completion_tokens <= 4
+
+
+def test_max_tokens_and_finish_reason_length(server):
+    client = server.client()
+    r = _chat(client, "class Parser:", max_tokens=3)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    r = _chat(client, "class Parser:", max_completion_tokens=2)
+    assert r.usage.completion_tokens == 2
+
+
+def test_stop_strings(server):
+    client = server.client()
+    full = _chat(client, "def main(argv):", max_tokens=24).choices[0].message.content
+    assert len(full) >= 8, full
+    stop = full[4:7]
+    cut = full[:full.index(stop)]
+    r = _chat(client, "def main(argv):", max_tokens=24, stop=[stop])
+    assert r.choices[0].message.content == cut and r.choices[0].finish_reason == "stop"
+    text, chunks = _stream_text(client, "def main(argv):", max_tokens=24, stop=stop)
+    assert text == cut and [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_completions(server):
+    client = server.client()
+    r = client.completions.create(model=MODEL, prompt="import os\nimport ", max_tokens=6, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text and r.usage.completion_tokens <= 6
+    streamed = list(client.completions.create(model=MODEL, prompt="import os\nimport ", max_tokens=6,
+                                              temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == r.choices[0].text
+    echo = client.completions.create(model=MODEL, prompt="import os\nimport ", max_tokens=6, temperature=0,
+                                     echo=True)
+    assert echo.choices[0].text == "import os\nimport " + r.choices[0].text
+    ids = server.post("/v1/completions", {"prompt": [7, 8, 9], "max_tokens": 2, "temperature": 0})
+    assert ids.status_code == 200 and ids.json()["usage"]["prompt_tokens"] == 3
+
+
+def test_seeded_sampling_repeats(server):
+    client = server.client()
+    a = _chat(client, "for i in range(", temperature=1.0, seed=7, max_tokens=10)
+    b = _chat(client, "for i in range(", temperature=1.0, seed=7, max_tokens=10, top_p=0.9, extra_body={"top_k": 50})
+    c = _chat(client, "for i in range(", temperature=1.0, seed=7, max_tokens=10, top_p=0.9, extra_body={"top_k": 50})
+    assert b.choices[0].message.content == c.choices[0].message.content
+    assert a.usage.completion_tokens <= 10
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ('{"messages": [', 400, None),  # not JSON
+    ("[1, 2]", 400, None),  # JSON, not an object
+    ({"model": MODEL}, 400, "messages"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3.5}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    ({"messages": [{"role": "user"}]}, 400, "messages.0"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 17}, 400, "stop"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages.content"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, 404, "model"),
+])
+def test_bad_requests_get_clear_errors(server, body, status, param):
+    r = server.post("/v1/chat/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error" and err["param"] == param, err
+    assert _chat(server.client(), "x = 1", max_tokens=2).usage.completion_tokens <= 2  # still serving
+
+
+def test_errors_through_the_client(server):
+    client = server.client()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, "x y " * 400)  # over CTX tokens
+    assert e.value.code == "context_length_exceeded" and f"holds {CTX} tokens" in str(e.value)
+    with pytest.raises(openai.AuthenticationError):
+        _chat(server.client(api_key="wrong"), "hi")
+    r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, key=None)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.get(server.url + "/v1/models", headers={"x-api-key": KEY})
+    assert r.status_code == 200
+    r = httpx.get(server.url + "/metrics")
+    assert r.status_code == 401
+    r = httpx.get(server.url + "/v1/nowhere", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404 and r.json()["error"]["message"]
+    assert _chat(client, "x = 1", max_tokens=2).usage.completion_tokens <= 2
+
+
+@pytest.mark.slow
+def test_sixteen_concurrent_streams_get_their_own_answers(server):
+    client = server.client()
+    prompts = [f"def {name}_{i}(x):" for i, name in enumerate(
+        ["parse", "render", "load", "save", "merge", "split", "check", "build", "walk", "scan", "fetch", "close",
+         "open", "sort", "find", "count"])]
+    expected = {p: _chat(client, p, max_tokens=6).choices[0].message.content for p in prompts}
+    got, errors = {}, []
+
+    def one(p):
+        try:
+            got[p] = _stream_text(server.client(), p, max_tokens=6)[0]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors and got == expected
+
+
+def test_a_killed_client_frees_the_engine(server):
+    cancelled = server.metric("freetoken_requests_cancelled_total")
+    script = (f"import openai, sys\n"
+              f"c = openai.OpenAI(base_url='{server.url}/v1', api_key='{KEY}', max_retries=0)\n"
+              f"for chunk in c.chat.completions.create(model='{MODEL}', stream=True, max_tokens=400,\n"
+              f"        temperature=1.0, messages=[{{'role': 'user', 'content': 'import os'}}]):\n"
+              f"    print('chunk', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "chunk"  # it is streaming
+    finally:
+        proc.kill()  # SIGKILL: the connection drops with no goodbye
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while server.metric("freetoken_requests_cancelled_total") == cancelled and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.metric("freetoken_requests_cancelled_total") == cancelled + 1
+    assert server.metric("freetoken_requests_running") == 0
+    t0 = time.monotonic()
+    assert _chat(server.client(), "y = 2", max_tokens=2).usage.completion_tokens <= 2
+    assert time.monotonic() - t0 < 60
+
+
+def test_metrics(server):
+    _chat(server.client(), "import re", max_tokens=3)
+    r = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    for name in ("freetoken_prompt_tokens_total", "freetoken_generated_tokens_total",
+                 "freetoken_cached_prompt_tokens_total", "freetoken_prefill_tokens_per_second",
+                 "freetoken_decode_tokens_per_second", "freetoken_time_to_first_token_seconds_count",
+                 "freetoken_queue_length", "freetoken_requests_running", 'freetoken_kv_tokens{what="capacity"}',
+                 'freetoken_requests_total{endpoint="/v1/chat/completions",status="200"}'):
+        assert re.search(rf"^{re.escape(name)} ", r.text, re.M), name
+    assert server.metric("freetoken_kv_tokens", '{what="capacity"}') == CTX
+    assert server.metric("freetoken_generated_tokens_total") >= 3
+
+
+def test_health_while_loading_and_after_a_failed_load():
+    """In process, with a loader that waits and then fails: /health is 503 "loading", then 503 "error"; the API
+    says why (503) instead of hanging."""
+    from starlette.testclient import TestClient
+
+    from freetoken.serve.app import create_app
+
+    go, failures = threading.Event(), []
+
+    def load():
+        go.wait(30)
+        raise ValueError("no such model")
+
+    app = create_app(load, MODEL, api_key=None, on_load_error=failures.append)
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 503 and client.get("/health").json() == {"status": "loading"}
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        go.set()
+        deadline = time.monotonic() + 10
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.01)
+        h = client.get("/health")
+        assert h.status_code == 503 and h.json() == {"status": "error", "error": "no such model"}
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and "no such model" in r.json()["error"]["message"]
+    assert [str(e) for e in failures] == ["no such model"]
+
+
+def test_serve_with_a_missing_model_exits_with_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "freetoken", "serve", "--device", "cpu", "--port", "0", "--model",
+                           str(tmp_path / "nothing-here")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("freetoken serve: error: ") and "nothing-here" in last and "no such model" in last
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--port", "70000"], "--port 70000: a TCP port is at most 65535"),
+    (["--port", "x"], "argument --port: expected a whole number, got 'x'"),
+])
+def test_serve_rejects_bad_flags(argv, expected, capsys):
+    from freetoken.cli import main
+
+    assert main(["serve", "--device", "cpu", *argv]) == 2
+    assert expected in capsys.readouterr().err
