@@ -51,3 +51,22 @@ def test_pieces_never_split_a_character():
 def test_max_tokens_stops():
     model = Model(ScriptedDecoder(b"abcdef", eos=0), ByteTokenizer(), eos_ids=[0])
     assert "".join(model.generate_text("x", max_tokens=3, sampling=SamplingParams(temperature=0))) == "abc"
+
+
+class ByteVocabTokenizer(ByteTokenizer):
+    """Also knows its vocabulary: a one-byte string is a token, so a one-byte stop string stops at its id."""
+
+    def token_to_id(self, s):
+        return s.encode()[0] if len(s.encode()) == 1 else None
+
+
+def test_the_stop_string_that_ended_the_text_is_reported():
+    greedy = SamplingParams(temperature=0)
+    model = Model(ScriptedDecoder(b"abcdef", eos=0), ByteTokenizer(), eos_ids=[0])
+    assert "".join(model.generate_text("x", max_tokens=10, sampling=greedy, stop=["zz", "de"])) == "abc"
+    assert model.stats.finish_reason == "stop" and model.stats.stop_sequence == "de"
+    assert "".join(model.generate_text("x", max_tokens=10, sampling=greedy)) == "abcdef"
+    assert model.stats.finish_reason == "stop" and model.stats.stop_sequence is None  # the end-of-sequence token
+    model = Model(ScriptedDecoder(b"abcdef", eos=0), ByteVocabTokenizer(), eos_ids=[0])
+    assert "".join(model.generate_text("x", max_tokens=10, sampling=greedy, stop=["zz", "d"])) == "abc"
+    assert model.stats.finish_reason == "stop" and model.stats.stop_sequence == "d"

@@ -7,6 +7,7 @@ runs one sequence at a time, so the same prompt gives the same tokens whichever 
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from live_server import CTX, KEY, MODEL, running_server
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from running_server(tmp_path_factory)
+    yield from running_server(tmp_path_factory, "--served-model-name", f"{MODEL},gpt-4o-mini")
 
 
 def _chat(client, text: str, **kw):
@@ -43,6 +44,9 @@ def test_health_and_models(server):
     assert r.status_code == 200 and r.json() == {"status": "ok"}
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
+    alias = server.client().chat.completions.create(model="gpt-4o-mini", max_tokens=2,
+                                                    messages=[{"role": "user", "content": "hi"}])
+    assert alias.model == MODEL and alias.usage.completion_tokens <= 2  # an alias from --served-model-name
 
 
 def test_chat_whole_and_streamed_agree(server):
@@ -139,8 +143,7 @@ def test_seeded_sampling_repeats(server):
     ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 17}, 400, "stop"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "messages.content"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
-     400, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "tool_choice"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, 404, "model"),
 ])
 def test_bad_requests_get_clear_errors(server, body, status, param):
@@ -277,3 +280,84 @@ def test_serve_rejects_bad_flags(argv, expected, capsys):
 
     assert main(["serve", "--device", "cpu", *argv]) == 2
     assert expected in capsys.readouterr().err
+
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 16},
+    "kind": {"enum": ["file", "dir", "link"]},
+    "sizes": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 4},
+    "owner": {"type": "object", "properties": {"uid": {"type": "integer"}, "admin": {"type": "boolean"}},
+              "required": ["uid", "admin"], "additionalProperties": False}},
+    "required": ["name", "kind", "sizes", "owner"], "additionalProperties": False}
+
+
+def _follows(obj) -> bool:
+    """``obj`` follows SCHEMA (checked by hand: no validator library needed)."""
+    return (isinstance(obj, dict) and set(obj) == {"name", "kind", "sizes", "owner"}
+            and isinstance(obj["name"], str) and len(obj["name"]) <= 16 and obj["kind"] in ("file", "dir", "link")
+            and isinstance(obj["sizes"], list) and 1 <= len(obj["sizes"]) <= 4
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in obj["sizes"])
+            and set(obj["owner"]) == {"uid", "admin"} and isinstance(obj["owner"]["uid"], int)
+            and isinstance(obj["owner"]["admin"], bool))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_json_schema_output_at_temperature_1(server, seed):
+    r = _chat(server.client(), "Describe the file setup.py as JSON.", temperature=1.0, seed=seed, max_tokens=200,
+              response_format={"type": "json_schema", "json_schema": {"name": "entry", "schema": SCHEMA}})
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop", text
+    assert _follows(json.loads(text)), text
+
+
+def test_json_object_output_streamed(server):
+    """Free-form JSON: nothing bounds its strings, so the reply may run out of tokens; what came is JSON so far,
+    and a reply that ended by itself parses as one object."""
+    text, chunks = _stream_text(server.client(), "config = ", temperature=1.0, seed=5, max_tokens=200,
+                                response_format={"type": "json_object"})
+    reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    assert text.startswith("{"), text
+    if reason == "stop":
+        assert isinstance(json.loads(text), dict), text
+    else:
+        assert reason == "length"
+
+
+def test_forced_tool_call_round_trip_with_the_bundled_model(server):
+    client = server.client()
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string", "maxLength": 24}}, "required": ["path"],
+        "additionalProperties": False}}},
+             {"type": "function", "function": {"name": "list_dir", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Open the setup file."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, temperature=1.0, seed=3,
+                                       max_tokens=120, tool_choice={"type": "function",
+                                                                    "function": {"name": "read_file"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [call] = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "read_file" and set(args) == {"path"} and len(args["path"]) <= 24
+    streamed = list(client.chat.completions.create(model=MODEL, messages=messages, tools=tools, temperature=1.0,
+                                                   seed=4, max_tokens=120, tool_choice="required", stream=True))
+    deltas = [tc for c in streamed if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+    assert deltas[0].function.name in ("read_file", "list_dir")
+    assert isinstance(json.loads("".join(d.function.arguments or "" for d in deltas)), dict)
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                 {"role": "tool", "tool_call_id": call.id, "content": "from setuptools import setup\nsetup()"}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, temperature=0,
+                                            max_tokens=8)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert answer.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("response_format, match", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": 5}}},
+     "response_format"),
+    ({"type": "json_schema"}, "json_schema"),
+    ({"type": "xml"}, "response_format.type"),
+])
+def test_bad_response_formats(server, response_format, match):
+    with pytest.raises(openai.BadRequestError, match=match):
+        _chat(server.client(), "x", response_format=response_format)

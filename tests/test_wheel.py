@@ -30,6 +30,7 @@ def test_wheel_contents(wheel):
     for src in (ROOT / "cuda").glob("*.cu*"):
         assert f"freetoken/cuda/{src.name}" in names
     assert "freetoken/cuda/emu/ftemu.h" in names
+    assert "freetoken/serve/static/chat.html" in names  # the chat page (GET /)
     for mod in (ROOT / "cpu_kernels").glob("*.py"):
         assert f"freetoken/cpu_kernels/{mod.name}" in names
     for init in (ROOT / "freetoken").rglob("__init__.py"):  # every subpackage (the package list is explicit)

@@ -35,12 +35,34 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
                         "$FREETOKEN_API_KEY; unset: no key)")
-    p.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the model id clients send and /v1/models lists (default: the model's file or folder "
-                        "name, 'freetoken-default' for the bundled model)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME[,ALIAS...]",
+                   help="the model id /v1/models lists and requests send (default: the model's file or folder "
+                        "name, 'freetoken-default' for the bundled model); more names after commas are accepted "
+                        "too, for an agent that sends its own (claude-sonnet-4-5, gpt-4o...)")
     add_model_args(p, 1024, "per request when the request does not say (max_tokens)")
     add_policy_args(p)
     p.set_defaults(func=cmd_serve)
+
+
+#: Tests: a JSON file with a list of replies the server gives, in order, instead of generating (each request takes
+#: the next; the model still tokenizes the prompt), so that the parsing of replies is checked on exact text.
+SCRIPT_ENV = "FREETOKEN_SERVE_SCRIPT"
+
+
+def _script() -> list[str] | None:
+    import json
+
+    path = os.environ.get(SCRIPT_ENV)
+    if not path:
+        return None
+    try:
+        replies = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"${SCRIPT_ENV} {path}: {e}") from None
+    if not isinstance(replies, list) or not all(isinstance(r, str) for r in replies):
+        raise ValueError(f"${SCRIPT_ENV} {path}: expected a JSON list of strings")
+    print(f"freetoken serve: {len(replies)} scripted replies from ${SCRIPT_ENV} (a test setting)", file=sys.stderr)
+    return replies
 
 
 def served_name(model_path: str | None) -> str:
@@ -61,7 +83,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.port > 65535:
         raise ValueError(f"--port {args.port}: a TCP port is at most 65535")
     api_key = args.api_key if args.api_key is not None else os.environ.get("FREETOKEN_API_KEY") or None
-    name = args.served_model_name or served_name(args.model)
+    names = [n.strip() for n in (args.served_model_name or "").split(",") if n.strip()] or [served_name(args.model)]
+    name = names[0]
     defaults = Defaults(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, repetition_penalty=args.repetition_penalty)
     failure: list[BaseException] = []
@@ -74,8 +97,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def ready(model):
         kind = model.decoder.dev.kind
         print(f"[{kind}] {model.decoder.context_plan.why}", file=sys.stderr)
-        print(f"[{kind}] serving {name!r} at http://{args.host}:{bound_port()}/v1"
-              + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
+        url = f"http://{args.host}:{bound_port()}"
+        print(f"[{kind}] serving {name!r} at {url}/v1" + (" (API key required)" if api_key else "")
+              + f"; chat page {url}/", file=sys.stderr, flush=True)
 
     def load_failed(e: BaseException):
         failure.append(e)
@@ -88,8 +112,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except (AttributeError, IndexError, TypeError):
             return args.port
 
-    app = create_app(load_model, name, api_key=api_key, defaults=defaults, on_load_error=load_failed,
-                     on_ready=ready)
+    app = create_app(load_model, names, api_key=api_key, defaults=defaults, on_load_error=load_failed,
+                     on_ready=ready, script=_script())
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

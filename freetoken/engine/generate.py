@@ -23,6 +23,8 @@ class GenerationStats:
     #: why generation ended: "stop" (an end-of-sequence token or a stop string), "length" (``max_tokens``),
     #: "context" (the context is full); None while running or when the caller closed the iterator early
     finish_reason: str | None = None
+    #: the stop string of ``generate_text`` that ended the text (None: none did, an end-of-sequence token, say)
+    stop_sequence: str | None = None
 
     @property
     def prefill_tps(self) -> float:
@@ -96,19 +98,21 @@ class Model:
         return n
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 64, sampling: SamplingParams | None = None,
-                 record_routing: bool = False, reuse_cache: bool = False) -> Iterator[int]:
+                 record_routing: bool = False, reuse_cache: bool = False, constraint=None) -> Iterator[int]:
         """Yield up to ``max_tokens`` new token ids (stops early at an end-of-sequence token).
 
         ``reuse_cache``: keep the K/V rows of the longest common prefix of the prompt and the tokens already in the
         decoder (the previous prompt and the tokens generated after it) and prefill only the rest; the decoder
         rolls back past a point where the prompts diverge. ``stats.cached_tokens`` counts the reused tokens and
-        ``stats.prompt_tokens`` the prefilled ones. Default: a fresh sequence, the whole prompt prefilled."""
+        ``stats.prompt_tokens`` the prefilled ones. Default: a fresh sequence, the whole prompt prefilled.
+        ``constraint``: a :class:`freetoken.engine.grammar.TokenConstraint` the tokens must follow; generation ends
+        when its grammar is complete."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
         if not ids:
             raise ValueError("the prompt is empty")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        sampler = Sampler(sampling)
+        sampler = Sampler(sampling, constraint)
         keep = self._reusable_prefix(ids) if reuse_cache else 0
         st = self.stats = GenerationStats(prompt_tokens=len(ids) - keep, cached_tokens=keep)
         if keep:
@@ -129,7 +133,7 @@ class Model:
             tok = sampler(logits, history)
             history.append(tok)
             st.generated_tokens += 1
-            if tok in self.eos_ids:
+            if tok in self.eos_ids or (constraint is not None and constraint.finished):
                 st.finish_reason = "stop"
             elif st.generated_tokens == max_tokens:
                 st.finish_reason = "length"
@@ -147,64 +151,74 @@ class Model:
 
     def generate_text(self, prompt: str | Sequence[int], max_tokens: int = 64, sampling: SamplingParams | None = None,
                       record_routing: bool = False, reuse_cache: bool = False,
-                      stop: Sequence[str] = (), should_stop: Callable[[], bool] | None = None) -> Iterator[str]:
+                      stop: Sequence[str] = (), should_stop: Callable[[], bool] | None = None,
+                      constraint=None) -> Iterator[str]:
         """Yield text pieces as tokens come (a piece is held back while it ends in an incomplete character).
 
         ``stop``: strings that end the text (not included). One that is a single token of the vocabulary stops at
         that token; any of them stops when it shows up in the decoded text, so text that could be the start of a
-        stop string is held back until it is clear that it is not. ``reuse_cache``: as in :meth:`generate`.
+        stop string is held back until it is clear that it is not; ``stats.stop_sequence`` says which one ended the
+        text. ``reuse_cache``: as in :meth:`generate`.
         ``should_stop``: asked after every token (held-back ones too); True ends generation there (a cancelled
-        request: ``stats.finish_reason`` stays None)."""
+        request: ``stats.finish_reason`` stays None). ``constraint``: as in :meth:`generate`."""
         stop = [s for s in stop if s]
-        stop_ids = set(self.eos_ids)
         to_id = getattr(self.tokenizer, "token_to_id", None)
+        stop_tokens: dict[int, str] = {}  # single-token stop strings, by id (the first string of an id wins)
         for s in stop:
             tid = to_id(s) if to_id is not None else None
             if tid is not None:
-                stop_ids.add(int(tid))
+                stop_tokens.setdefault(int(tid), s)
         out: list[int] = []
         shown = ""
-        tokens = self.generate(prompt, max_tokens, sampling, record_routing, reuse_cache=reuse_cache)
+        tokens = self.generate(prompt, max_tokens, sampling, record_routing, reuse_cache=reuse_cache,
+                               constraint=constraint)
         try:
             for tok in tokens:
                 if should_stop is not None and should_stop():
                     self.stats.finish_reason = None
                     return
-                if tok in stop_ids:
+                if tok in self.eos_ids or tok in stop_tokens:
                     self.stats.finish_reason = "stop"
+                    self.stats.stop_sequence = None if tok in self.eos_ids else stop_tokens[tok]
                     break
                 out.append(tok)
                 text = self.decode(out)
                 if text.endswith("\ufffd"):
                     continue
-                text, stopped = _cut_at_stop(text, stop)
+                text, matched = _cut_at_stop(text, stop)
                 if len(text) > len(shown):
                     yield text[len(shown):]
                     shown = text
-                if stopped:
+                if matched is not None:
                     self.stats.finish_reason = "stop"
+                    self.stats.stop_sequence = matched
                     return
         finally:
             tokens.close()  # stopping early: the decoder holds exactly the tokens it ran (``cached_ids``)
-        text = _cut_at_stop(self.decode(out), stop, final=True)[0] if out else ""
+        text, matched = _cut_at_stop(self.decode(out), stop, final=True) if out else ("", None)
+        if matched is not None:  # found only now: the text before ended inside a character
+            self.stats.finish_reason = "stop"
+            self.stats.stop_sequence = matched
         if len(text) > len(shown):
             yield text[len(shown):]
 
 
-def _cut_at_stop(text: str, stop: Sequence[str], final: bool = False) -> tuple[str, bool]:
-    """(the text that may be shown, whether a stop string was found): the text before the first stop string, or
-    (unless ``final``) the text without a tail that a stop string could start with."""
+def _cut_at_stop(text: str, stop: Sequence[str], final: bool = False) -> tuple[str, str | None]:
+    """(the text that may be shown, the stop string found or None): the text before the first stop string (of two
+    at one place, the one listed first), or (unless ``final``) the text without a tail that a stop string could
+    start with."""
     if not stop:
-        return text, False
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-    if cut >= 0:
-        return text[:cut], True
+        return text, None
+    found = [(i, n, s) for n, s in enumerate(stop) if (i := text.find(s)) >= 0]
+    if found:
+        cut, _, matched = min(found)
+        return text[:cut], matched
     if final:
-        return text, False
+        return text, None
     hold = 0
     for s in stop:
         for n in range(min(len(s) - 1, len(text)), hold, -1):
             if text.endswith(s[:n]):
                 hold = n
                 break
-    return text[:len(text) - hold], False
+    return text[:len(text) - hold], None

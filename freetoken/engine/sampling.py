@@ -32,17 +32,33 @@ class SamplingParams:
 
 
 class Sampler:
-    """Draws tokens with :class:`SamplingParams`; the same seed gives the same sequence."""
+    """Draws tokens with :class:`SamplingParams`; the same seed gives the same sequence.
 
-    def __init__(self, params: SamplingParams | None = None):
+    ``constraint`` (a :class:`freetoken.engine.grammar.TokenConstraint`): only the tokens its grammar allows can be
+    drawn (the others' logits become -inf before anything else), and each drawn token advances it."""
+
+    def __init__(self, params: SamplingParams | None = None, constraint=None):
         self.params = params or SamplingParams()
         self.rng = np.random.default_rng(self.params.seed)
+        self.constraint = constraint
 
     def __call__(self, logits: np.ndarray, previous: Iterable[int] = ()) -> int:
+        tok = self._draw(logits, previous)
+        if self.constraint is not None:
+            self.constraint.consume(tok)
+        return tok
+
+    def _draw(self, logits: np.ndarray, previous: Iterable[int]) -> int:
         p = self.params
         z = np.asarray(logits, np.float64).copy()
         if z.ndim != 1:
             raise ValueError(f"logits must be one row [vocab], got shape {z.shape}")
+        if self.constraint is not None:
+            allowed = self.constraint.allowed()
+            if not allowed.any():
+                raise ValueError("the output grammar allows no token here")
+            z[:allowed.size][~allowed] = -np.inf
+            z[allowed.size:] = -np.inf
         if p.repetition_penalty != 1.0:
             seen = np.unique(np.fromiter(previous, dtype=np.int64))
             if seen.size:

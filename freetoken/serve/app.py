@@ -1,18 +1,23 @@
 """The ASGI application: ``create_app(load)`` -> a FastAPI app that loads the model in the background and serves it.
 
+- ``GET /``: the chat page (``static/chat.html``: one file that streams ``/v1/chat/completions``). It holds no
+  data, so it needs no API key (a browser cannot send one when it navigates); the calls it makes do.
 - ``GET /health``: 503 ``{"status": "loading"}`` until the model is loaded, then 200 ``{"status": "ok"}`` (503
   ``{"status": "error"}`` if loading failed). It needs no API key.
 - ``GET /metrics``: Prometheus metrics (:mod:`freetoken.serve.metrics`).
-- the OpenAI endpoints (:mod:`freetoken.serve.openai_api`).
+- the OpenAI endpoints (:mod:`freetoken.serve.openai_api`) and the Anthropic Messages endpoints
+  (:mod:`freetoken.serve.anthropic_api`).
 
-With an API key every endpoint but ``/health`` wants ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``, as
-Anthropic clients send it), compared in constant time. Every error, a malformed body included, is a JSON body in
-the OpenAI error shape (:mod:`freetoken.serve.errors`).
+With an API key every endpoint but ``/`` and ``/health`` wants ``Authorization: Bearer KEY`` (or
+``x-api-key: KEY``, as Anthropic clients send it), compared in constant time. Every error, a malformed body
+included, is a JSON body in the OpenAI error shape, or under ``/v1/messages`` in the Anthropic one
+(:mod:`freetoken.serve.errors`).
 """
 
 from __future__ import annotations
 
 import hmac
+import importlib.resources
 import threading
 import time
 from collections.abc import Callable
@@ -22,14 +27,20 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 
+from freetoken.serve import anthropic_api
 from freetoken.serve.errors import APIError, validation_error
 from freetoken.serve.metrics import CONTENT_TYPE, ServerMetrics
 from freetoken.serve.openai_api import ENDPOINTS, router
 from freetoken.serve.worker import EngineWorker
 
-OPEN_PATHS = {"/health"}
+OPEN_PATHS = {"/", "/health"}
+#: The chat page's headers: it loads nothing from elsewhere and talks only to this server.
+PAGE_HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
+                "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                                           "img-src data:; connect-src 'self'; base-uri 'none'; form-action 'none'; "
+                                           "frame-ancestors 'none'"}
 
 
 @dataclass(frozen=True)
@@ -45,13 +56,14 @@ class Defaults:
 
 @dataclass
 class ServerState:
-    model_name: str
+    model_name: str  # the id /v1/models lists and replies carry
     defaults: Defaults
     api_key: str | None
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     worker: EngineWorker | None = None
     load_error: BaseException | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    aliases: tuple[str, ...] = ()  # more names requests may use (an agent that sends its own model name)
 
     def ready(self) -> EngineWorker:
         """The worker, or a 503 while the model loads (or after its load failed)."""
@@ -63,12 +75,14 @@ class ServerState:
         return self.worker
 
 
-def create_app(load: Callable[[], object], model_name: str, api_key: str | None = None,
+def create_app(load: Callable[[], object], model_name: str | list[str], api_key: str | None = None,
                defaults: Defaults = Defaults(), on_load_error: Callable[[BaseException], None] | None = None,
-               on_ready: Callable[[object], None] | None = None) -> FastAPI:
+               on_ready: Callable[[object], None] | None = None, script: list[str] | None = None) -> FastAPI:
     """``load()`` returns the :class:`freetoken.engine.generate.Model`; it runs on a thread once the app starts,
-    so ``/health`` answers (503) meanwhile. ``on_load_error(e)`` / ``on_ready(model)`` are told how it went."""
-    state = ServerState(model_name=model_name, defaults=defaults, api_key=api_key or None)
+    so ``/health`` answers (503) meanwhile. ``on_load_error(e)`` / ``on_ready(model)`` are told how it went.
+    ``script``: replies the worker gives instead of generating (tests; :class:`EngineWorker`)."""
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    state = ServerState(model_name=names[0], aliases=tuple(names[1:]), defaults=defaults, api_key=api_key or None)
 
     def load_in_background():
         try:
@@ -78,7 +92,7 @@ def create_app(load: Callable[[], object], model_name: str, api_key: str | None 
             if on_load_error is not None:
                 on_load_error(e)
             return
-        state.worker = EngineWorker(model, on_finish=state.metrics.job_finished)
+        state.worker = EngineWorker(model, on_finish=state.metrics.job_finished, script=script)
         state.metrics.worker = state.worker
         if on_ready is not None:
             on_ready(model)
@@ -100,8 +114,8 @@ def create_app(load: Callable[[], object], model_name: str, api_key: str | None 
     async def auth_and_count(request: Request, call_next):
         path = request.url.path
         if state.api_key is not None and path not in OPEN_PATHS and not _key_matches(request, state.api_key):
-            response = APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY'",
-                                code="invalid_api_key").response()
+            response = APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY' (or "
+                                "'x-api-key: KEY')", code="invalid_api_key").response(path)
         else:
             response = await call_next(request)
         state.metrics.requests.labels(endpoint=_endpoint(path), status=str(response.status_code)).inc()
@@ -109,16 +123,16 @@ def create_app(load: Callable[[], object], model_name: str, api_key: str | None 
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
-        return e.response()
+        return e.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, e: RequestValidationError):  # the routes parse bodies themselves
-        return validation_error(e.errors()).response()
+        return validation_error(e.errors()).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         return APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
-                        code="not_found" if e.status_code == 404 else None).response()
+                        code="not_found" if e.status_code == 404 else None).response(request.url.path)
 
     @app.get("/health")
     async def health():
@@ -128,11 +142,17 @@ def create_app(load: Callable[[], object], model_name: str, api_key: str | None 
             return JSONResponse({"status": "error", "error": str(state.load_error)}, status_code=503)
         return JSONResponse({"status": "loading"}, status_code=503)
 
+    @app.get("/")
+    async def chat_page():
+        page = importlib.resources.files("freetoken.serve").joinpath("static/chat.html").read_text("utf-8")
+        return HTMLResponse(page, headers=PAGE_HEADERS)
+
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     app.include_router(router)
+    app.include_router(anthropic_api.router)
     return app
 
 
@@ -147,4 +167,5 @@ def _key_matches(request: Request, key: str) -> bool:
 
 def _endpoint(path: str) -> str:
     """The endpoint a path is (an unknown path counts as "other": a scan cannot grow the label set)."""
-    return path if path in OPEN_PATHS or path in ENDPOINTS or path == "/metrics" else "other"
+    known = path in OPEN_PATHS or path in ENDPOINTS or path in anthropic_api.ENDPOINTS or path == "/metrics"
+    return path if known else "other"

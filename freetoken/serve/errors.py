@@ -1,4 +1,6 @@
-"""Errors a request can get, as the OpenAI API writes them: ``{"error": {"message", "type", "param", "code"}}``."""
+"""Errors a request can get, as the OpenAI API writes them: ``{"error": {"message", "type", "param", "code"}}``, or
+on the Anthropic endpoints (paths under :data:`ANTHROPIC_PREFIX`) as the Anthropic API does: ``{"type": "error",
+"error": {"type", "message"}}``. The HTTP status is the same either way."""
 
 from __future__ import annotations
 
@@ -7,6 +9,12 @@ from starlette.responses import JSONResponse
 #: HTTP status -> the OpenAI error ``type``
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           413: "invalid_request_error", 503: "server_error", 500: "server_error"}
+#: HTTP status -> the Anthropic error ``type`` (its API says 529 overloaded_error; a loading model is our 503)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+#: Paths whose errors take the Anthropic shape (``/v1/messages``, ``/v1/messages/count_tokens``)
+ANTHROPIC_PREFIX = "/v1/messages"
 
 
 class APIError(Exception):
@@ -23,9 +31,15 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
+    def anthropic_body(self) -> dict:
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "invalid_request_error"),
+                                           "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as the API of ``path`` (the request's) writes it."""
+        body = self.anthropic_body() if path.startswith(ANTHROPIC_PREFIX) else self.body()
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 def validation_error(errors: list[dict]) -> APIError:

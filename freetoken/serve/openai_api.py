@@ -10,23 +10,30 @@ import asyncio
 import json
 import time
 import uuid
+from contextlib import aclosing
 
 from fastapi import APIRouter, Request
-from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.responses import JSONResponse
 
 from freetoken.engine.chat import model_template
-from freetoken.engine.sampling import SamplingParams
-from freetoken.serve.errors import APIError, validation_error
-from freetoken.serve.schemas import ChatCompletionRequest, CompletionRequest, refuse_unsupported
+from freetoken.engine.grammar import GrammarError, json_schema_grammar
+from freetoken.serve.errors import APIError
+from freetoken.serve.jobs import check_model, collect, job_events, make_job, parse_body, render_chat, template_tool_call
+from freetoken.serve.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice, refuse_unsupported
+from freetoken.serve.tool_calls import (
+    CallStart,
+    Content,
+    HermesParser,
+    forced_call_grammar,
+    inject_history,
+    make_parser,
+    tool_format,
+)
 from freetoken.serve.worker import Job
 
 router = APIRouter()
 ENDPOINTS = ("/v1/models", "/v1/chat/completions", "/v1/completions")
-
-#: How often a non-streaming request looks whether its client is still there while it waits for text.
-DISCONNECT_POLL_SECONDS = 0.25
 
 
 @router.get("/v1/models")
@@ -41,21 +48,31 @@ async def chat_completions(request: Request):
     state = request.app.state.server
     body = await parse_body(request, ChatCompletionRequest)
     worker = state.ready()
-    _check_model(state, body.model)
+    check_model(state, body.model)
     refuse_unsupported(body)
     model = worker.model
     template = model_template(model)
     messages = [_template_message(m) for m in body.messages]
-    try:
-        text = template.render(messages, add_generation_prompt=True)
-    except ValueError as e:  # the template refused the conversation (roles out of order, say)
-        raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if body.tool_choice != "none" else []
+    parser, extra = None, {}
+    if tools:
+        form = tool_format(template.source)
+        try:
+            parser = make_parser(form)
+        except ValueError as e:
+            raise APIError(400, f"tools: {e}", param="tools", code="unsupported_parameter") from None
+        if form == "injected":  # the template knows no tools: we describe them and ask for the hermes form
+            messages = inject_history(messages, tools)
+        else:
+            extra["tools"] = tools
+    text = render_chat(template, messages, **extra)
     ids = model.encode(text, add_special_tokens=False)
     job = _job(state, body, ids, template.stop_strings() + body.stop_list())
-    reply = Reply("chat.completion", state.model_name, chat=True)
+    job.constraint = await _constraint(worker, body, tools, parser)
+    reply = Reply("chat.completion", state.model_name, chat=True, parser=parser)
     if body.stream:
         return EventSourceResponse(_stream(worker, job, reply, body.include_usage()), ping=15)
-    text, outcome = await _collect(worker, job, request)
+    text, outcome = await collect(worker, job, request)
     return JSONResponse(reply.whole(text, outcome))
 
 
@@ -64,7 +81,7 @@ async def completions(request: Request):
     state = request.app.state.server
     body = await parse_body(request, CompletionRequest)
     worker = state.ready()
-    _check_model(state, body.model)
+    check_model(state, body.model)
     refuse_unsupported(body)
     model = worker.model
     prompt = body.prompt
@@ -84,35 +101,11 @@ async def completions(request: Request):
                   echo=(prompt if isinstance(prompt, str) else model.decode(ids)) if body.echo else "")
     if body.stream:
         return EventSourceResponse(_stream(worker, job, reply, body.include_usage()), ping=15)
-    text, outcome = await _collect(worker, job, request)
+    text, outcome = await collect(worker, job, request)
     return JSONResponse(reply.whole(text, outcome))
 
 
 # ---- requests -> jobs -------------------------------------------------------------------------------------------
-async def parse_body(request: Request, schema):
-    """The request's JSON body as ``schema``. The body is read as JSON whatever its Content-Type says (curl's
-    ``-d`` sends form encoding; llama-server accepts that too); bad JSON and bad fields are 400s naming the spot."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except ValueError as e:
-        where = f" (line {e.lineno}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
-        raise APIError(400, f"the request body is not valid JSON{where}: {getattr(e, 'msg', e)}",
-                       code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
-    try:
-        return schema.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e.errors(include_url=False)) from None
-
-
-def _check_model(state, name: str | None) -> None:
-    if name and name != state.model_name:
-        raise APIError(404, f"The model {name!r} does not exist: this server serves {state.model_name!r} "
-                       "(GET /v1/models)", param="model", code="model_not_found")
-
-
 def _template_message(m) -> dict:
     """A validated message as chat templates expect it (HF's conventions): text content, tool-call arguments as
     objects where they parse as JSON."""
@@ -128,44 +121,55 @@ def _template_message(m) -> dict:
                 args = json.loads(c.function.arguments) if c.function.arguments else {}
             except ValueError:
                 args = c.function.arguments
-            calls.append({"id": c.id, "type": "function",
-                          "function": {"name": c.function.name, "arguments": args}})
+            calls.append(template_tool_call(c.id, c.function.name, args))
         out["tool_calls"] = calls
     return out
 
 
 def _job(state, body, ids: list[int], stop: list[str], default_max: int | None = None) -> Job:
-    ctx = state.ready().model.decoder.ctx
-    if not ids:
-        raise APIError(400, "the prompt is empty", param="prompt")
-    if len(ids) >= ctx:
-        raise APIError(400, f"This model's context holds {ctx} tokens; the prompt is {len(ids)} tokens (prompt and "
-                       "completion together must fit: start the server with a larger --ctx or --kv-memory, or "
-                       "send less)", param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-                       code="context_length_exceeded")
-    d = state.defaults
-    limit = body.token_limit() or default_max or d.max_tokens
-    sampling = SamplingParams(
-        temperature=d.temperature if body.temperature is None else body.temperature,
-        top_p=d.top_p if body.top_p is None else body.top_p,
-        top_k=d.top_k if body.top_k is None else body.top_k,
-        repetition_penalty=d.repetition_penalty if body.repetition_penalty is None else body.repetition_penalty,
-        seed=body.seed)
-    return Job(ids=ids, max_tokens=min(limit, ctx - len(ids)), sampling=sampling, stop=stop,
-               loop=asyncio.get_running_loop())
+    return make_job(state, ids, stop, max_tokens=body.token_limit() or default_max,
+                    prompt_param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                    temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                    repetition_penalty=body.repetition_penalty, seed=body.seed)
+
+
+async def _constraint(worker, body: ChatCompletionRequest, tools: list[dict], parser):
+    """The grammar the reply must follow: a JSON ``response_format``, or a call that ``tool_choice`` forces."""
+    schema = body.response_format.schema() if body.response_format is not None else None
+    forced = tools and (body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice))
+    param = "tool_choice" if forced else "response_format"
+    try:
+        if forced:
+            if not isinstance(parser, HermesParser):
+                raise APIError(400, "tool_choice: forcing a call is supported for the hermes tool-call form "
+                               "(Qwen2.5/Qwen3 templates, and templates without tools) only, so far",
+                               param=param, code="unsupported_parameter")
+            name = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
+            grammar = forced_call_grammar(tools, name)
+        elif schema is not None:
+            grammar = json_schema_grammar(schema)
+        else:
+            return None
+        return await asyncio.to_thread(worker.constraint, grammar)
+    except GrammarError as e:
+        raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
 
 
 # ---- jobs -> responses ------------------------------------------------------------------------------------------
 class Reply:
-    """The response objects of one request, whole or as chunks (``chat``: chat.completion, else text_completion)."""
+    """The response objects of one request, whole or as chunks (``chat``: chat.completion, else text_completion).
 
-    def __init__(self, kind: str, model_name: str, chat: bool, echo: str = ""):
+    ``parser`` (chat with tools): a :mod:`freetoken.serve.tool_calls` parser the text goes through, so that calls
+    come out as ``tool_calls`` (in streamed deltas: the id and name first, then argument fragments)."""
+
+    def __init__(self, kind: str, model_name: str, chat: bool, echo: str = "", parser=None):
         self.kind = kind
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.model = model_name
         self.echo = echo
+        self.parser = parser
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -185,27 +189,61 @@ class Reply:
                 "time_to_first_token_s": round(outcome.seconds_to_first_token, 4),
                 "expert_cache_hit_rate": None if outcome.hit_rate is None else round(outcome.hit_rate, 4)}
 
+    def finish_reason(self, outcome) -> str:
+        if self.parser is not None and self.parser.calls and outcome.finish_reason == "stop":
+            return "tool_calls"
+        return outcome.finish_reason
+
+    # ---- deltas: what a piece of text adds to the message -----------------------------------------------------
+    def deltas(self, piece: str | None, final: bool = False) -> list[dict]:
+        """The deltas ``piece`` makes (``final``: and what the parser still held)."""
+        if self.parser is None:
+            if not piece:
+                return []
+            return [{"content": piece} if self.chat else {"text": piece}]
+        events = (self.parser.feed(piece) if piece else []) + (self.parser.finish() if final else [])
+        out = []
+        for e in events:
+            if isinstance(e, Content):
+                if e.text:
+                    out.append({"content": e.text})
+            elif isinstance(e, CallStart):
+                out.append({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                                            "function": {"name": e.name, "arguments": ""}}]})
+            elif e.fragment:
+                out.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.fragment}}]})
+        return out
+
     def whole(self, text: str, outcome) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": None, "finish_reason": outcome.finish_reason}
+            content, calls = [], []
+            for d in self.deltas(text, final=True):
+                if "content" in d:
+                    content.append(d["content"])
+                for c in d.get("tool_calls", ()):
+                    if "id" in c:
+                        calls.append({"id": c["id"], "type": "function",
+                                      "function": {"name": c["function"]["name"], "arguments": ""}})
+                    else:
+                        calls[c["index"]]["function"]["arguments"] += c["function"]["arguments"]
+            message = {"role": "assistant", "content": "".join(content), "refusal": None}
+            if calls:
+                message["tool_calls"] = calls
+                message["content"] = message["content"].strip() or None
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": self.finish_reason(outcome)}
         else:
             choice = {"index": 0, "text": self.echo + text, "logprobs": None, "finish_reason": outcome.finish_reason}
         return {**self._head(self.kind), "choices": [choice], "usage": self.usage(outcome),
                 "timings": self.timings(outcome)}
 
-    def chunk(self, piece: str | None = None, first: bool = False, outcome=None, usage_field: bool = False) -> dict:
-        """A chunk with text ``piece``, or (``outcome``) the last one with the finish reason."""
+    def chunk(self, delta: dict | None = None, outcome=None, usage_field: bool = False) -> dict:
+        """A chunk carrying ``delta``, or (``outcome``) the last one with the finish reason."""
+        reason = None if outcome is None else self.finish_reason(outcome)
         if self.chat:
-            delta = {} if outcome is not None else {"content": piece}
-            if first:
-                delta = {"role": "assistant", "content": piece or ""}
-            choice = {"index": 0, "delta": delta, "logprobs": None,
-                      "finish_reason": None if outcome is None else outcome.finish_reason}
+            choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": "" if outcome is not None else piece, "logprobs": None,
-                      "finish_reason": None if outcome is None else outcome.finish_reason}
+            choice = {"index": 0, "text": (delta or {}).get("text", ""), "logprobs": None, "finish_reason": reason}
             out = {**self._head("text_completion"), "choices": [choice]}
         if outcome is not None:
             out["timings"] = self.timings(outcome)
@@ -218,67 +256,34 @@ class Reply:
         return {**self._head(obj), "choices": [], "usage": self.usage(outcome)}
 
 
-def _error_of(e: BaseException) -> APIError:
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, ValueError):
-        return APIError(400, str(e))
-    return APIError(500, f"the engine failed: {type(e).__name__}: {e}")
-
-
-async def _collect(worker, job: Job, request: Request):
-    """The whole text and the outcome of ``job``; the job is cancelled if the client disconnects meanwhile (or the
-    request's task is cancelled: the server shuts down)."""
-    worker.submit(job)
-    pieces = []
-    finished = False
-    try:
-        while True:
-            try:
-                kind, value = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_SECONDS)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise APIError(499, "the client closed the connection") from None
-                continue
-            if kind == "text":
-                pieces.append(value)
-            elif kind == "done":
-                finished = True
-                return "".join(pieces), value
-            else:
-                finished = True
-                raise _error_of(value)
-    finally:
-        if not finished:
-            worker.cancel(job)
-
-
 async def _stream(worker, job: Job, reply: Reply, include_usage: bool):
-    """The server-sent events of ``job``: a first chunk with the role, a chunk per text piece, the finish chunk,
-    the usage chunk (``stream_options.include_usage``), ``[DONE]``. Closing the stream early (the client went away:
-    sse-starlette cancels this generator) cancels the job."""
-    worker.submit(job)
-    done = False
-    try:
-        first = True
-        while True:
-            kind, value = await job.events.get()
-            if kind == "text":
-                yield json.dumps(reply.chunk(value, first=first and reply.chat, usage_field=include_usage))
+    """The server-sent events of ``job``: the chat's first chunk carries the role, then a chunk per delta, the finish
+    chunk, the usage chunk (``stream_options.include_usage``), ``[DONE]``. Closing the stream early (the client
+    went away) cancels the job (:func:`freetoken.serve.jobs.job_events`)."""
+    first = reply.chat
+
+    def chunks(deltas):
+        nonlocal first
+        for d in deltas:
+            if first:
+                d = {"role": "assistant", **d}
                 first = False
+            yield json.dumps(reply.chunk(d, usage_field=include_usage))
+
+    async with aclosing(job_events(worker, job)) as events:
+        async for kind, value in events:
+            if kind == "text":
+                for c in chunks(reply.deltas(value)):
+                    yield c
             elif kind == "done":
-                if first and reply.chat:  # no text at all: the role chunk still comes first
-                    yield json.dumps(reply.chunk("", first=True, usage_field=include_usage))
+                for c in chunks(reply.deltas(None, final=True)):
+                    yield c
+                if first:  # no text at all: the role chunk still comes first
+                    for c in chunks([{"content": ""}]):
+                        yield c
                 yield json.dumps(reply.chunk(outcome=value, usage_field=include_usage))
                 if include_usage:
                     yield json.dumps(reply.usage_chunk(value))
-                done = True
                 yield "[DONE]"
-                return
             else:  # the stream has started (status 200): the error goes in the stream, as the OpenAI API does
-                yield json.dumps(_error_of(value).body())
-                done = True
-                return
-    finally:
-        if not done:
-            worker.cancel(job)
+                yield json.dumps(value.body())

@@ -3,7 +3,7 @@
 Fields the OpenAI API defines and this server does not act on are accepted and ignored (``presence_penalty``,
 ``frequency_penalty``, ``user``, ``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``...), as are
 fields no API defines; a field whose meaning we cannot honour is refused with a 400 by :func:`refuse_unsupported`
-(``n`` > 1, ``logprobs``, ``logit_bias``, image content, ``tools``, a JSON ``response_format``) rather than
+(``n`` > 1, ``logprobs``, ``logit_bias``, image content) rather than
 silently giving the client something else than it asked for. The README lists both kinds.
 """
 
@@ -112,15 +112,58 @@ class _Sampling(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class FunctionDef(_Body):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs json_schema.schema")
+        return self
+
+    def schema(self) -> dict | None:
+        """The JSON schema the reply must follow (None: free text)."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type == "json_schema":
+            return self.json_schema.json_schema
+        return None
 
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
     top_logprobs: int | None = None
 
@@ -159,12 +202,14 @@ def refuse_unsupported(req: _Sampling) -> None:
     if req.logit_bias:
         no("logit_bias", "not supported")
     if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            no("tools", "tool calls are not supported by this server yet")
-        if req.tool_choice not in (None, "none", "auto"):
-            no("tool_choice", "tool calls are not supported by this server yet")
-        if req.response_format is not None and req.response_format.type != "text":
-            no("response_format", f"{req.response_format.type!r} output is not supported by this server yet")
+        names = [t.function.name for t in req.tools or ()]
+        if isinstance(req.tool_choice, NamedToolChoice) and req.tool_choice.function.name not in names:
+            no("tool_choice", f"names the function {req.tool_choice.function.name!r}, which is not among the tools")
+        if req.tool_choice == "required" and not names:
+            no("tool_choice", "'required' needs tools")
+        forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
+        if forced and req.response_format is not None and req.response_format.schema() is not None:
+            no("response_format", "a JSON reply and a forced tool call exclude each other")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             no("suffix", "fill-in-the-middle is not supported")

@@ -34,6 +34,7 @@ class Outcome:
     decode_tps: float
     seconds_to_first_token: float
     hit_rate: float | None  # the expert cache's over this job's decode steps (None: no cache, or no decode step)
+    stop_sequence: str | None = None  # the stop string that ended the text (None: another reason did)
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     number: int = 0
     enqueued: float = field(default_factory=time.perf_counter)
+    constraint: object = None  # a freetoken.engine.grammar.TokenConstraint the reply must follow (or None)
 
     def post(self, kind: str, value) -> None:
         """From the worker thread: hand ``(kind, value)`` to the request's task ("text", "done" or "error")."""
@@ -61,16 +63,24 @@ class Job:
 class EngineWorker:
     """Runs :class:`Job` s on ``model`` one at a time, first come first served, on a daemon thread.
 
-    ``on_finish(job, outcome_or_None, error_or_None)`` is called on the worker thread after each job (metrics)."""
+    ``on_finish(job, outcome_or_None, error_or_None)`` is called on the worker thread after each job (metrics).
 
-    def __init__(self, model, on_finish=None):
+    ``script`` (tests): replies to give instead of generating, one per job in order, streamed a few characters at a
+    time, so that what the server makes of a reply (tool calls, stop strings) is checked on exact text."""
+
+    SCRIPT_PIECE = 3  # characters per streamed piece of a scripted reply
+
+    def __init__(self, model, on_finish=None, script: list[str] | None = None):
         self.model = model
         self.on_finish = on_finish
+        self.script = deque(script or ())
         self._waiting: deque[Job] = deque()
         self._cv = threading.Condition()
         self._running: Job | None = None
         self._closed = False
         self._numbers = itertools.count(1)
+        self._lltokenizer = None
+        self._lltokenizer_lock = threading.Lock()
         self.counters: dict[str, int] = dict(model.experts.counters())  # a snapshot, taken between jobs
         self._thread = threading.Thread(target=self._loop, name="freetoken-engine", daemon=True)
         self._thread.start()
@@ -94,6 +104,17 @@ class EngineWorker:
             except ValueError:
                 return
         self._finished(job, None, None)
+
+    def constraint(self, grammar: str):
+        """A fresh :class:`freetoken.engine.grammar.TokenConstraint` of ``grammar`` over the model's tokenizer
+        (GrammarError for a grammar llguidance refuses); the tokenizer's llguidance view is built once."""
+        from freetoken.engine.grammar import TokenConstraint, grammar_tokenizer
+
+        with self._lltokenizer_lock:
+            if self._lltokenizer is None:
+                m = self.model
+                self._lltokenizer = grammar_tokenizer(m.tokenizer, m.eos_ids, m.config.vocab_size)
+        return TokenConstraint(self._lltokenizer, grammar, self.model.config.vocab_size)
 
     def queue(self) -> list[Job]:
         """The waiting jobs, next first (the running one is not among them)."""
@@ -131,12 +152,16 @@ class EngineWorker:
                 self._running = None
 
     def _run(self, job: Job) -> None:
+        if self.script:
+            self._run_script(job, self.script.popleft())
+            return
         model = self.model
         experts = model.experts
         hits_before = _hits(experts)
         first = None
         try:
             pieces = model.generate_text(job.ids, job.max_tokens, job.sampling, reuse_cache=True, stop=job.stop,
+                                         constraint=job.constraint,
                                          should_stop=job.cancelled.is_set)
             for piece in pieces:
                 if first is None:
@@ -162,7 +187,22 @@ class EngineWorker:
                           completion_tokens=st.generated_tokens,
                           finish_reason=FINISH_REASONS.get(st.finish_reason or "stop", "stop"),
                           prefill_tps=st.prefill_tps, decode_tps=st.decode_tps,
-                          seconds_to_first_token=(first or now) - job.enqueued, hit_rate=rate)
+                          seconds_to_first_token=(first or now) - job.enqueued, hit_rate=rate,
+                          stop_sequence=st.stop_sequence)
+        job.post("done", outcome)
+        self._finished(job, outcome, None)
+
+    def _run_script(self, job: Job, text: str) -> None:
+        t0 = time.perf_counter()
+        for i in range(0, len(text), self.SCRIPT_PIECE):
+            if job.cancelled.is_set():
+                self._finished(job, None, None)
+                return
+            job.post("text", text[i:i + self.SCRIPT_PIECE])
+        outcome = Outcome(prompt_tokens=len(job.ids), cached_tokens=0,
+                          completion_tokens=len(self.model.encode(text, add_special_tokens=False)),
+                          finish_reason="stop", prefill_tps=0.0, decode_tps=0.0,
+                          seconds_to_first_token=t0 - job.enqueued, hit_rate=None)
         job.post("done", outcome)
         self._finished(job, outcome, None)
 

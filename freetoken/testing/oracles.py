@@ -1,8 +1,9 @@
 """Test oracles (torch, transformers, llama-cpp-python, sentencepiece, ...): present, or a visible outcome.
 
-``need("torch")`` returns the imported module. Where it cannot be imported, a local run skips the test with the
-reason, while a CI run (``CI`` set to anything but ``""``/``0``/``false``) FAILS it: a broken install must not turn
-the parity tests into a green run of skips. At module level it skips or fails the whole module, so call it there
+``need("torch")`` returns the imported module (``need_program("/usr/bin/chromium")``: the program's path).
+Where it cannot be imported (or is not installed), a local run skips the test with the reason, while a CI run
+(``CI`` set to anything but ``""``/``0``/``false``) FAILS it: a broken install must not turn the parity tests into
+a green run of skips. At module level it skips or fails the whole module, so call it there
 only for modules whose every test needs the oracle.
 """
 
@@ -18,14 +19,26 @@ def in_ci() -> bool:
 
 def need(module: str, why: str = ""):
     """The imported ``module``; skip (locally) or fail (in CI) the calling test or module when it is missing."""
-    import pytest
-
     __tracebackhide__ = True  # the skip or failure is reported at the caller's line (the test module), not here
     try:
         return importlib.import_module(module)
     except Exception as e:  # ImportError, or a broken install raising anything else on import
-        reason = f"test oracle {module!r} is not importable ({type(e).__name__}: {e})" + (f"; {why}" if why else "")
-        if in_ci():
-            pytest.fail(f"{reason}; CI needs every oracle (bash scripts/setup --test-oracles --llama-cpp)",
-                        pytrace=False)
-        pytest.skip(reason, allow_module_level=True)
+        _missing(f"test oracle {module!r} is not importable ({type(e).__name__}: {e})" + (f"; {why}" if why else ""))
+
+
+def need_program(path: str, why: str = "") -> str:
+    """``path``, an executable (a browser, its driver); skip (locally) or fail (in CI) as :func:`need` does when it
+    is not there."""
+    __tracebackhide__ = True
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        _missing(f"test oracle {path} is not an installed program" + (f"; {why}" if why else ""))
+    return path
+
+
+def _missing(reason: str):
+    import pytest
+
+    __tracebackhide__ = True
+    if in_ci():
+        pytest.fail(f"{reason}; CI needs every oracle (bash scripts/setup --test-oracles --llama-cpp)", pytrace=False)
+    pytest.skip(reason, allow_module_level=True)

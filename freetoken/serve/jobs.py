@@ -1,0 +1,139 @@
+"""What the OpenAI and the Anthropic routes share on the way from a request to its text: the body parsed, the model
+name checked, a conversation rendered with the chat template, a :class:`freetoken.serve.worker.Job` built with the
+server's defaults, and the job's text collected whole or taken as it comes. Each API module only reads its own
+request shape and writes its own response shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from freetoken.engine.sampling import SamplingParams
+from freetoken.serve.errors import APIError, validation_error
+from freetoken.serve.worker import Job
+
+#: How often a non-streaming request looks whether its client is still there while it waits for text.
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+# ---- requests -> jobs -------------------------------------------------------------------------------------------
+async def parse_body(request: Request, schema):
+    """The request's JSON body as ``schema``. The body is read as JSON whatever its Content-Type says (curl's
+    ``-d`` sends form encoding; llama-server accepts that too); bad JSON and bad fields are 400s naming the spot."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        where = f" (line {e.lineno}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
+        raise APIError(400, f"the request body is not valid JSON{where}: {getattr(e, 'msg', e)}",
+                       code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors(include_url=False)) from None
+
+
+def check_model(state, name: str | None) -> None:
+    """A 404 for a model name that is not the served one or an alias (no name: the served one)."""
+    if name and name != state.model_name and name not in state.aliases:
+        raise APIError(404, f"The model {name!r} does not exist: this server serves {state.model_name!r} "
+                       "(GET /v1/models)", param="model", code="model_not_found")
+
+
+def template_tool_call(call_id: str | None, name: str, arguments) -> dict:
+    """A tool call of an assistant message as chat templates expect it (HF's convention: ``arguments`` an object
+    where it is one)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def render_chat(template, messages: list[dict], add_generation_prompt: bool = True, **context) -> str:
+    """The conversation as prompt text (``context``: more template variables, ``tools``...); a conversation the
+    template refuses (roles out of order, say) is a 400."""
+    try:
+        return template.render(messages, add_generation_prompt=add_generation_prompt, **context)
+    except ValueError as e:
+        raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
+
+
+def make_job(state, ids: list[int], stop: list[str], *, max_tokens: int | None, prompt_param: str,
+             temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+             repetition_penalty: float | None = None, seed: int | None = None) -> Job:
+    """A job for prompt ``ids``: what the request leaves out (None) is the server's default (``state.defaults``);
+    a prompt the context cannot hold is a 400 naming ``prompt_param``, and the completion is cut to what fits."""
+    ctx = state.ready().model.decoder.ctx
+    if not ids:
+        raise APIError(400, "the prompt is empty", param=prompt_param)
+    if len(ids) >= ctx:
+        raise APIError(400, f"This model's context holds {ctx} tokens; the prompt is {len(ids)} tokens (prompt and "
+                       "completion together must fit: start the server with a larger --ctx or --kv-memory, or "
+                       "send less)", param=prompt_param, code="context_length_exceeded")
+    d = state.defaults
+    sampling = SamplingParams(
+        temperature=d.temperature if temperature is None else temperature,
+        top_p=d.top_p if top_p is None else top_p,
+        top_k=d.top_k if top_k is None else top_k,
+        repetition_penalty=d.repetition_penalty if repetition_penalty is None else repetition_penalty,
+        seed=seed)
+    return Job(ids=ids, max_tokens=min(max_tokens or d.max_tokens, ctx - len(ids)), sampling=sampling, stop=stop,
+               loop=asyncio.get_running_loop())
+
+
+# ---- jobs -> text -----------------------------------------------------------------------------------------------
+def error_of(e: BaseException) -> APIError:
+    """What the engine raised, as the error the client gets."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ValueError):
+        return APIError(400, str(e))
+    return APIError(500, f"the engine failed: {type(e).__name__}: {e}")
+
+
+async def collect(worker, job: Job, request: Request):
+    """The whole text and the outcome of ``job``; the job is cancelled if the client disconnects meanwhile (or the
+    request's task is cancelled: the server shuts down)."""
+    worker.submit(job)
+    pieces = []
+    finished = False
+    try:
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_SECONDS)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise APIError(499, "the client closed the connection") from None
+                continue
+            if kind == "text":
+                pieces.append(value)
+            elif kind == "done":
+                finished = True
+                return "".join(pieces), value
+            else:
+                finished = True
+                raise error_of(value)
+    finally:
+        if not finished:
+            worker.cancel(job)
+
+
+async def job_events(worker, job: Job) -> AsyncIterator[tuple[str, object]]:
+    """``job``'s events as they come, for a streamed response: ``("text", piece)``..., then ``("done", Outcome)``
+    or ``("error", APIError)``. The job is submitted on the first step; closing the iterator before its end (the
+    client went away: sse-starlette cancels the response's generator) cancels the job. Use it inside
+    ``contextlib.aclosing`` so that closing the response's generator closes this one at once."""
+    worker.submit(job)
+    finished = False
+    try:
+        while not finished:
+            kind, value = await job.events.get()
+            finished = kind != "text"
+            yield kind, error_of(value) if kind == "error" else value
+    finally:
+        if not finished:
+            worker.cancel(job)

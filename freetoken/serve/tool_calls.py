@@ -1,0 +1,382 @@
+"""Tool calls in generated text: which form a chat template's family writes, and an incremental parser for each.
+
+Forms (``tool_format(template_source)``):
+
+- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen2.5, Qwen3, Hermes, many more);
+- ``qwen3_coder``: ``<tool_call><function=NAME><parameter=P>VALUE</parameter>...</function></tool_call>``;
+- ``deepseek``: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`` (V3.1) and
+  ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` + a ```json block (V3), inside
+  ``<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>``;
+- ``injected``: the template knows no tools (the bundled model's): the server describes the tools in a system
+  message of its own and asks for the hermes form (:func:`tools_system_prompt`), and renders earlier calls and
+  results as hermes text (:func:`inject_history`).
+
+A parser takes text pieces as they stream (``feed``) and returns events: ``Content(text)``, ``CallStart(index, id,
+name)`` and ``CallArgs(index, fragment)``; the fragments of one call join into its arguments' JSON text. Text that
+could be the start of a marker is held back until it is clear; ``finish()`` flushes the rest (an unterminated call
+is closed as it stands, so a reply cut by max_tokens still reports what it began).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Content:
+    text: str
+
+
+@dataclass(frozen=True)
+class CallStart:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class CallArgs:
+    index: int
+    fragment: str
+
+
+def tool_format(source: str) -> str:
+    """The tool-call form a chat template's model writes (``injected`` when the template has none)."""
+    if "tool▁call▁begin" in source:
+        return "deepseek"
+    if "<tool_call>" in source and "<function=" in source:
+        return "qwen3_coder"
+    if "<tool_call>" in source:
+        return "hermes"
+    if "<|channel|>" in source or "<|call|>" in source:
+        return "harmony"
+    return "injected"
+
+
+def make_parser(form: str):
+    if form in ("hermes", "injected"):
+        return HermesParser()
+    if form == "qwen3_coder":
+        return Qwen3CoderParser()
+    if form == "deepseek":
+        return DeepSeekParser()
+    raise ValueError(f"tool calls in the {form!r} form are not supported yet")
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _held(text: str, marker: str) -> int:
+    """How many characters at the end of ``text`` could begin ``marker`` (they wait for the next piece)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+class _Parser:
+    """The shared part: content outside calls, a call count, ids."""
+
+    OPEN = ""  # the marker that starts a call (or a block of calls)
+
+    def __init__(self):
+        self.buf = ""
+        self.inside = False
+        self.calls = 0
+        self.events: list = []
+
+    def feed(self, text: str) -> list:
+        self.buf += text
+        self._scan(final=False)
+        out, self.events = self.events, []
+        return out
+
+    def finish(self) -> list:
+        self._scan(final=True)
+        if self.inside:
+            self._close_call(self.buf, final=True)
+            self.buf = ""
+            self.inside = False
+        elif self.buf:
+            self.events.append(Content(self.buf))
+            self.buf = ""
+        out, self.events = self.events, []
+        return out
+
+    def _content_until_open(self, final: bool) -> bool:
+        """Emit content up to the open marker; True when the marker was found (consumed)."""
+        at = self.buf.find(self.OPEN)
+        if at < 0:
+            keep = 0 if final else _held(self.buf, self.OPEN)
+            if len(self.buf) > keep:
+                self.events.append(Content(self.buf[:len(self.buf) - keep]))
+                self.buf = self.buf[len(self.buf) - keep:]
+            return False
+        if at:
+            self.events.append(Content(self.buf[:at]))
+        self.buf = self.buf[at + len(self.OPEN):]
+        return True
+
+    def _start(self, name: str) -> int:
+        index = self.calls
+        self.calls += 1
+        self.events.append(CallStart(index, new_call_id(), name))
+        return index
+
+    def _scan(self, final: bool) -> None:
+        raise NotImplementedError
+
+    def _close_call(self, body: str, final: bool) -> None:
+        raise NotImplementedError
+
+
+# ---- hermes -----------------------------------------------------------------------------------------------------
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+class HermesParser(_Parser):
+    """``<tool_call>{"name": N, "arguments": A}</tool_call>``: the name as soon as it is complete, then A's text as it
+    comes (the object's closing brace and trailing space held back until the call ends)."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self):
+        super().__init__()
+        self._reset_call()
+
+    def _reset_call(self):
+        self.index = None  # this call's index once its name is out
+        self.sent = ""  # argument text sent so far
+
+    def _scan(self, final: bool) -> None:
+        while True:
+            if not self.inside:
+                if not self._content_until_open(final):
+                    return
+                self.inside = True
+                self._reset_call()
+                continue
+            end = self.buf.find(self.CLOSE)
+            if end < 0:
+                self._stream_args(self.buf[:len(self.buf) - _held(self.buf, self.CLOSE)])
+                return
+            self._close_call(self.buf[:end], final=False)
+            self.buf = self.buf[end + len(self.CLOSE):]
+            self.inside = False
+
+    def _stream_args(self, body: str) -> None:
+        head = _HERMES_HEAD.match(body)
+        if head is None:
+            return
+        if self.index is None:
+            self.index = self._start(json.loads(f'"{head.group(1)}"'))
+        args = body[head.end():].rstrip()
+        if args.startswith('"'):  # the arguments as a JSON string: decoded when the call ends
+            return
+        if args.endswith("}"):  # perhaps the object's own closing brace: wait and see
+            args = args[:-1].rstrip()
+        if len(args) > len(self.sent) and args.startswith(self.sent):
+            self.events.append(CallArgs(self.index, args[len(self.sent):]))
+            self.sent = args
+
+    def _close_call(self, body: str, final: bool) -> None:
+        head = _HERMES_HEAD.match(body)
+        if head is not None and self.index is not None:
+            args = body[head.end():].rstrip()
+            if args.endswith("}"):
+                args = args[:-1].rstrip()
+            if args.startswith('"') and not self.sent:
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    pass
+            rest = args[len(self.sent):] if args.startswith(self.sent) else ""
+            if rest:
+                self.events.append(CallArgs(self.index, rest))
+            self._reset_call()
+            return
+        try:  # another key order, or arguments given as a JSON string: the whole object decides
+            obj = json.loads(body)
+            name = obj["name"]
+            args = obj.get("arguments", obj.get("parameters", {}))
+        except (ValueError, KeyError, TypeError):
+            self.events.append(Content(self.OPEN + body + ("" if final else self.CLOSE)))  # not a call after all
+            self._reset_call()
+            return
+        index = self._start(str(name))
+        self.events.append(CallArgs(index, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+        self._reset_call()
+
+
+# ---- qwen3-coder ------------------------------------------------------------------------------------------------
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
+_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def _xml_value(text: str):
+    """A parameter's text as JSON: a number, a boolean, null, an object or a list where it parses, else the string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class Qwen3CoderParser(_Parser):
+    """``<tool_call><function=NAME><parameter=P>V</parameter>...</function></tool_call>``: the name, then one
+    fragment per parameter as it closes (``{"P": V``, ``, "Q": W``, then ``}``)."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self):
+        super().__init__()
+        self._reset_call()
+
+    def _reset_call(self):
+        self.index = None
+        self.params = 0
+        self.consumed = 0  # characters of the call body already turned into events
+
+    def _scan(self, final: bool) -> None:
+        while True:
+            if not self.inside:
+                if not self._content_until_open(final):
+                    return
+                self.inside = True
+                self._reset_call()
+                continue
+            end = self.buf.find(self.CLOSE)
+            body = self.buf if end < 0 else self.buf[:end]
+            self._advance(body)
+            if end < 0:
+                return
+            self._close_call(body, final=False)
+            self.buf = self.buf[end + len(self.CLOSE):]
+            self.inside = False
+
+    def _advance(self, body: str) -> None:
+        if self.index is None:
+            m = _FUNCTION.match(body)
+            if m is None:
+                return
+            self.index = self._start(m.group(1).strip())
+            self.consumed = m.end()
+        while True:
+            m = _PARAMETER.match(body, self.consumed)
+            if m is None:
+                return
+            key = json.dumps(m.group(1).strip(), ensure_ascii=False)
+            value = json.dumps(_xml_value(m.group(2)), ensure_ascii=False)
+            self.events.append(CallArgs(self.index, ("{" if self.params == 0 else ", ") + f"{key}: {value}"))
+            self.params += 1
+            self.consumed = m.end()
+
+    def _close_call(self, body: str, final: bool) -> None:
+        self._advance(body)
+        if self.index is None:
+            self.events.append(Content(self.OPEN + body + ("" if final else self.CLOSE)))
+        else:
+            self.events.append(CallArgs(self.index, "}" if self.params else "{}"))
+        self._reset_call()
+
+
+# ---- deepseek ---------------------------------------------------------------------------------------------------
+class DeepSeekParser(_Parser):
+    """``<｜tool▁calls▁begin｜>``, then per call ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>``
+    (V3.1) or ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>`` (V3)."""
+
+    OPEN = "<｜tool▁calls▁begin｜>"
+    CALL, SEP, END, CLOSE = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
+
+    def _scan(self, final: bool) -> None:
+        while True:
+            if not self.inside:
+                if not self._content_until_open(final):
+                    return
+                self.inside = True
+                continue
+            stripped = self.buf.lstrip()
+            if stripped.startswith(self.CLOSE):
+                self.buf = stripped[len(self.CLOSE):]
+                self.inside = False
+                continue
+            end = self.buf.find(self.END)
+            if end < 0:
+                return
+            self._close_call(self.buf[:end], final=False)
+            self.buf = self.buf[end + len(self.END):]
+
+    def _close_call(self, body: str, final: bool) -> None:
+        body = body.strip()
+        if body.startswith(self.CALL):
+            body = body[len(self.CALL):]
+        if self.SEP not in body:
+            if body:
+                self.events.append(Content(body))
+            return
+        first, rest = body.split(self.SEP, 1)
+        if first.strip() == "function" and "\n" in rest:  # V3: the name, then a fenced JSON block
+            name, rest = rest.split("\n", 1)
+            rest = rest.strip()
+            if rest.startswith("```json"):
+                rest = rest[len("```json"):]
+            if rest.endswith("```"):
+                rest = rest[:-3]
+        else:
+            name = first
+        index = self._start(name.strip())
+        self.events.append(CallArgs(index, rest.strip()))
+
+
+# ---- forcing a call: a grammar ----------------------------------------------------------------------------------
+def forced_call_grammar(tools: list[dict], name: str | None = None) -> str:
+    """The grammar of one hermes-form call (``tool_choice`` "required": of any of ``tools``; named: of that one),
+    its arguments following the function's parameter schema."""
+    from freetoken.engine.grammar import lark_grammar, lark_json
+
+    def call_schema(fn: dict) -> dict:
+        return {"type": "object", "properties": {"name": {"const": fn["name"]},
+                                                 "arguments": fn.get("parameters") or {"type": "object"}},
+                "required": ["name", "arguments"], "additionalProperties": False}
+
+    fns = [t.get("function", t) for t in tools]
+    chosen = [f for f in fns if name is None or f["name"] == name]
+    schema = call_schema(chosen[0]) if len(chosen) == 1 else {"anyOf": [call_schema(f) for f in chosen]}
+    return lark_grammar(f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {lark_json(schema)}\n')
+
+
+# ---- the injected form: tools for a template that knows none ----------------------------------------------------
+def tools_system_prompt(tools: list[dict]) -> str:
+    """A system message that lists ``tools`` (OpenAI function definitions) and asks for hermes-form calls."""
+    lines = ["You can call functions. Their definitions, as JSON Schema, one per line:", "<tools>"]
+    lines += [json.dumps(t.get("function", t), ensure_ascii=False) for t in tools]
+    lines += ["</tools>", "To call a function, reply with its name and arguments as JSON inside tags:",
+              '<tool_call>\n{"name": "FUNCTION", "arguments": {...}}\n</tool_call>']
+    return "\n".join(lines)
+
+
+def inject_history(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """``messages`` for a template without tool support: the tools' system prompt first (merged into a leading
+    system message), earlier calls as hermes text in the assistant's content, tool results as user messages."""
+    out = []
+    prompt = tools_system_prompt(tools)
+    if messages and messages[0]["role"] == "system":
+        out.append({**messages[0], "content": messages[0]["content"] + "\n\n" + prompt})
+        messages = messages[1:]
+    else:
+        out.append({"role": "system", "content": prompt})
+    for m in messages:
+        m = dict(m)
+        calls = m.pop("tool_calls", None)
+        if calls:
+            text = "".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                                         "arguments": c["function"]["arguments"]},
+                                                        ensure_ascii=False) + "\n</tool_call>" for c in calls)
+            m["content"] = (m.get("content") or "") + ("\n" if m.get("content") else "") + text
+        if m["role"] == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+        out.append(m)
+    return out

@@ -1,0 +1,309 @@
+"""`freetoken serve`'s Anthropic Messages endpoints against the real `anthropic` client: a live server in a
+subprocess (the bundled model on the cpu device), and in process a fake model for what the live one cannot show
+(a load in progress, an engine that fails mid-stream).
+
+The bundled model's chat template writes each message's content and a newline, so the prompt a conversation
+becomes is known exactly, and the token counts are checked against the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import anthropic
+import httpx
+import pytest
+from live_server import CTX, KEY, MODEL, running_server
+from tokenizers import Tokenizer
+
+from freetoken.engine.load import DEFAULT_MODEL
+
+USER = [{"role": "user", "content": "def add(a, b):"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from running_server(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    tok = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
+    return lambda text: len(tok.encode(text, add_special_tokens=False).ids)
+
+
+def _client(server, key=KEY) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=key, max_retries=0, timeout=300)
+
+
+def _create(client, messages=USER, **kw):
+    """A greedy reply. The client's recent versions no longer take ``temperature`` as an argument (newer Claude
+    models ignore it): it goes as an extra field, which the server reads."""
+    kw.setdefault("extra_body", {"temperature": 0})
+    kw.setdefault("max_tokens", 12)
+    return client.messages.create(model=MODEL, messages=messages, **kw)
+
+
+def _streamed(client, messages=USER, **kw):
+    kw.setdefault("extra_body", {"temperature": 0})
+    kw.setdefault("max_tokens", 12)
+    with client.messages.stream(model=MODEL, messages=messages, **kw) as stream:
+        text = "".join(stream.text_stream)
+        return text, stream.get_final_message()
+
+
+def _post(server, path: str, body, key: str | None = KEY) -> httpx.Response:
+    headers = {"x-api-key": key, "anthropic-version": "2023-06-01"} if key is not None else {}
+    content = body if isinstance(body, str) else json.dumps(body)
+    return httpx.post(server.url + path, content=content, headers=headers, timeout=300)
+
+
+def _still_serving(server):
+    assert _create(_client(server), max_tokens=2).usage.output_tokens <= 2
+
+
+def test_a_whole_message(server, tokens):
+    client = _client(server)
+    m = _create(client)
+    assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant" and m.model == MODEL
+    [block] = m.content
+    assert block.type == "text" and block.text
+    assert m.stop_reason in ("end_turn", "max_tokens") and m.stop_sequence is None
+    u = m.usage
+    assert 1 <= u.output_tokens <= 12 and (u.output_tokens == 12) == (m.stop_reason == "max_tokens")
+    assert u.cache_read_input_tokens == 0 and u.cache_creation_input_tokens == 0
+    assert u.input_tokens == tokens("def add(a, b):\n")
+    assert client.messages.count_tokens(model=MODEL, messages=USER).input_tokens == u.input_tokens
+    short = _create(client, max_tokens=3)
+    assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
+
+
+def test_streamed_equals_whole(server):
+    client = _client(server)
+    whole = _create(client)
+    text, final = _streamed(client)
+    assert text == whole.content[0].text and final.content[0].text == text
+    assert final.stop_reason == whole.stop_reason and final.stop_sequence is None
+    assert final.usage.input_tokens == whole.usage.input_tokens
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_the_stream_is_the_anthropic_event_sequence(server):
+    whole = _create(_client(server), max_tokens=4)
+    body = {"model": MODEL, "messages": USER, "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/messages", json=body, headers={"x-api-key": KEY},
+                      timeout=300) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line.startswith(("event:", "data:"))]
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("event:")]
+    data = [json.loads(line.split(":", 1)[1]) for line in lines if line.startswith("data:")]
+    assert [d["type"] for d in data] == names
+    deltas = names.count("content_block_delta")
+    assert deltas >= 1 and names == ["message_start", "content_block_start", "ping", *["content_block_delta"] * deltas,
+                                     "content_block_stop", "message_delta", "message_stop"]
+    start = data[0]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["input_tokens"] > 0
+    assert "".join(d["delta"]["text"] for d in data if d["type"] == "content_block_delta") == whole.content[0].text
+    assert data[-2]["delta"] == {"stop_reason": whole.stop_reason, "stop_sequence": None}
+    assert data[-2]["usage"] == {"output_tokens": whole.usage.output_tokens}
+
+
+def test_stop_sequences(server):
+    client = _client(server)
+    prompt = [{"role": "user", "content": "def main(argv):"}]
+    full = _create(client, prompt).content[0].text
+    assert len(full) >= 8, full
+    stop = full[4:7]
+    cut = full[:full.index(stop)]
+    m = _create(client, prompt, stop_sequences=["\x00never", stop])
+    assert m.content[0].text == cut and m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    text, final = _streamed(client, prompt, stop_sequences=[stop])
+    assert text == cut and final.stop_reason == "stop_sequence" and final.stop_sequence == stop
+
+
+def test_system_as_a_string_and_as_blocks(server, tokens):
+    client = _client(server)
+    a = _create(client, system="# a module\n")
+    b = _create(client, system=[{"type": "text", "text": "# a "}, {"type": "text", "text": "module\n"}])
+    assert a.content[0].text == b.content[0].text
+    assert a.usage.input_tokens == b.usage.input_tokens == tokens("# a module\n\ndef add(a, b):\n")
+
+
+def test_a_tool_use_conversation(server, tokens):
+    """tool_use blocks render as the assistant's calls, tool_result blocks as tool messages in their place (the
+    bundled template writes contents only: the prompt shows the order)."""
+    client = _client(server)
+    messages = [
+        {"role": "user", "content": "What does a.py print?"},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "Let me look."},
+            {"type": "tool_use", "id": "toolu_1", "name": "read_file", "input": {"path": "a.py"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "print(1)"},
+            {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
+             "content": [{"type": "text", "text": "no such file"}]},
+            {"type": "text", "text": "So?"}]},
+    ]
+    expected = "What does a.py print?\nLet me look.\nprint(1)\nError: no such file\nSo?\n"
+    assert client.messages.count_tokens(model=MODEL, messages=messages).input_tokens == tokens(expected)
+    m = _create(client, messages, max_tokens=4)
+    assert m.usage.input_tokens == tokens(expected) and m.content[0].type == "text" and m.usage.output_tokens <= 4
+
+
+def test_a_final_assistant_message_is_continued(server, tokens):
+    client = _client(server)
+    messages = [{"role": "user", "content": "x = 1"}, {"role": "assistant", "content": "def add("}]
+    assert client.messages.count_tokens(model=MODEL, messages=messages).input_tokens == tokens("x = 1\ndef add(")
+    assert _create(client, messages, max_tokens=3).usage.output_tokens <= 3
+
+
+def _user(content):
+    return {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": content}]}
+
+
+@pytest.mark.parametrize("path, body, status, kind, says", [
+    ("/v1/messages", '{"model": ', 400, "invalid_request_error", "not valid JSON"),
+    ("/v1/messages", "[1]", 400, "invalid_request_error", "JSON object"),
+    ("/v1/messages", {"model": MODEL, "messages": USER}, 400, "invalid_request_error", "max_tokens"),
+    ("/v1/messages", {"max_tokens": 4, "messages": USER}, 400, "invalid_request_error", "model"),
+    ("/v1/messages", {**_user("hi"), "max_tokens": 0}, 400, "invalid_request_error", "max_tokens"),
+    ("/v1/messages", {**_user("hi"), "temperature": 1.5}, 400, "invalid_request_error", "temperature"),
+    ("/v1/messages", {**_user("hi"), "messages": [{"role": "system", "content": "hi"}]}, 400,
+     "invalid_request_error", "messages.0.role"),
+    ("/v1/messages", _user([{"type": "text"}]), 400, "invalid_request_error", "messages.0.content.0.text"),
+    ("/v1/messages", _user([{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}]),
+     400, "invalid_request_error", "text only"),
+    ("/v1/messages", _user([{"type": "tool_use", "id": "t", "name": "f", "input": {}}]), 400,
+     "invalid_request_error", "belongs in an assistant message"),
+    ("/v1/messages", {**_user("hi"), "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, 400,
+     "invalid_request_error", "tool use is not supported"),
+    ("/v1/messages", {**_user("hi"), "model": "claude-opus-4"}, 404, "not_found_error", "does not exist"),
+    ("/v1/messages/count_tokens", {"model": MODEL}, 400, "invalid_request_error", "messages"),
+    ("/v1/messages/count_tokens", {"model": "claude-opus-4", "messages": USER}, 404, "not_found_error",
+     "does not exist"),
+    ("/v1/messages/nowhere", {}, 404, "not_found_error", "Not Found"),
+])
+def test_bad_requests_get_anthropic_errors(server, path, body, status, kind, says):
+    r = _post(server, path, body)
+    assert r.status_code == status, r.text
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == kind and says in r.json()["error"]["message"]
+    _still_serving(server)
+
+
+def test_errors_through_the_client(server):
+    client = _client(server)
+    with pytest.raises(anthropic.NotFoundError, match="does not exist"):
+        client.messages.create(model="claude-opus-4", max_tokens=4, messages=USER)
+    with pytest.raises(anthropic.BadRequestError, match=f"holds {CTX} tokens"):
+        _create(client, [{"role": "user", "content": "x y " * 400}])
+    with pytest.raises(anthropic.AuthenticationError):
+        _create(_client(server, key="wrong"))
+    r = _post(server, "/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": USER}, key=None)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert r.json()["error"]["message"].startswith("Incorrect or missing API key")
+    _still_serving(server)
+    assert server.metric("freetoken_requests_total", '{endpoint="/v1/messages",status="200"}') >= 1
+    assert server.metric("freetoken_requests_total", '{endpoint="/v1/messages/count_tokens",status="404"}') >= 1
+
+
+def test_a_killed_streaming_client_frees_the_engine(server):
+    cancelled = server.metric("freetoken_requests_cancelled_total")
+    script = (f"import anthropic\n"
+              f"c = anthropic.Anthropic(base_url='{server.url}', api_key='{KEY}', max_retries=0)\n"
+              f"with c.messages.stream(model='{MODEL}', max_tokens=400, extra_body={{'temperature': 1.0}},\n"
+              f"        messages=[{{'role': 'user', 'content': 'import os'}}]) as s:\n"
+              f"    for text in s.text_stream:\n"
+              f"        print('text', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "text"  # it is streaming
+    finally:
+        proc.kill()  # SIGKILL: the connection drops with no goodbye
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while server.metric("freetoken_requests_cancelled_total") == cancelled and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.metric("freetoken_requests_cancelled_total") == cancelled + 1
+    assert server.metric("freetoken_requests_running") == 0
+    _still_serving(server)
+
+
+# ---- in process: a fake model ---------------------------------------------------------------------------------
+class _FakeModel:
+    """Enough of a Model for the routes and the worker: a word per token; its generation says one word, then
+    fails (``fail``) or ends."""
+
+    def __init__(self, fail: bool):
+        from freetoken.engine.chat import ChatTemplate
+
+        self.fail = fail
+        self.chat_template = ChatTemplate.chatml()
+        self.decoder = type("Decoder", (), {"ctx": 4096, "length": 0})()
+        self.experts = type("Experts", (), {"counters": staticmethod(dict)})()
+        self.stats = None
+
+    def encode(self, text, add_special_tokens=True):
+        return list(range(len(text.split())))
+
+    def generate_text(self, ids, max_tokens, sampling, **options):
+        from freetoken.engine.generate import GenerationStats
+
+        self.stats = GenerationStats(generated_tokens=1, finish_reason="stop")
+        yield "Hello"
+        if self.fail:
+            raise RuntimeError("the device fell off the bus")
+
+
+def _in_process(model_ready: threading.Event, fail: bool = False):
+    from starlette.testclient import TestClient
+
+    from freetoken.serve.app import create_app
+
+    def load():
+        model_ready.wait(30)
+        return _FakeModel(fail)
+
+    return TestClient(create_app(load, MODEL, api_key=None))
+
+
+def _wait_ready(client):
+    for _ in range(1000):
+        if client.get("/health").status_code == 200:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the fake model did not load")
+
+
+def test_a_loading_model_is_a_503_overloaded_error():
+    go = threading.Event()
+    with _in_process(go) as client:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = client.post(path, json={"model": MODEL, "max_tokens": 4, "messages": USER})
+            assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error", r.text
+            assert "still loading" in r.json()["error"]["message"]
+        go.set()
+        _wait_ready(client)
+        r = client.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": USER})
+        assert r.status_code == 200 and r.json()["input_tokens"] > 0
+
+
+def test_an_engine_failure_mid_stream_is_an_error_event():
+    go = threading.Event()
+    go.set()
+    with _in_process(go, fail=True) as client:
+        _wait_ready(client)
+        body = {"model": MODEL, "max_tokens": 4, "messages": USER, "stream": True}
+        with client.stream("POST", "/v1/messages", json=body) as r:
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line.startswith(("event:", "data:"))]
+        assert lines[-2] == "event: error"
+        error = json.loads(lines[-1].split(":", 1)[1])
+        assert error["type"] == "error" and error["error"]["type"] == "api_error"
+        assert "fell off the bus" in error["error"]["message"]
+        assert "event: content_block_delta" in lines  # the word before the failure came through
+        r = client.post("/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": USER})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "api_error"

@@ -1,0 +1,134 @@
+"""Tool calls parsed out of generated text, per template family, whatever the pieces the text streams in."""
+
+import json
+
+import pytest
+
+from freetoken.serve.tool_calls import (
+    CallArgs,
+    CallStart,
+    Content,
+    DeepSeekParser,
+    HermesParser,
+    Qwen3CoderParser,
+    inject_history,
+    make_parser,
+    tool_format,
+    tools_system_prompt,
+)
+
+PIECES = [1, 2, 3, 5, 7, 1000]
+
+
+def _parse(parser_cls, text: str, piece: int):
+    p = parser_cls()
+    events = []
+    for i in range(0, len(text), piece):
+        events += p.feed(text[i:i + piece])
+    events += p.finish()
+    content = "".join(e.text for e in events if isinstance(e, Content))
+    calls, order = {}, []
+    for e in events:
+        if isinstance(e, CallStart):
+            assert e.index == len(calls) and e.id.startswith("call_") and e.index not in calls
+            calls[e.index] = [e.name, ""]
+        elif isinstance(e, CallArgs):
+            assert e.index in calls, "arguments before the call's name"
+            calls[e.index][1] += e.fragment
+        order.append(type(e).__name__)
+    return content, [tuple(c) for c in calls.values()], events
+
+
+HERMES = ('I will read it.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "src/a.py", "lines": [1, 20], '
+          '"opts": {"raw": true}}}\n</tool_call>\n<tool_call>\n{"name": "grep", "arguments": {"pattern": "}"}}\n'
+          '</tool_call>')
+
+
+@pytest.mark.parametrize("piece", PIECES)
+def test_hermes(piece):
+    content, calls, events = _parse(HermesParser, HERMES, piece)
+    assert content.strip() == "I will read it."
+    assert [(n, json.loads(a)) for n, a in calls] == [
+        ("read_file", {"path": "src/a.py", "lines": [1, 20], "opts": {"raw": True}}), ("grep", {"pattern": "}"})]
+    if piece <= 3:  # streamed: the first call's arguments came in several fragments, after its name
+        assert sum(isinstance(e, CallArgs) and e.index == 0 for e in events) > 3
+
+
+@pytest.mark.parametrize("text, name, args", [
+    ('<tool_call>{"arguments": {"q": 1}, "name": "search"}</tool_call>', "search", {"q": 1}),  # other key order
+    ('<tool_call>{"name": "now", "arguments": "{}"}</tool_call>', "now", {}),  # arguments as a JSON string
+    ('<tool_call>\n{"name": "f", "parameters": {"x": "a\\"b"}}\n</tool_call>', "f", {"x": 'a"b'}),
+])
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_hermes_variants(text, name, args, piece):
+    content, calls, _ = _parse(HermesParser, text, piece)
+    assert content == "" and len(calls) == 1 and calls[0][0] == name and json.loads(calls[0][1]) == args
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_hermes_text_that_is_not_a_call_stays_text(piece):
+    for text in ("a < b and <tool not a tag", "x <tool_call>not json</tool_call> y", "cut <tool_call>\n{\"na"):
+        content, calls, _ = _parse(HermesParser, text, piece)
+        assert calls == [] and content == text, (text, content)
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_hermes_call_cut_short_is_reported(piece):
+    content, calls, _ = _parse(HermesParser, '<tool_call>\n{"name": "write", "arguments": {"path": "x', piece)
+    assert content == "" and calls[0][0] == "write" and calls[0][1].startswith('{"path": "x')
+
+
+QWEN3_CODER = ("Let me write it.\n<tool_call>\n<function=write_file>\n<parameter=path>\nsrc/a.py\n</parameter>\n"
+               "<parameter=content>\ndef f():\n    return 1\n</parameter>\n<parameter=mode>\n644\n</parameter>\n"
+               "</function>\n</tool_call>\n<tool_call>\n<function=list_dir>\n</function>\n</tool_call>")
+
+
+@pytest.mark.parametrize("piece", PIECES)
+def test_qwen3_coder(piece):
+    content, calls, events = _parse(Qwen3CoderParser, QWEN3_CODER, piece)
+    assert content.strip() == "Let me write it."
+    assert [(n, json.loads(a)) for n, a in calls] == [
+        ("write_file", {"path": "src/a.py", "content": "def f():\n    return 1", "mode": 644}), ("list_dir", {})]
+    assert sum(isinstance(e, CallArgs) and e.index == 0 for e in events) == 4  # a fragment per parameter, then }
+
+
+DEEPSEEK = ("Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Paris\"}"
+            "<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{\"tz\": \"CET\"}\n```"
+            "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+
+
+@pytest.mark.parametrize("piece", PIECES)
+def test_deepseek_v3_and_v3_1(piece):
+    content, calls, _ = _parse(DeepSeekParser, DEEPSEEK, piece)
+    assert content == "Checking."
+    assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+
+
+def test_tool_format_of_templates():
+    assert tool_format("{% for m in messages %}{{ m.content }}{% endfor %}") == "injected"
+    assert tool_format("{{- '<tool_call>\\n' }}{{ tool_call | tojson }}") == "hermes"
+    assert tool_format("<tool_call>\\n<function=' + name + '>") == "qwen3_coder"
+    assert tool_format("'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'") == "deepseek"
+    assert tool_format("<|start|>assistant<|channel|>commentary") == "harmony"
+    with pytest.raises(ValueError, match="harmony"):
+        make_parser("harmony")
+
+
+def test_injected_history():
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
+    msgs = inject_history([
+        {"role": "user", "content": "read a.py"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": {"path": "a.py"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "print(1)"},
+    ], tools)
+    assert msgs[0] == {"role": "system", "content": tools_system_prompt(tools)}
+    assert '"name": "read_file"' in msgs[0]["content"]
+    assert msgs[2] == {"role": "assistant", "content":
+                       '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>'}
+    assert msgs[3] == {"role": "user", "content": "<tool_response>\nprint(1)\n</tool_response>"}
+    # what the model is asked to write is what the parser reads
+    content, calls, _ = _parse(HermesParser, msgs[2]["content"], 2)
+    assert content == "" and calls == [("read_file", '{"path": "a.py"}')]
+    system_first = inject_history([{"role": "system", "content": "Be brief."}], tools)
+    assert len(system_first) == 1 and system_first[0]["content"].startswith("Be brief.\n\n")
