@@ -361,3 +361,24 @@ def test_forced_tool_call_round_trip_with_the_bundled_model(server):
 def test_bad_response_formats(server, response_format, match):
     with pytest.raises(openai.BadRequestError, match=match):
         _chat(server.client(), "x", response_format=response_format)
+
+
+@pytest.mark.slow
+def test_on_emu_with_a_small_expert_cache(tmp_path):
+    """The same server on the emu device through a 40-slot expert cache (the bundled model has 96 experts): the
+    reply streams, and /metrics shows the cache's counters and hit rate."""
+    from live_server import Server
+
+    emu = Server(tmp_path, "--device", "emu", "--cache-slots", "40")
+    try:
+        client = emu.client()
+        text, chunks = _stream_text(client, "def add(a, b):", max_tokens=6, stream_options={"include_usage": True})
+        assert text and chunks[-1].usage.completion_tokens <= 6
+        whole = _chat(client, "def add(a, b):", max_tokens=6)
+        assert whole.choices[0].message.content == text
+        assert 0.0 <= emu.metric("freetoken_expert_cache_hit_rate") <= 1.0
+        assert emu.metric("freetoken_experts_total", '{counter="cache_hits"}') + \
+            emu.metric("freetoken_experts_total", '{counter="cache_misses"}') > 0
+    finally:
+        emu.stop()
+    assert emu.proc.returncode == 0, emu.log.read_text()

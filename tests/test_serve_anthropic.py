@@ -161,6 +161,29 @@ def test_a_final_assistant_message_is_continued(server, tokens):
     assert _create(client, messages, max_tokens=3).usage.output_tokens <= 3
 
 
+def test_a_forced_tool_call_with_the_bundled_model(server):
+    """``tool_choice`` tool and any: a grammar holds the sampled reply to one call whose input follows the tool's
+    schema (bounded strings, so that it ends), whole and streamed."""
+    client = _client(server)
+    tools = [{"name": "read_file", "description": "Read a file", "input_schema": {
+        "type": "object", "properties": {"path": {"type": "string", "maxLength": 24}}, "required": ["path"],
+        "additionalProperties": False}},
+             {"name": "list_dir", "input_schema": {"type": "object", "properties": {}, "additionalProperties": False}}]
+    messages = [{"role": "user", "content": "Open the setup file."}]
+    m = _create(client, messages, tools=tools, tool_choice={"type": "tool", "name": "read_file"}, max_tokens=120,
+                extra_body={"temperature": 1.0})
+    assert m.stop_reason == "tool_use", m
+    [call] = m.content
+    assert call.type == "tool_use" and call.name == "read_file" and call.id.startswith("toolu_")
+    assert set(call.input) == {"path"} and isinstance(call.input["path"], str) and len(call.input["path"]) <= 24
+    _, final = _streamed(client, messages, tools=tools, tool_choice={"type": "any"}, max_tokens=120,
+                         extra_body={"temperature": 1.0})
+    assert final.stop_reason == "tool_use", final
+    [call] = final.content
+    assert call.type == "tool_use" and call.name in ("read_file", "list_dir")
+    assert set(call.input) == ({"path"} if call.name == "read_file" else set()), call.input
+
+
 def _user(content):
     return {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": content}]}
 
@@ -179,8 +202,8 @@ def _user(content):
      400, "invalid_request_error", "text only"),
     ("/v1/messages", _user([{"type": "tool_use", "id": "t", "name": "f", "input": {}}]), 400,
      "invalid_request_error", "belongs in an assistant message"),
-    ("/v1/messages", {**_user("hi"), "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, 400,
-     "invalid_request_error", "tool use is not supported"),
+    ("/v1/messages", {**_user("hi"), "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400,
+     "invalid_request_error", "server tools"),
     ("/v1/messages", {**_user("hi"), "model": "claude-opus-4"}, 404, "not_found_error", "does not exist"),
     ("/v1/messages/count_tokens", {"model": MODEL}, 400, "invalid_request_error", "messages"),
     ("/v1/messages/count_tokens", {"model": "claude-opus-4", "messages": USER}, 404, "not_found_error",

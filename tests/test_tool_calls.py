@@ -110,8 +110,8 @@ def test_tool_format_of_templates():
     assert tool_format("<tool_call>\\n<function=' + name + '>") == "qwen3_coder"
     assert tool_format("'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'") == "deepseek"
     assert tool_format("<|start|>assistant<|channel|>commentary") == "harmony"
-    with pytest.raises(ValueError, match="harmony"):
-        make_parser("harmony")
+    with pytest.raises(ValueError, match="'xml' form"):
+        make_parser("xml")
 
 
 def test_injected_history():
@@ -132,3 +132,32 @@ def test_injected_history():
     assert content == "" and calls == [("read_file", '{"path": "a.py"}')]
     system_first = inject_history([{"role": "system", "content": "Be brief."}], tools)
     assert len(system_first) == 1 and system_first[0]["content"].startswith("Be brief.\n\n")
+
+
+HARMONY = ("<|channel|>analysis<|message|>The user wants the weather. I should call get_weather.<|end|>"
+           "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+           '{"city": "Paris", "days": 2}<|call|>')
+HARMONY_FINAL = ("<|channel|>analysis<|message|>Simple greeting.<|end|><|start|>assistant<|channel|>final<|message|>"
+                 "Hello! <b>How</b> can I help?")  # generation stops at <|return|>: the stop string is not in the text
+
+
+@pytest.mark.parametrize("piece", PIECES)
+def test_harmony(piece):
+    from freetoken.serve.tool_calls import HarmonyParser
+
+    content, calls, _ = _parse(HarmonyParser, HARMONY, piece)
+    assert content == "" and [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Paris", "days": 2})]
+    content, calls, _ = _parse(HarmonyParser, HARMONY_FINAL, piece)
+    assert content == "Hello! <b>How</b> can I help?" and calls == []  # the analysis channel is not shown
+    recipient_first = "<|start|>assistant to=functions.ls<|channel|>commentary json<|message|>{}<|call|>"
+    assert _parse(HarmonyParser, recipient_first, piece)[1] == [("ls", "{}")]
+
+
+def test_harmony_template_stops_at_the_turn_not_the_message():
+    from freetoken.engine.chat import ChatTemplate
+
+    template = ChatTemplate("{% for m in messages %}<|start|>{{ m.role }}<|channel|>final<|message|>{{ m.content }}"
+                            "{% if m.role == 'assistant' %}<|return|>{% else %}<|end|>{% endif %}{% endfor %}"
+                            "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+    assert template.stop_strings() == ["<|return|>", "<|call|>"]
+    assert tool_format(template.source) == "harmony"

@@ -131,6 +131,10 @@ class ChatTemplate:
     def stop_strings(self) -> list[str]:
         """Text that ends an assistant turn: the known end-of-turn markers the template mentions, and what the
         template writes right after an assistant message when it looks like a special token (``</s>``...)."""
+        if "<|channel|>" in self.source and "<|return|>" in self.source:
+            # harmony (gpt-oss): <|end|> closes one message of a turn (the reasoning, say); the turn ends at a
+            # tool call or at the final answer's return
+            return ["<|return|>", "<|call|>"]
         stops = [m for m in END_OF_TURN_MARKERS if m in self.source]
         marker = "\x00reply\x00"
         try:

@@ -7,6 +7,10 @@ messages (in their order). It is rendered with the model's template and run as a
 :class:`freetoken.serve.worker.Job` (:mod:`freetoken.serve.jobs`, shared with the OpenAI route); the reply comes
 back as one message, or as the Anthropic API's named server-sent events. A final assistant message is a prefill:
 the reply continues its text. Errors on these paths take the Anthropic shape (:mod:`freetoken.serve.errors`).
+
+``tools`` are OpenAI function definitions to the rest of the server: rendered, parsed back out of the reply and
+forced (``tool_choice`` any / tool) as the OpenAI route does it (:mod:`freetoken.serve.tool_use`); the calls come
+back as ``tool_use`` blocks (:mod:`freetoken.serve.anthropic_content`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from sse_starlette import EventSourceResponse
 from starlette.responses import JSONResponse
 
 from freetoken.engine.chat import model_template
+from freetoken.serve.anthropic_content import ContentBlocks, whole_content
 from freetoken.serve.anthropic_schemas import (
     CountTokensRequest,
     Message,
@@ -28,10 +33,11 @@ from freetoken.serve.anthropic_schemas import (
     TextBlock,
     ToolResultBlock,
     ToolUseBlock,
-    refuse_unsupported,
+    check_tool_choice,
 )
 from freetoken.serve.errors import APIError
-from freetoken.serve.jobs import check_model, collect, job_events, make_job, parse_body, render_chat, template_tool_call
+from freetoken.serve.jobs import check_model, collect, job_events, make_job, parse_body, template_tool_call
+from freetoken.serve.tool_use import ToolUse, tool_use
 from freetoken.serve.worker import Job
 
 router = APIRouter()
@@ -47,13 +53,16 @@ async def messages(request: Request):
     body = await parse_body(request, MessagesRequest)
     worker = state.ready()
     check_model(state, body.model)
-    refuse_unsupported(body)
-    ids, end_of_turn = _prompt(worker.model, body)
+    check_tool_choice(body)
+    ids, end_of_turn, use = _prompt(worker.model, body)
     stop_sequences = body.stop_sequences or []
     # the client's stop sequences first: of two that match at one place, the one it sent is reported
     job = make_job(state, ids, stop_sequences + end_of_turn, max_tokens=body.max_tokens, prompt_param="messages",
                    temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
-    reply = Reply(state.model_name, stop_sequences)
+    choice = body.tool_choice
+    if use.tools and choice is not None and choice.forced():
+        job.constraint = await use.forced_call(worker, choice.name if choice.type == "tool" else None)
+    reply = Reply(state.model_name, stop_sequences, use.parser)
     if body.stream:
         return EventSourceResponse(_stream(worker, job, reply), ping=15)
     text, outcome = await collect(worker, job, request)
@@ -66,27 +75,28 @@ async def count_tokens(request: Request):
     body = await parse_body(request, CountTokensRequest)
     worker = state.ready()
     check_model(state, body.model)
-    refuse_unsupported(body)
-    ids, _ = _prompt(worker.model, body)
+    check_tool_choice(body)
+    ids, _, _ = _prompt(worker.model, body)
     return {"input_tokens": len(ids)}
 
 
 # ---- requests -> prompts ----------------------------------------------------------------------------------------
-def _prompt(model, body: CountTokensRequest) -> tuple[list[int], list[str]]:
-    """The prompt's token ids, and the template's end-of-turn strings (they stop the reply)."""
+def _prompt(model, body: CountTokensRequest) -> tuple[list[int], list[str], ToolUse]:
+    """The prompt's token ids, the template's end-of-turn strings (they stop the reply), and what the tools make of
+    the conversation and the reply."""
     template = model_template(model)
-    messages = template_messages(body)
+    use = tool_use(template, template_messages(body), body.functions())
     prefill = _prefill(body.messages[-1])
     if prefill:  # the conversation as it stands, cut after the prefill's text: the reply goes on from there
-        text = render_chat(template, messages, add_generation_prompt=False)
+        text = use.render(template, add_generation_prompt=False)
         at = text.rfind(prefill)
         if at < 0:
             raise APIError(400, "messages: the final assistant message is a prefill, but the chat template does not "
                            "write its text as it is, so the reply cannot continue it", param="messages")
         text = text[:at + len(prefill)]
     else:
-        text = render_chat(template, messages)
-    return model.encode(text, add_special_tokens=False), template.stop_strings()
+        text = use.render(template)
+    return model.encode(text, add_special_tokens=False), template.stop_strings(), use
 
 
 def template_messages(body: CountTokensRequest) -> list[dict]:
@@ -162,12 +172,14 @@ def _prefill(last: Message) -> str:
 # ---- jobs -> responses ------------------------------------------------------------------------------------------
 class Reply:
     """The response of one request: the whole message, or the pieces of its stream. ``stop_sequences``: the
-    client's, which tell a ``stop_sequence`` stop from the model's ``end_turn``."""
+    client's, which tell a ``stop_sequence`` stop from the model's ``end_turn``; ``parser``: the tool-call parser
+    the text goes through (None: no tools)."""
 
-    def __init__(self, model_name: str, stop_sequences: list[str]):
+    def __init__(self, model_name: str, stop_sequences: list[str], parser=None):
         self.id = "msg_" + uuid.uuid4().hex[:24]
         self.model = model_name
         self.stop_sequences = stop_sequences
+        self.blocks = ContentBlocks(parser)
 
     def message(self, content: list[dict], input_tokens: int, output_tokens: int, stop=(None, None)) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
@@ -179,12 +191,15 @@ class Reply:
         """(``stop_reason``, ``stop_sequence``) of a finished job."""
         if outcome.finish_reason == "length":
             return "max_tokens", None
+        if self.blocks.calls:  # the agent is to run the calls, whatever ended the text after them
+            return "tool_use", None
         if outcome.stop_sequence is not None and outcome.stop_sequence in self.stop_sequences:
             return "stop_sequence", outcome.stop_sequence
         return "end_turn", None  # an end-of-sequence token or the template's end-of-turn marker
 
     def whole(self, text: str, outcome) -> dict:
-        return self.message([{"type": "text", "text": text}], outcome.prompt_tokens, outcome.completion_tokens,
+        events = self.blocks.start() + self.blocks.feed(text) + self.blocks.finish()
+        return self.message(whole_content(events), outcome.prompt_tokens, outcome.completion_tokens,
                             self.stop(outcome))
 
 
@@ -194,20 +209,24 @@ def _event(name: str, **data) -> dict:
 
 
 async def _stream(worker, job: Job, reply: Reply):
-    """The events of ``job``: ``message_start``, ``content_block_start`` (one text block), ``ping``, a
-    ``content_block_delta`` per text piece, ``content_block_stop``, ``message_delta`` (the stop reason, the output
-    tokens), ``message_stop``; an error after the start is an ``error`` event. Closing the stream early (the
-    client went away) cancels the job (:func:`freetoken.serve.jobs.job_events`)."""
+    """The events of ``job``: ``message_start``, ``ping``, the content blocks as their text comes
+    (``content_block_start``, ``content_block_delta``..., ``content_block_stop``: :mod:`anthropic_content`),
+    ``message_delta`` (the stop reason, the output tokens), ``message_stop``; an error after the start is an
+    ``error`` event. Closing the stream early (the client went away) cancels the job
+    (:func:`freetoken.serve.jobs.job_events`)."""
     yield _event("message_start", message=reply.message([], len(job.ids), 0))
-    yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+    for name, data in reply.blocks.start():
+        yield _event(name, **data)
     yield _event("ping")
     async with aclosing(job_events(worker, job)) as events:
         async for kind, value in events:
             if kind == "text":
-                yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": value})
+                for name, data in reply.blocks.feed(value):
+                    yield _event(name, **data)
             elif kind == "done":
+                for name, data in reply.blocks.finish():
+                    yield _event(name, **data)
                 reason, sequence = reply.stop(value)
-                yield _event("content_block_stop", index=0)
                 yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                              usage={"output_tokens": value.completion_tokens})
                 yield _event("message_stop")

@@ -2,17 +2,18 @@
 field.
 
 Fields the Anthropic API defines and this server does not act on are accepted and ignored (``metadata``,
-``thinking``, ``service_tier``, ``cache_control`` on blocks...), as are fields no API defines. What it cannot
-honour is refused with a 400 rather than silently answered otherwise: ``tools`` and a ``tool_choice`` that forces
-a call (:func:`refuse_unsupported`: not built for this endpoint yet), and content blocks other than text, tool_use
-and tool_result (images, documents: refused when the conversation is rendered, :mod:`freetoken.serve.anthropic_api`).
+``thinking``, ``service_tier``, ``cache_control`` on blocks and tools, ``tool_choice.disable_parallel_tool_use``...),
+as are fields no API defines. What it cannot honour is refused with a 400 rather than silently answered otherwise:
+the API's server tools (web search and the like: a ``type`` and no ``input_schema``), a ``tool_choice`` the tools
+cannot meet (:func:`check_tool_choice`), and content blocks other than text, tool_use and tool_result (images,
+documents: refused when the conversation is rendered, :mod:`freetoken.serve.anthropic_api`).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from freetoken.serve.errors import APIError
 from freetoken.serve.schemas import MAX_STOP_STRINGS
@@ -74,9 +75,46 @@ class Message(_Body):
     content: str | list[Block]
 
 
+class ToolDef(_Body):
+    """A tool the model may call: one the client runs, its input described by a JSON schema."""
+
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    input_schema: dict | None = None
+    type: str | None = None  # "custom", or left out; the API's server tools name their kind here
+
+    @model_validator(mode="after")
+    def _a_client_tool(self):
+        if self.type not in (None, "custom"):
+            raise ValueError(f"tools of type {self.type!r} (the Anthropic API's server tools) are not supported: "
+                             "only tools the client runs, with an input_schema")
+        if self.input_schema is None:
+            raise ValueError("a tool needs input_schema")
+        return self
+
+    def function(self) -> dict:
+        """The tool as an OpenAI/HF function definition, the shape chat templates and the tool-call code read."""
+        fn = {"name": self.name}
+        if self.description:
+            fn["description"] = self.description
+        return {"type": "function", "function": {**fn, "parameters": self.input_schema}}
+
+
 class ToolChoice(_Body):
+    """``auto`` (the model decides), ``any`` (a call of one of the tools), ``tool`` (a call of ``name``), ``none``
+    (no calls: the tools are not shown to the model)."""
+
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _a_name_for_tool(self):
+        if self.type == "tool" and not self.name:
+            raise ValueError("type 'tool' needs the tool's name")
+        return self
+
+    def forced(self) -> bool:
+        return self.type in ("any", "tool")
 
 
 class CountTokensRequest(_Body):
@@ -85,7 +123,7 @@ class CountTokensRequest(_Body):
     model: Annotated[str, Field(min_length=1)]
     messages: Annotated[list[Message], Field(min_length=1)]
     system: str | list[TextBlock] | None = None
-    tools: list[dict] | None = None
+    tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
 
     def system_text(self) -> str:
@@ -93,6 +131,12 @@ class CountTokensRequest(_Body):
         if self.system is None or isinstance(self.system, str):
             return self.system or ""
         return "".join(b.text for b in self.system)
+
+    def functions(self) -> list[dict]:
+        """The tools the model is told of, as function definitions (none for ``tool_choice`` none)."""
+        if self.tool_choice is not None and self.tool_choice.type == "none":
+            return []
+        return [t.function() for t in self.tools or ()]
 
 
 class MessagesRequest(CountTokensRequest):
@@ -106,12 +150,17 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
 
 
-def refuse_unsupported(req: CountTokensRequest) -> None:
-    """A 400 for tool use, which this endpoint does not do yet (earlier calls and results in the conversation are
-    fine: they are rendered)."""
-    if req.tools:
-        raise APIError(400, "tools: tool use is not supported by this server yet", param="tools",
-                       code="unsupported_parameter")
-    if req.tool_choice is not None and req.tool_choice.type in ("any", "tool"):
-        raise APIError(400, "tool_choice: tool use is not supported by this server yet", param="tool_choice",
-                       code="unsupported_parameter")
+def check_tool_choice(req: CountTokensRequest) -> None:
+    """A 400 for a ``tool_choice`` that forces a call the tools cannot make: with no tools, or of a tool not among
+    them."""
+    choice = req.tool_choice
+    if choice is None or not choice.forced():
+        return
+    names = [t.name for t in req.tools or ()]
+    if not names:
+        why = f"{choice.type!r} forces a tool call, but the request has no tools"
+    elif choice.type == "tool" and choice.name not in names:
+        why = f"names the tool {choice.name!r}, which is not among the tools"
+    else:
+        return
+    raise APIError(400, f"tool_choice: {why}", param="tool_choice", code="invalid_value")

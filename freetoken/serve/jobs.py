@@ -1,18 +1,20 @@
 """What the OpenAI and the Anthropic routes share on the way from a request to its text: the body parsed, the model
 name checked, a conversation rendered with the chat template, a :class:`freetoken.serve.worker.Job` built with the
-server's defaults, and the job's text collected whole or taken as it comes. Each API module only reads its own
-request shape and writes its own response shape.
+server's defaults (and the grammar its reply must follow), and the job's text collected whole or taken as it comes.
+Each API module only reads its own request shape and writes its own response shape (their tools:
+:mod:`freetoken.serve.tool_use`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from pydantic import ValidationError
 
+from freetoken.engine.grammar import GrammarError
 from freetoken.engine.sampling import SamplingParams
 from freetoken.serve.errors import APIError, validation_error
 from freetoken.serve.worker import Job
@@ -83,6 +85,15 @@ def make_job(state, ids: list[int], stop: list[str], *, max_tokens: int | None, 
         seed=seed)
     return Job(ids=ids, max_tokens=min(max_tokens or d.max_tokens, ctx - len(ids)), sampling=sampling, stop=stop,
                loop=asyncio.get_running_loop())
+
+
+async def grammar_constraint(worker, grammar: Callable[[], str], param: str):
+    """The constraint a job's reply must follow, of the grammar ``grammar()`` makes (built off the event loop: it
+    compiles against the vocabulary); a grammar llguidance refuses is a 400 naming ``param``."""
+    try:
+        return await asyncio.to_thread(worker.constraint, grammar())
+    except GrammarError as e:
+        raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
 
 
 # ---- jobs -> text -----------------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ comes back as one response, or as server-sent events in the OpenAI chunk format 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -17,19 +16,20 @@ from sse_starlette import EventSourceResponse
 from starlette.responses import JSONResponse
 
 from freetoken.engine.chat import model_template
-from freetoken.engine.grammar import GrammarError, json_schema_grammar
+from freetoken.engine.grammar import json_schema_grammar
 from freetoken.serve.errors import APIError
-from freetoken.serve.jobs import check_model, collect, job_events, make_job, parse_body, render_chat, template_tool_call
-from freetoken.serve.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice, refuse_unsupported
-from freetoken.serve.tool_calls import (
-    CallStart,
-    Content,
-    HermesParser,
-    forced_call_grammar,
-    inject_history,
-    make_parser,
-    tool_format,
+from freetoken.serve.jobs import (
+    check_model,
+    collect,
+    grammar_constraint,
+    job_events,
+    make_job,
+    parse_body,
+    template_tool_call,
 )
+from freetoken.serve.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice, refuse_unsupported
+from freetoken.serve.tool_calls import CallStart, Content
+from freetoken.serve.tool_use import ToolUse, tool_use
 from freetoken.serve.worker import Job
 
 router = APIRouter()
@@ -54,22 +54,11 @@ async def chat_completions(request: Request):
     template = model_template(model)
     messages = [_template_message(m) for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if body.tool_choice != "none" else []
-    parser, extra = None, {}
-    if tools:
-        form = tool_format(template.source)
-        try:
-            parser = make_parser(form)
-        except ValueError as e:
-            raise APIError(400, f"tools: {e}", param="tools", code="unsupported_parameter") from None
-        if form == "injected":  # the template knows no tools: we describe them and ask for the hermes form
-            messages = inject_history(messages, tools)
-        else:
-            extra["tools"] = tools
-    text = render_chat(template, messages, **extra)
-    ids = model.encode(text, add_special_tokens=False)
+    use = tool_use(template, messages, tools)
+    ids = model.encode(use.render(template), add_special_tokens=False)
     job = _job(state, body, ids, template.stop_strings() + body.stop_list())
-    job.constraint = await _constraint(worker, body, tools, parser)
-    reply = Reply("chat.completion", state.model_name, chat=True, parser=parser)
+    job.constraint = await _constraint(worker, body, use)
+    reply = Reply("chat.completion", state.model_name, chat=True, parser=use.parser)
     if body.stream:
         return EventSourceResponse(_stream(worker, job, reply, body.include_usage()), ping=15)
     text, outcome = await collect(worker, job, request)
@@ -133,26 +122,17 @@ def _job(state, body, ids: list[int], stop: list[str], default_max: int | None =
                     repetition_penalty=body.repetition_penalty, seed=body.seed)
 
 
-async def _constraint(worker, body: ChatCompletionRequest, tools: list[dict], parser):
-    """The grammar the reply must follow: a JSON ``response_format``, or a call that ``tool_choice`` forces."""
+async def _constraint(worker, body: ChatCompletionRequest, use: ToolUse):
+    """The grammar the reply must follow: a call that ``tool_choice`` forces, or a JSON ``response_format`` (the
+    two exclude each other: :func:`refuse_unsupported`)."""
+    if use.tools and body.tool_choice == "required":
+        return await use.forced_call(worker)
+    if use.tools and isinstance(body.tool_choice, NamedToolChoice):
+        return await use.forced_call(worker, body.tool_choice.function.name)
     schema = body.response_format.schema() if body.response_format is not None else None
-    forced = tools and (body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice))
-    param = "tool_choice" if forced else "response_format"
-    try:
-        if forced:
-            if not isinstance(parser, HermesParser):
-                raise APIError(400, "tool_choice: forcing a call is supported for the hermes tool-call form "
-                               "(Qwen2.5/Qwen3 templates, and templates without tools) only, so far",
-                               param=param, code="unsupported_parameter")
-            name = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
-            grammar = forced_call_grammar(tools, name)
-        elif schema is not None:
-            grammar = json_schema_grammar(schema)
-        else:
-            return None
-        return await asyncio.to_thread(worker.constraint, grammar)
-    except GrammarError as e:
-        raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
+    if schema is None:
+        return None
+    return await grammar_constraint(worker, lambda: json_schema_grammar(schema), "response_format")
 
 
 # ---- jobs -> responses ------------------------------------------------------------------------------------------

@@ -7,6 +7,9 @@ Forms (``tool_format(template_source)``):
 - ``deepseek``: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`` (V3.1) and
   ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` + a ```json block (V3), inside
   ``<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>``;
+- ``harmony`` (gpt-oss): messages ``<|channel|>CH [to=functions.NAME] [<|constrain|>json]<|message|>BODY`` ended by
+  ``<|end|>`` (more follow), ``<|call|>`` or ``<|return|>``: the ``final`` channel is the reply's content, a message
+  to ``functions.NAME`` is a call, the ``analysis`` channel (reasoning) is not shown;
 - ``injected``: the template knows no tools (the bundled model's): the server describes the tools in a system
   message of its own and asks for the hermes form (:func:`tools_system_prompt`), and renders earlier calls and
   results as hermes text (:func:`inject_history`).
@@ -63,7 +66,9 @@ def make_parser(form: str):
         return Qwen3CoderParser()
     if form == "deepseek":
         return DeepSeekParser()
-    raise ValueError(f"tool calls in the {form!r} form are not supported yet")
+    if form == "harmony":
+        return HarmonyParser()
+    raise ValueError(f"tool calls in the {form!r} form are not supported")
 
 
 def new_call_id() -> str:
@@ -329,6 +334,67 @@ class DeepSeekParser(_Parser):
             name = first
         index = self._start(name.strip())
         self.events.append(CallArgs(index, rest.strip()))
+
+
+# ---- harmony (gpt-oss) ------------------------------------------------------------------------------------------
+_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+_CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
+
+
+class HarmonyParser(_Parser):
+    """gpt-oss's harmony messages (the generation prompt has written the first ``<|start|>assistant``): each
+    header is read whole; a body streams as content (channel ``final``, or none), as a call's argument fragments
+    (recipient ``functions.NAME``) or not at all (``analysis``, other commentary)."""
+
+    MESSAGE = "<|message|>"
+    ENDS = ("<|end|>", "<|call|>", "<|return|>")
+    START = "<|start|>assistant"
+
+    def __init__(self):
+        super().__init__()
+        self.kind = None  # of the message whose body is being read: "content", a call index, or "hidden"
+
+    def _scan(self, final: bool) -> None:
+        while True:
+            if not self.inside:
+                at = self.buf.find(self.MESSAGE)
+                if at < 0:
+                    return  # the header is not complete yet (a header is never shown)
+                header = self.buf[:at].replace(self.START, "")
+                self.buf = self.buf[at + len(self.MESSAGE):]
+                self.inside = True
+                to, channel = _RECIPIENT.search(header), _CHANNEL.search(header)
+                if to is not None:
+                    self.kind = self._start(to.group(1))
+                elif channel is None or channel.group(1) == "final":
+                    self.kind = "content"
+                else:
+                    self.kind = "hidden"
+                continue
+            ends = [(i, m) for m in self.ENDS if (i := self.buf.find(m)) >= 0]
+            if not ends:
+                keep = 0 if final else max(_held(self.buf, m) for m in self.ENDS)
+                self._emit(self.buf[:len(self.buf) - keep])
+                self.buf = self.buf[len(self.buf) - keep:]
+                return
+            at, marker = min(ends)
+            self._emit(self.buf[:at])
+            self.buf = self.buf[at + len(marker):]
+            self.inside = False
+
+    def _emit(self, text: str) -> None:
+        if not text:
+            return
+        if self.kind == "content":
+            self.events.append(Content(text))
+        elif isinstance(self.kind, int):
+            self.events.append(CallArgs(self.kind, text))
+
+    def finish(self) -> list:
+        self._scan(final=True)
+        self.buf = ""  # an unfinished header: nothing to show
+        out, self.events = self.events, []
+        return out
 
 
 # ---- forcing a call: a grammar ----------------------------------------------------------------------------------
