@@ -36,7 +36,7 @@ from freetoken.serve.anthropic_schemas import (
     check_tool_choice,
 )
 from freetoken.serve.errors import APIError
-from freetoken.serve.jobs import check_model, collect, job_events, make_job, parse_body, template_tool_call
+from freetoken.serve.jobs import begin, collect, job_events, make_job, template_tool_call
 from freetoken.serve.tool_use import ToolUse, tool_use
 from freetoken.serve.worker import Job
 
@@ -49,10 +49,7 @@ _MEDIA_BLOCKS = ("image", "document", "search_result")
 
 @router.post("/v1/messages")
 async def messages(request: Request):
-    state = request.app.state.server
-    body = await parse_body(request, MessagesRequest)
-    worker = state.ready()
-    check_model(state, body.model)
+    state, body, worker = await begin(request, MessagesRequest)
     check_tool_choice(body)
     ids, end_of_turn, use = _prompt(worker.model, body)
     stop_sequences = body.stop_sequences or []
@@ -71,10 +68,7 @@ async def messages(request: Request):
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request):
-    state = request.app.state.server
-    body = await parse_body(request, CountTokensRequest)
-    worker = state.ready()
-    check_model(state, body.model)
+    state, body, worker = await begin(request, CountTokensRequest)
     check_tool_choice(body)
     ids, _, _ = _prompt(worker.model, body)
     return {"input_tokens": len(ids)}

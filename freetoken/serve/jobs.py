@@ -42,6 +42,16 @@ async def parse_body(request: Request, schema):
         raise validation_error(e.errors(include_url=False)) from None
 
 
+async def begin(request: Request, schema):
+    """What every model route does first: (server state, the body as ``schema``, the worker) -- a 400 for a bad
+    body, a 503 while the model loads, a 404 for another model's name."""
+    state = request.app.state.server
+    body = await parse_body(request, schema)
+    worker = state.ready()
+    check_model(state, body.model)
+    return state, body, worker
+
+
 def check_model(state, name: str | None) -> None:
     """A 404 for a model name that is not the served one or an alias (no name: the served one)."""
     if name and name != state.model_name and name not in state.aliases:

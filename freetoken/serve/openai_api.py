@@ -18,15 +18,7 @@ from starlette.responses import JSONResponse
 from freetoken.engine.chat import model_template
 from freetoken.engine.grammar import json_schema_grammar
 from freetoken.serve.errors import APIError
-from freetoken.serve.jobs import (
-    check_model,
-    collect,
-    grammar_constraint,
-    job_events,
-    make_job,
-    parse_body,
-    template_tool_call,
-)
+from freetoken.serve.jobs import begin, collect, grammar_constraint, job_events, make_job, template_tool_call
 from freetoken.serve.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice, refuse_unsupported
 from freetoken.serve.tool_calls import CallStart, Content
 from freetoken.serve.tool_use import ToolUse, tool_use
@@ -45,10 +37,7 @@ async def list_models(request: Request):
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
-    state = request.app.state.server
-    body = await parse_body(request, ChatCompletionRequest)
-    worker = state.ready()
-    check_model(state, body.model)
+    state, body, worker = await begin(request, ChatCompletionRequest)
     refuse_unsupported(body)
     model = worker.model
     template = model_template(model)
@@ -67,10 +56,7 @@ async def chat_completions(request: Request):
 
 @router.post("/v1/completions")
 async def completions(request: Request):
-    state = request.app.state.server
-    body = await parse_body(request, CompletionRequest)
-    worker = state.ready()
-    check_model(state, body.model)
+    state, body, worker = await begin(request, CompletionRequest)
     refuse_unsupported(body)
     model = worker.model
     prompt = body.prompt

@@ -133,6 +133,21 @@ class _Parser:
         return index
 
     def _scan(self, final: bool) -> None:
+        """Content up to a call's open marker, then the call: until the text runs out."""
+        while True:
+            if not self.inside:
+                if not self._content_until_open(final):
+                    return
+                self.inside = True
+                self._reset_call()
+            elif not self._step_inside():
+                return
+
+    def _reset_call(self) -> None:  # noqa: B027 - a form that keeps no state per call has nothing to reset
+        """A call begins."""
+
+    def _step_inside(self) -> bool:
+        """Take what the buffer holds of the call: True when the call (or block of calls) closed."""
         raise NotImplementedError
 
     def _close_call(self, body: str, final: bool) -> None:
@@ -157,21 +172,15 @@ class HermesParser(_Parser):
         self.index = None  # this call's index once its name is out
         self.sent = ""  # argument text sent so far
 
-    def _scan(self, final: bool) -> None:
-        while True:
-            if not self.inside:
-                if not self._content_until_open(final):
-                    return
-                self.inside = True
-                self._reset_call()
-                continue
-            end = self.buf.find(self.CLOSE)
-            if end < 0:
-                self._stream_args(self.buf[:len(self.buf) - _held(self.buf, self.CLOSE)])
-                return
-            self._close_call(self.buf[:end], final=False)
-            self.buf = self.buf[end + len(self.CLOSE):]
-            self.inside = False
+    def _step_inside(self) -> bool:
+        end = self.buf.find(self.CLOSE)
+        if end < 0:
+            self._stream_args(self.buf[:len(self.buf) - _held(self.buf, self.CLOSE)])
+            return False
+        self._close_call(self.buf[:end], final=False)
+        self.buf = self.buf[end + len(self.CLOSE):]
+        self.inside = False
+        return True
 
     def _stream_args(self, body: str) -> None:
         head = _HERMES_HEAD.match(body)
@@ -245,22 +254,16 @@ class Qwen3CoderParser(_Parser):
         self.params = 0
         self.consumed = 0  # characters of the call body already turned into events
 
-    def _scan(self, final: bool) -> None:
-        while True:
-            if not self.inside:
-                if not self._content_until_open(final):
-                    return
-                self.inside = True
-                self._reset_call()
-                continue
-            end = self.buf.find(self.CLOSE)
-            body = self.buf if end < 0 else self.buf[:end]
-            self._advance(body)
-            if end < 0:
-                return
-            self._close_call(body, final=False)
-            self.buf = self.buf[end + len(self.CLOSE):]
-            self.inside = False
+    def _step_inside(self) -> bool:
+        end = self.buf.find(self.CLOSE)
+        body = self.buf if end < 0 else self.buf[:end]
+        self._advance(body)
+        if end < 0:
+            return False
+        self._close_call(body, final=False)
+        self.buf = self.buf[end + len(self.CLOSE):]
+        self.inside = False
+        return True
 
     def _advance(self, body: str) -> None:
         if self.index is None:
@@ -296,23 +299,18 @@ class DeepSeekParser(_Parser):
     OPEN = "<｜tool▁calls▁begin｜>"
     CALL, SEP, END, CLOSE = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
 
-    def _scan(self, final: bool) -> None:
-        while True:
-            if not self.inside:
-                if not self._content_until_open(final):
-                    return
-                self.inside = True
-                continue
-            stripped = self.buf.lstrip()
-            if stripped.startswith(self.CLOSE):
-                self.buf = stripped[len(self.CLOSE):]
-                self.inside = False
-                continue
-            end = self.buf.find(self.END)
-            if end < 0:
-                return
-            self._close_call(self.buf[:end], final=False)
-            self.buf = self.buf[end + len(self.END):]
+    def _step_inside(self) -> bool:
+        stripped = self.buf.lstrip()
+        if stripped.startswith(self.CLOSE):  # the block of calls ends
+            self.buf = stripped[len(self.CLOSE):]
+            self.inside = False
+            return True
+        end = self.buf.find(self.END)
+        if end < 0:
+            return False
+        self._close_call(self.buf[:end], final=False)
+        self.buf = self.buf[end + len(self.END):]
+        return True
 
     def _close_call(self, body: str, final: bool) -> None:
         body = body.strip()
