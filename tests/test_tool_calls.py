@@ -161,3 +161,49 @@ def test_harmony_template_stops_at_the_turn_not_the_message():
                             "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
     assert template.stop_strings() == ["<|return|>", "<|call|>"]
     assert tool_format(template.source) == "harmony"
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+           "additionalProperties": False}
+FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+                {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("form, text, accepted", [
+    ("hermes", '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>', True),
+    ("hermes", '<tool_call>\n{"name":"get_weather","arguments":{"town":"Paris"}}\n</tool_call>', False),
+    ("hermes", 'Sure! <tool_call>\n{"name":"now","arguments":{}}\n</tool_call>', False),
+    ("deepseek", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city":"Paris"}'
+                 '<｜tool▁call▁end｜><｜tool▁calls▁end｜>', True),
+    ("deepseek", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```'
+                 '<｜tool▁call▁end｜><｜tool▁calls▁end｜>', True),
+    ("deepseek", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>lookup<｜tool▁sep｜>{}'
+                 '<｜tool▁call▁end｜><｜tool▁calls▁end｜>', False),
+])
+def test_forced_call_grammars(form, text, accepted):
+    """The grammar that forces a call accepts the form's calls of the given tools and nothing else, and what it
+    accepts the form's parser reads as that call (checked on the bundled model's byte-level vocabulary)."""
+    from llguidance import LLMatcher, LLTokenizer
+    from tokenizers import Tokenizer
+
+    from freetoken.engine.load import DEFAULT_MODEL
+    from freetoken.serve.tool_calls import forced_call_grammar
+
+    tok = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
+    matcher = LLMatcher(LLTokenizer(tok.to_str(), eos_token=0), forced_call_grammar(FORCED_TOOLS, None, form),
+                        log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    ids = tok.encode(text, add_special_tokens=False).ids
+    ok = all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+    assert ok == accepted, (text, matcher.get_error())
+    if accepted:
+        content, calls, _ = _parse(make_parser(form).__class__, text, 3)
+        assert content == "" and len(calls) == 1 and calls[0][0] in ("get_weather", "now")
+
+
+def test_forced_call_in_other_forms_is_refused():
+    from freetoken.serve.tool_calls import forced_call_grammar
+
+    for form in ("qwen3_coder", "harmony"):
+        with pytest.raises(ValueError, match="not supported yet"):
+            forced_call_grammar(FORCED_TOOLS, "now", form)

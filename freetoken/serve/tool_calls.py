@@ -396,20 +396,36 @@ class HarmonyParser(_Parser):
 
 
 # ---- forcing a call: a grammar ----------------------------------------------------------------------------------
-def forced_call_grammar(tools: list[dict], name: str | None = None) -> str:
-    """The grammar of one hermes-form call (``tool_choice`` "required": of any of ``tools``; named: of that one),
-    its arguments following the function's parameter schema."""
+def forced_call_grammar(tools: list[dict], name: str | None = None, form: str = "hermes") -> str:
+    """The grammar of one call in ``form`` (``tool_choice`` "required": of any of ``tools``; named: of that one),
+    its arguments following the function's parameter schema. Forms: ``hermes`` (and ``injected``, which asks for
+    it) and ``deepseek`` (V3.1's ``NAME<｜tool▁sep｜>{...}`` or V3's ``function<｜tool▁sep｜>NAME`` + a ```json block:
+    the model writes the one it was trained on). Others: ValueError."""
     from freetoken.engine.grammar import lark_grammar, lark_json
-
-    def call_schema(fn: dict) -> dict:
-        return {"type": "object", "properties": {"name": {"const": fn["name"]},
-                                                 "arguments": fn.get("parameters") or {"type": "object"}},
-                "required": ["name", "arguments"], "additionalProperties": False}
 
     fns = [t.get("function", t) for t in tools]
     chosen = [f for f in fns if name is None or f["name"] == name]
-    schema = call_schema(chosen[0]) if len(chosen) == 1 else {"anyOf": [call_schema(f) for f in chosen]}
-    return lark_grammar(f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {lark_json(schema)}\n')
+    if form in ("hermes", "injected"):
+        def call_schema(fn: dict) -> dict:
+            return {"type": "object", "properties": {"name": {"const": fn["name"]},
+                                                     "arguments": fn.get("parameters") or {"type": "object"}},
+                    "required": ["name", "arguments"], "additionalProperties": False}
+
+        schema = call_schema(chosen[0]) if len(chosen) == 1 else {"anyOf": [call_schema(f) for f in chosen]}
+        return lark_grammar(f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {lark_json(schema)}\n')
+    if form == "deepseek":
+        rules, names = [], []
+        for i, fn in enumerate(chosen):
+            args = lark_json(fn.get("parameters") or {"type": "object"})
+            n = json.dumps(fn["name"])
+            rules.append(f'args{i}: {args}\n'
+                         f'v31_{i}: {n} "{DeepSeekParser.SEP}" args{i}\n'
+                         f'v3_{i}: "function{DeepSeekParser.SEP}" {n} "\\n```json\\n" args{i} "\\n```"\n')
+            names += [f"v31_{i}", f"v3_{i}"]
+        return lark_grammar(f'start: "{DeepSeekParser.OPEN}{DeepSeekParser.CALL}" call '
+                            f'"{DeepSeekParser.END}{DeepSeekParser.CLOSE}"\ncall: {" | ".join(names)}\n'
+                            + "".join(rules))
+    raise ValueError(f"forcing a call in the {form!r} tool-call form is not supported yet (hermes and deepseek are)")
 
 
 # ---- the injected form: tools for a template that knows none ----------------------------------------------------

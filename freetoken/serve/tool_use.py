@@ -6,8 +6,8 @@ tool definitions into OpenAI/HF function definitions (``{"type": "function", "fu
   model's) gets them described in a system message, with earlier calls and results as hermes text
   (:func:`freetoken.serve.tool_calls.inject_history`).
 - The reply: the parser of the form the template's family writes calls in (:mod:`freetoken.serve.tool_calls`).
-- A forced call (OpenAI ``required`` or a named function, Anthropic ``any`` or ``tool``): the grammar of one
-  hermes-form call, as the job's constraint (:meth:`ToolUse.forced_call`).
+- A forced call (OpenAI ``required`` or a named function, Anthropic ``any`` or ``tool``): the grammar of one call in
+  the template's form (hermes, deepseek), as the job's constraint (:meth:`ToolUse.forced_call`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from freetoken.serve.errors import APIError
 from freetoken.serve.jobs import grammar_constraint, render_chat
-from freetoken.serve.tool_calls import HermesParser, forced_call_grammar, inject_history, make_parser, tool_format
+from freetoken.serve.tool_calls import forced_call_grammar, inject_history, make_parser, tool_format
 
 
 @dataclass
@@ -27,17 +27,18 @@ class ToolUse:
     messages: list[dict]  # the conversation to render
     context: dict = field(default_factory=dict)  # more template variables (``tools``)
     parser: object = None  # the reply's tool-call parser (None: no tools, the reply is text)
+    form: str = "injected"  # the template's tool-call form (freetoken.serve.tool_calls.tool_format)
 
     def render(self, template, add_generation_prompt: bool = True) -> str:
         return render_chat(template, self.messages, add_generation_prompt=add_generation_prompt, **self.context)
 
     async def forced_call(self, worker, name: str | None = None):
         """The constraint of a reply that is one call (``name``: of that tool; None: of any of them)."""
-        if not isinstance(self.parser, HermesParser):  # the grammar writes the hermes form; other forms wait
-            raise APIError(400, "tool_choice: forcing a call is supported for the hermes tool-call form "
-                           "(Qwen2.5/Qwen3 templates, and templates without tools) only, so far",
-                           param="tool_choice", code="unsupported_parameter")
-        return await grammar_constraint(worker, lambda: forced_call_grammar(self.tools, name), "tool_choice")
+        try:
+            grammar = forced_call_grammar(self.tools, name, self.form)
+        except ValueError as e:
+            raise APIError(400, f"tool_choice: {e}", param="tool_choice", code="unsupported_parameter") from None
+        return await grammar_constraint(worker, lambda: grammar, "tool_choice")
 
 
 def tool_use(template, messages: list[dict], tools: list[dict]) -> ToolUse:
@@ -46,7 +47,7 @@ def tool_use(template, messages: list[dict], tools: list[dict]) -> ToolUse:
     reasoning channel is not the reply's content."""
     form = tool_format(template.source)
     if form == "harmony" and not tools:
-        return ToolUse([], messages, parser=make_parser(form))
+        return ToolUse([], messages, parser=make_parser(form), form=form)
     if not tools:
         return ToolUse([], messages)
     try:
@@ -54,5 +55,5 @@ def tool_use(template, messages: list[dict], tools: list[dict]) -> ToolUse:
     except ValueError as e:
         raise APIError(400, f"tools: {e}", param="tools", code="unsupported_parameter") from None
     if form == "injected":  # the template knows no tools: we describe them and ask for the hermes form
-        return ToolUse(tools, inject_history(messages, tools), parser=parser)
-    return ToolUse(tools, messages, {"tools": tools}, parser)
+        return ToolUse(tools, inject_history(messages, tools), parser=parser, form=form)
+    return ToolUse(tools, messages, {"tools": tools}, parser, form)
