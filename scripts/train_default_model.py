@@ -156,6 +156,15 @@ def make_config(args):
     return cfg
 
 
+def make_optimizer(model, lr: float, weight_decay: float):
+    """AdamW (betas 0.9/0.95) with weight decay on the matrices only (not on norms, biases, scalars)."""
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        (no_decay if p.ndim < 2 or "norm" in n else decay).append(p)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
 @torch.no_grad()
 def evaluate(model, data: np.ndarray, ctx: int, batch: int, usage=False):
     """Mean next-token NLL (nats/token) over non-overlapping windows of the
@@ -310,12 +319,7 @@ def main():
     log(f"model: {n_params:,} params ({n_params * 2 / 1e6:.2f} MB in bf16)")
     model.train()
 
-    decay, no_decay = [], []
-    for n, p in model.named_parameters():
-        (no_decay if p.ndim < 2 or "norm" in n else decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = make_optimizer(model, args.lr, args.weight_decay)
 
     gen = np.random.default_rng(args.seed)
     n_starts = len(train_ids) - args.ctx - 1

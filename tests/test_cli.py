@@ -59,7 +59,7 @@ def test_run_prompt_file_context_and_memory_lines(tmp_path, capsys):
     assert any("memory breakdown: embedding (host)" in line and "expert banks (host)" in line for line in lines)
     assert main(argv[:-2] + ["def add(a, b):"]) == 0
     err = capsys.readouterr().err
-    assert "context 1024 tokens (the model's max_position_embeddings); KV pool bf16" in err
+    assert "context 8192 tokens (the model's max_position_embeddings); KV pool bf16" in err
     assert "] memory: " in err and "memory breakdown" not in err
 
 
@@ -69,7 +69,7 @@ def test_chat_reports_context_and_memory(capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("def add(a, b):\n"))
     assert main(["chat", "--device", "cpu", "--temperature", "0", "--max-tokens", "3", "--kv-memory", "1MiB"]) == 0
     err = capsys.readouterr().err.splitlines()
-    assert "context 448 tokens (max_position_embeddings 1024 capped by the KV budget: --kv-memory 1.0 MiB)" in err[0]
+    assert "context 448 tokens (max_position_embeddings 8192 capped by the KV budget: --kv-memory 1.0 MiB)" in err[0]
     assert "] memory: " in err[-1] and "(bf16, " in err[-1]
 
 

@@ -1,0 +1,280 @@
+#!/usr/bin/env python
+"""Extend the bundled default model's context: continued training at a long context with a raised RoPE base.
+
+``scripts/train_default_model.py`` trains the model at context 256; its positions beyond that were never seen.
+A coding agent's conversation is thousands of tokens, so this second stage
+
+1. loads the bundled model and keeps its tokenizer (the token ids, and so every test prompt, stay the same);
+2. raises ``rope_theta`` (default 10,000 -> 500,000: the slow rotary dimensions then turn less than a radian
+   over the new context, so long distances look like the short ones the model learned, not like angles it has
+   never seen) and sets ``max_position_embeddings`` to the new context;
+3. trains on random windows of that length from the same stdlib training files (the held-out files are the
+   same ones: same seed and split as the first stage), AdamW with warmup and cosine decay over ``--max-steps``;
+4. measures held-out loss by position bucket (0-1k, 1k-4k, 4k-8k by default) before and after. Every held-out
+   token is scored at every bucket: windows start every ``--eval-stride`` tokens around the held-out stream
+   (cyclically), so each bucket sees the same tokens and a difference between buckets is the position's
+   effect, not the files';
+5. saves bfloat16 into ``--out`` (the bundled directory by default) and adds a "Context extension" section,
+   with those tables, to its README.md.
+
+Usage:  python scripts/extend_default_model.py --max-steps 150
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from itertools import pairwise
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_default_model import (  # noqa: E402 - the first stage's data pipeline, so the split is the same
+    collect_files,
+    encode_stream,
+    log,
+    make_optimizer,
+    patch_artifacts,
+    read_text,
+    split_files,
+)
+
+DEFAULT_DIR = Path(__file__).resolve().parent.parent / "freetoken" / "default_model"
+SECTION = "## Context extension"
+
+
+def parse_buckets(text: str, ctx: int) -> list[tuple[int, int]]:
+    """"1024,4096" -> [(0, 1024), (1024, 4096), (4096, ctx)]."""
+    edges = [0, *(int(v) for v in text.split(",") if v.strip()), ctx]
+    if any(b <= a for a, b in pairwise(edges)):
+        raise SystemExit(f"--buckets {text!r}: edges must rise strictly inside (0, --ctx {ctx})")
+    return list(pairwise(edges))
+
+
+@torch.no_grad()
+def loss_by_position(model, ids: np.ndarray, ctx: int, stride: int) -> np.ndarray:
+    """Mean next-token NLL at each position 0..ctx-1 over windows starting every ``stride`` tokens of the
+    cyclic held-out stream: with ctx a multiple of stride every token is scored once in each stride-long span."""
+    model.eval()
+    n = len(ids)
+    ring = np.concatenate([ids, ids[:ctx + 1]])
+    total = np.zeros(ctx, np.float64)
+    count = 0
+    for start in range(0, n, stride):
+        w = torch.from_numpy(ring[start:start + ctx + 1].astype(np.int64))[None]
+        logits = model(input_ids=w[:, :-1]).logits.float()
+        nll = torch.nn.functional.cross_entropy(logits[0], w[0, 1:], reduction="none")
+        total += nll.double().numpy()
+        count += 1
+    model.train()
+    return total / count
+
+
+def bucket_table(rows: dict[str, np.ndarray], buckets: list[tuple[int, int]]) -> tuple[str, dict]:
+    """A markdown table of the mean loss per bucket, one row per model, and the numbers."""
+    head = "| model | " + " | ".join(f"positions {a:,}-{b:,}" for a, b in buckets) + " |"
+    lines = [head, "|---" * (len(buckets) + 1) + "|"]
+    numbers = {}
+    for name, per_pos in rows.items():
+        vals = [float(per_pos[a:b].mean()) for a, b in buckets]
+        numbers[name] = vals
+        lines.append(f"| {name} | " + " | ".join(f"{v:.4f}" for v in vals) + " |")
+    return "\n".join(lines), numbers
+
+
+def set_rope(config, theta: float, ctx: int) -> None:
+    config.max_position_embeddings = ctx
+    config.rope_parameters = {"rope_type": "default", "rope_theta": float(theta)}
+    if hasattr(config, "rope_theta"):
+        config.rope_theta = float(theta)
+
+
+def write_section(readme: Path, text: str) -> None:
+    """Put the section at the end of README.md, replacing an earlier one."""
+    old = readme.read_text() if readme.exists() else ""
+    kept = re.split(rf"\n{re.escape(SECTION)}\n", old)[0].rstrip("\n")
+    readme.write_text(kept + "\n\n" + text.rstrip("\n") + "\n")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default=str(DEFAULT_DIR), help="the model to extend (default: the bundled one)")
+    ap.add_argument("--out", default=str(DEFAULT_DIR), help="where the extended model goes")
+    ap.add_argument("--seed", type=int, default=1234, help="the first stage's seed: it fixes the held-out files")
+    ap.add_argument("--val-frac", type=float, default=0.02, help="the first stage's held-out fraction")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=8192, help="the new context (training window and max positions)")
+    ap.add_argument("--rope-theta", type=float, default=500000.0)
+    ap.add_argument("--batch", type=int, default=1, help="windows per step")
+    ap.add_argument("--max-steps", type=int, default=150)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--min-lr-ratio", type=float, default=0.1)
+    ap.add_argument("--warmup", type=int, default=15)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--aux-coef", type=float, default=0.01)
+    ap.add_argument("--buckets", default="1024,4096", help="inner edges of the position buckets")
+    ap.add_argument("--eval-stride", type=int, default=1024, help="start of a held-out window every this many "
+                    "tokens (must divide --ctx)")
+    ap.add_argument("--skip-base-eval", action="store_true", help="do not score the base model first")
+    ap.add_argument("--data-seed", type=int, default=None, help="the training windows' seed (default --seed + 1; "
+                    "another one for a further stage, so that it sees other windows)")
+    ap.add_argument("--label", default=None, help="the extended model's name in the loss table")
+    ap.add_argument("--log-every", type=int, default=5)
+    ap.add_argument("--no-write", action="store_true", help="leave the result in a temporary directory")
+    args = ap.parse_args()
+    if args.ctx % args.eval_stride:
+        raise SystemExit(f"--eval-stride {args.eval_stride} must divide --ctx {args.ctx}")
+    buckets = parse_buckets(args.buckets, args.ctx)
+
+    from transformers import PreTrainedTokenizerFast, Qwen3MoeForCausalLM
+
+    t_start = time.time()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    base = Path(args.base)
+
+    # ---- data: the first stage's files and split, the bundled tokenizer -------------------------------
+    pairs = [(f, read_text(f)) for f in collect_files(Path(sysconfig.get_paths()["stdlib"]))]
+    pairs = [(f, t) for f, t in pairs if t is not None]
+    train_pairs, val_pairs = split_files(pairs, args.val_frac, args.seed)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+    train_ids = encode_stream(tok, [t for _, t in train_pairs])
+    val_ids = encode_stream(tok, [t for _, t in val_pairs])
+    log(f"stdlib files: train {len(train_pairs)} ({len(train_ids):,} tokens), held out {len(val_pairs)} "
+        f"({len(val_ids):,} tokens)")
+    if len(train_ids) <= args.ctx + 1 or len(val_ids) < args.eval_stride:
+        raise SystemExit(f"not enough text for context {args.ctx}")
+
+    # ---- model ---------------------------------------------------------------------------------------
+    model = Qwen3MoeForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="sdpa")
+    base_cfg = {"rope_theta": (model.config.rope_parameters or {}).get("rope_theta"),
+                "max_position_embeddings": model.config.max_position_embeddings}
+    rows = {}
+    if not args.skip_base_eval:
+        t0 = time.time()
+        rows[f"base (rope_theta {base_cfg['rope_theta']:g}, trained at 256)"] = loss_by_position(
+            model, val_ids, args.ctx, args.eval_stride)
+        log(f"base model scored in {time.time() - t0:.0f}s:\n{bucket_table(rows, buckets)[0]}")
+
+    set_rope(model.config, args.rope_theta, args.ctx)
+    # the rotary tables are built from the config at construction: rebuild them for the new base
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    model.config.output_router_logits = True
+    model.config.router_aux_loss_coef = args.aux_coef
+    model.train()
+
+    opt = make_optimizer(model, args.lr, args.weight_decay)
+    gen = np.random.default_rng(args.seed + 1 if args.data_seed is None else args.data_seed)
+    n_starts = len(train_ids) - args.ctx - 1
+    t_train = time.time()
+    ema = None
+    for step in range(args.max_steps):
+        if step < args.warmup:
+            lr = args.lr * (step + 1) / args.warmup
+        else:
+            progress = (step - args.warmup) / max(1, args.max_steps - args.warmup)
+            lr = args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        starts = gen.integers(0, n_starts, size=args.batch)
+        x = torch.from_numpy(np.stack([train_ids[s:s + args.ctx] for s in starts]))
+        y = torch.from_numpy(np.stack([train_ids[s + 1:s + args.ctx + 1] for s in starts]))
+        out = model(input_ids=x, output_router_logits=True)
+        lm = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.size(-1)), y.reshape(-1))
+        aux = out.aux_loss if out.aux_loss is not None else torch.zeros(())
+        loss = lm + args.aux_coef * aux
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        ema = lm.item() if ema is None else 0.9 * ema + 0.1 * lm.item()
+        if (step + 1) % args.log_every == 0 or step + 1 == args.max_steps:
+            el = time.time() - t_train
+            log(f"step {step + 1}/{args.max_steps} lm {lm.item():.3f} (ema {ema:.3f}) aux {aux.item():.3f} "
+                f"gnorm {gn.item():.2f} lr {lr:.2e} {el / 60:.1f} min, {(step + 1) * x.numel() / el:.0f} tok/s")
+    train_time = time.time() - t_train
+    tokens_seen = args.max_steps * args.batch * args.ctx
+
+    # ---- save bf16, reload, score ----------------------------------------------------------------------
+    work = Path(tempfile.mkdtemp(prefix="ft_extend_"))
+    model.to(torch.bfloat16)
+    model.config.output_router_logits = False
+    model.save_pretrained(work)
+    for fn in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(base / fn, work / fn)
+    # the saved bf16 weights, computed in float32 as freetoken computes them (and several times faster on a CPU
+    # without bf16 arithmetic than transformers' bf16 path)
+    re_model = Qwen3MoeForCausalLM.from_pretrained(work, dtype=torch.float32, attn_implementation="sdpa")
+    label = f"{args.label or 'extended'} (rope_theta {args.rope_theta:g}, {args.max_steps} steps at {args.ctx})"
+    rows[label] = loss_by_position(re_model, val_ids, args.ctx, args.eval_stride)
+    table, numbers = bucket_table(rows, buckets)
+    log(table)
+    ext = list(numbers.values())[-1]
+    rises = [f"{a:,}-{b:,}" for (a, b), (prev, cur) in zip(buckets[1:], pairwise(ext), strict=True) if cur > prev]
+    if rises:
+        log(f"WARNING: held-out loss rises with position in bucket(s) {', '.join(rises)}")
+
+    tok2 = PreTrainedTokenizerFast.from_pretrained(work)
+    enc = tok2("def fibonacci(n):", return_tensors="pt")
+    with torch.no_grad():
+        sample = tok2.decode(re_model.generate(**enc, max_new_tokens=60, do_sample=False, pad_token_id=1)[0])
+    log(f"--- greedy sample ---\n{sample}")
+    if args.no_write:
+        log(f"--no-write: the extended checkpoint is in {work}")
+        return
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if out.resolve() != base.resolve():
+        for p in base.iterdir():
+            if p.is_file():
+                shutil.copy(p, out / p.name)
+    for fn in ("config.json", "model.safetensors"):
+        shutil.copy(work / fn, out / fn)
+    patch_artifacts(out, ctx_max=args.ctx)
+    c = json.loads((out / "config.json").read_text())
+    c["rope_theta"] = float(args.rope_theta)  # the canonical key, beside transformers-5's rope_parameters
+    (out / "config.json").write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
+    ticks = "`" * 3
+    section = f"""{SECTION}
+
+The model above was trained at context 256. `scripts/extend_default_model.py` then extended it to
+**{args.ctx:,} positions** (`max_position_embeddings`): `rope_theta` {base_cfg['rope_theta']:g} -> {args.rope_theta:g},
+then {args.max_steps} steps of continued training on random {args.ctx:,}-token windows of the same training files
+({args.batch} window(s) a step, {tokens_seen:,} tokens), AdamW peak lr {args.lr:g} ({args.warmup} warmup steps,
+cosine to {args.min_lr_ratio:g}x), router aux loss {args.aux_coef:g}; {train_time / 60:.1f} min on {args.threads}
+CPU threads (torch {torch.__version__}, SDPA attention, fp32 training, saved in bfloat16). Re-create with:
+
+    python scripts/train_default_model.py --minutes 20
+    python scripts/extend_default_model.py --max-steps {args.max_steps}
+
+Held-out loss (nats/token; the bfloat16 weights computed in float32) by position in a {args.ctx:,}-token window.
+Windows start every {args.eval_stride:,}
+tokens around the held-out stream ({len(val_ids):,} tokens of {len(val_pairs)} files, taken cyclically), so every
+held-out token is scored in every bucket and the buckets differ only by position:
+
+{table}
+
+Greedy continuation of `def fibonacci(n):` (60 tokens, `transformers`):
+
+{ticks}python
+{sample}
+{ticks}
+"""
+    write_section(out / "README.md", section)
+    log(f"wrote {out} ({(time.time() - t_start) / 60:.1f} min in all)")
+
+
+if __name__ == "__main__":
+    main()
