@@ -198,8 +198,9 @@ def _check_reuse(model, first: list[int], second: list[int], expect_cached: int)
     reused_last = calls[0][1][-1]
     fresh_last = model.logits(second)[-1]
     # the reused keys were written by decode steps (one-row products), the fresh ones by a prefill: float32 rounding
-    # apart, which the bf16 KV cache may turn into a neighbouring bf16 value (2^-8 relative) for a few elements
-    np.testing.assert_allclose(reused_last, fresh_last, rtol=1e-3, atol=1e-3)
+    # apart, which the bf16 KV cache may turn into a neighbouring bf16 value (2^-8 relative) for a few elements;
+    # through six layers that moves a logit by up to ~1e-4 of the logits' scale
+    np.testing.assert_allclose(reused_last, fresh_last, rtol=1e-3, atol=2e-4 * float(np.abs(fresh_last).max()))
     assert cont == list(model.generate(second, max_tokens=8, sampling=GREEDY))  # fresh prefill, same tokens
     assert model.stats.cached_tokens == 0 and model.stats.prompt_tokens == len(second)
 

@@ -163,8 +163,8 @@ def test_harmony_template_stops_at_the_turn_not_the_message():
     assert tool_format(template.source) == "harmony"
 
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-           "additionalProperties": False}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+           "required": ["city"], "additionalProperties": False}
 FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
                 {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
 
@@ -179,6 +179,17 @@ FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parame
                  '<｜tool▁call▁end｜><｜tool▁calls▁end｜>', True),
     ("deepseek", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>lookup<｜tool▁sep｜>{}'
                  '<｜tool▁call▁end｜><｜tool▁calls▁end｜>', False),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nSt. Ives <3\n</parameter>\n"
+                    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", True),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                    "</tool_call>", True),  # days is optional
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n</function>\n"
+                    "</tool_call>", False),  # city is required
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>", False),  # days is a number
+    ("qwen3_coder", "<tool_call>\n<function=now>\n</function>\n</tool_call>", True),
+    ("harmony", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}', True),
+    ("harmony", '<|channel|>final<|message|>It is sunny.', False),
 ])
 def test_forced_call_grammars(form, text, accepted):
     """The grammar that forces a call accepts the form's calls of the given tools and nothing else, and what it
@@ -201,9 +212,8 @@ def test_forced_call_grammars(form, text, accepted):
         assert content == "" and len(calls) == 1 and calls[0][0] in ("get_weather", "now")
 
 
-def test_forced_call_in_other_forms_is_refused():
+def test_forced_call_in_an_unknown_form_is_refused():
     from freetoken.serve.tool_calls import forced_call_grammar
 
-    for form in ("qwen3_coder", "harmony"):
-        with pytest.raises(ValueError, match="not supported yet"):
-            forced_call_grammar(FORCED_TOOLS, "now", form)
+    with pytest.raises(ValueError, match="'xml' tool-call form is not supported"):
+        forced_call_grammar(FORCED_TOOLS, "now", "xml")

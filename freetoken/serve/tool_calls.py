@@ -399,8 +399,11 @@ class HarmonyParser(_Parser):
 def forced_call_grammar(tools: list[dict], name: str | None = None, form: str = "hermes") -> str:
     """The grammar of one call in ``form`` (``tool_choice`` "required": of any of ``tools``; named: of that one),
     its arguments following the function's parameter schema. Forms: ``hermes`` (and ``injected``, which asks for
-    it) and ``deepseek`` (V3.1's ``NAME<｜tool▁sep｜>{...}`` or V3's ``function<｜tool▁sep｜>NAME`` + a ```json block:
-    the model writes the one it was trained on). Others: ValueError."""
+    it); ``deepseek`` (V3.1's ``NAME<｜tool▁sep｜>{...}`` or V3's ``function<｜tool▁sep｜>NAME`` + a ```json block: the
+    model writes the one it was trained on); ``qwen3_coder`` (one ``<parameter=P>`` per property in the schema's
+    order, the required ones present; strings as text without ``</``, other types as JSON); ``harmony`` (a
+    commentary message to ``functions.NAME`` with JSON arguments: the reasoning message it might write first is
+    skipped). Others: ValueError."""
     from freetoken.engine.grammar import lark_grammar, lark_json
 
     fns = [t.get("function", t) for t in tools]
@@ -425,7 +428,27 @@ def forced_call_grammar(tools: list[dict], name: str | None = None, form: str = 
         return lark_grammar(f'start: "{DeepSeekParser.OPEN}{DeepSeekParser.CALL}" call '
                             f'"{DeepSeekParser.END}{DeepSeekParser.CLOSE}"\ncall: {" | ".join(names)}\n'
                             + "".join(rules))
-    raise ValueError(f"forcing a call in the {form!r} tool-call form is not supported yet (hermes and deepseek are)")
+    if form == "qwen3_coder":
+        alternatives, rules = [], []
+        for i, fn in enumerate(chosen):
+            params = fn.get("parameters") or {}
+            props, required = params.get("properties") or {}, set(params.get("required") or ())
+            parts = []
+            for j, (key, prop) in enumerate(props.items()):
+                if (prop or {}).get("type", "string") == "string":  # one lexeme: its text cannot hold "</"
+                    tag = re.escape(key).replace("/", "\\/")
+                    rules.append(f"p{i}_{j}: /<parameter={tag}>\\n([^<]|<[^\\/])*\\n<\\/parameter>\\n/\n")
+                else:
+                    rules.append(f'p{i}_{j}: "<parameter={key}>\\n" {lark_json(prop)} "\\n</parameter>\\n"\n')
+                parts.append(f"p{i}_{j}" if key in required else f"p{i}_{j}?")
+            alternatives.append(f'{json.dumps(fn["name"] + ">")} "\\n" {" ".join(parts)}'.rstrip())
+        return lark_grammar(f'start: "<tool_call>\\n<function=" fn "</function>\\n</tool_call>"\n'
+                            f'fn: {" | ".join(alternatives)}\n' + "".join(rules))
+    if form == "harmony":
+        calls = [f'{json.dumps("to=functions." + fn["name"])} " <|constrain|>json<|message|>" '
+                 f'{lark_json(fn.get("parameters") or {"type": "object"})}' for fn in chosen]
+        return lark_grammar(f'start: "<|channel|>commentary " call\ncall: {" | ".join(calls)}\n')
+    raise ValueError(f"forcing a call in the {form!r} tool-call form is not supported")
 
 
 # ---- the injected form: tools for a template that knows none ----------------------------------------------------

@@ -7,7 +7,7 @@ tool definitions into OpenAI/HF function definitions (``{"type": "function", "fu
   (:func:`freetoken.serve.tool_calls.inject_history`).
 - The reply: the parser of the form the template's family writes calls in (:mod:`freetoken.serve.tool_calls`).
 - A forced call (OpenAI ``required`` or a named function, Anthropic ``any`` or ``tool``): the grammar of one call in
-  the template's form (hermes, deepseek), as the job's constraint (:meth:`ToolUse.forced_call`).
+  the template's form, as the job's constraint (:meth:`ToolUse.forced_call`).
 """
 
 from __future__ import annotations
