@@ -45,6 +45,7 @@ from train_default_model import (  # noqa: E402 - the first stage's data pipelin
     patch_artifacts,
     read_text,
     split_files,
+    train_step,
 )
 
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "freetoken" / "default_model"
@@ -190,14 +191,7 @@ def main():
         starts = gen.integers(0, n_starts, size=args.batch)
         x = torch.from_numpy(np.stack([train_ids[s:s + args.ctx] for s in starts]))
         y = torch.from_numpy(np.stack([train_ids[s + 1:s + args.ctx + 1] for s in starts]))
-        out = model(input_ids=x, output_router_logits=True)
-        lm = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.size(-1)), y.reshape(-1))
-        aux = out.aux_loss if out.aux_loss is not None else torch.zeros(())
-        loss = lm + args.aux_coef * aux
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
+        lm, aux, gn = train_step(model, opt, x, y, args.aux_coef, args.clip)
         ema = lm.item() if ema is None else 0.9 * ema + 0.1 * lm.item()
         if (step + 1) % args.log_every == 0 or step + 1 == args.max_steps:
             el = time.time() - t_train

@@ -165,6 +165,19 @@ def make_optimizer(model, lr: float, weight_decay: float):
                               {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
+def train_step(model, opt, x, y, aux_coef: float, clip: float):
+    """One optimizer step on the causal LM loss of explicit targets plus the router load-balancing loss; returns
+    (LM loss, aux loss, gradient norm before clipping)."""
+    out = model(input_ids=x, output_router_logits=True)
+    lm = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.size(-1)), y.reshape(-1))
+    aux = out.aux_loss if out.aux_loss is not None else torch.zeros(())
+    opt.zero_grad(set_to_none=True)
+    (lm + aux_coef * aux).backward()
+    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return lm, aux, gn
+
+
 @torch.no_grad()
 def evaluate(model, data: np.ndarray, ctx: int, batch: int, usage=False):
     """Mean next-token NLL (nats/token) over non-overlapping windows of the
@@ -356,15 +369,7 @@ def main():
         for g in opt.param_groups:
             g["lr"] = lr
         x, y = get_batch()
-        out = model(input_ids=x, output_router_logits=True)
-        # causal LM loss on explicit targets + router load-balancing loss
-        lm = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.size(-1)), y.reshape(-1))
-        aux = out.aux_loss if out.aux_loss is not None else torch.zeros(())
-        loss = lm + args.aux_coef * aux
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
+        lm, aux, gn = train_step(model, opt, x, y, args.aux_coef, args.clip)
         step += 1
         tokens_seen += x.numel()
         ema = lm.item() if ema is None else 0.95 * ema + 0.05 * lm.item()

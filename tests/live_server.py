@@ -87,3 +87,20 @@ def running_server(tmp_path_factory, *args: str, env: dict | None = None):
     yield s
     s.stop()
     assert s.proc.returncode == 0, s.log.read_text()  # a clean shutdown on Ctrl-C
+
+
+def kill_mid_stream(server: Server, script: str, marker: str) -> None:
+    """Run the client ``script`` (it prints ``marker`` per streamed piece), SIGKILL it once it streams, and wait for
+    the server to count the request cancelled; then no request is running."""
+    cancelled = server.metric("freetoken_requests_cancelled_total")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == marker  # it is streaming
+    finally:
+        proc.kill()  # SIGKILL: the connection drops with no goodbye
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while server.metric("freetoken_requests_cancelled_total") == cancelled and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.metric("freetoken_requests_cancelled_total") == cancelled + 1
+    assert server.metric("freetoken_requests_running") == 0

@@ -9,15 +9,13 @@ becomes is known exactly, and the token counts are checked against the tokenizer
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 
 import anthropic
 import httpx
 import pytest
-from live_server import CTX, KEY, MODEL, running_server
+from live_server import CTX, KEY, MODEL, kill_mid_stream, running_server
 from tokenizers import Tokenizer
 
 from freetoken.engine.load import DEFAULT_MODEL
@@ -234,24 +232,13 @@ def test_errors_through_the_client(server):
 
 
 def test_a_killed_streaming_client_frees_the_engine(server):
-    cancelled = server.metric("freetoken_requests_cancelled_total")
     script = (f"import anthropic\n"
               f"c = anthropic.Anthropic(base_url='{server.url}', api_key='{KEY}', max_retries=0)\n"
               f"with c.messages.stream(model='{MODEL}', max_tokens=400, extra_body={{'temperature': 1.0}},\n"
               f"        messages=[{{'role': 'user', 'content': 'import os'}}]) as s:\n"
               f"    for text in s.text_stream:\n"
               f"        print('text', flush=True)\n")
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "text"  # it is streaming
-    finally:
-        proc.kill()  # SIGKILL: the connection drops with no goodbye
-        proc.wait()
-    deadline = time.monotonic() + 30
-    while server.metric("freetoken_requests_cancelled_total") == cancelled and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert server.metric("freetoken_requests_cancelled_total") == cancelled + 1
-    assert server.metric("freetoken_requests_running") == 0
+    kill_mid_stream(server, script, "text")
     _still_serving(server)
 
 
