@@ -263,6 +263,7 @@ def test_serve_with_a_missing_model_exits_with_one_line(tmp_path):
 @pytest.mark.parametrize("argv, expected", [
     (["--port", "70000"], "--port 70000: a TCP port is at most 65535"),
     (["--port", "x"], "argument --port: expected a whole number, got 'x'"),
+    (["--pin-hot", "4"], "--pin-hot needs --pin-trace FILE here"),
 ])
 def test_serve_rejects_bad_flags(argv, expected, capsys):
     from freetoken.cli import main

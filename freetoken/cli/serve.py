@@ -8,17 +8,21 @@ import sys
 from pathlib import Path
 
 SERVE_DESCRIPTION = """\
-Serve a model over HTTP with the OpenAI API, for coding agents and any OpenAI client:
+Serve a model over HTTP with the OpenAI and Anthropic APIs, for coding agents and any of their clients:
 
   GET  /v1/models            the one model served (--served-model-name)
-  POST /v1/chat/completions  chat through the model's chat template (stream: server-sent events)
+  POST /v1/chat/completions  chat through the model's chat template (stream: server-sent events); tools,
+                             tool_choice, response_format json_object/json_schema (constrained decoding)
   POST /v1/completions       plain text continuation
+  POST /v1/messages          the Anthropic Messages API (+ /v1/messages/count_tokens), tool use included
+  GET  /                     a chat page (the page needs no key; its API calls do)
   GET  /health               503 while the model loads, 200 when it serves (needs no key)
   GET  /metrics              Prometheus metrics: tokens, speeds, time to first token, queue, KV use, expert cache
 
 Requests queue for the one sequence engine (first come, first served); a client that disconnects frees it within
 one decode step. The KV cache is reused from request to request, so an agent's next turn prefills only its new
-tail. Point a client at http://HOST:PORT/v1 (any API key unless --api-key is set).
+tail. Point an OpenAI client at http://HOST:PORT/v1, an Anthropic one at http://HOST:PORT (any API key unless
+--api-key is set).
 """
 
 
@@ -76,7 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from freetoken.cli.args import context_kwargs
-    from freetoken.cli.policy import policy_kwargs
+    from freetoken.cli.policy import apply_pinning, policy_kwargs
     from freetoken.engine.load import load
     from freetoken.serve.app import Defaults, create_app
 
@@ -90,13 +94,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     failure: list[BaseException] = []
     server: uvicorn.Server | None = None
 
+    if args.pin_hot and not args.pin_trace:
+        raise ValueError("--pin-hot needs --pin-trace FILE here: a server has no prompt to warm up on")
+    pin_note: list[str] = []
+
     def load_model():
-        return load(args.model, device=args.device, progress=False, cache_slots=args.cache_slots,
-                    **policy_kwargs(args), **context_kwargs(args))
+        model = load(args.model, device=args.device, progress=False, cache_slots=args.cache_slots,
+                     **policy_kwargs(args), **context_kwargs(args))
+        pin_note.append(apply_pinning(model, args, None))  # before the worker owns the model
+        return model
 
     def ready(model):
         kind = model.decoder.dev.kind
         print(f"[{kind}] {model.decoder.context_plan.why}", file=sys.stderr)
+        if pin_note and pin_note[0]:
+            print(f"[{kind}] {pin_note[0]}", file=sys.stderr)
         url = f"http://{args.host}:{bound_port()}"
         print(f"[{kind}] serving {name!r} at {url}/v1" + (" (API key required)" if api_key else "")
               + f"; chat page {url}/", file=sys.stderr, flush=True)
@@ -125,12 +137,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not failure:
             print("freetoken serve: stopped", file=sys.stderr)
             return 0
-    if failure:
-        e = failure[0]
-        if isinstance(e, (ValueError, OSError)) or type(e).__name__ in ("LoadError", "ConfigError",
-                                                                       "DeviceUnavailable", "CacheError"):
-            raise e
-        raise RuntimeError(f"loading the model failed: {type(e).__name__}: {e}") from e
+    if failure:  # what the loader raised, as `run` would raise it (bad input: one line and exit code 2)
+        raise failure[0]
     if not server.started:
         raise OSError(f"could not listen on {args.host}:{args.port} (in use, or not an address of this machine)")
     return 0
