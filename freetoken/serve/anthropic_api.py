@@ -23,7 +23,6 @@ from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 from starlette.responses import JSONResponse
 
-from freetoken.engine.chat import model_template
 from freetoken.serve.anthropic_content import ContentBlocks, whole_content
 from freetoken.serve.anthropic_schemas import (
     CountTokensRequest,
@@ -51,7 +50,8 @@ _MEDIA_BLOCKS = ("image", "document", "search_result")
 async def messages(request: Request):
     state, body, worker = await begin(request, MessagesRequest)
     check_tool_choice(body)
-    ids, end_of_turn, use = _prompt(worker.model, body)
+    ids, use = _prompt(worker, body)
+    end_of_turn = worker.end_of_turn
     stop_sequences = body.stop_sequences or []
     # the client's stop sequences first: of two that match at one place, the one it sent is reported
     job = make_job(state, ids, stop_sequences + end_of_turn, max_tokens=body.max_tokens, prompt_param="messages",
@@ -70,15 +70,14 @@ async def messages(request: Request):
 async def count_tokens(request: Request):
     state, body, worker = await begin(request, CountTokensRequest)
     check_tool_choice(body)
-    ids, _, _ = _prompt(worker.model, body)
+    ids, _ = _prompt(worker, body)
     return {"input_tokens": len(ids)}
 
 
 # ---- requests -> prompts ----------------------------------------------------------------------------------------
-def _prompt(model, body: CountTokensRequest) -> tuple[list[int], list[str], ToolUse]:
-    """The prompt's token ids, the template's end-of-turn strings (they stop the reply), and what the tools make of
-    the conversation and the reply."""
-    template = model_template(model)
+def _prompt(worker, body: CountTokensRequest) -> tuple[list[int], ToolUse]:
+    """The prompt's token ids, and what the tools make of the conversation and the reply."""
+    template = worker.template
     use = tool_use(template, template_messages(body), body.functions())
     prefill = _prefill(body.messages[-1])
     if prefill:  # the conversation as it stands, cut after the prefill's text: the reply goes on from there
@@ -90,7 +89,7 @@ def _prompt(model, body: CountTokensRequest) -> tuple[list[int], list[str], Tool
         text = text[:at + len(prefill)]
     else:
         text = use.render(template)
-    return model.encode(text, add_special_tokens=False), template.stop_strings(), use
+    return worker.model.encode(text, add_special_tokens=False), use
 
 
 def template_messages(body: CountTokensRequest) -> list[dict]:

@@ -15,7 +15,6 @@ from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 from starlette.responses import JSONResponse
 
-from freetoken.engine.chat import model_template
 from freetoken.engine.grammar import json_schema_grammar
 from freetoken.serve.errors import APIError
 from freetoken.serve.jobs import begin, collect, grammar_constraint, job_events, make_job, template_tool_call
@@ -40,12 +39,12 @@ async def chat_completions(request: Request):
     state, body, worker = await begin(request, ChatCompletionRequest)
     refuse_unsupported(body)
     model = worker.model
-    template = model_template(model)
+    template = worker.template
     messages = [_template_message(m) for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if body.tool_choice != "none" else []
     use = tool_use(template, messages, tools)
     ids = model.encode(use.render(template), add_special_tokens=False)
-    job = _job(state, body, ids, template.stop_strings() + body.stop_list())
+    job = _job(state, body, ids, worker.end_of_turn + body.stop_list())
     job.constraint = await _constraint(worker, body, use)
     reply = Reply("chat.completion", state.model_name, chat=True, parser=use.parser)
     if body.stream:

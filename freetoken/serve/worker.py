@@ -16,6 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from freetoken.engine.chat import model_template
 from freetoken.engine.sampling import SamplingParams
 
 #: Finish reasons of :class:`freetoken.engine.generate.GenerationStats` -> the OpenAI API's
@@ -72,6 +73,8 @@ class EngineWorker:
 
     def __init__(self, model, on_finish=None, script: list[str] | None = None):
         self.model = model
+        self.template = model_template(model)  # compiled once: every request renders through it
+        self.end_of_turn = self.template.stop_strings()  # (renders a probe conversation: once, not per request)
         self.on_finish = on_finish
         self.script = deque(script or ())
         self._waiting: deque[Job] = deque()
