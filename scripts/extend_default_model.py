@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import shutil
 import sys
@@ -44,6 +43,7 @@ from train_default_model import (  # noqa: E402 - the first stage's data pipelin
     make_optimizer,
     patch_artifacts,
     read_text,
+    set_lr,
     split_files,
     train_step,
 )
@@ -181,13 +181,8 @@ def main():
     t_train = time.time()
     ema = None
     for step in range(args.max_steps):
-        if step < args.warmup:
-            lr = args.lr * (step + 1) / args.warmup
-        else:
-            progress = (step - args.warmup) / max(1, args.max_steps - args.warmup)
-            lr = args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-        for g in opt.param_groups:
-            g["lr"] = lr
+        progress = max(0, step - args.warmup) / max(1, args.max_steps - args.warmup)
+        lr = set_lr(opt, args.lr, step, args.warmup, progress, args.min_lr_ratio)
         starts = gen.integers(0, n_starts, size=args.batch)
         x = torch.from_numpy(np.stack([train_ids[s:s + args.ctx] for s in starts]))
         y = torch.from_numpy(np.stack([train_ids[s + 1:s + args.ctx + 1] for s in starts]))

@@ -165,6 +165,18 @@ def make_optimizer(model, lr: float, weight_decay: float):
                               {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
+def set_lr(opt, peak: float, step: int, warmup: int, progress: float, min_ratio: float) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine decay from ``peak`` to ``min_ratio * peak`` as ``progress``
+    goes from 0 to 1; sets it on every parameter group and returns it."""
+    if step < warmup:
+        lr = peak * (step + 1) / warmup
+    else:
+        lr = peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    for g in opt.param_groups:
+        g["lr"] = lr
+    return lr
+
+
 def train_step(model, opt, x, y, aux_coef: float, clip: float):
     """One optimizer step on the causal LM loss of explicit targets plus the router load-balancing loss; returns
     (LM loss, aux loss, gradient norm before clipping)."""
@@ -362,12 +374,7 @@ def main():
             if elapsed >= budget:
                 break
             progress = elapsed / budget
-        if step < args.warmup:
-            lr = args.lr * (step + 1) / args.warmup
-        else:
-            lr = args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-        for g in opt.param_groups:
-            g["lr"] = lr
+        lr = set_lr(opt, args.lr, step, args.warmup, progress, args.min_lr_ratio)
         x, y = get_batch()
         lm, aux, gn = train_step(model, opt, x, y, args.aux_coef, args.clip)
         step += 1
