@@ -209,6 +209,7 @@ class Chat:
         self.messages: list[dict] = []
         self.stats = None  # the last turn's GenerationStats
         self._turns = 0
+        self._anchored: dict[str, list[dict]] = {}  # anchor id -> the messages it was made at
         self.reset()
         self.template.render([*self.messages, {"role": "user", "content": "hi"}])  # template errors show up now
 
@@ -220,6 +221,34 @@ class Chat:
     def prompt(self) -> str:
         """The conversation so far, rendered with the generation prompt."""
         return self.template.render(self.messages, add_generation_prompt=True)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.model.encode(text, add_special_tokens=False)
+
+    def anchor(self, label: str | None = None):
+        """An anchor of the conversation as it stands (its K/V rows held, see :mod:`freetoken.engine.anchors`), to
+        :meth:`rollback` to. Made from the tokens the model holds of it: the conversation so far, rendered."""
+        if not self.messages:
+            raise ValueError("nothing to anchor: the conversation is empty")
+        ids = self._encode(self.template.render(self.messages, add_generation_prompt=False))
+        held = self.model.cached_ids[:self.model.decoder.length]
+        n = 0
+        while n < min(len(ids), len(held)) and ids[n] == held[n]:
+            n += 1
+        if n == 0:
+            raise ValueError("the model holds none of this conversation yet: send a message first")
+        a = self.model.anchor(n, label=label)
+        self._anchored[a.id] = [dict(m) for m in self.messages]
+        return a
+
+    def rollback(self, anchor) -> None:
+        """Return to the conversation as it was at ``anchor`` (one of this chat's :meth:`anchor` results, or its
+        id): its messages, and its K/V rows restored after verification (ValueError when refused)."""
+        aid = anchor if isinstance(anchor, str) else anchor.id
+        if aid not in self._anchored:
+            raise ValueError(f"anchor {aid[:16]} was not made by this chat")
+        self.model.rollback(aid)
+        self.messages = [dict(m) for m in self._anchored[aid]]
 
     def send(self, text: str, max_tokens: int = 256, sampling: SamplingParams | None = None) -> Iterator[str]:
         """Add the user message ``text``; yield the reply as text pieces, then add it to the conversation.
@@ -240,7 +269,9 @@ class Chat:
             if len(ids) >= ctx:
                 raise ValueError(f"the conversation is {len(ids)} tokens and the context holds {ctx}: "
                                  "reset it to go on")
-            for piece in self.model.generate_text(ids, max_tokens, sampling, reuse_cache=True, stop=self.stop):
+            bounds = message_boundaries(self.template, self.messages, self._encode, ids)
+            for piece in self.model.generate_text(ids, max_tokens, sampling, reuse_cache=True, stop=self.stop,
+                                                  boundaries=bounds):
                 pieces.append(piece)
                 yield piece
         except GeneratorExit:  # closed early: keep the reply as far as it went
@@ -257,6 +288,27 @@ class Chat:
         finally:
             if self.model.stats is not before:
                 self.stats = self.model.stats
+
+
+def message_boundaries(template: ChatTemplate, messages: Sequence[dict], encode, ids: Sequence[int],
+                       **render_kwargs) -> list[int]:
+    """Token positions in ``ids`` (the rendered prompt of ``messages``) where a message ends: after the system
+    prompt, after each message, and the whole prompt (before the assistant turn). ``encode(text)`` gives token ids
+    (no special-token post-processing). A boundary counts only where the conversation up to it renders and encodes to
+    a prefix of ``ids`` (a template that renders an earlier turn otherwise once more follows, or a token merged across
+    the boundary, leaves that boundary out)."""
+    out = []
+    for i in range(1, len(messages)):
+        try:
+            head = encode(template.render(messages[:i], add_generation_prompt=False, **render_kwargs))
+        except ValueError:  # a template that refuses a partial conversation (one must end with a user turn, say)
+            continue
+        n = len(head)
+        if 0 < n < len(ids) and list(ids[:n]) == list(head):
+            out.append(n)
+    if ids:
+        out.append(len(ids))
+    return sorted(set(out))
 
 
 def model_template(model) -> ChatTemplate:

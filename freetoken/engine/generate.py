@@ -25,6 +25,11 @@ class GenerationStats:
     finish_reason: str | None = None
     #: the stop string of ``generate_text`` that ended the text (None: none did, an end-of-sequence token, say)
     stop_sequence: str | None = None
+    #: the anchor the prompt's start was restored from (its id), and why one was refused (then recomputed)
+    anchor: str | None = None
+    anchor_refused: str | None = None
+    #: ids of the anchors made at this call's ``boundaries``
+    anchors_made: list = field(default_factory=list)
 
     @property
     def prefill_tps(self) -> float:
@@ -39,18 +44,127 @@ class GenerationStats:
 class Model:
     """A loaded model: ``logits(ids)`` and ``generate(prompt, ...)``.
 
-    ``cached_ids`` are the token ids whose K/V rows the decoder holds (rows ``[0, decoder.length)``);
-    ``generate(..., reuse_cache=True)`` keeps their common prefix with the new prompt and prefills only the rest.
-    This bookkeeping assumes the decoder is driven through this Model only. ``chat_template`` is the model's
-    :class:`freetoken.engine.chat.ChatTemplate` (None when the model has none)."""
+    ``cached_ids`` are the token ids whose K/V rows the decoder holds (rows ``[0, decoder.length)``).
+    ``generate(..., reuse_cache=True)`` reuses the longest prefix of the new prompt whose K/V rows are still in the
+    pool: the decoder's own sequence, or any earlier one in the radix prefix cache (:attr:`prefix_cache`, made on
+    first use; :mod:`freetoken.engine.prefix_cache`), or a verified anchor (:attr:`anchors`,
+    :mod:`freetoken.engine.anchors`), and prefills only the rest. This bookkeeping assumes the decoder is driven
+    through this Model only. ``chat_template`` is the model's :class:`freetoken.engine.chat.ChatTemplate` (None when
+    the model has none). ``weight_files``: the files the weights came from (part of :attr:`fingerprint`)."""
 
-    def __init__(self, decoder, tokenizer=None, eos_ids: Sequence[int] = (), chat_template=None):
+    def __init__(self, decoder, tokenizer=None, eos_ids: Sequence[int] = (), chat_template=None,
+                 weight_files: Sequence[str] = ()):
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.eos_ids = set(int(i) for i in eos_ids)
         self.chat_template = chat_template
+        self.weight_files = list(weight_files)
         self.stats = GenerationStats()
         self.cached_ids: list[int] = []
+        self._fingerprint: str | None = None
+        self._prefix_cache = None
+        self._anchors = None
+
+    # ---- reuse: prefix cache and anchors -------------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        """What an anchor must match to be used with this model (:mod:`freetoken.engine.fingerprint`)."""
+        if self._fingerprint is None:
+            from freetoken.engine.fingerprint import model_fingerprint
+
+            self._fingerprint = model_fingerprint(self.decoder.cfg, self.decoder.embed,
+                                                  self.experts.layout.fmt.name, self.weight_files)
+        return self._fingerprint
+
+    @property
+    def prefix_cache(self):
+        """The radix prefix cache over the decoder's KV pool (made on first use)."""
+        if self._prefix_cache is None:
+            from freetoken.engine.prefix_cache import RadixCache
+
+            self._prefix_cache = RadixCache(self.decoder.pool)
+        return self._prefix_cache
+
+    @property
+    def anchors(self):
+        """The anchor store (made on first use, in memory only: :meth:`use_anchor_dir` adds a directory)."""
+        if self._anchors is None:
+            self.use_anchor_dir(None)
+        return self._anchors
+
+    def use_anchor_dir(self, directory, **store_options):
+        """(Re)make the anchor store, its anchors written to and indexed from ``directory`` (None: memory only);
+        ``store_options``: :class:`freetoken.engine.anchors.AnchorStore` keywords. Returns the store."""
+        from freetoken.engine.anchors import AnchorStore
+
+        if self._anchors is not None:
+            self._anchors.clear() if directory is None else self._drop_store()
+        self.prefix_cache  # noqa: B018 - the prefix cache evicts first when the pool is short, then anchors spill
+        self._anchors = AnchorStore(self.decoder.pool, self.fingerprint, directory, **store_options)
+        return self._anchors
+
+    def _drop_store(self) -> None:
+        """Let go of the store's device blocks, keeping its files."""
+        store = self._anchors
+        for a in store.anchors.values():
+            if a.blocks is not None:
+                self.decoder.pool.release(a.blocks)
+                a.blocks = None
+        store.pool.reclaimers.remove(store.spill)
+
+    def _residency(self):
+        get = getattr(self.experts, "residency", None)
+        return get() if get is not None else None
+
+    def anchor(self, length: int | None = None, label: str | None = None):
+        """An anchor of the decoder's first ``length`` tokens (default all it holds), for :meth:`rollback` or a
+        later prompt's ``anchor=``."""
+        n = self.decoder.length if length is None else int(length)
+        if n < 1 or n > self.decoder.length or len(self.cached_ids) < n:
+            raise ValueError(f"an anchor of {n} tokens: the decoder holds {self.decoder.length}")
+        return self.anchors.create(self.decoder.kv, self.cached_ids, n, label=label, residency=self._residency())
+
+    def rollback(self, anchor) -> int:
+        """Make the decoder's sequence the anchor's tokens again (verified, see
+        :meth:`freetoken.engine.anchors.AnchorStore.restore`); returns their number. ValueError when the anchor is
+        refused."""
+        a = self.anchors.get(anchor) if isinstance(anchor, str) else anchor
+        if a is None:
+            raise ValueError(f"no anchor {anchor!r}")
+        self._retire()
+        n, why = self.anchors.restore(a, a.tokens.tolist(), self.decoder.kv)
+        if why is not None:
+            raise ValueError(f"anchor {a.id[:16]} refused: {why}")
+        self.cached_ids = a.tokens.tolist()
+        return n
+
+    def _retire(self) -> None:
+        """Put the decoder's current sequence into the prefix cache (before it is replaced)."""
+        n = self.decoder.length
+        if n and len(self.cached_ids) >= n:  # fewer ids: the decoder ran tokens this Model did not see
+            self.prefix_cache.insert(self.cached_ids, self.decoder.kv.blocks, n)
+
+    def _reuse(self, ids: Sequence[int], anchor, boundaries: Sequence[int], st: GenerationStats) -> int:
+        """Put the longest reusable prefix of ``ids`` into the decoder's sequence; returns its length."""
+        self._retire()
+        limit = len(ids) - 1  # the last prompt token is always fed again, for its logits
+        blocks, n = self.prefix_cache.match(ids, limit)
+        store = self._anchors if anchor is None else self.anchors
+        cand = None
+        if anchor is not None:
+            cand = store.get(anchor) if isinstance(anchor, str) else anchor
+            if cand is None:
+                st.anchor_refused = store._refuse(str(anchor), "no such anchor")[1]
+        elif store is not None and boundaries:
+            cand = store.best_prefix(ids, boundaries)
+        keep = 0
+        if cand is not None and (anchor is not None or min(cand.length, limit) > n):
+            keep, why = store.restore(cand, ids, self.decoder.kv, limit)
+            st.anchor, st.anchor_refused = (cand.id, None) if why is None else (None, why)
+        if n > keep:
+            self.decoder.kv.adopt(blocks, n)
+            keep = n
+        return keep
 
     @property
     def config(self):
@@ -84,27 +198,18 @@ class Model:
         self.cached_ids = ids
         return out
 
-    def _reusable_prefix(self, ids: Sequence[int]) -> int:
-        """Length of the longest prefix of ``ids`` whose K/V rows are in the decoder (at most ``len(ids) - 1``:
-        the last prompt token is always fed again to get its logits)."""
-        length = self.decoder.length
-        if len(self.cached_ids) < length:  # the decoder ran tokens this Model did not see: trust none of them
-            return 0
-        cached = self.cached_ids[:length]
-        n = 0
-        limit = min(len(cached), len(ids) - 1)
-        while n < limit and cached[n] == ids[n]:
-            n += 1
-        return n
-
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 64, sampling: SamplingParams | None = None,
-                 record_routing: bool = False, reuse_cache: bool = False, constraint=None) -> Iterator[int]:
+                 record_routing: bool = False, reuse_cache: bool = False, constraint=None, anchor=None,
+                 boundaries: Sequence[int] = ()) -> Iterator[int]:
         """Yield up to ``max_tokens`` new token ids (stops early at an end-of-sequence token).
 
-        ``reuse_cache``: keep the K/V rows of the longest common prefix of the prompt and the tokens already in the
-        decoder (the previous prompt and the tokens generated after it) and prefill only the rest; the decoder
-        rolls back past a point where the prompts diverge. ``stats.cached_tokens`` counts the reused tokens and
+        ``reuse_cache``: keep the K/V rows of the longest prefix of the prompt still in the pool (the previous
+        prompt and the tokens generated after it, an earlier sequence in the prefix cache, an anchor at one of
+        ``boundaries``) and prefill only the rest. ``stats.cached_tokens`` counts the reused tokens and
         ``stats.prompt_tokens`` the prefilled ones. Default: a fresh sequence, the whole prompt prefilled.
+        ``anchor``: an :class:`freetoken.engine.anchors.Anchor` (or its id) to resume from; it is verified first
+        and, refused, recomputed (``stats.anchor_refused`` says why). ``boundaries``: positions in the prompt
+        (message boundaries) at which anchors are made once the prompt has run (``stats.anchors_made``).
         ``constraint``: a :class:`freetoken.engine.grammar.TokenConstraint` the tokens must follow; generation ends
         when its grammar is complete."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
@@ -113,17 +218,21 @@ class Model:
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         sampler = Sampler(sampling, constraint)
-        keep = self._reusable_prefix(ids) if reuse_cache else 0
-        st = self.stats = GenerationStats(prompt_tokens=len(ids) - keep, cached_tokens=keep)
-        if keep:
-            self.decoder.length = keep  # the tokens past ``keep`` are dropped; the prefill below appends the rest
-        else:
+        st = self.stats = GenerationStats()
+        keep = self._reuse(ids, anchor, boundaries, st) if reuse_cache or anchor is not None else 0
+        if not keep:
             self.decoder.reset()
+        st.prompt_tokens, st.cached_tokens = len(ids) - keep, keep
         self.cached_ids = ids[:keep]
         t0 = time.perf_counter()
         logits = self.decoder.forward(np.asarray(ids[keep:], np.int64), last_only=True)[-1]
         st.prefill_seconds = time.perf_counter() - t0
         self.cached_ids = list(ids)
+        if reuse_cache:  # the prompt's full blocks, for requests that share it while this one runs on
+            bs = self.decoder.pool.block_size
+            self.prefix_cache.insert(ids, self.decoder.kv.blocks, len(ids) // bs * bs)
+        for b in sorted({int(b) for b in boundaries if 0 < int(b) <= len(ids)}):
+            st.anchors_made.append(self.anchors.create(self.decoder.kv, ids, b, residency=self._residency()).id)
         if record_routing:
             st.prefill_routing = [np.asarray(self.decoder.dev.to_host(r)) for r in self.experts.last_routing]
         history = list(ids)
@@ -152,7 +261,7 @@ class Model:
     def generate_text(self, prompt: str | Sequence[int], max_tokens: int = 64, sampling: SamplingParams | None = None,
                       record_routing: bool = False, reuse_cache: bool = False,
                       stop: Sequence[str] = (), should_stop: Callable[[], bool] | None = None,
-                      constraint=None) -> Iterator[str]:
+                      constraint=None, anchor=None, boundaries: Sequence[int] = ()) -> Iterator[str]:
         """Yield text pieces as tokens come (a piece is held back while it ends in an incomplete character).
 
         ``stop``: strings that end the text (not included). One that is a single token of the vocabulary stops at
@@ -160,7 +269,8 @@ class Model:
         stop string is held back until it is clear that it is not; ``stats.stop_sequence`` says which one ended the
         text. ``reuse_cache``: as in :meth:`generate`.
         ``should_stop``: asked after every token (held-back ones too); True ends generation there (a cancelled
-        request: ``stats.finish_reason`` stays None). ``constraint``: as in :meth:`generate`."""
+        request: ``stats.finish_reason`` stays None). ``constraint``, ``anchor``, ``boundaries``: as in
+        :meth:`generate`."""
         stop = [s for s in stop if s]
         to_id = getattr(self.tokenizer, "token_to_id", None)
         stop_tokens: dict[int, str] = {}  # single-token stop strings, by id (the first string of an id wins)
@@ -171,7 +281,7 @@ class Model:
         out: list[int] = []
         shown = ""
         tokens = self.generate(prompt, max_tokens, sampling, record_routing, reuse_cache=reuse_cache,
-                               constraint=constraint)
+                               constraint=constraint, anchor=anchor, boundaries=boundaries)
         try:
             for tok in tokens:
                 if should_stop is not None and should_stop():

@@ -70,7 +70,7 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
         from freetoken.engine.load_gguf import load_gguf
 
         decoder, tokenizer, eos, template = load_gguf(p, dev, options)
-        return Model(decoder, tokenizer, eos, chat_template=template)
+        return Model(decoder, tokenizer, eos, chat_template=template, weight_files=[p])
     sd = SafetensorsDir(p)
     q = sd.quantization()
     if q.method not in ("none", "fp8_block") or q.expert_format not in ("bf16", "fp8_block"):
@@ -86,4 +86,5 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
 
         tokenizer = Tokenizer.from_file(str(p / "tokenizer.json"))
     chat_template = ChatTemplate.from_dir(p) if tokenizer is not None else None
-    return Model(decoder, tokenizer, _eos_ids(sd.config, p, tokenizer), chat_template=chat_template)
+    return Model(decoder, tokenizer, _eos_ids(sd.config, p, tokenizer), chat_template=chat_template,
+                 weight_files=sd.files())

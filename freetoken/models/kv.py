@@ -23,6 +23,11 @@ import numpy as np
 #: kernels to read.
 KV_BLOCK_TOKENS = 64
 
+#: Version of the pool's layout (``[layers, num_blocks, block_size, Hkv, D]`` per array, K then V, fp8 scales
+#: ``[layers, num_blocks, block_size, Hkv]``): a saved snapshot of blocks (an anchor) records it, and one of another
+#: layout is refused. Raise it whenever the layout or a kind's encoding changes.
+KV_LAYOUT_VERSION = 1
+
 #: KV kind -> storage dtype of the pool arrays (the ops' contract).
 KV_DTYPES: dict[str, type] = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "fp8": np.uint8}
 #: The KV kinds, default first.
@@ -81,6 +86,9 @@ class KVPool:
             self.v_scale = device.zeros(shape[:-1], np.float32)
         self.refs = np.zeros(self.num_blocks, np.int32)  # holders of each block (0: free)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack: the lowest free block comes out first
+        #: called in order with the number of blocks still missing when an allocation finds too few free: each
+        #: may give blocks back (a prefix cache evicts what nobody uses, an anchor store spills to host memory)
+        self.reclaimers: list = []
 
     @property
     def nbytes(self) -> int:
@@ -103,7 +111,12 @@ class KVPool:
 
     # ---- blocks ------------------------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
-        """``n`` free blocks, each now held once; :class:`OutOfKVBlocks` (nothing taken) when fewer are free."""
+        """``n`` free blocks, each now held once; :class:`OutOfKVBlocks` (nothing taken) when fewer are free even
+        after the :attr:`reclaimers` gave back what they could."""
+        for reclaim in self.reclaimers:
+            if n <= len(self._free):
+                break
+            reclaim(n - len(self._free))
         if n > len(self._free):
             raise OutOfKVBlocks(f"the KV pool is out of blocks: {n} more needed, {len(self._free)} of "
                                 f"{self.num_blocks} free ({self.block_size} tokens each)")
@@ -130,6 +143,25 @@ class KVPool:
         self.refs -= counts.astype(np.int32)
         # freed blocks are pushed highest first, so the stack hands the lowest out first
         self._free.extend(sorted(np.nonzero((counts > 0) & (self.refs == 0))[0].tolist(), reverse=True))
+
+    @property
+    def arrays(self) -> dict:
+        """The pool's arrays by name (``k``, ``v``, and ``k_scale``/``v_scale`` for fp8), in a fixed order."""
+        named = {"k": self.k, "v": self.v, "k_scale": self.k_scale, "v_scale": self.v_scale}
+        return {name: a for name, a in named.items() if a is not None}
+
+    def read_blocks(self, blocks) -> dict[str, np.ndarray]:
+        """Host copies of ``blocks`` (every layer, every row): ``{name: [layers, len(blocks), block_size, ...]}``."""
+        idx = np.asarray(blocks, np.int64)
+        return {name: np.ascontiguousarray(self.dev.to_host(a[:, self.dev.asarray(idx)] if self.dev.kind == "gpu"
+                                                            else a[:, idx]))
+                for name, a in self.arrays.items()}
+
+    def write_blocks(self, blocks, data: dict[str, np.ndarray]) -> None:
+        """Put host arrays shaped as :meth:`read_blocks` returns them into ``blocks``."""
+        idx = np.asarray(blocks, np.int64)
+        for name, a in self.arrays.items():
+            a[:, self.dev.asarray(idx) if self.dev.kind == "gpu" else idx] = self.dev.asarray(data[name])
 
     def copy_block(self, src: int, dst: int, rows: int | None = None) -> None:
         """Rows ``0 .. rows - 1`` (default all) of block ``src`` into block ``dst``, every layer, K, V and scales."""
@@ -200,6 +232,21 @@ class KVSequence:
     def reset(self) -> None:
         """An empty sequence: every block released."""
         self.truncate(0)
+
+    def adopt(self, blocks, length: int) -> None:
+        """Become the sequence of ``length`` tokens held in ``blocks`` (position order; the caller's references stay
+        the caller's: this sequence retains its own). Its earlier blocks are released. A shared last block, partly
+        filled, is copied before this sequence writes into it (:meth:`prepare`)."""
+        blocks = [int(b) for b in blocks]
+        bs = self.pool.block_size
+        if length > self.capacity:
+            raise ValueError(f"a sequence of {length} tokens exceeds the context of {self.capacity} tokens")
+        if len(blocks) != -(-length // bs):
+            raise ValueError(f"{length} tokens take {-(-length // bs)} blocks of {bs}, not {len(blocks)}")
+        self.pool.retain(blocks)  # first: a block both old and new must not pass through the free list
+        self.pool.release(self.blocks)
+        self.blocks, self.length = blocks, int(length)
+        self._sync(0)
 
     def fork(self) -> KVSequence:
         """A second sequence with the same tokens: the full blocks shared (retained, not copied), a partial last

@@ -212,6 +212,11 @@ class CachedExperts(RunnerBase):
         self._pinned += len(pinned)
         return pinned
 
+    def residency(self) -> list[int]:
+        """The expert records (``layer * num_experts + expert``) in the cache's slots now, sorted."""
+        ids = self.dev.to_host(self.cache.id_of_slot)
+        return sorted(int(i) for i in ids if i >= 0)
+
     def hit_stats(self) -> tuple[float, int, int]:
         """(hit rate, hits, misses) of decode steps' routed experts: with a split a miss is fetched or computed on
         the CPU (the cache's own counters see only the fetched ones)."""
