@@ -1,0 +1,191 @@
+"""Anchors (freetoken.engine.anchors): made at message boundaries, restored only after every check, and refused with
+a reason (the request then recomputed, its logits those of a fresh run) when a check fails: bytes changed on the
+device, a flipped byte or a torn anchor file, another model's anchor, a forged id whose tokens differ."""
+
+import numpy as np
+import pytest
+
+from freetoken import load
+from freetoken.engine.anchors import FILE_SUFFIX, anchor_id, read_file
+from freetoken.engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return load(None, device="cpu")
+
+
+@pytest.fixture
+def model(ref):
+    m = load(None, device="cpu")
+    yield m
+    m.anchors.clear()
+
+
+def _prompt(model, n_lines=12):
+    text = "".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(n_lines))
+    return model.encode(text, add_special_tokens=False)
+
+
+def _last_logits(model, ids, **kw):
+    seen = []
+    forward = model.decoder.forward
+
+    def spy(tokens, **fkw):
+        out = forward(tokens, **fkw)
+        seen.append(out)
+        return out
+
+    model.decoder.forward = spy
+    try:
+        list(model.generate(ids, max_tokens=1, sampling=GREEDY, **kw))
+    finally:
+        del model.decoder.forward
+    return seen[0][-1]
+
+
+def _forget(model):
+    """Nothing reusable but the anchors: the decoder's sequence and the prefix cache emptied."""
+    model.prefix_cache.clear()
+    model.decoder.reset()
+    model.cached_ids = []
+
+
+def _close(got, want):
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=2e-4 * float(np.abs(want).max()))
+
+
+def _anchored(model, ids, at):
+    list(model.generate(ids, max_tokens=1, sampling=GREEDY, reuse_cache=True, boundaries=[at]))
+    (aid,) = model.stats.anchors_made
+    return model.anchors.get(aid)
+
+
+def test_restore_from_each_tier_is_verified_and_exact(model, ref, tmp_path):
+    store = model.use_anchor_dir(tmp_path, sample_blocks=2)
+    ids = _prompt(model)
+    a = _anchored(model, ids, 150)
+    assert a.tier == "device" and a.length == 150 and (tmp_path / f"{a.id}{FILE_SUFFIX}").is_file()
+    assert a.id == anchor_id(model.fingerprint, ids[:150])
+    longer = ids + model.encode("print(f3(2))\n", add_special_tokens=False)
+    want = ref.logits(longer)[-1]
+    for tier in ("device", "host", "disk"):
+        if tier != "device":
+            store._to_host(a)
+        if tier == "disk":
+            a.host = None  # as if the host budget had dropped it: the file is left
+        _forget(model)
+        assert a.tier == tier
+        got = _last_logits(model, longer, reuse_cache=True, boundaries=[150])
+        assert model.stats.anchor == a.id and model.stats.cached_tokens == 150, tier
+        _close(got, want)
+        assert a.tier == "device"  # read back into the pool
+    assert store.refusals == []
+
+
+def test_changed_bytes_on_the_device_are_refused(model, ref):
+    store = model.use_anchor_dir(None, sample_blocks=99)  # every block checked
+    ids = _prompt(model)
+    a = _anchored(model, ids, 130)
+    _forget(model)
+    pool = model.decoder.pool
+    pool.k[3, a.blocks[1], 5, 0, 7] ^= 0x0040  # a bit flipped in layer 3's keys
+    got = _last_logits(model, ids, reuse_cache=True, boundaries=[130])
+    assert model.stats.anchor is None and model.stats.cached_tokens == 0
+    assert "block 1 changed" in model.stats.anchor_refused and store.refusals[-1][0] == a.id
+    _close(got, ref.logits(ids)[-1])
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign", "garbage"])
+def test_damaged_or_foreign_files_are_refused(ref, tmp_path, damage):
+    first = load(None, device="cpu")
+    first.use_anchor_dir(tmp_path)
+    ids = _prompt(first)
+    a = _anchored(first, ids, 140)
+    path = tmp_path / f"{a.id}{FILE_SUFFIX}"
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[-1000] ^= 0x01  # inside the KV payload
+    elif damage == "truncate":
+        raw = raw[:len(raw) // 2]
+    elif damage == "foreign":
+        # a file another model made: same layout, another fingerprint (its id made with it, so only that differs)
+        header, tokens, data = read_file(path)
+        from freetoken.engine.anchors import write_file
+
+        other = "0" * 64
+        header = {k: v for k, v in dict(header, fingerprint=other, id=anchor_id(other, tokens)).items()
+                  if k != "arrays"}
+        path.unlink()
+        path = write_file(tmp_path / f"{header['id']}{FILE_SUFFIX}", header, tokens, data)
+        raw = bytearray(path.read_bytes())
+    else:
+        raw[:8] = b"NOTANCHR"
+    path.write_bytes(bytes(raw))
+
+    restarted = load(None, device="cpu")  # a new server on the same directory
+    store = restarted.use_anchor_dir(tmp_path)
+    got = _last_logits(restarted, ids, reuse_cache=True, boundaries=[140])
+    assert restarted.stats.anchor is None and restarted.stats.cached_tokens == 0
+    why = " ".join(w for _, w in store.refusals)
+    expect = {"flip": "file checksum does not match", "truncate": "torn or truncated",
+              "foreign": "another model", "garbage": "not a freetoken anchor file"}[damage]
+    assert expect in why, why
+    if damage == "flip":  # indexed at start (its header is fine), refused when read back
+        assert restarted.stats.anchor_refused is not None and expect in restarted.stats.anchor_refused
+    _close(got, ref.logits(ids)[-1])
+
+
+def test_a_restarted_store_restores_from_disk(ref, tmp_path):
+    first = load(None, device="cpu")
+    first.use_anchor_dir(tmp_path)
+    ids = _prompt(first)
+    a = _anchored(first, ids, 140)
+    second = load(None, device="cpu")
+    store = second.use_anchor_dir(tmp_path)
+    assert [x.id for x in store.list()] == [a.id] and store.get(a.id).tier == "disk"
+    got = _last_logits(second, ids, anchor=a.id)
+    assert second.stats.anchor == a.id and second.stats.cached_tokens == 140 and store.refusals == []
+    _close(got, ref.logits(ids)[-1])
+
+
+def test_a_forged_id_with_other_tokens_is_refused(model, ref):
+    store = model.use_anchor_dir(None)
+    ids = _prompt(model)
+    other = ids[:100] + [(t + 1) % 100 for t in ids[100:150]]
+    a = _anchored(model, other, 150)
+    _forget(model)
+    # a hash collision, simulated: the other tokens' anchor filed under the id this request's boundary has
+    forged = anchor_id(model.fingerprint, ids[:150])
+    store.anchors[forged] = a
+    got = _last_logits(model, ids, reuse_cache=True, boundaries=[150])
+    assert model.stats.anchor is None and model.stats.cached_tokens == 0
+    assert "not a prefix" in model.stats.anchor_refused or "id does not match" in model.stats.anchor_refused
+    _close(got, ref.logits(ids)[-1])
+    del store.anchors[forged]
+
+
+def test_another_models_anchor_and_unknown_ids_are_refused(model, ref):
+    ids = _prompt(model)
+    a = _anchored(model, ids, 120)
+    _forget(model)
+    a.fingerprint = "f" * 64  # as if another model made it
+    got = _last_logits(model, ids, anchor=a)
+    assert model.stats.cached_tokens == 0 and "another model" in model.stats.anchor_refused
+    _close(got, ref.logits(ids)[-1])
+    _forget(model)
+    got = _last_logits(model, ids, anchor="ab" * 32)
+    assert model.stats.cached_tokens == 0 and model.stats.anchor_refused == "no such anchor"
+
+
+def test_rollback_and_the_fingerprint(model, ref):
+    ids = _prompt(model)
+    list(model.generate(ids, max_tokens=4, sampling=GREEDY, reuse_cache=True))
+    a = model.anchor(100, label="before the call")
+    list(model.generate(ids + [5, 6, 7], max_tokens=4, sampling=GREEDY, reuse_cache=True))
+    assert model.rollback(a) == 100 and model.decoder.length == 100 and model.cached_ids == ids[:100]
+    assert model.fingerprint == ref.fingerprint  # the same files: the same model
+    with pytest.raises(ValueError, match="an anchor of 0 tokens"):
+        model.anchor(0)
