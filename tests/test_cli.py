@@ -109,3 +109,19 @@ def test_gpu_check_table_on_emu():
     assert "logits vs cpu: NMSE" in proc.stdout and "  ok  " in proc.stdout
     for mode in ("gpu", "hybrid", "cpu"):
         assert f"  {mode} " in proc.stdout
+
+
+def test_chat_anchor_and_rollback(capsys, monkeypatch):
+    import io
+
+    lines = "".join(f"{line}\n" for line in ("def add(a, b):", "/rollback", "/anchor one", "def sub(a, b):", "/anchors",
+                                              "/rollback one", "/rollback two", "def mul(a, b):"))
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    assert main(["chat", "--device", "cpu", "--temperature", "0", "--max-tokens", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "error: no anchor to roll back to: /anchor makes one" in err
+    assert re.search(r"\(anchor one: \d+ tokens of the conversation\)", err)
+    assert re.search(r"  one: \d+ tokens, device, id [0-9a-f]{16}", err)
+    assert "(rolled back to one: 2 messages" in err and "error: no anchor named 'two' (have: one)" in err
+    stats = [line for line in err.splitlines() if "cached tokens reused" in line]
+    assert len(stats) == 3 and not stats[2].startswith("[cpu] prefill 0 ")

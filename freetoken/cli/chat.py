@@ -1,8 +1,10 @@
 """``freetoken chat``: an interactive conversation through the model's chat template.
 
 Reads one user message per line from stdin (a ``> `` prompt only when stdin is a terminal), streams each reply to
-stdout and a per-turn stats line to stderr. ``/reset`` starts the conversation over, ``/exit`` (or end of input)
-ends the session. The KV cache is reused from turn to turn: a turn prefills only what the previous one did not run.
+stdout and a per-turn stats line to stderr. ``/reset`` starts the conversation over, ``/anchor`` and ``/rollback``
+mark the conversation and return to a mark (its K/V rows restored, verified: :mod:`freetoken.engine.anchors`),
+``/exit`` (or end of input) ends the session. The KV cache is reused from turn to turn: a turn prefills only what
+the previous one did not run.
 """
 
 from __future__ import annotations
@@ -16,11 +18,15 @@ turn's prefill/decode stats go to stderr. The KV cache carries over from turn to
 the new part of the conversation.
 
 Commands (alone on a line):
-  /reset   forget the conversation (the --system prompt stays)
-  /exit    end the session (so does end of input)
+  /reset            forget the conversation (the --system prompt stays)
+  /anchor [NAME]    mark the conversation as it stands (default names a1, a2, ...): its K/V rows are kept
+  /rollback [NAME]  return to a mark (default the latest): the messages after it are dropped and its K/V rows
+                    restored after a checksum check, so the next message prefills nothing before it
+  /anchors          list the marks
+  /exit             end the session (so does end of input)
 """
 
-COMMANDS = ("/reset", "/exit", "/quit", "/help")
+COMMANDS = ("/reset", "/anchor", "/rollback", "/anchors", "/exit", "/quit", "/help")
 
 
 def _error(message: str) -> None:
@@ -96,6 +102,7 @@ def _converse(model, args: argparse.Namespace, sampling) -> int:
         print("freetoken chat: warning: the model has no chat template; using ChatML "
               "(<|im_start|>role\\n...<|im_end|>\\n)", file=sys.stderr)
     interactive = sys.stdin.isatty()
+    marks: dict[str, object] = {}  # /anchor names -> anchors, in the order made
     while True:
         try:
             line = _read_line(interactive)
@@ -114,7 +121,12 @@ def _converse(model, args: argparse.Namespace, sampling) -> int:
             print("(conversation reset)", file=sys.stderr)
             continue
         if command == "/help":
-            print("commands: /reset (forget the conversation), /exit (end the session)", file=sys.stderr)
+            print("commands: /reset (forget the conversation), /anchor [NAME] (mark it), /rollback [NAME] (return "
+                  "to a mark), /anchors (list them), /exit (end the session)", file=sys.stderr)
+            continue
+        word, _, name = command.partition(" ")
+        if word in ("/anchor", "/rollback", "/anchors"):
+            _anchor_command(chat, marks, word, name.strip())
             continue
         if command.startswith("/") and " " not in command and command[1:].isalpha():
             _error(f"unknown command {command} (commands: {', '.join(COMMANDS)})")
@@ -137,6 +149,32 @@ def _converse(model, args: argparse.Namespace, sampling) -> int:
         print(_turn_stats(model), file=sys.stderr)
         if model.decoder.length >= model.decoder.ctx:
             print("freetoken chat: warning: the context is full; /reset to go on", file=sys.stderr)
+
+
+def _anchor_command(chat, marks: dict, word: str, name: str) -> None:
+    """/anchor [NAME], /rollback [NAME], /anchors: a failure is one error line and the session goes on."""
+    if word == "/anchors":
+        for n, a in marks.items():
+            print(f"  {n}: {a.length} tokens, {a.tier}, id {a.id[:16]}", file=sys.stderr)
+        if not marks:
+            print("(no anchors: /anchor makes one)", file=sys.stderr)
+        return
+    try:
+        if word == "/anchor":
+            name = name or f"a{len(marks) + 1}"
+            marks[name] = chat.anchor(label=name)
+            print(f"(anchor {name}: {marks[name].length} tokens of the conversation)", file=sys.stderr)
+            return
+        if not marks:
+            raise ValueError("no anchor to roll back to: /anchor makes one")
+        name = name or list(marks)[-1]
+        if name not in marks:
+            raise ValueError(f"no anchor named {name!r} (have: {', '.join(marks)})")
+        chat.rollback(marks[name])
+        print(f"(rolled back to {name}: {len(chat.messages)} messages, {marks[name].length} tokens restored)",
+              file=sys.stderr)
+    except ValueError as e:
+        _error(str(e))
 
 
 def add_chat_parser(sub) -> argparse.ArgumentParser:
