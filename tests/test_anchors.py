@@ -96,6 +96,11 @@ def test_changed_bytes_on_the_device_are_refused(model, ref):
     assert model.stats.anchor is None and model.stats.cached_tokens == 0
     assert "block 1 changed" in model.stats.anchor_refused and store.refusals[-1][0] == a.id
     _close(got, ref.logits(ids)[-1])
+    # the bad anchor left the store: that request made a sound one at the same boundary, which the next restores
+    assert model.stats.anchors_made == [a.id] and store.get(a.id) is not a
+    _forget(model)
+    _last_logits(model, ids, reuse_cache=True, boundaries=[130])
+    assert model.stats.anchor == a.id and model.stats.cached_tokens == 130
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "foreign", "garbage"])
@@ -164,7 +169,8 @@ def test_a_forged_id_with_other_tokens_is_refused(model, ref):
     assert model.stats.anchor is None and model.stats.cached_tokens == 0
     assert "not a prefix" in model.stats.anchor_refused or "id does not match" in model.stats.anchor_refused
     _close(got, ref.logits(ids)[-1])
-    del store.anchors[forged]
+    assert store.get(a.id) is a  # the anchor itself is sound: only the entry filed under another id went
+    assert store.get(forged) is not a and model.stats.anchors_made == [forged]  # a true one made in its place
 
 
 def test_another_models_anchor_and_unknown_ids_are_refused(model, ref):

@@ -60,6 +60,11 @@ def _post(server, path: str, body, key: str | None = KEY) -> httpx.Response:
     return httpx.post(server.url + path, content=content, headers=headers, timeout=300)
 
 
+def _prompt_tokens(usage) -> int:
+    """The whole prompt: ``input_tokens`` counts only what was not read from the cache, as the Anthropic API does."""
+    return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+
+
 def _still_serving(server):
     assert _create(_client(server), max_tokens=2).usage.output_tokens <= 2
 
@@ -86,7 +91,8 @@ def test_streamed_equals_whole(server):
     text, final = _streamed(client)
     assert text == whole.content[0].text and final.content[0].text == text
     assert final.stop_reason == whole.stop_reason and final.stop_sequence is None
-    assert final.usage.input_tokens == whole.usage.input_tokens
+    assert _prompt_tokens(final.usage) == _prompt_tokens(whole.usage)
+    assert final.usage.cache_read_input_tokens == _prompt_tokens(whole.usage) - 1  # all but the last token reused
     assert final.usage.output_tokens == whole.usage.output_tokens
 
 
@@ -107,7 +113,10 @@ def test_the_stream_is_the_anthropic_event_sequence(server):
     assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["input_tokens"] > 0
     assert "".join(d["delta"]["text"] for d in data if d["type"] == "content_block_delta") == whole.content[0].text
     assert data[-2]["delta"] == {"stop_reason": whole.stop_reason, "stop_sequence": None}
-    assert data[-2]["usage"] == {"output_tokens": whole.usage.output_tokens}
+    # the usage, with the cached tokens (message_start cannot know them yet: its input_tokens is the whole prompt)
+    assert data[-2]["usage"] == {"output_tokens": whole.usage.output_tokens, "input_tokens": 1,
+                                 "cache_read_input_tokens": start["usage"]["input_tokens"] - 1,
+                                 "cache_creation_input_tokens": 0}
 
 
 def test_stop_sequences(server):
@@ -128,7 +137,8 @@ def test_system_as_a_string_and_as_blocks(server, tokens):
     a = _create(client, system="# a module\n")
     b = _create(client, system=[{"type": "text", "text": "# a "}, {"type": "text", "text": "module\n"}])
     assert a.content[0].text == b.content[0].text
-    assert a.usage.input_tokens == b.usage.input_tokens == tokens("# a module\n\ndef add(a, b):\n")
+    assert _prompt_tokens(a.usage) == _prompt_tokens(b.usage) == tokens("# a module\n\ndef add(a, b):\n")
+    assert b.usage.cache_read_input_tokens == _prompt_tokens(b.usage) - 1 and b.usage.input_tokens == 1
 
 
 def test_a_tool_use_conversation(server, tokens):
@@ -149,7 +159,7 @@ def test_a_tool_use_conversation(server, tokens):
     expected = "What does a.py print?\nLet me look.\nprint(1)\nError: no such file\nSo?\n"
     assert client.messages.count_tokens(model=MODEL, messages=messages).input_tokens == tokens(expected)
     m = _create(client, messages, max_tokens=4)
-    assert m.usage.input_tokens == tokens(expected) and m.content[0].type == "text" and m.usage.output_tokens <= 4
+    assert _prompt_tokens(m.usage) == tokens(expected) and m.content[0].type == "text" and m.usage.output_tokens <= 4
 
 
 def test_a_final_assistant_message_is_continued(server, tokens):

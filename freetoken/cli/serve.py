@@ -15,14 +15,18 @@ Serve a model over HTTP with the OpenAI and Anthropic APIs, for coding agents an
                              tool_choice, response_format json_object/json_schema (constrained decoding)
   POST /v1/completions       plain text continuation
   POST /v1/messages          the Anthropic Messages API (+ /v1/messages/count_tokens), tool use included
+  POST /v1/anchors           prefill a conversation (or a prompt) and anchor it; GET lists, DELETE /v1/anchors/ID
+                             drops one; a chat request's "anchor": ID resumes from it
   GET  /                     a chat page (the page needs no key; its API calls do)
   GET  /health               503 while the model loads, 200 when it serves (needs no key)
   GET  /metrics              Prometheus metrics: tokens, speeds, time to first token, queue, KV use, expert cache
 
 Requests queue for the one sequence engine (first come, first served); a client that disconnects frees it within
 one decode step. The KV cache is reused from request to request, so an agent's next turn prefills only its new
-tail. Point an OpenAI client at http://HOST:PORT/v1, an Anthropic one at http://HOST:PORT (any API key unless
---api-key is set).
+tail; each chat request also anchors its KV state at its message boundaries (verified when restored), so a
+conversation that goes back to an earlier turn resumes there (--anchor-dir keeps anchors across restarts).
+Point an OpenAI client at http://HOST:PORT/v1, an Anthropic one at http://HOST:PORT (any API key unless --api-key
+is set).
 """
 
 
@@ -43,6 +47,11 @@ def add_serve_parser(sub) -> None:
                    help="the model id /v1/models lists and requests send (default: the model's file or folder "
                         "name, 'freetoken-default' for the bundled model); more names after commas are accepted "
                         "too, for an agent that sends its own (claude-sonnet-4-5, gpt-4o...)")
+    p.add_argument("--anchor-dir", default=None, metavar="DIR",
+                   help="write every anchor (the KV state at a message boundary, or of POST /v1/anchors) to a file "
+                        "in DIR, and index DIR's anchor files at start, so that a restarted server still resumes "
+                        "from them (each is checked before use: another model's, or a damaged file, is refused "
+                        "and recomputed). Default: anchors live in memory only")
     add_model_args(p, 1024, "per request when the request does not say (max_tokens)")
     add_policy_args(p)
     p.set_defaults(func=cmd_serve)
@@ -102,6 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model = load(args.model, device=args.device, progress=False, cache_slots=args.cache_slots,
                      **policy_kwargs(args), **context_kwargs(args))
         pin_note.append(apply_pinning(model, args, None))  # before the worker owns the model
+        model.use_anchor_dir(args.anchor_dir)  # the anchor store, at load: DIR's files indexed before a request
         return model
 
     def ready(model):

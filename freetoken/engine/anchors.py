@@ -180,52 +180,69 @@ class AnchorStore:
     def get(self, aid: str) -> Anchor | None:
         return self.anchors.get(aid)
 
-    def best_prefix(self, ids: Sequence[int], boundaries: Sequence[int]) -> Anchor | None:
-        """The longest anchor among the prefixes ``ids[:b]`` for ``b`` in ``boundaries`` (found by id; the tokens
-        are still checked at restore)."""
+    def best_prefix(self, ids: Sequence[int], boundaries: Sequence[int]) -> str | None:
+        """The id of the longest anchor among the prefixes ``ids[:b]`` for ``b`` in ``boundaries`` (found by id:
+        :meth:`restore` still checks the tokens), or None."""
         for b in sorted({int(b) for b in boundaries if 0 < b <= len(ids)}, reverse=True):
-            a = self.anchors.get(anchor_id(self.fingerprint, ids[:b]))
-            if a is not None:
-                return a
+            aid = anchor_id(self.fingerprint, ids[:b])
+            if aid in self.anchors:
+                return aid
         return None
 
-    def _refuse(self, aid: str, why: str) -> tuple[int, str]:
+    def refuse(self, aid: str, why: str, drop: str | None = None) -> tuple[int, str]:
+        """Log and keep why ``aid`` was refused. ``drop="entry"``: the store forgets it (an anchor of another KV
+        kind or layout, filed under an id not its own; a file stays on disk for whoever can use it); ``"all"``: the
+        anchor itself is bad (its bytes, its id) and goes with its file, so the next request at that prefix makes a
+        sound one."""
         log.warning("anchor %s refused: %s", aid[:16], why)
         self.refusals.append((aid, why))
         del self.refusals[:-64]
+        bad = self.anchors.get(aid)
+        if drop == "entry" or (drop == "all" and bad is not None and bad.id != aid):
+            bad = self.anchors.pop(aid, None)
+            if bad is not None and bad.id not in self.anchors and bad.blocks is not None:
+                self.pool.release(bad.blocks)
+                bad.blocks = None
+        elif drop == "all":
+            self.delete(aid)
         return 0, why
 
-    def check(self, anchor: Anchor, ids: Sequence[int]) -> str | None:
-        """Why ``anchor`` cannot serve a request for ``ids`` (None: it can, as far as its header goes)."""
+    def check(self, anchor: Anchor, ids: Sequence[int]) -> tuple[str | None, str | None]:
+        """(why ``anchor`` cannot serve a request for ``ids``, what to drop: see :meth:`_refuse`); (None, None): it
+        can, as far as its header goes."""
         if anchor.fingerprint != self.fingerprint:
-            return "it was made by another model (weights fingerprint differs)"
+            return "it was made by another model (weights fingerprint differs)", "entry"
         if anchor.kv_kind != self.pool.kind:
-            return f"its KV is {anchor.kv_kind}, this pool stores {self.pool.kind}"
+            return f"its KV is {anchor.kv_kind}, this pool stores {self.pool.kind}", "entry"
         if anchor.layout != self.layout:
-            return f"its KV layout {anchor.layout} is not this pool's {self.layout}"
+            return f"its KV layout {anchor.layout} is not this pool's {self.layout}", "entry"
         if anchor.id != anchor_id(self.fingerprint, anchor.tokens):
-            return "its id does not match its token ids"
+            return "its id does not match its token ids", "all"
         n = anchor.length
         if len(ids) < n or not np.array_equal(np.asarray(ids[:n], np.int64), anchor.tokens.astype(np.int64)):
-            return f"its {n} token ids are not a prefix of the request's {len(ids)} tokens"
-        return None
+            return f"its {n} token ids are not a prefix of the request's {len(ids)} tokens", None
+        return None, None
 
     def restore(self, anchor: Anchor | str, ids: Sequence[int], seq: KVSequence,
                 limit: int | None = None) -> tuple[int, str | None]:
         """Make ``seq`` the anchor's prefix of ``ids`` (at most ``limit`` tokens of it) after every check; returns
         (tokens restored, None) or (0, why it was refused: ``seq`` is then left as it was)."""
+        aid = None
         if isinstance(anchor, str):
             aid, anchor = anchor, self.anchors.get(anchor)
             if anchor is None:
-                return self._refuse(aid, "no such anchor")
-        why = self.check(anchor, ids)
+                return self.refuse(aid, "no such anchor")
+        aid = anchor.id if aid is None else aid
+        why, drop = self.check(anchor, ids)
         if why is not None:
-            return self._refuse(anchor.id, why)
+            if aid != anchor.id and aid in self.anchors:
+                drop = "entry"  # filed under an id not its own (a collision, or a forged entry): that entry goes
+            return self.refuse(aid, why, drop)
         bs = self.pool.block_size
         if anchor.blocks is None:  # host or disk: every block checked before any of it is used
             data, why = self._read_back(anchor)
             if why is not None:
-                return self._refuse(anchor.id, why)
+                return self.refuse(aid, why, "all")
             blocks = self.pool.allocate(len(anchor.sums))
             self.pool.write_blocks(blocks, data)
             anchor.blocks, anchor.host, anchor._pinned = blocks, None, []
@@ -238,8 +255,8 @@ class AnchorStore:
                 got = block_sums({k: v[:, :, :rows] for k, v in self.pool.read_blocks([anchor.blocks[j]]).items()},
                                  rows, bs)[0]
                 if got != anchor.sums[j]:
-                    return self._refuse(anchor.id, f"the KV bytes of block {j} changed since it was made "
-                                        "(checksum mismatch on the device)")
+                    return self.refuse(aid, f"the KV bytes of block {j} changed since it was made (checksum "
+                                        "mismatch on the device)", "all")
         n = anchor.length if limit is None else min(anchor.length, int(limit))
         seq.adopt(anchor.blocks[:-(-n // bs)], n)
         anchor.last_use = time.monotonic()
@@ -349,13 +366,13 @@ class AnchorStore:
             try:
                 header, tokens = read_file(path, payload=False)
             except (OSError, ValueError) as e:
-                self._refuse(path.stem, f"file {path} refused on load: {e}")
+                self.refuse(path.stem, f"file {path} refused on load: {e}")
                 continue
             if header.get("fingerprint") != self.fingerprint:
-                self._refuse(path.stem, f"file {path} refused on load: it was made by another model")
+                self.refuse(path.stem, f"file {path} refused on load: it was made by another model")
                 continue
             if header.get("id") != anchor_id(self.fingerprint, tokens) or path.stem != header.get("id"):
-                self._refuse(path.stem, f"file {path} refused on load: its id does not match its token ids")
+                self.refuse(path.stem, f"file {path} refused on load: its id does not match its token ids")
                 continue
             self.anchors[header["id"]] = Anchor(
                 header["id"], tokens, header["fingerprint"], header["kv_kind"], header["layout"],

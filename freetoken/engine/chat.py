@@ -44,6 +44,9 @@ END_OF_TURN_MARKERS = (
     "<｜end▁of▁sentence｜>",  # DeepSeek
 )
 
+#: Tokens at the end of a message that may merge with the next message's start (see :func:`message_boundaries`).
+BOUNDARY_SLACK = 4
+
 _SPECIAL_TOKEN_RE = re.compile(r"<[^<>\s]{1,48}>|\[[A-Z_/]{1,32}\]")
 
 
@@ -294,17 +297,20 @@ def message_boundaries(template: ChatTemplate, messages: Sequence[dict], encode,
                        **render_kwargs) -> list[int]:
     """Token positions in ``ids`` (the rendered prompt of ``messages``) where a message ends: after the system
     prompt, after each message, and the whole prompt (before the assistant turn). ``encode(text)`` gives token ids
-    (no special-token post-processing). A boundary counts only where the conversation up to it renders and encodes to
-    a prefix of ``ids`` (a template that renders an earlier turn otherwise once more follows, or a token merged across
-    the boundary, leaves that boundary out)."""
+    (no special-token post-processing). The conversation up to a boundary, rendered and encoded alone, must be a
+    prefix of ``ids`` up to its last :data:`BOUNDARY_SLACK` tokens (text at the end of a message can merge into
+    other tokens with what follows, ``"\n\n"`` before ``def``, say): the boundary is then where the two part. A
+    template that renders an earlier turn otherwise once more follows leaves that boundary out."""
     out = []
     for i in range(1, len(messages)):
         try:
             head = encode(template.render(messages[:i], add_generation_prompt=False, **render_kwargs))
         except ValueError:  # a template that refuses a partial conversation (one must end with a user turn, say)
             continue
-        n = len(head)
-        if 0 < n < len(ids) and list(ids[:n]) == list(head):
+        n, limit = 0, min(len(head), len(ids) - 1)
+        while n < limit and ids[n] == head[n]:
+            n += 1
+        if n > 0 and n >= len(head) - BOUNDARY_SLACK:
             out.append(n)
     if ids:
         out.append(len(ids))

@@ -41,6 +41,10 @@ class GenerationStats:
         return max(self.generated_tokens - 1, 0) / self.decode_seconds if self.decode_seconds else 0.0
 
 
+#: Default of :attr:`Model.restore_residency`.
+RESTORE_RESIDENCY = False
+
+
 class Model:
     """A loaded model: ``logits(ids)`` and ``generate(prompt, ...)``.
 
@@ -61,6 +65,9 @@ class Model:
         self.weight_files = list(weight_files)
         self.stats = GenerationStats()
         self.cached_ids: list[int] = []
+        #: re-admit the experts an anchor recorded as resident when restoring it (gpu/emu expert cache; see
+        #: bench/bench_agent.py --residency for the measurement behind the default)
+        self.restore_residency = RESTORE_RESIDENCY
         self._fingerprint: str | None = None
         self._prefix_cache = None
         self._anchors = None
@@ -150,17 +157,18 @@ class Model:
         limit = len(ids) - 1  # the last prompt token is always fed again, for its logits
         blocks, n = self.prefix_cache.match(ids, limit)
         store = self._anchors if anchor is None else self.anchors
-        cand = None
-        if anchor is not None:
-            cand = store.get(anchor) if isinstance(anchor, str) else anchor
-            if cand is None:
-                st.anchor_refused = store._refuse(str(anchor), "no such anchor")[1]
-        elif store is not None and boundaries:
-            cand = store.best_prefix(ids, boundaries)
+        target = anchor  # an Anchor or an id: the caller's, else the longest anchor at one of the boundaries
+        if target is None and store is not None and boundaries:
+            target = store.best_prefix(ids, boundaries)
         keep = 0
-        if cand is not None and (anchor is not None or min(cand.length, limit) > n):
-            keep, why = store.restore(cand, ids, self.decoder.kv, limit)
+        cand = store.get(target) if isinstance(target, str) else target
+        if target is not None and cand is None:
+            st.anchor_refused = store.refuse(target, "no such anchor")[1]
+        elif cand is not None and (anchor is not None or min(cand.length, limit) > n):
+            keep, why = store.restore(target, ids, self.decoder.kv, limit)
             st.anchor, st.anchor_refused = (cand.id, None) if why is None else (None, why)
+            if why is None and self.restore_residency and cand.residency and hasattr(self.experts, "residency"):
+                self.experts.restore_residency(cand.residency)
         if n > keep:
             self.decoder.kv.adopt(blocks, n)
             keep = n

@@ -11,6 +11,12 @@ the reply continues its text. Errors on these paths take the Anthropic shape (:m
 ``tools`` are OpenAI function definitions to the rest of the server: rendered, parsed back out of the reply and
 forced (``tool_choice`` any / tool) as the OpenAI route does it (:mod:`freetoken.serve.tool_use`); the calls come
 back as ``tool_use`` blocks (:mod:`freetoken.serve.anthropic_content`).
+
+Reused prompt tokens (the prefix cache, an anchor) are ``usage.cache_read_input_tokens``, and ``input_tokens`` the
+rest, as the Anthropic API counts them (their sum is the prompt); a stream's ``message_start`` cannot know the split
+yet (all its prompt is ``input_tokens``), its ``message_delta`` gives it. A request may name an ``anchor`` to resume
+from, as on the OpenAI route; what came of it is the extra field ``anchor`` of the message, or of a stream's
+``message_delta`` (:func:`freetoken.serve.jobs.anchor_report`).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from freetoken.serve.anthropic_schemas import (
     check_tool_choice,
 )
 from freetoken.serve.errors import APIError
-from freetoken.serve.jobs import begin, collect, job_events, make_job, template_tool_call
+from freetoken.serve.jobs import anchor_report, begin, collect, job_events, make_job, template_tool_call, with_anchors
 from freetoken.serve.tool_use import ToolUse, tool_use
 from freetoken.serve.worker import Job
 
@@ -59,6 +65,7 @@ async def messages(request: Request):
     choice = body.tool_choice
     if use.tools and choice is not None and choice.forced():
         job.constraint = await use.forced_call(worker, choice.name if choice.type == "tool" else None)
+    await with_anchors(worker, job, use, body.anchor)
     reply = Reply(state.model_name, stop_sequences, use.parser)
     if body.stream:
         return EventSourceResponse(_stream(worker, job, reply), ping=15)
@@ -174,11 +181,14 @@ class Reply:
         self.stop_sequences = stop_sequences
         self.blocks = ContentBlocks(parser)
 
-    def message(self, content: list[dict], input_tokens: int, output_tokens: int, stop=(None, None)) -> dict:
+    def message(self, content: list[dict], usage: dict, stop=(None, None)) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": stop[0], "stop_sequence": stop[1],
-                "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
-                          "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
+                "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
+
+    @staticmethod
+    def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict:
+        return {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": output_tokens,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached_tokens}
 
     def stop(self, outcome) -> tuple[str, str | None]:
         """(``stop_reason``, ``stop_sequence``) of a finished job."""
@@ -192,8 +202,8 @@ class Reply:
 
     def whole(self, text: str, outcome) -> dict:
         events = self.blocks.start() + self.blocks.feed(text) + self.blocks.finish()
-        return self.message(whole_content(events), outcome.prompt_tokens, outcome.completion_tokens,
-                            self.stop(outcome))
+        usage = self.usage(outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens)
+        return {**self.message(whole_content(events), usage, self.stop(outcome)), "anchor": anchor_report(outcome)}
 
 
 def _event(name: str, **data) -> dict:
@@ -207,7 +217,7 @@ async def _stream(worker, job: Job, reply: Reply):
     ``message_delta`` (the stop reason, the output tokens), ``message_stop``; an error after the start is an
     ``error`` event. Closing the stream early (the client went away) cancels the job
     (:func:`freetoken.serve.jobs.job_events`)."""
-    yield _event("message_start", message=reply.message([], len(job.ids), 0))
+    yield _event("message_start", message=reply.message([], reply.usage(len(job.ids), 0, 0)))
     for name, data in reply.blocks.start():
         yield _event(name, **data)
     yield _event("ping")
@@ -221,7 +231,8 @@ async def _stream(worker, job: Job, reply: Reply):
                     yield _event(name, **data)
                 reason, sequence = reply.stop(value)
                 yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                             usage={"output_tokens": value.completion_tokens})
+                             usage=reply.usage(value.prompt_tokens, value.cached_tokens, value.completion_tokens),
+                             anchor=anchor_report(value))
                 yield _event("message_stop")
             else:  # the stream has started (status 200): the error goes in the stream, as the Anthropic API does
                 yield {"event": "error", "data": json.dumps(value.anthropic_body())}

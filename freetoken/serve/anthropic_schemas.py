@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from freetoken.serve.errors import APIError
-from freetoken.serve.schemas import MAX_STOP_STRINGS
+from freetoken.serve.schemas import MAX_STOP_STRINGS, AnchorId
 
 
 class _Body(BaseModel):
@@ -148,6 +148,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     stream: bool = False
+    anchor: AnchorId | None = None  # not in the Anthropic API: resume from this anchor (freetoken.serve.jobs)
 
 
 def check_tool_choice(req: CountTokensRequest) -> None:

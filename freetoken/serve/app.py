@@ -5,8 +5,8 @@
 - ``GET /health``: 503 ``{"status": "loading"}`` until the model is loaded, then 200 ``{"status": "ok"}`` (503
   ``{"status": "error"}`` if loading failed). It needs no API key.
 - ``GET /metrics``: Prometheus metrics (:mod:`freetoken.serve.metrics`).
-- the OpenAI endpoints (:mod:`freetoken.serve.openai_api`) and the Anthropic Messages endpoints
-  (:mod:`freetoken.serve.anthropic_api`).
+- the OpenAI endpoints (:mod:`freetoken.serve.openai_api`), the Anthropic Messages endpoints
+  (:mod:`freetoken.serve.anthropic_api`) and the anchor endpoints (:mod:`freetoken.serve.anchors_api`).
 
 With an API key every endpoint but ``/`` and ``/health`` wants ``Authorization: Bearer KEY`` (or
 ``x-api-key: KEY``, as Anthropic clients send it), compared in constant time. Every error, a malformed body
@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
-from freetoken.serve import anthropic_api
+from freetoken.serve import anchors_api, anthropic_api
 from freetoken.serve.errors import APIError, validation_error
 from freetoken.serve.metrics import CONTENT_TYPE, ServerMetrics
 from freetoken.serve.openai_api import ENDPOINTS, router
@@ -153,6 +153,7 @@ def create_app(load: Callable[[], object], model_name: str | list[str], api_key:
 
     app.include_router(router)
     app.include_router(anthropic_api.router)
+    app.include_router(anchors_api.router)
     return app
 
 
@@ -167,5 +168,8 @@ def _key_matches(request: Request, key: str) -> bool:
 
 def _endpoint(path: str) -> str:
     """The endpoint a path is (an unknown path counts as "other": a scan cannot grow the label set)."""
-    known = path in OPEN_PATHS or path in ENDPOINTS or path in anthropic_api.ENDPOINTS or path == "/metrics"
+    if path.startswith("/v1/anchors/"):
+        return "/v1/anchors/{id}"
+    known = (path in OPEN_PATHS or path in ENDPOINTS or path in anthropic_api.ENDPOINTS or path in anchors_api.ENDPOINTS
+             or path == "/metrics")
     return path if known else "other"

@@ -3,6 +3,11 @@ name checked, a conversation rendered with the chat template, a :class:`freetoke
 server's defaults (and the grammar its reply must follow), and the job's text collected whole or taken as it comes.
 Each API module only reads its own request shape and writes its own response shape (their tools:
 :mod:`freetoken.serve.tool_use`).
+
+Anchors (:mod:`freetoken.engine.anchors`): a chat job makes one at each message boundary of its prompt as rendered
+(and resumes from the longest one there), or resumes from the one its request names (``anchor``). What came of
+that is the response's extra field ``anchor`` (:func:`anchor_report`): a refused or unknown anchor is not an
+error, the prompt is recomputed and the field says why.
 """
 
 from __future__ import annotations
@@ -79,13 +84,7 @@ def make_job(state, ids: list[int], stop: list[str], *, max_tokens: int | None, 
              repetition_penalty: float | None = None, seed: int | None = None) -> Job:
     """A job for prompt ``ids``: what the request leaves out (None) is the server's default (``state.defaults``);
     a prompt the context cannot hold is a 400 naming ``prompt_param``, and the completion is cut to what fits."""
-    ctx = state.ready().model.decoder.ctx
-    if not ids:
-        raise APIError(400, "the prompt is empty", param=prompt_param)
-    if len(ids) >= ctx:
-        raise APIError(400, f"This model's context holds {ctx} tokens; the prompt is {len(ids)} tokens (prompt and "
-                       "completion together must fit: start the server with a larger --ctx or --kv-memory, or "
-                       "send less)", param=prompt_param, code="context_length_exceeded")
+    ctx = check_prompt(state, ids, prompt_param)
     d = state.defaults
     sampling = SamplingParams(
         temperature=d.temperature if temperature is None else temperature,
@@ -95,6 +94,44 @@ def make_job(state, ids: list[int], stop: list[str], *, max_tokens: int | None, 
         seed=seed)
     return Job(ids=ids, max_tokens=min(max_tokens or d.max_tokens, ctx - len(ids)), sampling=sampling, stop=stop,
                loop=asyncio.get_running_loop())
+
+
+def check_prompt(state, ids: list[int], param: str) -> int:
+    """The context's size; a 400 naming ``param`` for an empty prompt or one that leaves no room for a token."""
+    ctx = state.ready().model.decoder.ctx
+    if not ids:
+        raise APIError(400, "the prompt is empty", param=param)
+    if len(ids) >= ctx:
+        raise APIError(400, f"This model's context holds {ctx} tokens; the prompt is {len(ids)} tokens (prompt and "
+                       "completion together must fit: start the server with a larger --ctx or --kv-memory, or "
+                       "send less)", param=param, code="context_length_exceeded")
+    return ctx
+
+
+async def with_anchors(worker, job: Job, use, anchor: str | None = None) -> Job:
+    """``job`` (of the conversation ``use``, a :class:`freetoken.serve.tool_use.ToolUse`) resuming from ``anchor``
+    (an id, or None), with anchors made and looked up at its message boundaries. The boundaries render each
+    leading part of the conversation once more: off the event loop."""
+    job.anchor = anchor
+    job.boundaries = await asyncio.to_thread(use.boundaries, worker.template, worker.model, job.ids)
+    return job
+
+
+def anchor_report(outcome) -> dict:
+    """The responses' extra field ``anchor``: the id the prompt's start was restored from (or None), why an anchor
+    was refused (None: none was), and the ids of the anchors at the prompt's message boundaries."""
+    return {"restored": outcome.anchor, "refused": outcome.anchor_refused,
+            "made": [a["id"] for a in outcome.anchors_made]}
+
+
+async def run_task(worker, task: Callable):
+    """``task(model)`` run on the worker thread, in the queue's order; its result (what it raises: an APIError)."""
+    job = Job(ids=[], max_tokens=0, sampling=SamplingParams(), stop=[], loop=asyncio.get_running_loop(), task=task)
+    worker.submit(job)
+    kind, value = await job.events.get()
+    if kind == "error":
+        raise error_of(value)
+    return value
 
 
 async def grammar_constraint(worker, grammar: Callable[[], str], param: str):

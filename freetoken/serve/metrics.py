@@ -1,10 +1,10 @@
 """``GET /metrics``: Prometheus metrics of the server, in a registry of its own (``prometheus-client``).
 
 Counted by the server: requests by endpoint and status, prompt / cached / generated tokens, cancelled requests,
-time to first token. Read at scrape time: the last request's prefill and decode tokens/s, the queue (its length
-and each waiting request's position), the KV cache in use, and the expert runner's counters (cache hits and
-misses, the q* split's hits / fetched / cpu), as the worker thread last copied them (it owns the model; the
-HTTP side never touches the device).
+time to first token, anchors made, restored and refused. Read at scrape time: the last request's prefill and
+decode tokens/s, the queue (its length and each waiting request's position), the KV cache in use, and the expert
+runner's counters (cache hits and misses, the q* split's hits / fetched / cpu), as the worker thread last copied
+them (it owns the model; the HTTP side never touches the device).
 """
 
 from __future__ import annotations
@@ -25,7 +25,13 @@ class ServerMetrics:
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("freetoken_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter("freetoken_cached_prompt_tokens",
-                                     "Prompt tokens whose KV rows were reused from the previous request", registry=r)
+                                     "Prompt tokens whose KV rows were reused (prefix cache or anchor)", registry=r)
+        self.anchors_created = Counter("freetoken_anchors_created", "Anchors made (at message boundaries or by "
+                                       "POST /v1/anchors; one already there is not counted again)", registry=r)
+        self.anchors_restored = Counter("freetoken_anchors_restored", "Prompts resumed from an anchor", registry=r)
+        self.anchors_refused = Counter("freetoken_anchors_refused",
+                                       "Anchors refused at a restore (unknown, or a check failed): recomputed",
+                                       registry=r)
         self.generated_tokens = Counter("freetoken_generated_tokens", "Tokens generated", registry=r)
         self.cancelled = Counter("freetoken_requests_cancelled",
                                  "Requests whose client went away before they finished", registry=r)
@@ -53,6 +59,9 @@ class ServerMetrics:
             self.ttft.observe(outcome.seconds_to_first_token)
             self.prefill_tps.set(outcome.prefill_tps)
             self.decode_tps.set(outcome.decode_tps)
+            self.anchors_created.inc(outcome.anchors_new)
+            self.anchors_restored.inc(outcome.anchor is not None)
+            self.anchors_refused.inc(outcome.anchor_refused is not None)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

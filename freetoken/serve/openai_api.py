@@ -2,6 +2,11 @@
 
 A request becomes a :class:`freetoken.serve.worker.Job` (prompt token ids, sampling, stop strings); its text
 comes back as one response, or as server-sent events in the OpenAI chunk format ending with ``data: [DONE]``.
+
+A chat request may name an ``anchor`` to resume from; each makes anchors at its message boundaries. The response
+says what came of it in the extra field ``anchor`` (``{"restored", "refused", "made"}``:
+:func:`freetoken.serve.jobs.anchor_report`), in the last chunk of a stream (the one with the finish reason): a
+refused or unknown anchor is recomputed, not an error.
 """
 
 from __future__ import annotations
@@ -17,7 +22,16 @@ from starlette.responses import JSONResponse
 
 from freetoken.engine.grammar import json_schema_grammar
 from freetoken.serve.errors import APIError
-from freetoken.serve.jobs import begin, collect, grammar_constraint, job_events, make_job, template_tool_call
+from freetoken.serve.jobs import (
+    anchor_report,
+    begin,
+    collect,
+    grammar_constraint,
+    job_events,
+    make_job,
+    template_tool_call,
+    with_anchors,
+)
 from freetoken.serve.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice, refuse_unsupported
 from freetoken.serve.tool_calls import CallStart, Content
 from freetoken.serve.tool_use import ToolUse, tool_use
@@ -38,14 +52,12 @@ async def list_models(request: Request):
 async def chat_completions(request: Request):
     state, body, worker = await begin(request, ChatCompletionRequest)
     refuse_unsupported(body)
-    model = worker.model
     template = worker.template
-    messages = [_template_message(m) for m in body.messages]
-    tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] if body.tool_choice != "none" else []
-    use = tool_use(template, messages, tools)
-    ids = model.encode(use.render(template), add_special_tokens=False)
+    use = chat_tool_use(template, body)
+    ids = worker.model.encode(use.render(template), add_special_tokens=False)
     job = _job(state, body, ids, worker.end_of_turn + body.stop_list())
     job.constraint = await _constraint(worker, body, use)
+    await with_anchors(worker, job, use, body.anchor)
     reply = Reply("chat.completion", state.model_name, chat=True, parser=use.parser)
     if body.stream:
         return EventSourceResponse(_stream(worker, job, reply, body.include_usage()), ping=15)
@@ -61,15 +73,7 @@ async def completions(request: Request):
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        ids = model.encode(prompt)
-    else:
-        vocab = model.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
-                           param="prompt", code="invalid_value")
-        ids = list(prompt)
+    ids = prompt_ids(model, prompt)
     job = _job(state, body, ids, body.stop_list(), default_max=16)
     reply = Reply("text_completion", state.model_name, chat=False,
                   echo=(prompt if isinstance(prompt, str) else model.decode(ids)) if body.echo else "")
@@ -80,6 +84,27 @@ async def completions(request: Request):
 
 
 # ---- requests -> jobs -------------------------------------------------------------------------------------------
+def chat_tool_use(template, body) -> ToolUse:
+    """The conversation of a chat request (or of ``POST /v1/anchors``) as the template renders it, with its tools
+    (``tool_choice`` none: the model is not told of them)."""
+    messages = [_template_message(m) for m in body.messages]
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+    return tool_use(template, messages, tools if getattr(body, "tool_choice", None) != "none" else [])
+
+
+def prompt_ids(model, prompt: str | list[int]) -> list[int]:
+    """A completion prompt's token ids: text encoded (with the tokenizer's special tokens), or ids checked against
+    the vocabulary (a 400 naming ``prompt``)."""
+    if isinstance(prompt, str):
+        return model.encode(prompt)
+    vocab = model.config.vocab_size
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
+                       param="prompt", code="invalid_value")
+    return list(prompt)
+
+
 def _template_message(m) -> dict:
     """A validated message as chat templates expect it (HF's conventions): text content, tool-call arguments as
     objects where they parse as JSON."""
@@ -198,8 +223,11 @@ class Reply:
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": self.finish_reason(outcome)}
         else:
             choice = {"index": 0, "text": self.echo + text, "logprobs": None, "finish_reason": outcome.finish_reason}
-        return {**self._head(self.kind), "choices": [choice], "usage": self.usage(outcome),
-                "timings": self.timings(outcome)}
+        out = {**self._head(self.kind), "choices": [choice], "usage": self.usage(outcome),
+               "timings": self.timings(outcome)}
+        if self.chat:
+            out["anchor"] = anchor_report(outcome)
+        return out
 
     def chunk(self, delta: dict | None = None, outcome=None, usage_field: bool = False) -> dict:
         """A chunk carrying ``delta``, or (``outcome``) the last one with the finish reason."""
@@ -212,6 +240,8 @@ class Reply:
             out = {**self._head("text_completion"), "choices": [choice]}
         if outcome is not None:
             out["timings"] = self.timings(outcome)
+            if self.chat:
+                out["anchor"] = anchor_report(outcome)
         if usage_field:
             out["usage"] = None
         return out

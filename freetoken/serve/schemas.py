@@ -11,11 +11,21 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from freetoken.serve.errors import APIError
 
 MAX_STOP_STRINGS = 16
+
+
+def _anchor_id(v: str) -> str:
+    if len(v) != 64 or any(c not in "0123456789abcdefABCDEF" for c in v):
+        raise ValueError("an anchor id is 64 hexadecimal digits (as POST /v1/anchors or GET /v1/anchors gives it)")
+    return v.lower()
+
+
+#: The ``anchor`` field of the chat requests: an anchor's id, to resume from (:mod:`freetoken.serve.jobs`)
+AnchorId = Annotated[str, AfterValidator(_anchor_id)]
 
 
 class _Body(BaseModel):
@@ -166,6 +176,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
     top_logprobs: int | None = None
+    anchor: AnchorId | None = None  # not in the OpenAI API: resume from this anchor (freetoken.serve.jobs)
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -187,6 +198,24 @@ class CompletionRequest(_Sampling):
 
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+
+class AnchorRequest(_Body):
+    """``POST /v1/anchors``: a conversation (rendered as the start of a later chat request: no generation prompt)
+    or a prompt (text, or token ids), to prefill and anchor."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: list[ToolDef] | None = None
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give either messages or prompt")
+        if self.tools and self.messages is None:
+            raise ValueError("tools go with messages")
+        return self
 
 
 def refuse_unsupported(req: _Sampling) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from freetoken.engine.chat import message_boundaries
 from freetoken.serve.errors import APIError
 from freetoken.serve.jobs import grammar_constraint, render_chat
 from freetoken.serve.tool_calls import forced_call_grammar, inject_history, make_parser, tool_format
@@ -31,6 +32,12 @@ class ToolUse:
 
     def render(self, template, add_generation_prompt: bool = True) -> str:
         return render_chat(template, self.messages, add_generation_prompt=add_generation_prompt, **self.context)
+
+    def boundaries(self, template, model, ids: list[int]) -> list[int]:
+        """The message boundaries of ``ids`` (this conversation rendered), each leading part of :attr:`messages`
+        rendered as :meth:`render` does it (tools injected or as the template's variable)."""
+        return message_boundaries(template, self.messages, lambda t: model.encode(t, add_special_tokens=False), ids,
+                                  **self.context)
 
     async def forced_call(self, worker, name: str | None = None):
         """The constraint of a reply that is one call (``name``: of that tool; None: of any of them)."""

@@ -5,6 +5,9 @@ request (``reuse_cache``: an agent's next request repeats the conversation so fa
 prefilled). A job's text pieces reach the request's asyncio task through an ``asyncio.Queue`` fed with
 ``call_soon_threadsafe``. A job whose client went away is cancelled: a waiting one is dropped, a running one stops
 after the token it is on, so the engine is free within one decode step.
+
+A job may instead carry a ``task``: a function of the model run in the queue's order (the anchor routes list and
+delete anchors this way, so that only this thread touches the model and its anchor store).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from freetoken.engine.chat import model_template
@@ -36,6 +40,10 @@ class Outcome:
     seconds_to_first_token: float
     hit_rate: float | None  # the expert cache's over this job's decode steps (None: no cache, or no decode step)
     stop_sequence: str | None = None  # the stop string that ended the text (None: another reason did)
+    anchor: str | None = None  # the anchor the prompt's start was restored from (its id)
+    anchor_refused: str | None = None  # why the anchor asked for (or found at a boundary) was not used
+    anchors_made: list[dict] = field(default_factory=list)  # Anchor.info() of those made at the job's boundaries
+    anchors_new: int = 0  # how many of them were not there before (the rest were there already, and reused)
 
 
 @dataclass
@@ -52,6 +60,9 @@ class Job:
     number: int = 0
     enqueued: float = field(default_factory=time.perf_counter)
     constraint: object = None  # a freetoken.engine.grammar.TokenConstraint the reply must follow (or None)
+    anchor: str | None = None  # an anchor id to resume from (refused or unknown: recomputed)
+    boundaries: list[int] = field(default_factory=list)  # prompt positions to make (and look up) anchors at
+    task: Callable | None = None  # instead of generating: ``task(model)``, its result the "done" value
 
     def post(self, kind: str, value) -> None:
         """From the worker thread: hand ``(kind, value)`` to the request's task ("text", "done" or "error")."""
@@ -155,16 +166,24 @@ class EngineWorker:
                 self._running = None
 
     def _run(self, job: Job) -> None:
+        if job.task is not None:
+            try:
+                job.post("done", job.task(self.model))
+            except Exception as e:  # noqa: BLE001 - the request gets the error, the server goes on
+                job.post("error", e)
+            return
         if self.script:
             self._run_script(job, self.script.popleft())
             return
         model = self.model
         experts = model.experts
         hits_before = _hits(experts)
+        store = getattr(model, "_anchors", None)  # (None until the first anchor: then every one made is new)
+        anchors_before = set(store.anchors) if store is not None else set()
         first = None
         try:
             pieces = model.generate_text(job.ids, job.max_tokens, job.sampling, reuse_cache=True, stop=job.stop,
-                                         constraint=job.constraint,
+                                         constraint=job.constraint, anchor=job.anchor, boundaries=job.boundaries,
                                          should_stop=job.cancelled.is_set)
             for piece in pieces:
                 if first is None:
@@ -191,7 +210,12 @@ class EngineWorker:
                           finish_reason=FINISH_REASONS.get(st.finish_reason or "stop", "stop"),
                           prefill_tps=st.prefill_tps, decode_tps=st.decode_tps,
                           seconds_to_first_token=(first or now) - job.enqueued, hit_rate=rate,
-                          stop_sequence=st.stop_sequence)
+                          stop_sequence=st.stop_sequence, anchor=st.anchor, anchor_refused=st.anchor_refused)
+        for aid in st.anchors_made:
+            a = model.anchors.get(aid)
+            if a is not None:  # (one made early in the call may have been dropped already: the store's budgets)
+                outcome.anchors_made.append(a.info())
+                outcome.anchors_new += aid not in anchors_before
         job.post("done", outcome)
         self._finished(job, outcome, None)
 
@@ -210,7 +234,7 @@ class EngineWorker:
         self._finished(job, outcome, None)
 
     def _finished(self, job: Job, outcome: Outcome | None, error: BaseException | None) -> None:
-        if self.on_finish is not None:
+        if self.on_finish is not None and job.task is None:
             self.on_finish(job, outcome, error)
 
 

@@ -217,6 +217,24 @@ class CachedExperts(RunnerBase):
         ids = self.dev.to_host(self.cache.id_of_slot)
         return sorted(int(i) for i in ids if i >= 0)
 
+    def restore_residency(self, records) -> int:
+        """Admit ``records`` (as :meth:`residency` gave them) into the slots again, copying in those that are not
+        there (not counted as hits or misses); returns the number of records copied. The split modes' shadow does
+        not follow such admissions, so there it does nothing."""
+        if self.split is not None:
+            return 0
+        cache, copied = self.cache, 0
+        recs = np.asarray(sorted(int(r) for r in records), np.int64)
+        for layer in np.unique(recs // cache.num_experts):
+            experts = (recs[recs // cache.num_experts == layer] % cache.num_experts).astype(np.int32)
+            for i in range(0, experts.size, cache.max_distinct):
+                ids = self.dev.asarray(np.ascontiguousarray(experts[i:i + cache.max_distinct]).reshape(1, -1))
+                cache.admit(int(layer), ids, count=False)
+                copied += int(self.dev.to_host(cache.n_work)[0])
+                cache.copy_missing()
+        cache.check_errors()
+        return copied
+
     def hit_stats(self) -> tuple[float, int, int]:
         """(hit rate, hits, misses) of decode steps' routed experts: with a split a miss is fetched or computed on
         the CPU (the cache's own counters see only the fetched ones)."""
