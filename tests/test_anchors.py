@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 
 from freetoken import load
-from freetoken.engine.anchors import FILE_SUFFIX, anchor_id, read_file
+from freetoken.engine.anchors import (
+    BLOCK_MAGIC,
+    BLOCK_SUFFIX,
+    FILE_MAGIC,
+    FILE_SUFFIX,
+    anchor_id,
+    read_frame,
+    write_frame,
+)
 from freetoken.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -75,7 +83,7 @@ def test_restore_from_each_tier_is_verified_and_exact(model, ref, tmp_path):
         if tier != "device":
             store._to_host(a)
         if tier == "disk":
-            a.host = None  # as if the host budget had dropped it: the file is left
+            store._drop_host(a)  # as if the host budget had dropped it: the files are left
         _forget(model)
         assert a.tier == tier
         got = _last_logits(model, longer, reuse_cache=True, boundaries=[150])
@@ -103,44 +111,52 @@ def test_changed_bytes_on_the_device_are_refused(model, ref):
     assert model.stats.anchor == a.id and model.stats.cached_tokens == 130
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign", "garbage"])
+@pytest.mark.parametrize("damage", ["flip_block", "flip_anchor", "truncate", "foreign", "garbage"])
 def test_damaged_or_foreign_files_are_refused(ref, tmp_path, damage):
     first = load(None, device="cpu")
     first.use_anchor_dir(tmp_path)
     ids = _prompt(first)
     a = _anchored(first, ids, 140)
     path = tmp_path / f"{a.id}{FILE_SUFFIX}"
-    raw = bytearray(path.read_bytes())
-    if damage == "flip":
-        raw[-1000] ^= 0x01  # inside the KV payload
+    block = tmp_path / "blocks" / f"{a.sums[1]}{BLOCK_SUFFIX}"
+    assert block.is_file() and len(list((tmp_path / "blocks").iterdir())) == len(a.sums)
+    if damage == "flip_block":  # a KV byte of the second block
+        raw = bytearray(block.read_bytes())
+        raw[-1000] ^= 0x01
+        block.write_bytes(bytes(raw))
+    elif damage == "flip_anchor":  # a token id of the anchor file
+        raw = bytearray(path.read_bytes())
+        raw[-40] ^= 0x01
+        path.write_bytes(bytes(raw))
     elif damage == "truncate":
-        raw = raw[:len(raw) // 2]
+        path.write_bytes(path.read_bytes()[:-30])
     elif damage == "foreign":
         # a file another model made: same layout, another fingerprint (its id made with it, so only that differs)
-        header, tokens, data = read_file(path)
-        from freetoken.engine.anchors import write_file
-
+        header, arrays = read_frame(path, FILE_MAGIC)
         other = "0" * 64
-        header = {k: v for k, v in dict(header, fingerprint=other, id=anchor_id(other, tokens)).items()
+        header = {k: v for k, v in dict(header, fingerprint=other, id=anchor_id(other, arrays["tokens"])).items()
                   if k != "arrays"}
         path.unlink()
-        path = write_file(tmp_path / f"{header['id']}{FILE_SUFFIX}", header, tokens, data)
-        raw = bytearray(path.read_bytes())
+        write_frame(tmp_path / f"{header['id']}{FILE_SUFFIX}", FILE_MAGIC, header, [arrays["tokens"]], ["tokens"])
     else:
+        raw = bytearray(path.read_bytes())
         raw[:8] = b"NOTANCHR"
-    path.write_bytes(bytes(raw))
+        path.write_bytes(bytes(raw))
 
     restarted = load(None, device="cpu")  # a new server on the same directory
     store = restarted.use_anchor_dir(tmp_path)
     got = _last_logits(restarted, ids, reuse_cache=True, boundaries=[140])
-    assert restarted.stats.anchor is None and restarted.stats.cached_tokens == 0
     why = " ".join(w for _, w in store.refusals)
-    expect = {"flip": "file checksum does not match", "truncate": "torn or truncated",
-              "foreign": "another model", "garbage": "not a freetoken anchor file"}[damage]
+    expect = {"flip_block": "file checksum does not match", "flip_anchor": "file checksum does not match",
+              "truncate": "torn or truncated", "foreign": "another model",
+              "garbage": "not a freetoken anchor file"}[damage]
     assert expect in why, why
-    if damage == "flip":  # indexed at start (its header is fine), refused when read back
+    if damage == "flip_block":  # indexed at start (its anchor file is fine), refused when read back
         assert restarted.stats.anchor_refused is not None and expect in restarted.stats.anchor_refused
+        read_frame(block, BLOCK_MAGIC)  # the bad anchor left the disk; the request wrote a sound one in its place
     _close(got, ref.logits(ids)[-1])
+    if damage != "foreign":  # the request's own anchor at 140 (made again where the damaged one was refused)
+        assert restarted.stats.anchors_made == [a.id] and store.get(a.id).where == "device"
 
 
 def test_a_restarted_store_restores_from_disk(ref, tmp_path):
@@ -151,6 +167,7 @@ def test_a_restarted_store_restores_from_disk(ref, tmp_path):
     second = load(None, device="cpu")
     store = second.use_anchor_dir(tmp_path)
     assert [x.id for x in store.list()] == [a.id] and store.get(a.id).tier == "disk"
+    assert store.get(a.id).sums == a.sums
     got = _last_logits(second, ids, anchor=a.id)
     assert second.stats.anchor == a.id and second.stats.cached_tokens == 140 and store.refusals == []
     _close(got, ref.logits(ids)[-1])

@@ -2,28 +2,36 @@
 
 An :class:`Anchor` is the exact token ids of a prefix, the KV blocks that hold their keys and values, and what a
 restore must check: the model's fingerprint (:mod:`freetoken.engine.fingerprint`), the KV kind and the pool's
-layout, and checksums of the KV bytes taken when the anchor was made (xxh3-64 per block over the anchor's rows of
+layout, and checksums of the KV bytes taken when the anchor was made (xxh3-128 per block over the anchor's rows of
 every layer's K, V and fp8 scales; the anchor's checksum is xxh3-128 over those). Its id is the BLAKE3-256 of the
 fingerprint and the token ids, so a request can name the anchors its own message boundaries would have.
 
-:class:`AnchorStore` keeps anchors in three tiers:
+:class:`AnchorStore` keeps anchors in three tiers, block by block: the anchors of one conversation are prefixes of
+each other and share most of their blocks, so every tier holds a block once, however many anchors name it.
 
 * **device**: the anchor holds references to its blocks in the pool (they outlive the sequence and the prefix
-  cache's eviction), up to ``device_blocks`` blocks in all; past that, or when the pool runs short of blocks
-  (the store is one of the pool's reclaimers), the least recently used ones spill to
-* **host**: a copy of the blocks' bytes in (pinned, on gpu) host memory, up to ``host_bytes``; past that they go
-  to
-* **disk** (``directory`` given): one file each, written atomically (a temporary file, fsync, rename). With a
-  directory every anchor is written when it is made, so a restarted server finds them: the files are indexed at
-  start (a torn file, a foreign one, one of another model or whose id does not match its tokens is refused there),
-  their bytes read and checked at restore. Without one, the oldest host anchors are dropped.
+  cache's eviction), up to ``device_blocks`` distinct blocks in all; past that, or when the pool runs short of
+  blocks (the store is one of the pool's reclaimers), the least recently used ones spill to
+* **host**: copies of the blocks' bytes in (pinned, on gpu) host memory, keyed by their checksum, up to
+  ``host_bytes``; past that the least recently used anchors leave host memory, for
+* **disk** (``directory`` given): an anchor file (header and token ids) and one file per block, named by its
+  checksum, under ``blocks/``; each written atomically (a temporary file, fsync, rename), every anchor when it is
+  made, so a restarted server finds them. The anchor files are read and checked at start (a torn file, a foreign
+  one, one of another model or whose id does not match its tokens is refused there), the block files at restore.
+  Without a directory, an anchor leaving host memory is gone.
 
 :meth:`AnchorStore.restore` uses an anchor only after every check passes: same fingerprint, KV kind and layout;
 the stored token ids equal the request's prefix exactly (an id match alone never suffices, so a hash collision
 cannot restore the wrong state); the KV bytes match their checksums: every block for an anchor read back from host
 memory or disk, ``sample_blocks`` blocks (the last one, and others drawn at random) for one still on the device
-(each sampled block is one block-sized read to the host and an xxh3 pass over it). A failed check refuses the
-anchor, logs why, keeps the reason in :attr:`AnchorStore.refusals`, and the caller recomputes.
+(each sampled block is one block-sized read to the host and an xxh3 pass over it: ~0.2 MB for the bundled model,
+~4.5 MB for DeepSeek-V3's latent cache, tens of microseconds to a millisecond). A failed check refuses the anchor,
+logs why, keeps the reason in :attr:`AnchorStore.refusals`, and the caller recomputes; an anchor whose bytes or id
+are bad leaves the store (and the disk), so the next request at that prefix makes a sound one.
+
+Making an anchor reads to the host and hashes only the blocks no other device anchor already holds (a full block
+an anchor holds is never written again: a sequence that shares it copies it first), so a conversation's anchors
+cost about one pass over its KV in all, not one per anchor.
 """
 
 from __future__ import annotations
@@ -44,11 +52,13 @@ from freetoken.models.kv import KV_LAYOUT_VERSION, KVPool, KVSequence
 
 log = logging.getLogger("freetoken.anchors")
 
-#: Anchor file: magic, format version, header length, JSON header, payload (token ids, then the arrays), and an
-#: xxh3-128 of everything before it (a torn or altered file fails it).
+#: Anchor file: magic, format version, header length, JSON header, token ids, and an xxh3-128 of everything before
+#: it (a torn or altered file fails it). Block files: the same frame with their own magic, the rows of every array.
 FILE_MAGIC = b"FTANCHOR"
-FILE_VERSION = 1
+BLOCK_MAGIC = b"FTKVBLCK"
+FILE_VERSION = 2
 FILE_SUFFIX = ".fta"
+BLOCK_SUFFIX = ".kvb"
 _PREFIX = struct.Struct("<8sII")
 #: Blocks checked at a restore from the device tier (the last block always among them).
 DEFAULT_SAMPLE_BLOCKS = 2
@@ -69,31 +79,32 @@ def pool_layout(pool: KVPool) -> str:
             f"dim{pool.head_dim}")
 
 
-def block_sums(data: dict[str, np.ndarray], length: int, block_size: int) -> list[int]:
-    """xxh3-64 of each block's first rows (the anchor's ``length`` tokens) over every array of ``data``
-    (``{name: [layers, blocks, block_size, ...]}``, in the pool's order)."""
+def block_sum(data: dict[str, np.ndarray]) -> str:
+    """xxh3-128 (hex) of one block's rows: ``{name: [layers, rows, ...]}`` in the pool's array order."""
     import xxhash
 
-    n = -(-length // block_size)
-    out = []
-    for j in range(n):
-        rows = min(block_size, length - j * block_size)
-        h = xxhash.xxh3_64()
-        for a in data.values():
-            h.update(np.ascontiguousarray(a[:, j, :rows]).view(np.uint8).reshape(-1))
-        out.append(h.intdigest())
-    return out
+    h = xxhash.xxh3_128()
+    for a in data.values():
+        h.update(np.ascontiguousarray(a).view(np.uint8).reshape(-1))
+    return h.hexdigest()
 
 
-def total_sum(sums: Sequence[int], length: int) -> str:
+def total_sum(sums: Sequence[str], length: int) -> str:
+    """The anchor's checksum: xxh3-128 over its length and its blocks' checksums."""
     import xxhash
 
-    return xxhash.xxh3_128(np.asarray([length, *sums], np.uint64).astype("<u8").tobytes()).hexdigest()
+    return xxhash.xxh3_128(f"{length}:{','.join(sums)}".encode()).hexdigest()
+
+
+def _rows(length: int, j: int, block_size: int) -> int:
+    """Rows of block ``j`` that belong to a prefix of ``length`` tokens."""
+    return min(block_size, length - j * block_size)
 
 
 @dataclass(eq=False)
 class Anchor:
-    """One anchor; ``blocks`` (device tier), ``host`` (host tier) or ``path`` (disk only) says where its KV is."""
+    """One anchor. ``where``: "device" (``blocks`` holds its pool blocks), "host" (its blocks' bytes are in the
+    store's host copies) or "disk" (only in its files); ``path``: its anchor file, when it has one."""
 
     id: str
     tokens: np.ndarray  # int32, the exact prefix
@@ -101,15 +112,14 @@ class Anchor:
     kv_kind: str
     layout: str
     checksum: str
-    sums: list[int]
+    sums: list[str]  # per block, xxh3-128 hex
     residency: list[int] | None = None  # expert records resident in the expert cache when it was made
     label: str | None = None
     created: float = field(default_factory=time.time)
     last_use: float = field(default_factory=time.monotonic)
     blocks: list[int] | None = None
-    host: dict | None = None
+    where: str = "device"
     path: Path | None = None
-    _pinned: list = field(default_factory=list, repr=False)  # owners of pinned host memory (gpu)
 
     @property
     def length(self) -> int:
@@ -117,11 +127,11 @@ class Anchor:
 
     @property
     def tier(self) -> str:
-        return "device" if self.blocks is not None else "host" if self.host is not None else "disk"
+        return self.where
 
     def info(self) -> dict:
         """What the HTTP API lists."""
-        return {"id": self.id, "object": "anchor", "tokens": self.length, "tier": self.tier,
+        return {"id": self.id, "object": "anchor", "tokens": self.length, "tier": self.where,
                 "on_disk": self.path is not None, "kv_dtype": self.kv_kind, "label": self.label,
                 "created": int(self.created), "checksum": self.checksum}
 
@@ -140,9 +150,11 @@ class AnchorStore:
         self.refusals: list[tuple[str, str]] = []  # (anchor id, why), most recent last
         self.restored = 0
         self._rng = np.random.default_rng(seed)
+        self._host: dict[str, list] = {}  # block checksum -> [rows {name: array}, anchors holding it, owners]
+        self._disk: dict[str, int] = {}  # block checksum -> anchor files naming it
         self.directory = None if directory is None else Path(directory)
         if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            (self.directory / "blocks").mkdir(parents=True, exist_ok=True)
             self._index_directory()
         pool.reclaimers.append(self.spill)
 
@@ -151,6 +163,7 @@ class AnchorStore:
                residency: list[int] | None = None) -> Anchor:
         """The anchor of the first ``length`` tokens (default all) of ``seq``, whose token ids are ``tokens``.
         An anchor of the same prefix already here is returned (and marked used) instead of a second one."""
+        bs = self.pool.block_size
         length = len(tokens) if length is None else int(length)
         if not 1 <= length <= min(len(tokens), seq.length):
             raise ValueError(f"an anchor of {length} tokens: the sequence holds {seq.length} ({len(tokens)} ids "
@@ -163,18 +176,31 @@ class AnchorStore:
             if label and not have.label:
                 have.label = label
             return have
-        blocks = seq.blocks[:-(-length // self.pool.block_size)]
-        data = self.pool.read_blocks(blocks)
-        sums = block_sums(data, length, self.pool.block_size)
-        anchor = Anchor(aid, toks, self.fingerprint, self.pool.kind, self.layout, total_sum(sums, length), sums,
-                        residency=residency, label=label)
+        blocks = [int(b) for b in seq.blocks[:-(-length // bs)]]
+        known = self._device_sums()
+        sums: list[str | None] = [known.get(b) if _rows(length, j, bs) == bs else None for j, b in enumerate(blocks)]
+        fresh = [j for j, v in enumerate(sums) if v is None]
+        data = {}
+        if fresh:
+            read = self.pool.read_blocks([blocks[j] for j in fresh])
+            for i, j in enumerate(fresh):
+                data[j] = {k: v[:, i, :_rows(length, j, bs)] for k, v in read.items()}
+                sums[j] = block_sum(data[j])
+        anchor = Anchor(aid, toks, self.fingerprint, self.pool.kind, self.layout, total_sum(sums, length),
+                        list(sums), residency=residency, label=label)
         self.pool.retain(blocks)
-        anchor.blocks = list(blocks)
+        anchor.blocks = blocks
         self.anchors[aid] = anchor
         if self.directory is not None:
             self._write(anchor, data)
         self._enforce_budgets(keep=anchor)
         return anchor
+
+    def _device_sums(self) -> dict[int, str]:
+        """Pool block -> checksum, for the full blocks device anchors hold (unchanged while they hold them)."""
+        bs = self.pool.block_size
+        return {b: a.sums[j] for a in self.anchors.values() if a.blocks is not None
+                for j, b in enumerate(a.blocks) if _rows(a.length, j, bs) == bs}
 
     # ---- lookup and restore ----------------------------------------------------------------------------------
     def get(self, aid: str) -> Anchor | None:
@@ -198,17 +224,16 @@ class AnchorStore:
         self.refusals.append((aid, why))
         del self.refusals[:-64]
         bad = self.anchors.get(aid)
-        if drop == "entry" or (drop == "all" and bad is not None and bad.id != aid):
-            bad = self.anchors.pop(aid, None)
-            if bad is not None and bad.id not in self.anchors and bad.blocks is not None:
-                self.pool.release(bad.blocks)
-                bad.blocks = None
+        if bad is not None and (drop == "entry" or (drop == "all" and bad.id != aid)):
+            del self.anchors[aid]
+            if bad.id not in self.anchors:
+                self._let_go(bad)
         elif drop == "all":
             self.delete(aid)
         return 0, why
 
     def check(self, anchor: Anchor, ids: Sequence[int]) -> tuple[str | None, str | None]:
-        """(why ``anchor`` cannot serve a request for ``ids``, what to drop: see :meth:`_refuse`); (None, None): it
+        """(why ``anchor`` cannot serve a request for ``ids``, what to drop: see :meth:`refuse`); (None, None): it
         can, as far as its header goes."""
         if anchor.fingerprint != self.fingerprint:
             return "it was made by another model (weights fingerprint differs)", "entry"
@@ -218,6 +243,8 @@ class AnchorStore:
             return f"its KV layout {anchor.layout} is not this pool's {self.layout}", "entry"
         if anchor.id != anchor_id(self.fingerprint, anchor.tokens):
             return "its id does not match its token ids", "all"
+        if total_sum(anchor.sums, anchor.length) != anchor.checksum:
+            return "its block checksums do not add up to its checksum", "all"
         n = anchor.length
         if len(ids) < n or not np.array_equal(np.asarray(ids[:n], np.int64), anchor.tokens.astype(np.int64)):
             return f"its {n} token ids are not a prefix of the request's {len(ids)} tokens", None
@@ -238,25 +265,10 @@ class AnchorStore:
             if aid != anchor.id and aid in self.anchors:
                 drop = "entry"  # filed under an id not its own (a collision, or a forged entry): that entry goes
             return self.refuse(aid, why, drop)
+        why = self._to_device(anchor) if anchor.blocks is None else self._sample(anchor)
+        if why is not None:
+            return self.refuse(aid, why, "all")
         bs = self.pool.block_size
-        if anchor.blocks is None:  # host or disk: every block checked before any of it is used
-            data, why = self._read_back(anchor)
-            if why is not None:
-                return self.refuse(aid, why, "all")
-            blocks = self.pool.allocate(len(anchor.sums))
-            self.pool.write_blocks(blocks, data)
-            anchor.blocks, anchor.host, anchor._pinned = blocks, None, []
-        else:
-            n_blocks = len(anchor.blocks)
-            k = min(n_blocks - 1, max(0, self.sample_blocks - 1))  # the last block, and k others at random
-            pick = [n_blocks - 1, *self._rng.choice(n_blocks - 1, size=k, replace=False).tolist()]
-            for j in pick:
-                rows = min(bs, anchor.length - j * bs)
-                got = block_sums({k: v[:, :, :rows] for k, v in self.pool.read_blocks([anchor.blocks[j]]).items()},
-                                 rows, bs)[0]
-                if got != anchor.sums[j]:
-                    return self.refuse(aid, f"the KV bytes of block {j} changed since it was made (checksum "
-                                        "mismatch on the device)", "all")
         n = anchor.length if limit is None else min(anchor.length, int(limit))
         seq.adopt(anchor.blocks[:-(-n // bs)], n)
         anchor.last_use = time.monotonic()
@@ -264,33 +276,67 @@ class AnchorStore:
         self._enforce_budgets(keep=anchor)
         return n, None
 
-    def _read_back(self, anchor: Anchor) -> tuple[dict | None, str | None]:
-        """The host copy of a host or disk anchor, its every block checked; (None, why) when it fails."""
-        if anchor.host is not None:
-            data = anchor.host
-        else:
-            try:
-                header, tokens, data = read_file(anchor.path)
-            except (OSError, ValueError) as e:
-                return None, f"its file {anchor.path} cannot be used: {e}"
-            if not np.array_equal(tokens, anchor.tokens):
-                return None, f"its file {anchor.path} holds other token ids"
-        sums = block_sums(data, anchor.length, self.pool.block_size)
-        bad = [j for j, (a, b) in enumerate(zip(sums, anchor.sums, strict=True)) if a != b]
-        if bad or total_sum(sums, anchor.length) != anchor.checksum:
-            return None, f"the KV bytes of block(s) {bad} do not match the checksum taken when it was made"
-        return data, None
+    def _sample(self, anchor: Anchor) -> str | None:
+        """Check a device anchor's last block and ``sample_blocks - 1`` others drawn at random."""
+        bs, n_blocks = self.pool.block_size, len(anchor.blocks)
+        k = min(n_blocks - 1, max(0, self.sample_blocks - 1))
+        for j in [n_blocks - 1, *self._rng.choice(n_blocks - 1, size=k, replace=False).tolist()]:
+            rows = _rows(anchor.length, j, bs)
+            got = block_sum({k: v[:, 0, :rows] for k, v in self.pool.read_blocks([anchor.blocks[j]]).items()})
+            if got != anchor.sums[j]:
+                return f"the KV bytes of block {j} changed since it was made (checksum mismatch on the device)"
+        return None
+
+    def _to_device(self, anchor: Anchor) -> str | None:
+        """Read a host or disk anchor's blocks back into the pool, each checked first; why not, or None."""
+        bs = self.pool.block_size
+        rows = []
+        for j, key in enumerate(anchor.sums):
+            entry = self._host.get(key)
+            if entry is not None:
+                data = entry[0]
+            else:
+                try:
+                    data = read_block(self._block_path(key)) if self.directory is not None else None
+                except (OSError, ValueError) as e:
+                    return f"block {j}: {e}"
+                if data is None:
+                    return f"block {j} is neither in host memory nor on disk"
+            if block_sum(data) != key or next(iter(data.values())).shape[1] != _rows(anchor.length, j, bs):
+                return f"the KV bytes of block {j} do not match the checksum taken when it was made"
+            rows.append(data)
+        blocks = self.pool.allocate(len(rows))
+        for b, data in zip(blocks, rows, strict=True):
+            for name, a in self.pool.arrays.items():
+                a[:, b, :data[name].shape[1]] = self.pool.dev.asarray(data[name])
+        self._drop_host(anchor)
+        anchor.blocks, anchor.where = blocks, "device"
+        return None
+
+    # ---- letting go --------------------------------------------------------------------------------------------
+    def _let_go(self, anchor: Anchor) -> None:
+        """Release what an anchor holds in the pool and in host memory (not its files)."""
+        if anchor.blocks is not None:
+            self.pool.release(anchor.blocks)
+            anchor.blocks = None
+        self._drop_host(anchor)
 
     def delete(self, aid: str) -> bool:
-        """Forget an anchor (its blocks, host copy and file); False when there is none of that id."""
+        """Forget an anchor (its blocks, host copies and files); False when there is none of that id."""
         anchor = self.anchors.pop(aid, None)
         if anchor is None:
             return False
-        if anchor.blocks is not None:
-            self.pool.release(anchor.blocks)
-        anchor.blocks = anchor.host = None
+        if anchor.id != aid and anchor.id in self.anchors:  # an entry under another id: the anchor stays
+            return True
+        self._let_go(anchor)
         if anchor.path is not None:
             anchor.path.unlink(missing_ok=True)
+            anchor.path = None
+            for key in anchor.sums:
+                self._disk[key] -= 1
+                if not self._disk[key]:
+                    del self._disk[key]
+                    self._block_path(key).unlink(missing_ok=True)
         return True
 
     def clear(self) -> None:
@@ -301,99 +347,141 @@ class AnchorStore:
         return sorted(self.anchors.values(), key=lambda a: a.created)
 
     def held_blocks(self) -> list[int]:
+        """Every pool block the anchors hold a reference to (once per holding anchor)."""
         return [b for a in self.anchors.values() if a.blocks is not None for b in a.blocks]
 
     # ---- tiers -------------------------------------------------------------------------------------------------
     def _to_host(self, anchor: Anchor) -> None:
-        data = self.pool.read_blocks(anchor.blocks)
-        if self.pool.dev.kind == "gpu":  # page-locked, so that a restore copies at full PCIe speed
-            pinned = {k: self.pool.dev.pinned_empty(v.shape, v.dtype) for k, v in data.items()}
-            for k, v in data.items():
-                pinned[k].host[...] = v
-            anchor._pinned = list(pinned.values())
-            data = {k: p.host for k, p in pinned.items()}
+        """Move a device anchor's blocks to host memory (a block already there is shared, not copied again)."""
+        bs = self.pool.block_size
+        missing = [j for j, key in enumerate(anchor.sums) if key not in self._host]
+        read = self.pool.read_blocks([anchor.blocks[j] for j in missing]) if missing else {}
+        for i, j in enumerate(missing):
+            rows = {k: v[:, i, :_rows(anchor.length, j, bs)] for k, v in read.items()}
+            owners = []
+            if self.pool.dev.kind == "gpu":  # page-locked, so that a restore copies at full PCIe speed
+                pinned = {k: self.pool.dev.pinned_empty(v.shape, v.dtype) for k, v in rows.items()}
+                for k, v in rows.items():
+                    pinned[k].host[...] = v
+                owners, rows = list(pinned.values()), {k: q.host for k, q in pinned.items()}
+            else:
+                rows = {k: np.ascontiguousarray(v) for k, v in rows.items()}
+            self._host[anchor.sums[j]] = [rows, 0, owners]
+        for key in anchor.sums:
+            self._host[key][1] += 1
         self.pool.release(anchor.blocks)
-        anchor.blocks, anchor.host = None, data
+        anchor.blocks, anchor.where = None, "host"
 
-    def _host_bytes(self) -> int:
-        return sum(int(v.nbytes) for a in self.anchors.values() if a.host is not None for v in a.host.values())
+    def _drop_host(self, anchor: Anchor) -> None:
+        """The anchor lets go of its host copies (they go when no anchor holds them)."""
+        if anchor.where != "host":
+            return
+        for key in anchor.sums:
+            entry = self._host[key]
+            entry[1] -= 1
+            if not entry[1]:
+                del self._host[key]
+        anchor.where = "disk"
+
+    def host_bytes_held(self) -> int:
+        return sum(int(v.nbytes) for rows, _, _ in self._host.values() for v in rows.values())
 
     def _enforce_budgets(self, keep: Anchor | None = None) -> None:
         by_age = sorted(self.anchors.values(), key=lambda a: a.last_use)
-        held = sum(len(a.blocks) for a in by_age if a.blocks is not None)
+        held = set(self.held_blocks())
         for a in by_age:
-            if held <= self.device_blocks:
+            if len(held) <= self.device_blocks:
                 break
             if a.blocks is not None and a is not keep:
-                held -= len(a.blocks)
                 self._to_host(a)
-        host = self._host_bytes()
+                held = set(self.held_blocks())
         for a in by_age:
-            if host <= self.host_bytes:
+            if self.host_bytes_held() <= self.host_bytes:
                 break
-            if a.host is not None and a is not keep:
-                host -= sum(int(v.nbytes) for v in a.host.values())
-                if a.path is not None:  # on disk already: the host copy goes
-                    a.host, a._pinned = None, []
+            if a.where == "host" and a is not keep:
+                if a.path is not None:
+                    self._drop_host(a)  # on disk: only the host copy goes
                 else:
                     self.delete(a.id)
 
     def spill(self, n: int) -> int:
-        """Reclaimer of the pool: move least recently used device anchors to host memory until ``n`` of their
-        blocks are free (a block the prefix cache or a sequence still holds is not freed by it); returns blocks
-        freed."""
-        freed = 0
+        """Reclaimer of the pool: move least recently used device anchors to host memory until ``n`` blocks are
+        free (a block the prefix cache or a sequence still holds is not freed by it); returns blocks freed."""
+        free = self.pool.free_blocks
         for a in sorted((a for a in self.anchors.values() if a.blocks is not None), key=lambda a: a.last_use):
-            if freed >= n:
+            if self.pool.free_blocks - free >= n:
                 break
-            freed += int((self.pool.refs[a.blocks] == 1).sum())
             self._to_host(a)
+        freed = self.pool.free_blocks - free
         if freed:
             self._enforce_budgets()
         return freed
 
     # ---- disk --------------------------------------------------------------------------------------------------
-    def _write(self, anchor: Anchor, data: dict) -> None:
+    def _block_path(self, key: str) -> Path:
+        return self.directory / "blocks" / f"{key}{BLOCK_SUFFIX}"
+
+    def _write(self, anchor: Anchor, data: dict[int, dict]) -> None:
+        """The anchor's file, and the files of those of its blocks no file holds yet (``data``: rows read at
+        creation; a block not among them is read from the pool now)."""
+        bs = self.pool.block_size
+        need = [j for j, key in enumerate(anchor.sums) if key not in self._disk and j not in data]
+        if need:
+            read = self.pool.read_blocks([anchor.blocks[j] for j in need])
+            for i, j in enumerate(need):
+                data[j] = {k: v[:, i, :_rows(anchor.length, j, bs)] for k, v in read.items()}
+        for j, key in enumerate(anchor.sums):
+            if key not in self._disk:
+                write_frame(self._block_path(key), BLOCK_MAGIC, {"rows": _rows(anchor.length, j, bs)},
+                            [np.ascontiguousarray(v) for v in data[j].values()], list(data[j]))
+            self._disk[key] = self._disk.get(key, 0) + 1
         header = {"id": anchor.id, "fingerprint": anchor.fingerprint, "kv_kind": anchor.kv_kind,
                   "layout": anchor.layout, "length": anchor.length, "checksum": anchor.checksum,
-                  "sums": [str(s) for s in anchor.sums], "residency": anchor.residency, "label": anchor.label,
+                  "sums": anchor.sums, "residency": anchor.residency, "label": anchor.label,
                   "created": anchor.created}
-        anchor.path = write_file(self.directory / f"{anchor.id}{FILE_SUFFIX}", header, anchor.tokens, data)
+        anchor.path = write_frame(self.directory / f"{anchor.id}{FILE_SUFFIX}", FILE_MAGIC, header,
+                                  [anchor.tokens.astype("<i4")], ["tokens"])
 
     def _index_directory(self) -> None:
-        """Register the anchor files of the directory (headers and token ids only; the KV is read at restore)."""
+        """Register the anchor files of the directory, each checked whole (they are small: the KV is in the block
+        files, read and checked at restore)."""
         for path in sorted(self.directory.glob(f"*{FILE_SUFFIX}")):
             try:
-                header, tokens = read_file(path, payload=False)
-            except (OSError, ValueError) as e:
+                header, arrays = read_frame(path, FILE_MAGIC)
+                tokens = arrays["tokens"].astype(np.int32)
+                sums = [str(x) for x in header["sums"]]
+                fields = {k: str(header[k]) for k in ("id", "fingerprint", "kv_kind", "layout", "checksum")}
+            except (OSError, ValueError, KeyError, TypeError) as e:
                 self.refuse(path.stem, f"file {path} refused on load: {e}")
                 continue
-            if header.get("fingerprint") != self.fingerprint:
+            if header["fingerprint"] != self.fingerprint:
                 self.refuse(path.stem, f"file {path} refused on load: it was made by another model")
                 continue
-            if header.get("id") != anchor_id(self.fingerprint, tokens) or path.stem != header.get("id"):
+            if header["id"] != anchor_id(self.fingerprint, tokens) or path.stem != header["id"]:
                 self.refuse(path.stem, f"file {path} refused on load: its id does not match its token ids")
                 continue
-            self.anchors[header["id"]] = Anchor(
-                header["id"], tokens, header["fingerprint"], header["kv_kind"], header["layout"],
-                header["checksum"], [int(s) for s in header["sums"]], residency=header.get("residency"),
-                label=header.get("label"), created=float(header.get("created", 0.0)), path=path)
+            self.anchors[header["id"]] = Anchor(**fields, tokens=tokens, sums=sums, where="disk", path=path,
+                                                residency=header.get("residency"), label=header.get("label"),
+                                                created=float(header.get("created", 0.0)))
+            for key in sums:
+                self._disk[key] = self._disk.get(key, 0) + 1
 
 
-def write_file(path: Path, header: dict, tokens: np.ndarray, data: dict[str, np.ndarray]) -> Path:
-    """Write an anchor file atomically: a temporary file in the same directory, fsync, rename, fsync the
-    directory. A crash leaves the old file or the new one, never a torn one under the final name."""
+def write_frame(path: Path, magic: bytes, header: dict, arrays: list[np.ndarray], names: list[str]) -> Path:
+    """Write a file atomically: a temporary file in the same directory, fsync, rename, fsync the directory (a
+    crash leaves the old file or the new one, never a torn one under the final name). The frame: ``magic``, the
+    format version, the JSON header (with the arrays' names, dtypes and shapes), the arrays' bytes, and an xxh3-128
+    of all that."""
     import xxhash
 
-    header = dict(header, arrays=[[k, str(v.dtype), list(v.shape)] for k, v in data.items()])
+    header = dict(header, arrays=[[n, str(a.dtype), list(a.shape)] for n, a in zip(names, arrays, strict=True)])
     head = json.dumps(header, sort_keys=True).encode()
     h = xxhash.xxh3_128()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=FILE_SUFFIX)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
     try:
         with os.fdopen(fd, "wb") as f:
-            for part in (_PREFIX.pack(FILE_MAGIC, FILE_VERSION, len(head)), head,
-                         np.ascontiguousarray(tokens, "<i4").tobytes(),
-                         *(np.ascontiguousarray(v).view(np.uint8).reshape(-1) for v in data.values())):
+            for part in (_PREFIX.pack(magic, FILE_VERSION, len(head)), head,
+                         *(np.ascontiguousarray(a).view(np.uint8).reshape(-1) for a in arrays)):
                 h.update(part)
                 f.write(part)
             f.write(h.digest())
@@ -411,45 +499,38 @@ def write_file(path: Path, header: dict, tokens: np.ndarray, data: dict[str, np.
     return path
 
 
-def read_file(path: Path, payload: bool = True):
-    """(header, token ids[, arrays]) of an anchor file; ValueError naming what is wrong (not an anchor file,
-    another format version, torn or altered)."""
+def read_frame(path: Path, magic: bytes) -> tuple[dict, dict[str, np.ndarray]]:
+    """(header, {name: array}) of a file :func:`write_frame` wrote with ``magic``; ValueError saying what is wrong
+    (not such a file, another format version, torn or altered)."""
     import xxhash
 
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        prefix = f.read(_PREFIX.size)
-        if len(prefix) < _PREFIX.size:
-            raise ValueError("too short to be an anchor file")
-        magic, version, hlen = _PREFIX.unpack(prefix)
-        if magic != FILE_MAGIC:
-            raise ValueError("not a freetoken anchor file")
-        if version != FILE_VERSION:
-            raise ValueError(f"anchor file version {version}, this freetoken reads {FILE_VERSION}")
-        head = f.read(hlen)
-        try:
-            header = json.loads(head)
-            length = int(header["length"])
-            arrays = [(k, np.dtype(d), tuple(int(x) for x in s)) for k, d, s in header["arrays"]]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"its header is damaged ({e})") from None
-        body = 4 * length + sum(int(np.prod(s)) * d.itemsize for _, d, s in arrays)
-        if size != _PREFIX.size + hlen + body + 16:
-            raise ValueError(f"{size} bytes where its header says {_PREFIX.size + hlen + body + 16} (torn or "
-                             "truncated)")
-        raw_tokens = f.read(4 * length)
-        tokens = np.frombuffer(raw_tokens, "<i4").astype(np.int32)
-        if not payload:
-            return header, tokens
-        h = xxhash.xxh3_128()
-        h.update(prefix)
-        h.update(head)
-        h.update(raw_tokens)
-        data = {}
-        for k, d, s in arrays:
-            buf = f.read(int(np.prod(s)) * d.itemsize)
-            h.update(buf)
-            data[k] = np.frombuffer(buf, d).reshape(s)
-        if f.read(16) != h.digest():
-            raise ValueError("its file checksum does not match (altered or torn)")
-    return header, tokens, data
+    raw = path.read_bytes()
+    if len(raw) < _PREFIX.size + 16:
+        raise ValueError("too short to be a freetoken anchor file")
+    got_magic, version, hlen = _PREFIX.unpack_from(raw)
+    if got_magic != magic:
+        raise ValueError(f"not a freetoken anchor {'block ' if magic == BLOCK_MAGIC else ''}file")
+    if version != FILE_VERSION:
+        raise ValueError(f"anchor file version {version}, this freetoken reads {FILE_VERSION}")
+    try:
+        header = json.loads(raw[_PREFIX.size:_PREFIX.size + hlen])
+        specs = [(n, np.dtype(d), tuple(int(x) for x in s)) for n, d, s in header["arrays"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"its header is damaged ({e})") from None
+    body = sum(int(np.prod(s)) * d.itemsize for _, d, s in specs)
+    if len(raw) != _PREFIX.size + hlen + body + 16:
+        raise ValueError(f"{len(raw)} bytes where its header says {_PREFIX.size + hlen + body + 16} (torn or "
+                         "truncated)")
+    if xxhash.xxh3_128(raw[:-16]).digest() != raw[-16:]:
+        raise ValueError("its file checksum does not match (altered or torn)")
+    arrays, at = {}, _PREFIX.size + hlen
+    for n, d, s in specs:
+        size = int(np.prod(s)) * d.itemsize
+        arrays[n] = np.frombuffer(raw, d, count=int(np.prod(s)), offset=at).reshape(s)
+        at += size
+    return header, arrays
+
+
+def read_block(path: Path) -> dict[str, np.ndarray]:
+    """The rows of a block file (checked whole; its checksum against its name is the caller's check)."""
+    return read_frame(path, BLOCK_MAGIC)[1]
