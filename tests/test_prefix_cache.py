@@ -191,3 +191,32 @@ def test_random_interleavings_reuse_exactly_and_release_everything(models, ops):
         model.cached_ids = []
     pool = model.decoder.pool
     assert (pool.refs == 0).all() and pool.free_blocks == pool.num_blocks
+
+
+@pytest.mark.slow  # ~3 min on 2 cores: two emu models, five prompts
+def test_share_extend_diverge_rollback_on_emu():
+    """The same checks on the emulated GPU, one fixed interleaving: a fresh prompt, an extension of it, one that
+    diverges inside a block, a side prompt, then back to an anchor made before the divergence (spilled to host)."""
+    from freetoken.device import device_status
+
+    if not device_status()["emu"][0]:
+        pytest.fail("the emu device is unavailable: " + str(device_status()["emu"][1]))
+    model, ref = load(None, device="emu"), load(None, device="emu")
+    segs = _segments(model)
+    a = segs[0] + segs[1] + segs[3]
+    steps = [(a, [len(a) - 9]), (a + segs[2], []), (a[:70] + [5] + segs[4], []), (segs[5], [])]
+    for ids, bounds in steps:
+        got = _prefill_logits(model, ids, reuse_cache=True, boundaries=bounds)
+        want = ref.logits(ids)[-1]
+        # a reused prefix was computed in another pass: the emu's bf16 tensor-core tiles round otherwise
+        assert float(((got - want) ** 2).sum() / (want ** 2).sum()) < 1e-5
+        _check_refs(model)
+    anchor = model.anchors.list()[0]
+    model.anchors._to_host(anchor)
+    model.prefix_cache.clear()
+    ids = [*anchor.tokens.tolist(), *segs[2]]
+    got = _prefill_logits(model, ids, reuse_cache=True, boundaries=[anchor.length])
+    assert model.stats.anchor == anchor.id and model.stats.cached_tokens == anchor.length
+    want = ref.logits(ids)[-1]
+    assert float(((got - want) ** 2).sum() / (want ** 2).sum()) < 1e-5
+    _check_refs(model)

@@ -182,14 +182,16 @@ def test_an_unknown_anchor_is_recomputed_and_reported(server, engine):
     assert r.json()["content"][0]["text"] == engine.answer(conv)
 
 
-def _flip_a_payload_byte(path) -> None:
-    """Flip one byte in the middle of an anchor file's KV arrays (past its header and token ids)."""
-    raw = bytearray(path.read_bytes())
+def _flip_a_kv_byte(path) -> None:
+    """Flip one byte in the middle of the KV rows of the anchor's first block file (past its header)."""
+    from freetoken.engine.anchors import BLOCK_SUFFIX, FILE_MAGIC, read_frame
+
+    header, _ = read_frame(path, FILE_MAGIC)
+    block = path.parent / "blocks" / f"{header['sums'][0]}{BLOCK_SUFFIX}"
+    raw = bytearray(block.read_bytes())
     _, _, head = struct.unpack_from("<8sII", raw)
-    start = 16 + head  # the payload: token ids, then the arrays; the file's digest is its last 16 bytes
-    at = (start + len(raw) - 16) // 2 + 5
-    raw[at] ^= 0x40
-    path.write_bytes(bytes(raw))
+    raw[(16 + head + len(raw) - 16) // 2] ^= 0x40
+    block.write_bytes(bytes(raw))
 
 
 def test_anchor_dir_survives_a_restart_and_a_damaged_file_is_refused(tmp_path, engine):
@@ -220,10 +222,10 @@ def test_anchor_dir_survives_a_restart_and_a_damaged_file_is_refused(tmp_path, e
     finally:
         s.stop()
 
-    _flip_a_payload_byte(path)
+    _flip_a_kv_byte(path)
     s = restart()
     try:
-        assert a["id"] in _listed(s)  # the header is sound: the KV bytes are checked at restore
+        assert a["id"] in _listed(s)  # the anchor file is sound: the block files are checked at restore
         resp = _chat(s, conv, anchor=a["id"])
         field = _anchor_field(resp)
         assert field["restored"] is None and "checksum" in field["refused"], field
