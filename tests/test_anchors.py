@@ -4,6 +4,7 @@ device, a flipped byte or a torn anchor file, another model's anchor, a forged i
 
 import numpy as np
 import pytest
+from reuse_checks import prefill_logits
 
 from freetoken import load
 from freetoken.engine.anchors import (
@@ -35,23 +36,6 @@ def model(ref):
 def _prompt(model, n_lines=12):
     text = "".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(n_lines))
     return model.encode(text, add_special_tokens=False)
-
-
-def _last_logits(model, ids, **kw):
-    seen = []
-    forward = model.decoder.forward
-
-    def spy(tokens, **fkw):
-        out = forward(tokens, **fkw)
-        seen.append(out)
-        return out
-
-    model.decoder.forward = spy
-    try:
-        list(model.generate(ids, max_tokens=1, sampling=GREEDY, **kw))
-    finally:
-        del model.decoder.forward
-    return seen[0][-1]
 
 
 def _forget(model):
@@ -86,7 +70,7 @@ def test_restore_from_each_tier_is_verified_and_exact(model, ref, tmp_path):
             store._drop_host(a)  # as if the host budget had dropped it: the files are left
         _forget(model)
         assert a.tier == tier
-        got = _last_logits(model, longer, reuse_cache=True, boundaries=[150])
+        got = prefill_logits(model, longer, reuse_cache=True, boundaries=[150])
         assert model.stats.anchor == a.id and model.stats.cached_tokens == 150, tier
         _close(got, want)
         assert a.tier == "device"  # read back into the pool
@@ -100,14 +84,14 @@ def test_changed_bytes_on_the_device_are_refused(model, ref):
     _forget(model)
     pool = model.decoder.pool
     pool.k[3, a.blocks[1], 5, 0, 7] ^= 0x0040  # a bit flipped in layer 3's keys
-    got = _last_logits(model, ids, reuse_cache=True, boundaries=[130])
+    got = prefill_logits(model, ids, reuse_cache=True, boundaries=[130])
     assert model.stats.anchor is None and model.stats.cached_tokens == 0
     assert "block 1 changed" in model.stats.anchor_refused and store.refusals[-1][0] == a.id
     _close(got, ref.logits(ids)[-1])
     # the bad anchor left the store: that request made a sound one at the same boundary, which the next restores
     assert model.stats.anchors_made == [a.id] and store.get(a.id) is not a
     _forget(model)
-    _last_logits(model, ids, reuse_cache=True, boundaries=[130])
+    prefill_logits(model, ids, reuse_cache=True, boundaries=[130])
     assert model.stats.anchor == a.id and model.stats.cached_tokens == 130
 
 
@@ -145,7 +129,7 @@ def test_damaged_or_foreign_files_are_refused(ref, tmp_path, damage):
 
     restarted = load(None, device="cpu")  # a new server on the same directory
     store = restarted.use_anchor_dir(tmp_path)
-    got = _last_logits(restarted, ids, reuse_cache=True, boundaries=[140])
+    got = prefill_logits(restarted, ids, reuse_cache=True, boundaries=[140])
     why = " ".join(w for _, w in store.refusals)
     expect = {"flip_block": "file checksum does not match", "flip_anchor": "file checksum does not match",
               "truncate": "torn or truncated", "foreign": "another model",
@@ -168,7 +152,7 @@ def test_a_restarted_store_restores_from_disk(ref, tmp_path):
     store = second.use_anchor_dir(tmp_path)
     assert [x.id for x in store.list()] == [a.id] and store.get(a.id).tier == "disk"
     assert store.get(a.id).sums == a.sums
-    got = _last_logits(second, ids, anchor=a.id)
+    got = prefill_logits(second, ids, anchor=a.id)
     assert second.stats.anchor == a.id and second.stats.cached_tokens == 140 and store.refusals == []
     _close(got, ref.logits(ids)[-1])
 
@@ -182,7 +166,7 @@ def test_a_forged_id_with_other_tokens_is_refused(model, ref):
     # a hash collision, simulated: the other tokens' anchor filed under the id this request's boundary has
     forged = anchor_id(model.fingerprint, ids[:150])
     store.anchors[forged] = a
-    got = _last_logits(model, ids, reuse_cache=True, boundaries=[150])
+    got = prefill_logits(model, ids, reuse_cache=True, boundaries=[150])
     assert model.stats.anchor is None and model.stats.cached_tokens == 0
     assert "not a prefix" in model.stats.anchor_refused or "id does not match" in model.stats.anchor_refused
     _close(got, ref.logits(ids)[-1])
@@ -195,11 +179,11 @@ def test_another_models_anchor_and_unknown_ids_are_refused(model, ref):
     a = _anchored(model, ids, 120)
     _forget(model)
     a.fingerprint = "f" * 64  # as if another model made it
-    got = _last_logits(model, ids, anchor=a)
+    got = prefill_logits(model, ids, anchor=a)
     assert model.stats.cached_tokens == 0 and "another model" in model.stats.anchor_refused
     _close(got, ref.logits(ids)[-1])
     _forget(model)
-    got = _last_logits(model, ids, anchor="ab" * 32)
+    got = prefill_logits(model, ids, anchor="ab" * 32)
     assert model.stats.cached_tokens == 0 and model.stats.anchor_refused == "no such anchor"
 
 

@@ -6,15 +6,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reuse_checks import prefill_logits
 
 from freetoken import load
 from freetoken.device import get_device
 from freetoken.engine.prefix_cache import RadixCache
-from freetoken.engine.sampling import SamplingParams
 from freetoken.models.kv import KVPool, KVSequence, kv_block_bytes
 
 CPU = get_device("cpu")
-GREEDY = SamplingParams(temperature=0.0)
 BS = 4
 
 
@@ -120,24 +119,6 @@ def _check_refs(model) -> None:
     assert sorted(pool._free) == sorted(np.nonzero(pool.refs == 0)[0].tolist())
 
 
-def _prefill_logits(model, ids, **kw):
-    """generate(ids, 1 token) as ``kw`` says; the logits of the prompt's last token."""
-    seen = []
-    forward = model.decoder.forward
-
-    def spy(tokens, **fkw):
-        out = forward(tokens, **fkw)
-        seen.append(out)
-        return out
-
-    model.decoder.forward = spy
-    try:
-        list(model.generate(ids, max_tokens=1, sampling=GREEDY, **kw))
-    finally:
-        del model.decoder.forward
-    return seen[0][-1]
-
-
 op = st.tuples(st.sampled_from(["extend", "share", "diverge", "rollback", "fresh"]),
                st.lists(st.integers(0, 5), min_size=1, max_size=4), st.integers(0, 10 ** 6))
 
@@ -170,7 +151,7 @@ def test_random_interleavings_reuse_exactly_and_release_everything(models, ops):
             ids = ids[-(model.decoder.ctx - 8):]  # within the context
             bounds = sorted({len(ids) // 2, len(ids)})
             anchor = a.id if kind == "rollback" and anchors and a.id in model.anchors.anchors else None
-            got = _prefill_logits(model, ids, reuse_cache=True, boundaries=bounds, anchor=anchor)
+            got = prefill_logits(model, ids, reuse_cache=True, boundaries=bounds, anchor=anchor)
             key = tuple(ids)
             if key not in ref_cache:
                 ref_cache[key] = ref.logits(ids)[-1]
@@ -206,7 +187,7 @@ def test_share_extend_diverge_rollback_on_emu():
     a = segs[0] + segs[1] + segs[3]
     steps = [(a, [len(a) - 9]), (a + segs[2], []), (a[:70] + [5] + segs[4], []), (segs[5], [])]
     for ids, bounds in steps:
-        got = _prefill_logits(model, ids, reuse_cache=True, boundaries=bounds)
+        got = prefill_logits(model, ids, reuse_cache=True, boundaries=bounds)
         want = ref.logits(ids)[-1]
         # a reused prefix was computed in another pass: the emu's bf16 tensor-core tiles round otherwise
         assert float(((got - want) ** 2).sum() / (want ** 2).sum()) < 1e-5
@@ -215,7 +196,7 @@ def test_share_extend_diverge_rollback_on_emu():
     model.anchors._to_host(anchor)
     model.prefix_cache.clear()
     ids = [*anchor.tokens.tolist(), *segs[2]]
-    got = _prefill_logits(model, ids, reuse_cache=True, boundaries=[anchor.length])
+    got = prefill_logits(model, ids, reuse_cache=True, boundaries=[anchor.length])
     assert model.stats.anchor == anchor.id and model.stats.cached_tokens == anchor.length
     want = ref.logits(ids)[-1]
     assert float(((got - want) ** 2).sum() / (want ** 2).sum()) < 1e-5
