@@ -5,15 +5,43 @@ The session (deterministic for a ``--seed``; the same conversation in every mode
 
 * a system prompt of about ``--system-tokens`` (3000) tokens: instructions and a JSON list of tool definitions
   (written into the system text: the templates here have no ``tools`` support), then the user's task;
-* turn 0 asks for the first reply; each of ``--turns`` (12) turns appends the agent's reply (a scripted assistant
-  message: one sentence and a ``<tool_call>`` JSON), the tool's result (role ``tool``: source files read with
-  line numbers, grep hits, test output, diffs, all cut from the Python standard library's sources so the tokenizer
-  sees code; drawn at 300-2000 tokens, then all scaled by one factor so that the session ends near
-  ``--target-tokens``, under the model's context: about 0.25, 80-440 tokens, for the default session), and
-  requests ``--max-tokens`` (16) greedy tokens (kind ``turn``);
-* on ``--retries`` (4) of the turns the agent then sends a short side request with another system prompt (a
-  300-400-token "title this session", kind ``side``), discards the last tool call and its result, and sends the
+* turn 0 asks for the first reply; each of ``--turns`` (12) turns is ``--calls-per-turn`` (1) tool calls in a row,
+  one request each: the request appends the agent's reply (a scripted assistant message: one sentence and a
+  ``<tool_call>`` JSON) and the tool's result (role ``tool``: source files read with line numbers, grep hits, test
+  output, diffs, all cut from the Python standard library's sources so the tokenizer sees code), and asks for
+  ``--max-tokens`` (16) greedy tokens (kind ``turn``). The results are drawn at ``--result-tokens`` (300-2000)
+  tokens and kept at that size when the session fits the context; only when it would not (or would end past
+  ``--target-tokens``) are they all scaled down by one factor so that the final prompt ends near the target, under
+  the context (the factor is printed: about 0.23, 80-440 tokens, for the default session);
+* on ``--retries`` (4) of the turns the agent then sends a side request with another system prompt (kind
+  ``side``: "title this session", 300-400 tokens; ``--side-tokens N`` pads it with a source excerpt to about N
+  tokens, a sub-agent with its own context), discards the turn's last tool call and its result, and sends the
   conversation from before that call again with another call and result (kind ``retry``), which the session keeps.
+
+Context and KV pool: ``--ctx N`` (``freetoken.load(ctx=N)``; ``fit``: the session's longest request and its
+generated tokens, rounded up to whole blocks, and one block more: a request that reuses a prefix ending in a partly
+filled block the prefix cache shares copies that block before writing to it, one block beyond its own length, so in
+a pool of exactly the context's blocks a request near the context fails with ``OutOfKVBlocks``) and ``--kv-memory
+SIZE`` (``kv_memory=``, e.g. ``12MiB``; ``fit+N``: the longest request and N tokens more, in whole blocks); by
+default the pool is what the context needs. A context beyond the bundled model's 8192 trained positions loads (with
+a warning); since every assistant message is scripted, what the model generates there does not matter: the prefill
+counts, the times and the agreement between the modes do. The sizes ``fit`` needs come from the session, so the
+model is loaded twice then (the session is built with the first, the runs use the second).
+
+``--preset`` sets defaults (explicit flags override):
+
+* ``default``: the session above, results scaled to end near 7700 tokens under the bundled model's 8192 context
+  (``--target-tokens`` 7700 unless ``--ctx`` is given), the numbers of the earlier runs;
+* ``spec``: 12 turns of one call, results at their drawn 300-2000 tokens, unscaled, a 3000-token system prompt,
+  ``--ctx fit`` (about 16k tokens);
+* ``agent``: 12 turns of 3 calls, results drawn at 100-600 tokens; that session (about 21k tokens) cannot fit 8192
+  even scaled (with every result at the 48-token floor it is still ~11.7k), so it is kept unscaled under
+  ``--ctx fit``;
+* ``pressure``: the default session in a KV pool only slightly above its longest request + 2000 tokens
+  (``--kv-memory fit+2000``) with side requests of about 3000 tokens: a side request late in the session must evict
+  the least recently used blocks (the prefix cache evicts unreferenced leaves; anchors hold their blocks against
+  eviction up to their device budget and spill to host memory when the pool is short), so the retry after it can
+  get its prefix back only from an anchor.
 
 Rendered with ChatML by default (``--template model``: the bundled model's own template, which writes the message
 contents only, without roles).
@@ -28,8 +56,19 @@ Modes, each from an empty KV pool (the decoder, prefix cache and anchors cleared
 
 Measured per request: prompt tokens, tokens prefilled and reused, time to first token (from the ``generate`` call
 until it yields its first token: the reuse lookup, prefill, making anchors and the first sampling step), and in the
-radix mode the seconds spent in ``AnchorStore.create`` / ``restore`` (timing wrappers on the store). The summary
-gives totals per mode, the prefix cache's evictions and the anchors made / restored / refused.
+radix mode whether the prompt's start came from an anchor (the ``anchor`` column: ``model.stats.anchor`` set, or
+refused) and the seconds spent in ``AnchorStore.create`` / ``restore`` (timing wrappers on the store). The summary
+gives totals per mode, the prefix cache's evictions, the anchors made / restored / refused, how often anchors
+spilled to host memory and were read back, their tiers and the host bytes they hold at the end
+(``AnchorStore.host_bytes_held``).
+
+A request the pool cannot hold (``OutOfKVBlocks``) is counted and reported, its planned prefill counted (its whole
+prompt when it failed before that, in the reuse lookup: an anchor read back from host memory), left out of the token
+comparison, and the session goes on from a fresh sequence. The pool asks each reclaimer once, the prefix cache's
+evict before the anchors' spill, and a block both hold is freed only by both: a full pool whose blocks device
+anchors hold fails a request even though spilling and evicting would make room. ``--evict-after-spill`` (off by
+default: it is not the engine's behaviour) gives the radix mode's pool a third reclaimer, the evict once more, to
+show what anchors do once the pool reclaims that way.
 
 The "ideal" column is what an unbounded exact prefix cache would prefill (each prompt less its longest common
 prefix with any earlier request's tokens): none / ideal is the most any reuse can save on this session, so a
@@ -39,7 +78,9 @@ Targets: session prefilled tokens none / radix >= 10x; on retry requests, single
 must give the same tokens in every mode; a mismatch is counted (not fatal) and the logits of the two modes
 compared (max |difference| / max |logit| of the none mode's row, up to the first differing token).
 
-    python bench/bench_agent.py                        # the full session, cpu
+    python bench/bench_agent.py                        # the default session, cpu
+    python bench/bench_agent.py --preset spec --json /tmp/agent_spec.json
+    python bench/bench_agent.py --preset pressure --evict-after-spill --modes radix
     python bench/bench_agent.py --turns 6 --retries 2 --target-tokens 5000 --json /tmp/agent.json
 """
 
@@ -248,17 +289,18 @@ class Corpus:
         return {"path": path, "old_text": old[k], "new_text": new[k]}, "\n".join(self.take(diff, n))
 
 
-def build_session(encode, render, seed: int, turns: int, retries: int, system_tokens: int, scale: float,
-                  raw_sizes: np.ndarray):
-    """The requests, in order: dicts of turn, kind, messages. ``raw_sizes``: tool-result token sizes before
-    ``scale`` (one per turn, then one per retry)."""
+def build_session(encode, render, args, scale: float, raw_sizes: np.ndarray):
+    """The requests, in order: dicts of turn, call, kind, messages, ids. ``raw_sizes``: tool-result token sizes
+    before ``scale`` (one per call, ``--turns`` x ``--calls-per-turn``, then one per retry)."""
+    seed, turns, retries, k_calls = args.seed, args.turns, args.retries, args.calls_per_turn
     rng = np.random.default_rng(seed)
     corpus = Corpus(encode, rng)
+    side_corpus = Corpus(encode, np.random.default_rng(seed + 2))  # the side requests' padding: its own draws
     system = SYSTEM_INTRO + json.dumps(_schema(SYSTEM_TOOLS), indent=2) + SYSTEM_OUTRO
     style = [line for p in sorted(corpus.files) for line in corpus.files[p] if line.strip().startswith("#")]
     have = len(encode(system))
-    if have < system_tokens:
-        system += "\n".join(corpus.take(style, system_tokens - have))
+    if have < args.system_tokens:
+        system += "\n".join(corpus.take(style, args.system_tokens - have))
     retry_turns = sorted(rng.choice(np.arange(2, turns + 1), size=min(retries, max(turns - 1, 0)),
                                     replace=False).tolist()) if turns >= 2 else []
     sizes = [max(48, int(round(s * scale))) for s in raw_sizes]
@@ -268,49 +310,69 @@ def build_session(encode, render, seed: int, turns: int, retries: int, system_to
         text = f"{sentence}\n<tool_call>\n{json.dumps({'name': tool, 'arguments': args})}\n</tool_call>"
         return {"role": "assistant", "content": text}, {"role": "tool", "content": result.strip("\n").rstrip()}
 
+    def side_request(last_call):
+        side = [{"role": "system", "content": SIDE_SYSTEM},
+                {"role": "user", "content": f"<session>\n{TASK}\n{last_call}\n</session>"}]
+        if args.side_tokens:  # a sub-agent with its own context: a source excerpt up to about --side-tokens
+            base, user = len(encode(render(side))), side[1]["content"]
+            if base < args.side_tokens:
+                where = side_corpus.read_file(0)[0]  # a file and a start line, drawn once
+                lines = side_corpus.files[where["path"]][where["start_line"] - 1:]
+                lines = [f"{i:6d}\t{line}" for i, line in enumerate(lines, where["start_line"])]
+                n = args.side_tokens - base
+                for _ in range(3):  # lines counted alone tokenize a little differently in context: correct twice
+                    side[1]["content"] = "<context>\n" + "\n".join(side_corpus.take(lines, n)) + "\n</context>\n" + user
+                    n += args.side_tokens - len(encode(render(side)))
+        return side
+
     msgs = [{"role": "system", "content": system.strip()}, {"role": "user", "content": TASK}]
-    out = [{"turn": 0, "kind": "turn", "messages": list(msgs)}]
+    out = [{"turn": 0, "call": 0, "kind": "turn", "messages": list(msgs)}]
     n_retry = 0
     for t in range(1, turns + 1):
-        tool, sentence = PLAN[(t - 1) % len(PLAN)]
-        msgs += call(tool, sentence, sizes[t - 1])
-        out.append({"turn": t, "kind": "turn", "messages": list(msgs)})
+        for c in range(k_calls):
+            j = (t - 1) * k_calls + c
+            tool, sentence = PLAN[j % len(PLAN)]
+            msgs += call(tool, sentence, sizes[j])
+            out.append({"turn": t, "call": c, "kind": "turn", "messages": list(msgs)})
         if t in retry_turns:
-            last_call = msgs[-2]["content"]
-            side = [{"role": "system", "content": SIDE_SYSTEM},
-                    {"role": "user", "content": f"<session>\n{TASK}\n{last_call}\n</session>"}]
-            out.append({"turn": t, "kind": "side", "messages": side})
-            alt = PLAN[(t + 2) % len(PLAN)][0]
-            msgs = msgs[:-2]
-            msgs += call(alt, RETRY_INTRO, sizes[turns + n_retry])
+            out.append({"turn": t, "call": k_calls - 1, "kind": "side", "messages": side_request(msgs[-2]["content"])})
+            alt = PLAN[(j + 3) % len(PLAN)][0]
+            msgs = msgs[:-2]  # back to before the turn's last call
+            msgs += call(alt, RETRY_INTRO, sizes[turns * k_calls + n_retry])
             n_retry += 1
-            out.append({"turn": t, "kind": "retry", "messages": list(msgs)})
+            out.append({"turn": t, "call": k_calls - 1, "kind": "retry", "messages": list(msgs)})
     for r in out:
         r["ids"] = encode(render(r["messages"]))
-    return out, retry_turns, sizes[:turns + n_retry]
+    return out, retry_turns, sizes[:turns * k_calls + n_retry]
 
 
-def fit_session(encode, render, args, ctx: int):
-    """Scale the tool results so that the session ends near ``--target-tokens`` and every request fits ``ctx``."""
-    n_results = args.turns + args.retries
-    raw = np.random.default_rng(args.seed + 1).uniform(300, 2000, n_results)
-    target = min(args.target_tokens, ctx - args.max_tokens - 8)
+def fit_session(encode, render, args, ctx: int | None):
+    """The session, its tool results at their drawn sizes unless the session would not fit: then all scaled down
+    by one factor so that the final prompt is near the target (``--target-tokens``, else what ``ctx`` allows) and
+    every request fits ``ctx`` (None: no limit). Returns (requests, retry turns, result sizes, scale)."""
+    lo, hi = args.result_tokens
+    raw = np.random.default_rng(args.seed + 1).uniform(lo, hi, args.turns * args.calls_per_turn + args.retries)
+    target = args.target_tokens
+    if ctx is not None:
+        target = min(ctx - args.max_tokens - 8, target if target is not None else ctx)
     scale = 1.0
     for _ in range(8):
-        reqs, retry_turns, sizes = build_session(encode, render, args.seed, args.turns, args.retries,
-                                                 args.system_tokens, scale, raw)
+        reqs, retry_turns, sizes = build_session(encode, render, args, scale, raw)
         final = len(reqs[-1]["ids"]) if reqs[-1]["kind"] != "side" else len(reqs[-2]["ids"])
         longest = max(len(r["ids"]) for r in reqs)
         fixed = len(reqs[0]["ids"])
-        if longest + args.max_tokens <= ctx and abs(final - target) <= max(64, target // 50):
+        fits = ctx is None or longest + args.max_tokens <= ctx
+        if fits and (target is None or (scale == 1.0 and final <= target)):
+            break  # as drawn
+        if fits and abs(final - target) <= max(64, target // 50):
             break
-        over = max(final - target, longest + args.max_tokens - ctx + 8)
+        over = max(final - target, longest + args.max_tokens - (ctx if ctx is not None else longest) + 8)
         # the results' tokens scale about linearly; the rest of the session does not
-        scale *= max(0.05, (final - fixed - over) / max(final - fixed, 1))
-    if longest + args.max_tokens > ctx:
+        scale = min(1.0, scale * max(0.05, (final - fixed - over) / max(final - fixed, 1)))
+    if ctx is not None and longest + args.max_tokens > ctx:
         raise SystemExit(f"the session does not fit the {ctx}-token context: {longest} prompt tokens; lower "
-                         "--system-tokens or --turns")
-    return reqs, retry_turns, sizes
+                         "--system-tokens or --turns, or raise --ctx")
+    return reqs, retry_turns, sizes, scale
 
 
 # ---- running ------------------------------------------------------------------------------------------------------
@@ -332,10 +394,11 @@ class Instrument:
     def __init__(self, model):
         self.model = model
         self.create_s = self.restore_s = 0.0
-        self.creates = self.new_anchors = self.restores = 0
+        self.creates = self.new_anchors = self.restores = self.spills = self.reads_back = 0
         self.rows: list[np.ndarray] = []
         store, dec = model.anchors, model.decoder
         create, restore, forward = store.create, store.restore, dec.forward
+        to_host, to_device = store._to_host, store._to_device
 
         def timed_create(seq, tokens, length=None, **kw):
             before = len(store.anchors)
@@ -360,9 +423,19 @@ class Instrument:
             self.rows.append(np.array(out[-1], np.float32))
             return out
 
+        def counted_to_host(*a, **kw):
+            self.spills += 1
+            return to_host(*a, **kw)
+
+        def counted_to_device(*a, **kw):
+            self.reads_back += 1
+            return to_device(*a, **kw)
+
         store.create, store.restore, dec.forward = timed_create, timed_restore, captured_forward
-        self._undo = lambda: (store.__dict__.pop("create"), store.__dict__.pop("restore"),
-                              dec.__dict__.pop("forward"))
+        store._to_host, store._to_device = counted_to_host, counted_to_device
+        self._undo = lambda: [d.pop(k) for d, k in ((store.__dict__, "create"), (store.__dict__, "restore"),
+                                                    (store.__dict__, "_to_host"), (store.__dict__, "_to_device"),
+                                                    (dec.__dict__, "forward"))]
 
     def close(self):
         self._undo()
@@ -371,11 +444,16 @@ class Instrument:
 def run_mode(model, mode: str, reqs, template, encode, args):
     from freetoken.engine.chat import message_boundaries
     from freetoken.engine.sampling import SamplingParams
+    from freetoken.models.kv import OutOfKVBlocks
 
     clear(model)
     cache, store = model.prefix_cache, model.anchors
     ev0, rest0, ref0 = cache.evicted, store.restored, len(store.refusals)
     inst = Instrument(model)
+    reclaimers = model.decoder.pool.reclaimers
+    extra = cache.evict if args.evict_after_spill and mode == "radix" else None
+    if extra is not None:  # the workaround: evict once more after the anchors spilled (see --evict-after-spill)
+        reclaimers.append(extra)
     greedy = SamplingParams(temperature=0.0)
     rows, logits = [], []
     try:
@@ -388,45 +466,61 @@ def run_mode(model, mode: str, reqs, template, encode, args):
             inst.rows = []
             t0 = time.perf_counter()
             gen = model.generate(ids, args.max_tokens, greedy, reuse_cache=mode != "none", boundaries=bounds)
-            toks = []
-            for tok in gen:
-                if not toks:
-                    ttft = time.perf_counter() - t0
-                toks.append(int(tok))
+            toks, error, ttft = [], None, float("nan")
+            try:
+                for tok in gen:
+                    if not toks:
+                        ttft = time.perf_counter() - t0
+                    toks.append(int(tok))
+            except OutOfKVBlocks as e:  # counted and reported; the next request starts from a fresh sequence
+                error = str(e)
+                model.decoder.reset()
+                model.cached_ids = []
             total = time.perf_counter() - t0
             st = model.stats
-            rows.append({"mode": mode, "request": i, "turn": r["turn"], "kind": r["kind"], "prompt_tokens": len(ids),
+            if error and st.prompt_tokens + st.cached_tokens != len(ids):  # failed before the prefill was planned
+                st.prompt_tokens, st.cached_tokens = len(ids), 0
+            rows.append({"mode": mode, "request": i, "turn": r["turn"], "call": r["call"], "kind": r["kind"],
+                         "prompt_tokens": len(ids),
                          "prefilled": st.prompt_tokens, "cached": st.cached_tokens, "ttft_s": ttft,
                          "prefill_s": st.prefill_seconds, "total_s": total, "generated": len(toks),
                          "anchor_restored": st.anchor is not None, "anchor_refused": st.anchor_refused,
                          "anchors_made": len(st.anchors_made), "boundaries": len(bounds),
                          "anchor_create_s": inst.create_s - c0, "anchor_restore_s": inst.restore_s - s0,
-                         "tokens": toks})
+                         "error": error, "tokens": toks})
             logits.append(inst.rows[:len(toks)])
-            print(f"  {mode:<6} #{i:<2} turn {r['turn']:>2} {r['kind']:<5} prompt {len(ids):>5}  prefilled "
-                  f"{st.prompt_tokens:>5}  cached {st.cached_tokens:>5}  ttft {ttft:6.2f} s", file=sys.stderr,
+            note = " anchor" if st.anchor is not None else " refused" if st.anchor_refused else ""
+            note += f"  FAILED: {error}" if error else ""
+            print(f"  {mode:<6} #{i:<2} turn {r['turn']:>2}.{r['call']} {r['kind']:<5} prompt {len(ids):>5}  prefilled "
+                  f"{st.prompt_tokens:>5}  cached {st.cached_tokens:>5}  ttft {ttft:6.2f} s{note}", file=sys.stderr,
                   flush=True)
     finally:
         inst.close()
-    info = {"evicted_blocks": cache.evicted - ev0, "anchors_created": inst.new_anchors,
+        if extra is not None:
+            reclaimers.remove(extra)
+    info = {"failed_requests": [x["request"] for x in rows if x["error"]], "evicted_blocks": cache.evicted - ev0,
+            "anchors_created": inst.new_anchors,
             "anchor_create_calls": inst.creates, "anchors_restored": store.restored - rest0,
             "anchor_restore_calls": inst.restores, "anchors_refused": len(store.refusals) - ref0,
             "refusals": [why for _, why in store.refusals[ref0:]], "anchor_create_s": inst.create_s,
             "anchor_restore_s": inst.restore_s,
-            "anchor_tiers": {t: sum(a.tier == t for a in store.anchors.values()) for t in ("device", "host", "disk")},
-            "anchor_host_bytes": store._host_bytes(),
+            "anchor_spills_to_host": inst.spills, "anchor_reads_back": inst.reads_back,
+            "anchor_tiers": {t: sum(a.where == t for a in store.anchors.values()) for t in ("device", "host", "disk")},
+            "anchor_host_bytes": store.host_bytes_held(),
             "anchor_device_blocks": len(set(store.held_blocks())), "anchor_device_budget": store.device_blocks,
             "pool_free_blocks_at_end": model.decoder.pool.free_blocks}
     clear(model)
     return rows, logits, info
 
 
-
 def compare(ref_rows, ref_logits, rows, logits) -> dict:
     """Token agreement with the reference mode, and the largest relative logits difference (up to the first
     differing token of each request)."""
-    mismatched, worst, details = [], 0.0, []
+    mismatched, worst, details, failed = [], 0.0, [], []
     for a, la, b, lb in zip(ref_rows, ref_logits, rows, logits, strict=True):
+        if a["error"] or b["error"]:  # no tokens to compare
+            failed.append(a["request"])
+            continue
         n = min(len(a["tokens"]), len(b["tokens"]))
         first = next((j for j in range(n) if a["tokens"][j] != b["tokens"][j]), None)
         if first is None and len(a["tokens"]) != len(b["tokens"]):
@@ -442,7 +536,8 @@ def compare(ref_rows, ref_logits, rows, logits) -> dict:
                 x = la[first]
                 d["ref_margin"] = float(x[a["tokens"][first]] - x[b["tokens"][first]])  # the near tie, if one
             details.append(d)
-    return {"mismatched_requests": mismatched, "max_rel_logit_diff": worst, "details": details}
+    return {"mismatched_requests": mismatched, "max_rel_logit_diff": worst, "details": details,
+            "failed_requests": failed}
 
 
 def ideal_prefill(reqs, generated) -> list[int]:
@@ -462,15 +557,84 @@ def ideal_prefill(reqs, generated) -> list[int]:
     return out
 
 
+def _ctx_arg(text: str):
+    """--ctx: a token count, or ``fit``."""
+    if text == "fit":
+        return text
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count or 'fit', got {text!r}") from None
+    if v < 64:
+        raise argparse.ArgumentTypeError(f"must be >= 64, got {text}")
+    return v
+
+
+def _kv_arg(text: str):
+    """--kv-memory: a size (``12MiB``, parsed by :func:`freetoken.cli.args.size`), or ``fit+N`` (tokens)."""
+    if text == "fit" or text.startswith("fit+"):
+        try:
+            return ("fit", int(text[4:] or 0))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected fit+TOKENS, got {text!r}") from None
+    from freetoken.cli.args import size
+
+    return size(text)
+
+
+def _range_arg(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI token counts, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text}")
+    return lo, hi
+
+
+#: Defaults per --preset (explicit flags override them); see the module doc.
+PRESETS = {
+    "default": {},
+    "spec": {"turns": 12, "calls_per_turn": 1, "result_tokens": (300, 2000), "system_tokens": 3000, "ctx": "fit"},
+    "agent": {"turns": 12, "calls_per_turn": 3, "result_tokens": (100, 600), "ctx": "fit"},
+    "pressure": {"kv_memory": ("fit", 2000), "side_tokens": 3000},
+}
+#: --target-tokens of the presets that keep the earlier default session (when no --ctx is given).
+LEGACY_TARGET = 7700
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=tuple(PRESETS), default="default",
+                    help="a session's defaults (default: the earlier default session); explicit flags override")
     ap.add_argument("--device", default="cpu", help="the device to load the bundled model on (default cpu)")
     ap.add_argument("--model", default=None, help="a model path (default: the bundled model)")
     ap.add_argument("--turns", type=int, default=12, help="tool-call turns after the first request (default 12)")
+    ap.add_argument("--calls-per-turn", type=int, default=1,
+                    help="tool calls per turn, one request each (default 1); a retry replaces the turn's last call")
     ap.add_argument("--retries", type=int, default=4, help="turns followed by a side request and a retry (4)")
     ap.add_argument("--system-tokens", type=int, default=3000, help="system prompt size (default 3000)")
-    ap.add_argument("--target-tokens", type=int, default=7700,
-                    help="the session's final prompt size the tool results are scaled to (default 7700)")
+    ap.add_argument("--result-tokens", type=_range_arg, default=(300, 2000), metavar="LO,HI",
+                    help="the range the tool results' token sizes are drawn from (default 300,2000)")
+    ap.add_argument("--target-tokens", type=int, default=None,
+                    help="the largest final prompt: the tool results are scaled down (never up) to end near it when "
+                         "the session as drawn is longer (default: what --ctx allows; presets default and pressure "
+                         f"without --ctx: {LEGACY_TARGET}, the earlier default session)")
+    ap.add_argument("--side-tokens", type=int, default=None,
+                    help="the side requests' size in tokens (default: as it comes, about 300-400; a large one, "
+                         "e.g. 3000, is a sub-agent with its own context)")
+    ap.add_argument("--ctx", type=_ctx_arg, default=None, metavar="N|fit",
+                    help="the model's context (freetoken.load ctx=; default the model's own, 8192 for the bundled "
+                         "one; beyond its trained positions it only warns); fit: the session's longest request and a "
+                         "block")
+    ap.add_argument("--kv-memory", type=_kv_arg, default=None, metavar="SIZE|fit+N",
+                    help="the KV pool (freetoken.load kv_memory=), e.g. 12MiB; fit+N: the longest request and N "
+                         "tokens more, rounded up to whole blocks (default: what the context needs)")
+    ap.add_argument("--evict-after-spill", action=argparse.BooleanOptionalAction, default=False,
+                    help="radix mode: give the pool a third reclaimer, the prefix cache's evict once more after the "
+                         "anchors spilled (a block an anchor and the tree both hold is freed only by both; the pool "
+                         "asks each reclaimer once). A bench-side workaround, off by default: without it such a "
+                         "request fails with OutOfKVBlocks (counted, the session goes on)")
     ap.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per request (default 16)")
     ap.add_argument("--template", choices=("chatml", "model"), default="chatml",
                     help="ChatML (default; the bundled model's own template writes the contents only, no roles) "
@@ -478,21 +642,30 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of none,single,radix")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="write every row and the summary to this file")
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", choices=tuple(PRESETS), default="default")
+    ap.set_defaults(**PRESETS[pre.parse_known_args(argv)[0].preset])
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - set(MODES):
         ap.error(f"--modes: choose from {','.join(MODES)}")
-    if args.turns < 1 or args.retries < 0 or args.max_tokens < 1:
-        ap.error("--turns and --max-tokens must be >= 1, --retries >= 0")
+    if args.turns < 1 or args.retries < 0 or args.max_tokens < 1 or args.calls_per_turn < 1:
+        ap.error("--turns, --calls-per-turn and --max-tokens must be >= 1, --retries >= 0")
     args.retries = min(args.retries, max(args.turns - 1, 0))
+    if args.target_tokens is None and args.ctx is None and args.preset in ("default", "pressure"):
+        args.target_tokens = LEGACY_TARGET
 
     import freetoken
     from freetoken.engine.chat import ChatTemplate, _special_tokens, model_template
+    from freetoken.models.kv import kv_block_bytes
 
-    t0 = time.perf_counter()
-    model = freetoken.load(args.model, device=args.device)
-    load_s = time.perf_counter() - t0
-    template = model_template(model) if args.template == "model" else ChatTemplate.chatml(_special_tokens(model))
+    def load(ctx, kv_memory):
+        t0 = time.perf_counter()
+        m = freetoken.load(args.model, device=args.device, ctx=ctx, kv_memory=kv_memory)
+        return m, time.perf_counter() - t0
+
+    fit_ctx, fit_kv = args.ctx == "fit", isinstance(args.kv_memory, tuple)
+    model, load_s = load(None if fit_ctx else args.ctx, None if fit_kv else args.kv_memory)
 
     def encode(text):
         return model.encode(text, add_special_tokens=False)
@@ -500,14 +673,34 @@ def main(argv=None) -> int:
     def render(messages):
         return template.render(messages, add_generation_prompt=True)
 
+    template = model_template(model) if args.template == "model" else ChatTemplate.chatml(_special_tokens(model))
+    reqs, retry_turns, sizes, scale = fit_session(encode, render, args, None if fit_ctx else model.decoder.ctx)
+    longest = max(len(r["ids"]) for r in reqs) + args.max_tokens
+    if fit_ctx or fit_kv:  # sized from the session: load again with that context / pool
+        bs, cfg = model.decoder.pool.block_size, model.decoder.cfg
+        ctx = -(-longest // bs) * bs + bs if fit_ctx else args.ctx  # one block spare: see the module doc
+        kv = args.kv_memory
+        if fit_kv:
+            kv = -(-(longest + args.kv_memory[1]) // bs) * kv_block_bytes(cfg.num_layers, cfg.num_kv_heads,
+                                                                         cfg.head_dim, model.decoder.pool.kind, bs)
+        del model
+        model, load_s = load(ctx, kv)
+        template = model_template(model) if args.template == "model" else ChatTemplate.chatml(_special_tokens(model))
     ctx = model.decoder.ctx
-    reqs, retry_turns, sizes = fit_session(encode, render, args, ctx)
+    if longest > ctx:
+        raise SystemExit(f"the session's longest request ({longest} tokens with its generated ones) does not fit the "
+                         f"{ctx}-token context of this KV pool")
     final = max(len(r["ids"]) for r in reqs if r["kind"] != "side")
+    side = [len(r["ids"]) for r in reqs if r["kind"] == "side"]
     pool = model.decoder.pool
-    print(f"# bench_agent: {args.device}, ctx {ctx}, KV pool {pool.num_blocks} blocks x {pool.block_size} tokens, "
-          f"template {template.name}; load {load_s:.1f} s", file=sys.stderr)
+    print(f"# bench_agent: preset {args.preset}, {args.device}, ctx {ctx}, KV pool {pool.num_blocks} blocks x "
+          f"{pool.block_size} tokens ({pool.num_blocks * pool.block_size} tokens, {pool.nbytes / 2**20:.1f} MiB), "
+          f"anchor device budget {model.anchors.device_blocks} blocks, template {template.name}; load {load_s:.1f} s",
+          file=sys.stderr)
     print(f"# session: {len(reqs)} requests, system {len(reqs[0]['ids'])} tokens (with the task), final prompt "
-          f"{final} tokens, tool results {min(sizes)}-{max(sizes)} tokens, retries after turns {retry_turns}",
+          f"{final} tokens, {args.calls_per_turn} call(s) per turn, tool results {min(sizes)}-{max(sizes)} tokens "
+          f"(drawn {args.result_tokens[0]}-{args.result_tokens[1]}, scale {scale:.3f}), side requests "
+          f"{min(side, default=0)}-{max(side, default=0)} tokens, retries after turns {retry_turns}",
           file=sys.stderr, flush=True)
 
     # warm-up (kernels, buffers), then an empty pool for every mode
@@ -520,29 +713,36 @@ def main(argv=None) -> int:
     ideal = ideal_prefill(reqs, [x["tokens"] for x in results[ref]])
 
     # ---- tables ----
-    print(f"\nSession: {len(reqs)} requests ({args.turns} turns + turn 0, {len(retry_turns)} side + "
-          f"{len(retry_turns)} retry), {args.max_tokens} greedy tokens each, final prompt {final} tokens, "
-          f"device {args.device}.\n")
+    print(f"\nSession (preset {args.preset}): {len(reqs)} requests ({args.turns} turns x {args.calls_per_turn} "
+          f"call(s) + turn 0, {len(retry_turns)} side + {len(retry_turns)} retry), {args.max_tokens} greedy tokens "
+          f"each, final prompt {final} tokens, tool results {min(sizes)}-{max(sizes)} tokens (scale {scale:.3f} of "
+          f"the drawn {args.result_tokens[0]}-{args.result_tokens[1]}), side requests {min(side, default=0)}-"
+          f"{max(side, default=0)} tokens; ctx {ctx}, KV pool {pool.num_blocks} blocks of {pool.block_size} tokens "
+          f"({pool.nbytes / 2**20:.1f} MiB), device {args.device}.\n")
     anchor_col = "radix" in modes
     head = "| # | turn | kind | prompt | ideal |" + "".join(
-        f" {m} prefilled | {m} cached | {m} TTFT s |" for m in modes) + (" radix anchor s |" if anchor_col else "")
+        f" {m} prefilled | {m} cached | {m} TTFT s |" for m in modes) + (" anchor | radix anchor s |"
+                                                                        if anchor_col else "")
     print(head)
-    print("|" + "---|" * (5 + 3 * len(modes) + anchor_col))
+    print("|" + "---|" * (5 + 3 * len(modes) + 2 * anchor_col))
     for i, r in enumerate(reqs):
         cells = "".join(f" {results[m][i]['prefilled']} | {results[m][i]['cached']} | {results[m][i]['ttft_s']:.2f} |"
                         for m in modes)
         if anchor_col:
             x = results["radix"][i]
-            cells += f" {x['anchor_create_s'] + x['anchor_restore_s']:.2f} |"
-        print(f"| {i} | {r['turn']} | {r['kind']} | {len(r['ids'])} | {ideal[i]} |{cells}")
+            used = "restored" if x["anchor_restored"] else "refused" if x["anchor_refused"] else "-"
+            cells += f" {used} | {x['anchor_create_s'] + x['anchor_restore_s']:.2f} |"
+        turn = r["turn"] if args.calls_per_turn == 1 else f"{r['turn']}.{r['call']}"
+        print(f"| {i} | {turn} | {r['kind']} | {len(r['ids'])} | {ideal[i]} |{cells}")
 
     summary = {}
     for m in modes:
         rs = results[m]
         retry = [x for x in rs if x["kind"] == "retry"]
         summary[m] = {"prefilled": sum(x["prefilled"] for x in rs), "cached": sum(x["cached"] for x in rs),
-                      "ttft_s": sum(x["ttft_s"] for x in rs), "retry_prefilled": sum(x["prefilled"] for x in retry),
-                      "retry_ttft_s": sum(x["ttft_s"] for x in retry)}
+                      "ttft_s": sum(x["ttft_s"] for x in rs if not x["error"]),
+                      "retry_prefilled": sum(x["prefilled"] for x in retry),
+                      "retry_ttft_s": sum(x["ttft_s"] for x in retry if not x["error"])}
     retry_ideal = sum(n for n, r in zip(ideal, reqs, strict=True) if r["kind"] == "retry")
     print("\n| mode | prefilled tokens | cached tokens | total TTFT s | retry prefilled | retry TTFT s |")
     print("|---|---|---|---|---|---|")
@@ -577,7 +777,12 @@ def main(argv=None) -> int:
         print(f"\nradix: prefix cache evicted {i['evicted_blocks']} blocks; anchors created {i['anchors_created']} "
               f"({i['anchor_create_calls']} create calls), restored {i['anchors_restored']}, refused "
               f"{i['anchors_refused']}; at the end {i['anchor_tiers']} (device: {i['anchor_device_blocks']} distinct "
-              f"blocks, budget {i['anchor_device_budget']}; host copies {i['anchor_host_bytes'] / 2**20:.1f} MiB)")
+              f"blocks, budget {i['anchor_device_budget']}; host copies {i['anchor_host_bytes'] / 2**20:.2f} MiB, "
+              f"{i['anchor_host_bytes']} bytes)")
+        restored_at = [x["request"] for x in results["radix"] if x["anchor_restored"]]
+        print(f"radix: anchors spilled to host {i['anchor_spills_to_host']} times, read back to the device "
+              f"{i['anchor_reads_back']} times; requests restored from an anchor: {restored_at or 'none'}; KV pool "
+              f"{pool.num_blocks} blocks, {i['pool_free_blocks_at_end']} free at the end")
         print(f"radix: anchor cost: create {i['anchor_create_s']:.3f} s, restore (verify) {i['anchor_restore_s']:.3f}"
               f" s over {n_req} requests ({spent / max(summary['radix']['ttft_s'], 1e-9):.1%} of the radix TTFT)")
         if "single" in results:
@@ -586,17 +791,26 @@ def main(argv=None) -> int:
                   f"{turn_ttft['single']:.2f} s, radix {turn_ttft['radix']:.2f} s")
         for why in i["refusals"]:
             print(f"  refused: {why}")
+    for m in modes:
+        failed = [x for x in results[m] if x["error"]]
+        if failed:
+            print(f"{m}: {len(failed)} request(s) FAILED (counted above with their planned prefill, the whole prompt "
+                  "when they failed before it was planned): "
+                  + "; ".join(f"#{x['request']} {x['kind']}: {x['error']}" for x in failed))
     for m, c in checks.items():
         mism = c["mismatched_requests"]
-        same = "identical in every request" if not mism else f"differ in {len(mism)} request(s) {mism}"
-        print(f"{m} vs {ref}: tokens {same}; max relative logits difference {c['max_rel_logit_diff']:.2e}")
+        same = "identical in every request compared" if not mism else f"differ in {len(mism)} request(s) {mism}"
+        skipped = f" (failed requests {c['failed_requests']} not compared)" if c["failed_requests"] else ""
+        print(f"{m} vs {ref}: tokens {same}{skipped}; max relative logits difference {c['max_rel_logit_diff']:.2e}")
         for d in c["details"]:
             print(f"  request {d['request']}: first differing token {d['first_diff']}, rel. logits diff "
                   f"{d['rel_logit_diff']:.2e}, {ref} margin {d.get('ref_margin', float('nan')):.3g}")
 
     if args.json is not None:
         out = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-               "ctx": ctx, "final_prompt_tokens": final, "retry_turns": retry_turns, "tool_result_tokens": sizes,
+               "ctx": ctx, "kv_pool_blocks": pool.num_blocks, "kv_block_tokens": pool.block_size,
+               "kv_pool_bytes": pool.nbytes, "result_scale": scale, "side_request_tokens": side,
+               "final_prompt_tokens": final, "retry_turns": retry_turns, "tool_result_tokens": sizes,
                "rows": [x for m in modes for x in results[m]], "ideal_prefilled": ideal, "summary": summary,
                "ratios": ratios, "radix": infos.get("radix"), "infos": infos, "checks": checks}
         args.json.write_text(json.dumps(out, indent=1))

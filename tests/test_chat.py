@@ -259,6 +259,7 @@ def test_default_generate_is_unchanged(model):
 # ---- Chat -----------------------------------------------------------------------------------------------------------
 def test_chat_reuses_the_cache_across_turns(model):
     model.decoder.reset()  # rows of earlier tests: none are reused
+    model.prefix_cache.clear()
     chat = Chat(model)
     assert not chat.uses_fallback and chat.stop == []
     reply1 = "".join(chat.send("def add(a, b):", max_tokens=12, sampling=GREEDY))
@@ -308,17 +309,35 @@ class ByteTokenizer:
 
 
 class ScriptedDecoder:
-    """Emits a fixed byte sequence whatever the input (a stand-in for MoeDecoder)."""
+    """Emits a fixed byte sequence whatever the input (a stand-in for MoeDecoder, with a real one-value KV pool so
+    that prefix reuse and anchors have blocks to hold)."""
 
     def __init__(self, script: bytes):
-        self.script, self.length, self.ctx, self.i = list(script), 0, 1000, 0
-        self.last_routing = []
+        from types import SimpleNamespace
+
+        from freetoken.device import get_device
+        from freetoken.models.kv import KVPool, KVSequence
+
+        self.script, self.ctx, self.i = list(script), 1000, 0
+        self.pool = KVPool(get_device("cpu"), 1, 1, 1, 16, "f32")
+        self.kv = KVSequence(self.pool, self.pool.tokens)
+        self.cfg, self.embed = SimpleNamespace(script=bytes(script)), np.zeros((256, 1), np.float32)
+        self.experts = SimpleNamespace(layout=SimpleNamespace(fmt=SimpleNamespace(name="none")), last_routing=[])
+
+    @property
+    def length(self):
+        return self.kv.length
+
+    @length.setter
+    def length(self, n):
+        self.kv.truncate(n)
 
     def reset(self):
-        self.length = 0
+        self.kv.reset()
 
     def forward(self, ids, last_only=False):
-        self.length += len(ids)
+        self.kv.prepare(self.kv.length, len(ids))
+        self.kv.length += len(ids)
         tok = self.script[self.i] if self.i < len(self.script) else 0
         self.i += 1
         logits = np.full((len(ids), 256), -10.0, np.float32)

@@ -250,10 +250,14 @@ class AnchorStore:
             return f"its {n} token ids are not a prefix of the request's {len(ids)} tokens", None
         return None, None
 
-    def restore(self, anchor: Anchor | str, ids: Sequence[int], seq: KVSequence,
-                limit: int | None = None) -> tuple[int, str | None]:
+    def restore(self, anchor: Anchor | str, ids: Sequence[int], seq: KVSequence, limit: int | None = None,
+                have: Sequence[int] = (), have_tokens: int = 0) -> tuple[int, str | None]:
         """Make ``seq`` the anchor's prefix of ``ids`` (at most ``limit`` tokens of it) after every check; returns
-        (tokens restored, None) or (0, why it was refused: ``seq`` is then left as it was)."""
+        (tokens restored, None) or (0, why it was refused: ``seq`` is then left as it was).
+
+        ``have``: blocks the caller holds for the first ``have_tokens`` of ``ids`` (a prefix-cache match): the
+        whole ones among them serve as they are, and only the anchor's blocks past them are read back from host
+        memory or disk (into new blocks of ``seq``; the anchor stays in its tier)."""
         aid = None
         if isinstance(anchor, str):
             aid, anchor = anchor, self.anchors.get(anchor)
@@ -265,12 +269,25 @@ class AnchorStore:
             if aid != anchor.id and aid in self.anchors:
                 drop = "entry"  # filed under an id not its own (a collision, or a forged entry): that entry goes
             return self.refuse(aid, why, drop)
-        why = self._to_device(anchor) if anchor.blocks is None else self._sample(anchor)
-        if why is not None:
-            return self.refuse(aid, why, "all")
         bs = self.pool.block_size
         n = anchor.length if limit is None else min(anchor.length, int(limit))
-        seq.adopt(anchor.blocks[:-(-n // bs)], n)
+        n_blocks = -(-n // bs)
+        if anchor.blocks is not None:
+            why = self._sample(anchor)
+            if why is not None:
+                return self.refuse(aid, why, "all")
+            seq.adopt(anchor.blocks[:n_blocks], n)
+        else:
+            skip = min(n_blocks, min(int(have_tokens), n) // bs, len(have))
+            rows, why = self._read_back(anchor, skip, n_blocks)
+            if why is not None:
+                return self.refuse(aid, why, "all")
+            new = self.pool.allocate(len(rows))
+            for b, data in zip(new, rows, strict=True):
+                for name, arr in self.pool.arrays.items():
+                    arr[:, b, :data[name].shape[1]] = self.pool.dev.asarray(data[name])
+            seq.adopt([*have[:skip], *new], n)
+            self.pool.release(new)  # the sequence holds them now
         anchor.last_use = time.monotonic()
         self.restored += 1
         self._enforce_budgets(keep=anchor)
@@ -287,31 +304,35 @@ class AnchorStore:
                 return f"the KV bytes of block {j} changed since it was made (checksum mismatch on the device)"
         return None
 
-    def _to_device(self, anchor: Anchor) -> str | None:
-        """Read a host or disk anchor's blocks back into the pool, each checked first; why not, or None."""
+    def _read_back(self, anchor: Anchor, first: int, stop: int) -> tuple[list | None, str | None]:
+        """Blocks ``first .. stop - 1`` of a host or disk anchor, each checked against its checksum: (rows, None)
+        or (None, why). A disk anchor's blocks stay in host memory after (its tier becomes host)."""
         bs = self.pool.block_size
-        rows = []
-        for j, key in enumerate(anchor.sums):
+        out, loaded = [], {}
+        for j in range(first, stop):
+            key = anchor.sums[j]
             entry = self._host.get(key)
-            if entry is not None:
+            if entry is not None and anchor.where == "host":
                 data = entry[0]
             else:
                 try:
-                    data = read_block(self._block_path(key)) if self.directory is not None else None
+                    data = entry[0] if entry is not None else (
+                        read_block(self._block_path(key)) if self.directory is not None else None)
                 except (OSError, ValueError) as e:
-                    return f"block {j}: {e}"
+                    return None, f"block {j}: {e}"
                 if data is None:
-                    return f"block {j} is neither in host memory nor on disk"
+                    return None, f"block {j} is neither in host memory nor on disk"
+                loaded[key] = data
             if block_sum(data) != key or next(iter(data.values())).shape[1] != _rows(anchor.length, j, bs):
-                return f"the KV bytes of block {j} do not match the checksum taken when it was made"
-            rows.append(data)
-        blocks = self.pool.allocate(len(rows))
-        for b, data in zip(blocks, rows, strict=True):
-            for name, a in self.pool.arrays.items():
-                a[:, b, :data[name].shape[1]] = self.pool.dev.asarray(data[name])
-        self._drop_host(anchor)
-        anchor.blocks, anchor.where = blocks, "device"
-        return None
+                return None, f"the KV bytes of block {j} do not match the checksum taken when it was made"
+            out.append(data)
+        if anchor.where == "disk" and first == 0 and stop == len(anchor.sums):  # all of it read: keep it at hand
+            for key, data in loaded.items():
+                self._host.setdefault(key, [{k: np.array(v) for k, v in data.items()}, 0, []])
+            for key in anchor.sums:
+                self._host[key][1] += 1
+            anchor.where = "host"
+        return out, None
 
     # ---- letting go --------------------------------------------------------------------------------------------
     def _let_go(self, anchor: Anchor) -> None:
@@ -387,14 +408,15 @@ class AnchorStore:
         return sum(int(v.nbytes) for rows, _, _ in self._host.values() for v in rows.values())
 
     def _enforce_budgets(self, keep: Anchor | None = None) -> None:
+        """Device anchors over ``device_blocks`` distinct blocks spill to host, least recently used first (the
+        newest too when it alone is over: the prefix cache still has its blocks while nobody needs the room);
+        host copies over ``host_bytes`` go, least recently used first, except ``keep``'s."""
         by_age = sorted(self.anchors.values(), key=lambda a: a.last_use)
-        held = set(self.held_blocks())
         for a in by_age:
-            if len(held) <= self.device_blocks:
+            if len(set(self.held_blocks())) <= self.device_blocks:
                 break
-            if a.blocks is not None and a is not keep:
+            if a.blocks is not None:
                 self._to_host(a)
-                held = set(self.held_blocks())
         for a in by_age:
             if self.host_bytes_held() <= self.host_bytes:
                 break
@@ -405,17 +427,17 @@ class AnchorStore:
                     self.delete(a.id)
 
     def spill(self, n: int) -> int:
-        """Reclaimer of the pool: move least recently used device anchors to host memory until ``n`` blocks are
-        free (a block the prefix cache or a sequence still holds is not freed by it); returns blocks freed."""
-        free = self.pool.free_blocks
-        for a in sorted((a for a in self.anchors.values() if a.blocks is not None), key=lambda a: a.last_use):
-            if self.pool.free_blocks - free >= n:
-                break
-            self._to_host(a)
-        freed = self.pool.free_blocks - free
-        if freed:
-            self._enforce_budgets()
-        return freed
+        """Reclaimer of the pool: move the least recently used device anchor to host memory; returns the references
+        it dropped (0: no device anchor is left). A block the prefix cache also holds is not free yet: the pool's
+        next round of reclaimers evicts it."""
+        device = [a for a in self.anchors.values() if a.blocks is not None]
+        if not device:
+            return 0
+        a = min(device, key=lambda a: a.last_use)
+        dropped = len(a.blocks)
+        self._to_host(a)
+        self._enforce_budgets()
+        return dropped
 
     # ---- disk --------------------------------------------------------------------------------------------------
     def _block_path(self, key: str) -> Path:

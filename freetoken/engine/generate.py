@@ -142,9 +142,12 @@ class Model:
         if a is None:
             raise ValueError(f"no anchor {anchor!r}")
         self._retire()
+        self.decoder.kv.reset()  # in the prefix cache now: room for the anchor's blocks, if it must be read back
+        self.cached_ids = []
         n, why = self.anchors.restore(a, a.tokens.tolist(), self.decoder.kv)
         if why is not None:
             raise ValueError(f"anchor {a.id[:16]} refused: {why}")
+        self.decoder.kv.own_last()
         self.cached_ids = a.tokens.tolist()
         return n
 
@@ -159,22 +162,29 @@ class Model:
         self._retire()
         limit = len(ids) - 1  # the last prompt token is always fed again, for its logits
         blocks, n = self.prefix_cache.match(ids, limit)
-        store = self._anchors if anchor is None else self.anchors
-        target = anchor  # an Anchor or an id: the caller's, else the longest anchor at one of the boundaries
-        if target is None and store is not None and boundaries:
-            target = store.best_prefix(ids, boundaries)
-        keep = 0
-        cand = store.get(target) if isinstance(target, str) else target
-        if target is not None and cand is None:
-            st.anchor_refused = store.refuse(target, "no such anchor")[1]
-        elif cand is not None and (anchor is not None or min(cand.length, limit) > n):
-            keep, why = store.restore(target, ids, self.decoder.kv, limit)
-            st.anchor, st.anchor_refused = (cand.id, None) if why is None else (None, why)
-            if why is None and self.restore_residency and cand.residency and hasattr(self.experts, "residency"):
-                self.experts.restore_residency(cand.residency)
-        if n > keep:
-            self.decoder.kv.adopt(blocks, n)
-            keep = n
+        pool, seq = self.decoder.pool, self.decoder.kv
+        pool.retain(blocks)  # the match is held while room is made below (what else the tree holds may go)
+        try:
+            seq.reset()  # the old sequence is in the prefix cache: what of it nobody needs can be evicted now
+            store = self._anchors if anchor is None else self.anchors
+            target = anchor  # an Anchor or an id: the caller's, else the longest anchor at one of the boundaries
+            if target is None and store is not None and boundaries:
+                target = store.best_prefix(ids, boundaries)
+            keep = 0
+            cand = store.get(target) if isinstance(target, str) else target
+            if target is not None and cand is None:
+                st.anchor_refused = store.refuse(target, "no such anchor")[1]
+            elif cand is not None and (anchor is not None or min(cand.length, limit) > n):
+                keep, why = store.restore(target, ids, seq, limit, have=blocks, have_tokens=n)
+                st.anchor, st.anchor_refused = (cand.id, None) if why is None else (None, why)
+                if why is None and self.restore_residency and cand.residency and hasattr(self.experts, "residency"):
+                    self.experts.restore_residency(cand.residency)
+            if n > keep:
+                seq.adopt(blocks, n)
+                keep = n
+            seq.own_last()  # a shared partial last block copied now, while the pool can still make room for it
+        finally:
+            pool.release(blocks)
         return keep
 
     @property

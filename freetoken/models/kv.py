@@ -86,8 +86,11 @@ class KVPool:
             self.v_scale = device.zeros(shape[:-1], np.float32)
         self.refs = np.zeros(self.num_blocks, np.int32)  # holders of each block (0: free)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack: the lowest free block comes out first
-        #: called in order with the number of blocks still missing when an allocation finds too few free: each
-        #: may give blocks back (a prefix cache evicts what nobody uses, an anchor store spills to host memory)
+        #: called in order, round after round, with the number of blocks still missing when an allocation finds
+        #: too few free, until enough are free or a whole round does nothing: each returns how much it did (blocks
+        #: freed or references dropped) and may give blocks back (a prefix cache evicts what nobody else holds; an
+        #: anchor store spills an anchor to host memory, which can leave a block to the prefix cache alone, so
+        #: that the next round evicts it)
         self.reclaimers: list = []
 
     @property
@@ -113,10 +116,9 @@ class KVPool:
     def allocate(self, n: int) -> list[int]:
         """``n`` free blocks, each now held once; :class:`OutOfKVBlocks` (nothing taken) when fewer are free even
         after the :attr:`reclaimers` gave back what they could."""
-        for reclaim in self.reclaimers:
-            if n <= len(self._free):
-                break
-            reclaim(n - len(self._free))
+        while n > len(self._free) and any(reclaim(n - len(self._free)) for reclaim in self.reclaimers
+                                          if n > len(self._free)):
+            pass
         if n > len(self._free):
             raise OutOfKVBlocks(f"the KV pool is out of blocks: {n} more needed, {len(self._free)} of "
                                 f"{self.num_blocks} free ({self.block_size} tokens each)")
@@ -247,6 +249,18 @@ class KVSequence:
         self.pool.release(self.blocks)
         self.blocks, self.length = blocks, int(length)
         self._sync(0)
+
+    def own_last(self) -> None:
+        """Copy a shared, partly filled last block into one of this sequence's own now, not at the first write: the
+        shared one is then free to be evicted by its other holder before the next forward pass allocates its blocks
+        (a copy at that write would need one block more than the sequence at the moment of the copy)."""
+        bs = self.pool.block_size
+        if self.length % bs and self.blocks and self.pool.refs[self.blocks[-1]] > 1:
+            (dst,) = self.pool.allocate(1)
+            self.pool.copy_block(self.blocks[-1], dst, rows=self.length % bs)
+            self.pool.release([self.blocks[-1]])
+            self.blocks[-1] = dst
+            self._sync(len(self.blocks) - 1)
 
     def fork(self) -> KVSequence:
         """A second sequence with the same tokens: the full blocks shared (retained, not copied), a partial last
