@@ -64,11 +64,7 @@ spilled to host memory and were read back, their tiers and the host bytes they h
 
 A request the pool cannot hold (``OutOfKVBlocks``) is counted and reported, its planned prefill counted (its whole
 prompt when it failed before that, in the reuse lookup: an anchor read back from host memory), left out of the token
-comparison, and the session goes on from a fresh sequence. The pool asks each reclaimer once, the prefix cache's
-evict before the anchors' spill, and a block both hold is freed only by both: a full pool whose blocks device
-anchors hold fails a request even though spilling and evicting would make room. ``--evict-after-spill`` (off by
-default: it is not the engine's behaviour) gives the radix mode's pool a third reclaimer, the evict once more, to
-show what anchors do once the pool reclaims that way.
+comparison, and the session goes on from a fresh sequence.
 
 The "ideal" column is what an unbounded exact prefix cache would prefill (each prompt less its longest common
 prefix with any earlier request's tokens): none / ideal is the most any reuse can save on this session, so a
@@ -80,7 +76,7 @@ compared (max |difference| / max |logit| of the none mode's row, up to the first
 
     python bench/bench_agent.py                        # the default session, cpu
     python bench/bench_agent.py --preset spec --json /tmp/agent_spec.json
-    python bench/bench_agent.py --preset pressure --evict-after-spill --modes radix
+    python bench/bench_agent.py --preset pressure --json /tmp/agent_pressure.json
     python bench/bench_agent.py --turns 6 --retries 2 --target-tokens 5000 --json /tmp/agent.json
 """
 
@@ -398,7 +394,7 @@ class Instrument:
         self.rows: list[np.ndarray] = []
         store, dec = model.anchors, model.decoder
         create, restore, forward = store.create, store.restore, dec.forward
-        to_host, to_device = store._to_host, store._to_device
+        to_host, to_device = store._to_host, store._read_back
 
         def timed_create(seq, tokens, length=None, **kw):
             before = len(store.anchors)
@@ -432,9 +428,9 @@ class Instrument:
             return to_device(*a, **kw)
 
         store.create, store.restore, dec.forward = timed_create, timed_restore, captured_forward
-        store._to_host, store._to_device = counted_to_host, counted_to_device
+        store._to_host, store._read_back = counted_to_host, counted_to_device
         self._undo = lambda: [d.pop(k) for d, k in ((store.__dict__, "create"), (store.__dict__, "restore"),
-                                                    (store.__dict__, "_to_host"), (store.__dict__, "_to_device"),
+                                                    (store.__dict__, "_to_host"), (store.__dict__, "_read_back"),
                                                     (dec.__dict__, "forward"))]
 
     def close(self):
@@ -450,10 +446,6 @@ def run_mode(model, mode: str, reqs, template, encode, args):
     cache, store = model.prefix_cache, model.anchors
     ev0, rest0, ref0 = cache.evicted, store.restored, len(store.refusals)
     inst = Instrument(model)
-    reclaimers = model.decoder.pool.reclaimers
-    extra = cache.evict if args.evict_after_spill and mode == "radix" else None
-    if extra is not None:  # the workaround: evict once more after the anchors spilled (see --evict-after-spill)
-        reclaimers.append(extra)
     greedy = SamplingParams(temperature=0.0)
     rows, logits = [], []
     try:
@@ -496,8 +488,6 @@ def run_mode(model, mode: str, reqs, template, encode, args):
                   flush=True)
     finally:
         inst.close()
-        if extra is not None:
-            reclaimers.remove(extra)
     info = {"failed_requests": [x["request"] for x in rows if x["error"]], "evicted_blocks": cache.evicted - ev0,
             "anchors_created": inst.new_anchors,
             "anchor_create_calls": inst.creates, "anchors_restored": store.restored - rest0,
@@ -630,11 +620,6 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-memory", type=_kv_arg, default=None, metavar="SIZE|fit+N",
                     help="the KV pool (freetoken.load kv_memory=), e.g. 12MiB; fit+N: the longest request and N "
                          "tokens more, rounded up to whole blocks (default: what the context needs)")
-    ap.add_argument("--evict-after-spill", action=argparse.BooleanOptionalAction, default=False,
-                    help="radix mode: give the pool a third reclaimer, the prefix cache's evict once more after the "
-                         "anchors spilled (a block an anchor and the tree both hold is freed only by both; the pool "
-                         "asks each reclaimer once). A bench-side workaround, off by default: without it such a "
-                         "request fails with OutOfKVBlocks (counted, the session goes on)")
     ap.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per request (default 16)")
     ap.add_argument("--template", choices=("chatml", "model"), default="chatml",
                     help="ChatML (default; the bundled model's own template writes the contents only, no roles) "
