@@ -21,6 +21,8 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 
+import numpy as np
+
 from freetoken.engine.sampling import SamplingParams
 
 # Used when a model has no chat template (documented in the module docstring; the CLI warns).
@@ -264,7 +266,8 @@ class Chat:
         pieces: list[str] = []
         before = self.model.stats
         try:
-            ids = self.model.encode(self.prompt(), add_special_tokens=False)
+            text = self.prompt()
+            ids = self.model.encode(text, add_special_tokens=False)
             if sampling is not None and sampling.seed is not None:
                 sampling = dataclasses.replace(sampling, seed=sampling.seed + self._turns)
             self._turns += 1
@@ -272,7 +275,8 @@ class Chat:
             if len(ids) >= ctx:
                 raise ValueError(f"the conversation is {len(ids)} tokens and the context holds {ctx}: "
                                  "reset it to go on")
-            bounds = message_boundaries(self.template, self.messages, self._encode, ids)
+            bounds = message_boundaries(self.template, self.messages, self._encode, ids, full_text=text,
+                                        offsets=self.model.token_offsets(text, ids))
             for piece in self.model.generate_text(ids, max_tokens, sampling, reuse_cache=True, stop=self.stop,
                                                   boundaries=bounds):
                 pieces.append(piece)
@@ -293,20 +297,36 @@ class Chat:
                 self.stats = self.model.stats
 
 
-def message_boundaries(template: ChatTemplate, messages: Sequence[dict], encode, ids: Sequence[int],
+def message_boundaries(template: ChatTemplate, messages: Sequence[dict], encode, ids: Sequence[int], *,
+                       full_text: str | None = None, offsets: Sequence[tuple[int, int]] | None = None,
                        **render_kwargs) -> list[int]:
     """Token positions in ``ids`` (the rendered prompt of ``messages``) where a message ends: after the system
-    prompt, after each message, and the whole prompt (before the assistant turn). ``encode(text)`` gives token ids
-    (no special-token post-processing). The conversation up to a boundary, rendered and encoded alone, must be a
-    prefix of ``ids`` up to its last :data:`BOUNDARY_SLACK` tokens (text at the end of a message can merge into
-    other tokens with what follows, ``"\n\n"`` before ``def``, say): the boundary is then where the two part. A
-    template that renders an earlier turn otherwise once more follows leaves that boundary out."""
+    prompt, after each message, and the whole prompt (before the assistant turn). A template that renders an
+    earlier turn otherwise once more follows leaves that boundary out.
+
+    With ``full_text`` (what ``ids`` encode) and ``offsets`` (each token's ``(start, end)`` characters in it, as
+    :meth:`freetoken.engine.generate.Model.token_offsets` gives them), each leading part of the conversation is
+    rendered and found at the start of ``full_text``, and its boundary is the number of tokens that end within
+    it: one encoding of the prompt in all. Otherwise ``encode(text)`` gives each leading part's token ids (no
+    special-token post-processing: a pass over the whole prefix each, quadratic in a long conversation), which must
+    be a prefix of ``ids`` up to its last :data:`BOUNDARY_SLACK` tokens (text at the end of a message can merge
+    into other tokens with what follows, ``"\n\n"`` before ``def``, say): the boundary is where the two part."""
+    ends = None
+    if full_text is not None and offsets is not None and len(offsets) == len(ids):
+        ends = np.maximum.accumulate(np.asarray([e for _, e in offsets], np.int64)) if len(ids) else None
     out = []
     for i in range(1, len(messages)):
         try:
-            head = encode(template.render(messages[:i], add_generation_prompt=False, **render_kwargs))
+            head_text = template.render(messages[:i], add_generation_prompt=False, **render_kwargs)
         except ValueError:  # a template that refuses a partial conversation (one must end with a user turn, say)
             continue
+        if ends is not None:
+            if full_text.startswith(head_text):
+                n = int(np.searchsorted(ends, len(head_text), side="right"))
+                if 0 < n < len(ids):
+                    out.append(n)
+            continue
+        head = encode(head_text)
         n, limit = 0, min(len(head), len(ids) - 1)
         while n < limit and ids[n] == head[n]:
             n += 1

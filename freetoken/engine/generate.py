@@ -205,6 +205,16 @@ class Model:
             return list(self.tokenizer.encode(text).ids)
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
+    def token_offsets(self, text: str, ids: Sequence[int]) -> list[tuple[int, int]] | None:
+        """Each token's ``(start, end)`` characters in ``text``, when the tokenizer gives offsets and ``ids`` are
+        ``text``'s tokens (no special-token post-processing); else None."""
+        try:
+            enc = self.tokenizer.encode(text, add_special_tokens=False)
+            offsets = enc.offsets
+        except (AttributeError, TypeError):
+            return None
+        return [tuple(o) for o in offsets] if list(enc.ids) == list(ids) else None
+
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer")

@@ -36,8 +36,14 @@ class ToolUse:
     def boundaries(self, template, model, ids: list[int]) -> list[int]:
         """The message boundaries of ``ids`` (this conversation rendered), each leading part of :attr:`messages`
         rendered as :meth:`render` does it (tools injected or as the template's variable)."""
+        offsets, text = None, None
+        for gen in (True, False):  # the prompt as the job rendered it: with the generation prompt, or continued
+            text = self.render(template, add_generation_prompt=gen)
+            offsets = model.token_offsets(text, ids)
+            if offsets is not None:
+                break
         return message_boundaries(template, self.messages, lambda t: model.encode(t, add_special_tokens=False), ids,
-                                  **self.context)
+                                  full_text=text, offsets=offsets, **self.context)
 
     async def forced_call(self, worker, name: str | None = None):
         """The constraint of a reply that is one call (``name``: of that tool; None: of any of them)."""
