@@ -179,13 +179,9 @@ class AnchorStore:
         blocks = [int(b) for b in seq.blocks[:-(-length // bs)]]
         known = self._device_sums()
         sums: list[str | None] = [known.get(b) if _rows(length, j, bs) == bs else None for j, b in enumerate(blocks)]
-        fresh = [j for j, v in enumerate(sums) if v is None]
-        data = {}
-        if fresh:
-            read = self.pool.read_blocks([blocks[j] for j in fresh])
-            for i, j in enumerate(fresh):
-                data[j] = {k: v[:, i, :_rows(length, j, bs)] for k, v in read.items()}
-                sums[j] = block_sum(data[j])
+        data = self._read_rows(blocks, [j for j, v in enumerate(sums) if v is None], length)
+        for j, rows in data.items():
+            sums[j] = block_sum(rows)
         anchor = Anchor(aid, toks, self.fingerprint, self.pool.kind, self.layout, total_sum(sums, length),
                         list(sums), residency=residency, label=label)
         self.pool.retain(blocks)
@@ -195,6 +191,13 @@ class AnchorStore:
             self._write(anchor, data)
         self._enforce_budgets(keep=anchor)
         return anchor
+
+    def _read_rows(self, blocks: Sequence[int], js: Sequence[int], length: int) -> dict[int, dict]:
+        """Host copies of the rows of blocks ``js`` (indices into ``blocks``) that a prefix of ``length`` tokens
+        fills: ``{j: {name: [layers, rows, ...]}}``."""
+        bs = self.pool.block_size
+        return dict(zip(js, self.pool.read_rows([blocks[j] for j in js], [_rows(length, j, bs) for j in js]),
+                        strict=True))
 
     def _device_sums(self) -> dict[int, str]:
         """Pool block -> checksum, for the full blocks device anchors hold (unchanged while they hold them)."""
@@ -284,8 +287,7 @@ class AnchorStore:
                 return self.refuse(aid, why, "all")
             new = self.pool.allocate(len(rows))
             for b, data in zip(new, rows, strict=True):
-                for name, arr in self.pool.arrays.items():
-                    arr[:, b, :data[name].shape[1]] = self.pool.dev.asarray(data[name])
+                self.pool.write_rows(b, data)
             seq.adopt([*have[:skip], *new], n)
             self.pool.release(new)  # the sequence holds them now
         anchor.last_use = time.monotonic()
@@ -295,12 +297,11 @@ class AnchorStore:
 
     def _sample(self, anchor: Anchor) -> str | None:
         """Check a device anchor's last block and ``sample_blocks - 1`` others drawn at random."""
-        bs, n_blocks = self.pool.block_size, len(anchor.blocks)
+        n_blocks = len(anchor.blocks)
         k = min(n_blocks - 1, max(0, self.sample_blocks - 1))
-        for j in [n_blocks - 1, *self._rng.choice(n_blocks - 1, size=k, replace=False).tolist()]:
-            rows = _rows(anchor.length, j, bs)
-            got = block_sum({k: v[:, 0, :rows] for k, v in self.pool.read_blocks([anchor.blocks[j]]).items()})
-            if got != anchor.sums[j]:
+        picked = [n_blocks - 1, *self._rng.choice(n_blocks - 1, size=k, replace=False).tolist()]
+        for j, rows in self._read_rows(anchor.blocks, picked, anchor.length).items():
+            if block_sum(rows) != anchor.sums[j]:
                 return f"the KV bytes of block {j} changed since it was made (checksum mismatch on the device)"
         return None
 
@@ -361,8 +362,15 @@ class AnchorStore:
         return True
 
     def clear(self) -> None:
+        """Delete every anchor (blocks, host copies and files)."""
         for aid in list(self.anchors):
             self.delete(aid)
+
+    def close(self) -> None:
+        """Let go of the pool (every device block, every host copy) and stop reclaiming for it; files stay."""
+        for a in {id(a): a for a in self.anchors.values()}.values():  # (one filed under two ids: once)
+            self._let_go(a)
+        self.pool.reclaimers.remove(self.spill)
 
     def list(self) -> list[Anchor]:
         return sorted(self.anchors.values(), key=lambda a: a.created)
@@ -374,19 +382,14 @@ class AnchorStore:
     # ---- tiers -------------------------------------------------------------------------------------------------
     def _to_host(self, anchor: Anchor) -> None:
         """Move a device anchor's blocks to host memory (a block already there is shared, not copied again)."""
-        bs = self.pool.block_size
         missing = [j for j, key in enumerate(anchor.sums) if key not in self._host]
-        read = self.pool.read_blocks([anchor.blocks[j] for j in missing]) if missing else {}
-        for i, j in enumerate(missing):
-            rows = {k: v[:, i, :_rows(anchor.length, j, bs)] for k, v in read.items()}
+        for j, rows in self._read_rows(anchor.blocks, missing, anchor.length).items():
             owners = []
             if self.pool.dev.kind == "gpu":  # page-locked, so that a restore copies at full PCIe speed
                 pinned = {k: self.pool.dev.pinned_empty(v.shape, v.dtype) for k, v in rows.items()}
                 for k, v in rows.items():
                     pinned[k].host[...] = v
                 owners, rows = list(pinned.values()), {k: q.host for k, q in pinned.items()}
-            else:
-                rows = {k: np.ascontiguousarray(v) for k, v in rows.items()}
             self._host[anchor.sums[j]] = [rows, 0, owners]
         for key in anchor.sums:
             self._host[key][1] += 1
@@ -448,14 +451,11 @@ class AnchorStore:
         creation; a block not among them is read from the pool now)."""
         bs = self.pool.block_size
         need = [j for j, key in enumerate(anchor.sums) if key not in self._disk and j not in data]
-        if need:
-            read = self.pool.read_blocks([anchor.blocks[j] for j in need])
-            for i, j in enumerate(need):
-                data[j] = {k: v[:, i, :_rows(anchor.length, j, bs)] for k, v in read.items()}
+        data.update(self._read_rows(anchor.blocks, need, anchor.length))
         for j, key in enumerate(anchor.sums):
             if key not in self._disk:
                 write_frame(self._block_path(key), BLOCK_MAGIC, {"rows": _rows(anchor.length, j, bs)},
-                            [np.ascontiguousarray(v) for v in data[j].values()], list(data[j]))
+                            list(data[j].values()), list(data[j]))
             self._disk[key] = self._disk.get(key, 0) + 1
         header = {"id": anchor.id, "fingerprint": anchor.fingerprint, "kv_kind": anchor.kv_kind,
                   "layout": anchor.layout, "length": anchor.length, "checksum": anchor.checksum,

@@ -69,7 +69,7 @@ class Model:
         self.stats = GenerationStats()
         self.cached_ids: list[int] = []
         #: re-admit the experts an anchor recorded as resident when restoring it (gpu/emu expert cache; see
-        #: bench/bench_agent.py --residency for the measurement behind the default)
+        #: bench/bench_anchor_residency.py for the measurement behind the default)
         self.restore_residency = RESTORE_RESIDENCY
         self._fingerprint: str | None = None
         self._prefix_cache = None
@@ -107,20 +107,11 @@ class Model:
         ``store_options``: :class:`freetoken.engine.anchors.AnchorStore` keywords. Returns the store."""
         from freetoken.engine.anchors import AnchorStore
 
-        if self._anchors is not None:  # the old store lets go of its device blocks; its files stay where they are
-            self._drop_store()
+        if self._anchors is not None:  # the old store lets go of the pool; its files stay where they are
+            self._anchors.close()
         self.prefix_cache  # noqa: B018 - the prefix cache evicts first when the pool is short, then anchors spill
         self._anchors = AnchorStore(self.decoder.pool, self.fingerprint, directory, **store_options)
         return self._anchors
-
-    def _drop_store(self) -> None:
-        """Let go of the store's device blocks, keeping its files."""
-        store = self._anchors
-        for a in store.anchors.values():
-            if a.blocks is not None:
-                self.decoder.pool.release(a.blocks)
-                a.blocks = None
-        store.pool.reclaimers.remove(store.spill)
 
     def _residency(self):
         get = getattr(self.experts, "residency", None)

@@ -152,18 +152,19 @@ class KVPool:
         named = {"k": self.k, "v": self.v, "k_scale": self.k_scale, "v_scale": self.v_scale}
         return {name: a for name, a in named.items() if a is not None}
 
-    def read_blocks(self, blocks) -> dict[str, np.ndarray]:
-        """Host copies of ``blocks`` (every layer, every row): ``{name: [layers, len(blocks), block_size, ...]}``."""
-        idx = np.asarray(blocks, np.int64)
-        return {name: np.ascontiguousarray(self.dev.to_host(a[:, self.dev.asarray(idx)] if self.dev.kind == "gpu"
-                                                            else a[:, idx]))
-                for name, a in self.arrays.items()}
+    def read_rows(self, blocks, rows) -> list[dict[str, np.ndarray]]:
+        """Host copies of the first ``rows[i]`` rows of each of ``blocks`` (every layer, K, V and scales): one
+        ``{name: [layers, rows[i], ...]}`` a block, read in one transfer per array."""
+        if not len(blocks):
+            return []
+        idx = self.dev.asarray(np.asarray(blocks, np.int64))
+        whole = {name: self.dev.to_host(a[:, idx]) for name, a in self.arrays.items()}
+        return [{name: np.ascontiguousarray(v[:, i, :r]) for name, v in whole.items()} for i, r in enumerate(rows)]
 
-    def write_blocks(self, blocks, data: dict[str, np.ndarray]) -> None:
-        """Put host arrays shaped as :meth:`read_blocks` returns them into ``blocks``."""
-        idx = np.asarray(blocks, np.int64)
+    def write_rows(self, block: int, data: dict[str, np.ndarray]) -> None:
+        """Put rows shaped as :meth:`read_rows` gives them into the first rows of ``block``."""
         for name, a in self.arrays.items():
-            a[:, self.dev.asarray(idx) if self.dev.kind == "gpu" else idx] = self.dev.asarray(data[name])
+            a[:, block, :data[name].shape[1]] = self.dev.asarray(data[name])
 
     def copy_block(self, src: int, dst: int, rows: int | None = None) -> None:
         """Rows ``0 .. rows - 1`` (default all) of block ``src`` into block ``dst``, every layer, K, V and scales."""

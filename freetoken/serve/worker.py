@@ -178,7 +178,7 @@ class EngineWorker:
         model = self.model
         experts = model.experts
         hits_before = _hits(experts)
-        store = getattr(model, "_anchors", None)  # (None until the first anchor: then every one made is new)
+        store = getattr(model, "anchors", None)  # (a stand-in engine may have none)
         anchors_before = set(store.anchors) if store is not None else set()
         first = None
         try:
