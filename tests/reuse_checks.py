@@ -34,3 +34,49 @@ def assert_reuse_close(got, want) -> None:
     import numpy as np
 
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=5e-4 * float(np.abs(want).max()))
+
+
+def _prefix_rows(model, n: int) -> list[dict]:
+    """The K/V rows of the decoder sequence's first ``n`` positions, block by block (pool storage)."""
+    bs, seq = model.decoder.pool.block_size, model.decoder.kv
+    blocks = seq.blocks[:-(-n // bs)]
+    return model.decoder.pool.read_rows(blocks, [min(bs, n - j * bs) for j in range(len(blocks))])
+
+
+def assert_reused_exactly(model, ref, ids, got) -> None:
+    """The logits ``got`` of a call that reused ``model.stats.cached_tokens`` prompt tokens, checked twice:
+
+    1. the reused K/V rows are the rows a fresh prefill of those tokens writes, up to one rounding of the storage
+       (they were written by other passes: decode steps, other chunk boundaries; rows of other tokens or positions
+       differ by the values themselves);
+    2. ``ref`` (same weights, never reusing), given those very rows and run on the rest of the prompt, gives
+       ``got`` to float32 rounding: reuse changes nothing else.
+
+    (A comparison with a fresh run alone must allow the rounding of (1) as amplified through the layers, which for
+    the bundled model reaches ~2e-3 of the logits' scale in rare prompts.)"""
+    import numpy as np
+
+    n = model.stats.cached_tokens
+    ref.decoder.reset()
+    if n:
+        ref.decoder.forward(np.asarray(ids[:n], np.int64))
+        mine, fresh = _prefix_rows(model, n), _prefix_rows(ref, n)
+        for a, b in zip(mine, fresh, strict=True):
+            for name in a:
+                x, y = _as_float(a[name]), _as_float(b[name])
+                np.testing.assert_allclose(x, y, rtol=2 ** -7, atol=1e-3 * float(np.abs(y).max()), err_msg=name)
+        bs = ref.decoder.pool.block_size
+        for j, rows in enumerate(mine):  # the reused rows in place of the fresh ones
+            ref.decoder.pool.write_rows(ref.decoder.kv.blocks[j], rows)
+        assert ref.decoder.length == n and j == (n - 1) // bs
+    want = ref.decoder.forward(np.asarray(ids[n:], np.int64), last_only=True)[-1]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def _as_float(stored):
+    """Pool storage as float32: bf16 bits (uint16) widened, float kinds as they are."""
+    import numpy as np
+
+    if stored.dtype == np.uint16:
+        return (stored.astype(np.uint32) << 16).view(np.float32)
+    return stored.astype(np.float32)

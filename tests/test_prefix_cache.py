@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reuse_checks import assert_reuse_close, prefill_logits
+from reuse_checks import assert_reused_exactly, prefill_logits
 
 from freetoken import load
 from freetoken.device import get_device
@@ -130,7 +130,6 @@ def test_random_interleavings_reuse_exactly_and_release_everything(models, ops):
     segs = _segments(model)
     history: list[list[int]] = []
     anchors = []
-    ref_cache: dict[tuple, np.ndarray] = {}
     try:
         for kind, parts, salt in ops:
             new = [t for p in parts for t in segs[p]]
@@ -152,11 +151,7 @@ def test_random_interleavings_reuse_exactly_and_release_everything(models, ops):
             bounds = sorted({len(ids) // 2, len(ids)})
             anchor = a.id if kind == "rollback" and anchors and a.id in model.anchors.anchors else None
             got = prefill_logits(model, ids, reuse_cache=True, boundaries=bounds, anchor=anchor)
-            key = tuple(ids)
-            if key not in ref_cache:
-                ref_cache[key] = ref.logits(ids)[-1]
-            want = ref_cache[key]
-            assert_reuse_close(got, want)
+            assert_reused_exactly(model, ref, ids, got)
             assert model.stats.anchor_refused is None
             assert model.stats.cached_tokens + model.stats.prompt_tokens == len(ids)
             _check_refs(model)
