@@ -54,3 +54,64 @@ def softmax_topk_rows(logits, k, renorm, ids, w):
             s = _F32(sel)
             for j in range(k):
                 w[r, j] = w[r, j] / s
+
+
+@nb.njit(inline="always")
+def _sigmoid(x):
+    return _F32(1.0) / (_F32(1.0) + np.exp(-x))
+
+
+@nb.njit(cache=True, boundscheck=False)
+def sigmoid_group_topk_rows(logits, bias, k, n_group, topk_group, renorm, scale, ids, w):
+    """DeepSeek-V3 / GLM-4.5 routing of each row of ``logits [R, E]`` (float32; ``bias [E]`` float32): scores
+    ``s = sigmoid(logit)``, selection keys ``s + bias`` (NaN ranked as -inf); a group's score is the sum of its two
+    largest keys; the ``topk_group`` best of the ``n_group`` equal groups stay in play; the k largest keys among
+    their experts into ``ids [R, k]`` int32 (largest first, ties to the lower index, as everywhere); their scores
+    ``s`` into ``w [R, k]``, divided by (their sum + 1e-20) when ``renorm``, times ``scale``. The float32 operations
+    of ``cuda/routing.cu``'s ``route_sigmoid_group_topk_f32``."""
+    rows, n = logits.shape
+    gsize = n // n_group
+    key = np.empty(n, np.float32)
+    gscore = np.empty(n_group, np.float32)
+    chosen = np.empty(n_group, np.bool_)
+    scale = _F32(scale)
+    for r in range(rows):
+        for c in range(n):
+            v = _sigmoid(logits[r, c]) + bias[c]
+            key[c] = _F32(-np.inf) if v != v else v
+        for g in range(n_group):
+            a, b = _F32(-np.inf), _F32(-np.inf)
+            for c in range(g * gsize, (g + 1) * gsize):
+                v = key[c]
+                if v > a:
+                    b = a
+                    a = v
+                elif v > b:
+                    b = v
+            gscore[g] = a + b
+            chosen[g] = False
+        for _ in range(topk_group):
+            best, best_g = _F32(-np.inf), 0x7FFFFFFF
+            for g in range(n_group):
+                if not chosen[g] and _before(gscore[g], g, best, best_g):
+                    best, best_g = gscore[g], g
+            chosen[best_g] = True
+        for c in range(n):
+            if not chosen[c // gsize]:
+                key[c] = _F32(-np.inf)
+        prev, prev_i = _F32(np.inf), -1
+        sel = _F32(0.0)
+        for j in range(k):
+            best, best_i = _F32(-np.inf), 0x7FFFFFFF
+            for c in range(n):
+                v = key[c]
+                if _before(prev, prev_i, v, c) and _before(v, c, best, best_i):
+                    best, best_i = v, c
+            ids[r, j] = best_i
+            s = _sigmoid(logits[r, best_i])
+            w[r, j] = s
+            sel += s
+            prev, prev_i = best, best_i
+        denom = sel + _F32(1e-20)
+        for j in range(k):
+            w[r, j] = (w[r, j] / denom if renorm else w[r, j]) * scale

@@ -1,6 +1,8 @@
-// routing.cu: MoE routing of each row of router logits, one warp per row: softmax (max-subtracted), the k largest
-// probabilities (largest first, ties to the lower index, NaN ranked as -inf: topk.cu's order), their weights,
-// renormalised to sum 1 when asked. A NaN logit makes the row's probabilities NaN (as a NumPy softmax does).
+// routing.cu: MoE routing of each row of router logits, one warp per row.
+// route_softmax_topk_f32: softmax (max-subtracted), the k largest probabilities (largest first, ties to the lower
+// index, NaN ranked as -inf: topk.cu's order), their weights, renormalised to sum 1 when asked. A NaN logit makes
+// the row's probabilities NaN (as a NumPy softmax does).
+// route_sigmoid_group_topk_f32: DeepSeek-V3's sigmoid scores with a selection bias and group-limited top-k (below).
 #include "common.cuh"
 
 namespace {
@@ -77,5 +79,112 @@ extern "C" __global__ void __launch_bounds__(FT_ROUTE_WARPS * 32) route_softmax_
   }
   if (renormalize && lane == 0) {
     for (int j = 0; j < k; ++j) wr[j] = wr[j] / sel;
+  }
+}
+
+// DeepSeek-V3 / GLM-4.5 routing, one warp per row. Scores s = sigmoid(logit); selection keys c = s + bias (the
+// checkpoint's e_score_correction_bias: it steers which experts are chosen, never their weights). The experts fall
+// into n_group equal groups; a group's score is the sum of its two largest keys; the topk_group best groups stay in
+// play and the k largest keys among their experts are chosen (largest first, ties to the lower index, NaN ranked as
+// -inf, at every step). Weights are the chosen experts' scores s, divided by (their sum + 1e-20) when renormalize,
+// then times `scale` (routed_scaling_factor). n_group <= 32 (lane g holds group g's score), n % n_group == 0,
+// n / n_group >= 2, topk_group <= n_group: the launcher checks.
+namespace {
+
+__device__ __forceinline__ float sigmoid_score(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ float choice_key(float x, float b) {
+  const float c = sigmoid_score(x) + b;
+  return c != c ? -ft::inf() : c;
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(FT_ROUTE_WARPS * 32) route_sigmoid_group_topk_f32(
+    const float* __restrict__ logits, const float* __restrict__ bias, int* __restrict__ ids,
+    float* __restrict__ weights, int rows, int n, int k, int n_group, int topk_group, int renormalize, float scale) {
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * FT_ROUTE_WARPS + (threadIdx.x >> 5);
+  if (row >= rows) return;  // uniform across the warp
+  const float* xr = logits + static_cast<long long>(row) * n;
+  const int gsize = n / n_group;
+  // group scores: lane g ends with group g's
+  float group_score = -ft::inf();
+  for (int g = 0; g < n_group; ++g) {
+    float a = -ft::inf(), b = -ft::inf();  // this lane's two largest keys of the group
+    for (int c = g * gsize + lane; c < (g + 1) * gsize; c += 32) {
+      const float v = choice_key(xr[c], bias[c]);
+      if (v > a) {
+        b = a;
+        a = v;
+      } else if (v > b) {
+        b = v;
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float oa = __shfl_xor_sync(FT_FULL_MASK, a, off);
+      const float ob = __shfl_xor_sync(FT_FULL_MASK, b, off);
+      const float hi = fmaxf(a, oa);
+      b = fmaxf(fminf(a, oa), fmaxf(b, ob));
+      a = hi;
+    }
+    if (lane == g) group_score = a + b;
+  }
+  // the topk_group best groups (ties to the lower group), as a bit mask
+  unsigned chosen = 0u;
+  for (int j = 0; j < topk_group; ++j) {
+    float best = (lane < n_group && !((chosen >> lane) & 1u)) ? group_score : -ft::inf();
+    int best_g = (lane < n_group && !((chosen >> lane) & 1u)) ? lane : 0x7fffffff;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float ob = __shfl_xor_sync(FT_FULL_MASK, best, off);
+      const int og = __shfl_xor_sync(FT_FULL_MASK, best_g, off);
+      if (before(ob, og, best, best_g)) {
+        best = ob;
+        best_g = og;
+      }
+    }
+    chosen |= 1u << best_g;
+  }
+  // the k largest keys among the chosen groups' experts (the others ranked as -inf)
+  float prev = ft::inf();
+  int prev_i = -1;
+  float sel = 0.0f;
+  int* idr = ids + static_cast<long long>(row) * k;
+  float* wr = weights + static_cast<long long>(row) * k;
+  for (int j = 0; j < k; ++j) {
+    float best = -ft::inf(), best_s = 0.0f;
+    int best_i = 0x7fffffff;
+    for (int c = lane; c < n; c += 32) {
+      const float key = ((chosen >> (c / gsize)) & 1u) ? choice_key(xr[c], bias[c]) : -ft::inf();
+      if (before(prev, prev_i, key, c) && before(key, c, best, best_i)) {
+        best = key;
+        best_i = c;
+        best_s = sigmoid_score(xr[c]);
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float ob = __shfl_xor_sync(FT_FULL_MASK, best, off);
+      const int oi = __shfl_xor_sync(FT_FULL_MASK, best_i, off);
+      const float os = __shfl_xor_sync(FT_FULL_MASK, best_s, off);
+      if (before(ob, oi, best, best_i)) {
+        best = ob;
+        best_i = oi;
+        best_s = os;
+      }
+    }
+    if (lane == 0) {
+      idr[j] = best_i;
+      wr[j] = best_s;
+    }
+    sel += best_s;
+    prev = best;
+    prev_i = best_i;
+  }
+  if (lane == 0) {
+    const float denom = renormalize ? sel + 1e-20f : 1.0f;
+    for (int j = 0; j < k; ++j) wr[j] = (renormalize ? wr[j] / denom : wr[j]) * scale;
   }
 }

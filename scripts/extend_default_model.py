@@ -113,6 +113,10 @@ def main():
     ap.add_argument("--val-frac", type=float, default=0.02, help="the first stage's held-out fraction")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=8192, help="the new context (training window and max positions)")
+    ap.add_argument("--train-ctx", type=int, default=None, help="training window, when longer than --ctx (default "
+                    "--ctx): a window of 8,192 holds a distance near 8k only a few times, so the model's last "
+                    "positions see rarely trained distances and more keys than it learned to share attention over; "
+                    "training on longer windows covers them as well as the middle ones")
     ap.add_argument("--rope-theta", type=float, default=500000.0)
     ap.add_argument("--batch", type=int, default=1, help="windows per step")
     ap.add_argument("--max-steps", type=int, default=150)
@@ -135,6 +139,9 @@ def main():
     if args.ctx % args.eval_stride:
         raise SystemExit(f"--eval-stride {args.eval_stride} must divide --ctx {args.ctx}")
     buckets = parse_buckets(args.buckets, args.ctx)
+    train_ctx = args.ctx if args.train_ctx is None else args.train_ctx
+    if train_ctx < args.ctx:
+        raise SystemExit(f"--train-ctx {train_ctx} is shorter than --ctx {args.ctx}")
 
     from transformers import PreTrainedTokenizerFast, Qwen3MoeForCausalLM
 
@@ -154,7 +161,7 @@ def main():
     val_ids = encode_stream(tok, [t for _, t in val_pairs])
     log(f"stdlib files: train {len(train_pairs)} ({len(train_ids):,} tokens), held out {len(val_pairs)} "
         f"({len(val_ids):,} tokens)")
-    if len(train_ids) <= args.ctx + 1 or len(val_ids) < args.eval_stride:
+    if len(train_ids) <= train_ctx + 1 or len(val_ids) < args.eval_stride:
         raise SystemExit(f"not enough text for context {args.ctx}")
 
     # ---- model ---------------------------------------------------------------------------------------
@@ -177,15 +184,15 @@ def main():
 
     opt = make_optimizer(model, args.lr, args.weight_decay)
     gen = np.random.default_rng(args.seed + 1 if args.data_seed is None else args.data_seed)
-    n_starts = len(train_ids) - args.ctx - 1
+    n_starts = len(train_ids) - train_ctx - 1
     t_train = time.time()
     ema = None
     for step in range(args.max_steps):
         progress = max(0, step - args.warmup) / max(1, args.max_steps - args.warmup)
         lr = set_lr(opt, args.lr, step, args.warmup, progress, args.min_lr_ratio)
         starts = gen.integers(0, n_starts, size=args.batch)
-        x = torch.from_numpy(np.stack([train_ids[s:s + args.ctx] for s in starts]))
-        y = torch.from_numpy(np.stack([train_ids[s + 1:s + args.ctx + 1] for s in starts]))
+        x = torch.from_numpy(np.stack([train_ids[s:s + train_ctx] for s in starts]))
+        y = torch.from_numpy(np.stack([train_ids[s + 1:s + train_ctx + 1] for s in starts]))
         lm, aux, gn = train_step(model, opt, x, y, args.aux_coef, args.clip)
         ema = lm.item() if ema is None else 0.9 * ema + 0.1 * lm.item()
         if (step + 1) % args.log_every == 0 or step + 1 == args.max_steps:
@@ -193,7 +200,7 @@ def main():
             log(f"step {step + 1}/{args.max_steps} lm {lm.item():.3f} (ema {ema:.3f}) aux {aux.item():.3f} "
                 f"gnorm {gn.item():.2f} lr {lr:.2e} {el / 60:.1f} min, {(step + 1) * x.numel() / el:.0f} tok/s")
     train_time = time.time() - t_train
-    tokens_seen = args.max_steps * args.batch * args.ctx
+    tokens_seen = args.max_steps * args.batch * train_ctx
 
     # ---- save bf16, reload, score ----------------------------------------------------------------------
     work = Path(tempfile.mkdtemp(prefix="ft_extend_"))
@@ -205,10 +212,12 @@ def main():
     # the saved bf16 weights, computed in float32 as freetoken computes them (and several times faster on a CPU
     # without bf16 arithmetic than transformers' bf16 path)
     re_model = Qwen3MoeForCausalLM.from_pretrained(work, dtype=torch.float32, attn_implementation="sdpa")
-    label = f"{args.label or 'extended'} (rope_theta {args.rope_theta:g}, {args.max_steps} steps at {args.ctx})"
+    label = f"{args.label or 'extended'} (rope_theta {args.rope_theta:g}, {args.max_steps} steps at {train_ctx})"
     rows[label] = loss_by_position(re_model, val_ids, args.ctx, args.eval_stride)
     table, numbers = bucket_table(rows, buckets)
     log(table)
+    per_k = rows[label][:args.ctx - args.ctx % 1024].reshape(-1, 1024).mean(axis=1)
+    log("held-out loss per 1,024 positions: " + " ".join(f"{v:.3f}" for v in per_k))
     ext = list(numbers.values())[-1]
     rises = [f"{a:,}-{b:,}" for (a, b), (prev, cur) in zip(buckets[1:], pairwise(ext), strict=True) if cur > prev]
     if rises:
@@ -240,7 +249,7 @@ def main():
 
 The model above was trained at context 256. `scripts/extend_default_model.py` then extended it to
 **{args.ctx:,} positions** (`max_position_embeddings`): `rope_theta` {base_cfg['rope_theta']:g} -> {args.rope_theta:g},
-then {args.max_steps} steps of continued training on random {args.ctx:,}-token windows of the same training files
+then {args.max_steps} steps of continued training on random {train_ctx:,}-token windows of the same training files
 ({args.batch} window(s) a step, {tokens_seen:,} tokens), AdamW peak lr {args.lr:g} ({args.warmup} warmup steps,
 cosine to {args.min_lr_ratio:g}x), router aux loss {args.aux_coef:g}; {train_time / 60:.1f} min on {args.threads}
 CPU threads (torch {torch.__version__}, SDPA attention, fp32 training, saved in bfloat16). Re-create with:

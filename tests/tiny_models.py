@@ -13,13 +13,21 @@ FAMILIES = {
                        shared_expert_intermediate_size=64, decoder_sparse_step=1)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=8, intermediate_size=32)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, intermediate_size=32, norm_topk_prob=False)),
+    # GLM-4.5: a dense first layer, DeepSeek-V3's router (2 groups of 4, one in play, scaled), a shared expert,
+    # q/k norms, qkv biases, half the head dims rotated
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(num_hidden_layers=3, head_dim=16, n_routed_experts=8, moe_intermediate_size=32,
+                      intermediate_size=96, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                      routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+                      partial_rotary_factor=0.5)),
 }
 
 
 def make_checkpoint(family: str, path, seed: int = 0, **overrides):
     """Save a random ``family`` model to ``path`` (save_pretrained); returns the torch model (eval mode).
 
-    Weights are scaled up from the 0.02 init so routing and logits are not all near zero."""
+    Weights are scaled up from the 0.02 init so routing and logits are not all near zero; a DeepSeek-V3-style
+    router's selection bias is random (it is zeros at init, which would leave its path untested)."""
     from freetoken.testing.oracles import need
 
     torch, transformers = need("torch"), need("transformers")
@@ -30,6 +38,9 @@ def make_checkpoint(family: str, path, seed: int = 0, **overrides):
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(5.0 if p.dim() > 1 else 1.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros at init: give the selection bias work to do
+                b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(path)
     return model
 

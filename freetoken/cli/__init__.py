@@ -56,6 +56,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise ValueError(f"the prompt is {n} tokens; the context holds {model.decoder.ctx} (prompt and generated "
                          "tokens together; --ctx or --kv-memory for more)")
     print(f"[{kind}] {model.decoder.context_plan.why}", file=sys.stderr)
+    for note in model.decoder.cfg.notes():
+        print(f"[{kind}] {note}", file=sys.stderr)
     pin_note = apply_pinning(model, args, prompt)
     record = args.record_trace is not None
     sys.stdout.write(prompt)

@@ -77,6 +77,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     model = load(args.model, device=args.device, progress=sys.stderr.isatty(), cache_slots=args.cache_slots,
                  **policy_kwargs(args), **context_kwargs(args))
     print(f"[{model.decoder.dev.kind}] {model.decoder.context_plan.why}", file=sys.stderr)
+    for note in model.decoder.cfg.notes():
+        print(f"[{model.decoder.dev.kind}] {note}", file=sys.stderr)
     rc = _converse(model, args, sampling)
     _report_memory(model, args.verbose)
     return rc

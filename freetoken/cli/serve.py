@@ -117,6 +117,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def ready(model):
         kind = model.decoder.dev.kind
         print(f"[{kind}] {model.decoder.context_plan.why}", file=sys.stderr)
+        for note in model.decoder.cfg.notes():
+            print(f"[{kind}] {note}", file=sys.stderr)
         if pin_note and pin_note[0]:
             print(f"[{kind}] {pin_note[0]}", file=sys.stderr)
         url = f"http://{args.host}:{bound_port()}"

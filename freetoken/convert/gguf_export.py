@@ -24,10 +24,11 @@ import numpy as np
 from freetoken.formats import MATRICES
 from freetoken.loaders.errors import LoadError
 from freetoken.models.config import ModelConfig
-from freetoken.models.weights import HFWeights, llama_permute
+from freetoken.models.weights import HFWeights, gguf_layer_name, llama_permute
 
 #: freetoken family -> GGUF architecture.
-ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe"}
+ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
+         "glm4_moe": "glm4moe"}
 #: Types a non-expert matrix can be written in (norms, biases and routers always stay F32).
 OTHER_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 EXPERT_TYPES = ("q4_0", "q8_0", "f16", "bf16", "f32")
@@ -111,10 +112,12 @@ def build_plan(cfg: ModelConfig, w, other: str, experts: str) -> _Plan:
             n_k = hd if cfg.qk_norm == "head" else cfg.num_kv_heads * hd
             p.add(b + "attn_q_norm.weight", vec("q_norm", i), "f32", (n_q,))
             p.add(b + "attn_k_norm.weight", vec("k_norm", i), "f32", (n_k,))
-        p.add(b + "ffn_norm.weight", vec("mlp_norm", i), "f32", (cfg.hidden,))
+        p.add(b + gguf_layer_name(arch, "mlp_norm"), vec("mlp_norm", i), "f32", (cfg.hidden,))
         if cfg.is_moe(i):
             e, h, m = cfg.num_experts, cfg.hidden, cfg.moe_inter
             p.add(b + "ffn_gate_inp.weight", lambda i=i: w.get("router", i), "f32", (e, h))
+            if cfg.router == "sigmoid_group":
+                p.add(b + gguf_layer_name(arch, "router_bias"), vec("router_bias", i), "f32", (e,))
             shapes = {"gate": (e, m, h), "up": (e, m, h), "down": (e, h, m)}
             for mat in MATRICES:
                 fn = lambda mat=mat, i=i: w.expert_stack(i, mat)
@@ -124,7 +127,8 @@ def build_plan(cfg: ModelConfig, w, other: str, experts: str) -> _Plan:
                 for mat, shape in (("gate", (s, h)), ("up", (s, h)), ("down", (h, s))):
                     p.add(b + f"ffn_{mat}_shexp.weight", lambda mat=mat, i=i: w.get(f"shared_{mat}", i),
                           _matrix_type(other, shape), shape)
-                p.add(b + "ffn_gate_inp_shexp.weight", vec("shared_sigmoid", i), "f32", (h,))
+                if cfg.shared_gated:
+                    p.add(b + "ffn_gate_inp_shexp.weight", vec("shared_sigmoid", i), "f32", (h,))
         else:
             d, h = cfg.dense_inter, cfg.hidden
             for mat, shape in (("gate", (d, h)), ("up", (d, h)), ("down", (h, d))):
@@ -162,6 +166,19 @@ def _write_metadata(writer, cfg: ModelConfig, name: str, experts: str) -> None:
         writer.add_expert_feed_forward_length(cfg.moe_inter)
     if cfg.shared_inter:
         writer.add_expert_shared_feed_forward_length(cfg.shared_inter)
+    if cfg.family == "glm4_moe":
+        # llama.cpp's glm4moe reads these (its converter writes them): the shared experts as a count of routed-expert
+        # widths, the dense layers before the first MoE one, the sigmoid router with its groups and scale, the
+        # rotated head dims. The checkpoint's multi-token-prediction layers are not exported (freetoken skips them).
+        from gguf import ExpertGatingFuncType
+
+        writer.add_expert_shared_count(cfg.shared_inter // cfg.moe_inter)
+        writer.add_leading_dense_block_count(next(i for i in range(cfg.num_layers) if cfg.is_moe(i)))
+        writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(cfg.routed_scale)
+        writer.add_expert_group_count(cfg.n_group)
+        writer.add_expert_group_used_count(cfg.topk_group)
+        writer.add_rope_dimension_count(cfg.rope_dim)
     if cfg.rope_scaling is not None:
         from gguf import RopeScalingType
 

@@ -90,6 +90,8 @@ def check_tensors(gf: GGUFFile, cfg: ModelConfig, w: GGUFWeights, kv_bytes: int 
         if m is None:
             continue
         layer = int(m.group(1))
+        if cfg.num_layers <= layer < cfg.num_layers + cfg.mtp_layers:
+            continue  # a multi-token-prediction layer (``{arch}.nextn_predict_layers``): not run
         if layer >= cfg.num_layers:
             raise LoadError(gf.path, f"layer {layer} is beyond block_count = {cfg.num_layers}", name)
         if name in known:

@@ -3,9 +3,11 @@
 * attention: a fused q/k/v projection, a q/k treatment (:class:`PlainQK`, Qwen3's per-head norms :class:`HeadNormQK`,
   OLMoE's whole-projection norms :class:`ProjectionNormQK`), RoPE, the append to the paged KV cache, causal GQA over
   it (with the layer's sliding window and sinks), the output projection;
-* routers: :class:`SoftmaxTopKRouter` (softmax over the experts, top-k, optional renormalisation);
+* routers: :class:`SoftmaxTopKRouter` (softmax over the experts, top-k, optional renormalisation),
+  :class:`SigmoidGroupRouter` (DeepSeek-V3 / GLM-4.5: sigmoid scores, a selection bias, group-limited top-k, a
+  routed scaling factor);
 * MLPs: :class:`DenseMLP` (SwiGLU), :class:`MoeMLP` (router + routed experts through the model's expert runner +
-  an optional :class:`SharedExpert` with a sigmoid gate).
+  an optional :class:`SharedExpert`, with a sigmoid gate or without).
 
 A new attention kind or router is a new block here and one line where :mod:`freetoken.models.decoder` picks blocks
 from the config. Blocks compute with ``freetoken.ops`` (each op picks its implementation per device) and the
@@ -168,6 +170,26 @@ class SoftmaxTopKRouter:
                                       out_weights=dev.empty((t, self.top_k), np.float32), device=dev, checked=True)
 
 
+class SigmoidGroupRouter:
+    """DeepSeek-V3's router (GLM-4.5 has it too): sigmoid scores of a linear gate, ``e_score_correction_bias`` added
+    for the choice only, the best ``topk_group`` of ``n_group`` expert groups, the top-k among their experts, the
+    unbiased scores as weights (renormalised when ``renormalize``) times ``scale``
+    (:func:`freetoken.ops.route_sigmoid_group_topk`)."""
+
+    def __init__(self, gate: Linear, bias: np.ndarray, top_k: int, n_group: int, topk_group: int,
+                 renormalize: bool, scale: float, device):
+        self.gate, self.top_k, self.dev = gate, top_k, device
+        self.bias = device.asarray(np.ascontiguousarray(bias, np.float32).reshape(-1))
+        self.n_group, self.topk_group, self.renormalize, self.scale = n_group, topk_group, renormalize, scale
+
+    def __call__(self, h):
+        t, dev = h.shape[0], self.dev
+        return ops.route_sigmoid_group_topk(
+            self.gate(h), self.bias, self.top_k, self.n_group, self.topk_group, self.renormalize, self.scale,
+            out_ids=dev.empty((t, self.top_k), np.int32), out_weights=dev.empty((t, self.top_k), np.float32),
+            device=dev, checked=True)
+
+
 # ---- MLPs --------------------------------------------------------------------------------------------------------
 class DenseMLP:
     """SwiGLU: ``down(silu(gate h) * up h)``, gate and up as one matrix."""
@@ -181,13 +203,17 @@ class DenseMLP:
 
 
 class SharedExpert:
-    """Qwen2-MoE's shared expert: a SwiGLU MLP scaled by ``sigmoid(w_gate . h)``; gate, up and the sigmoid gate
-    read ``h`` as one matrix."""
+    """A MoE layer's shared expert: a SwiGLU MLP every token runs. Qwen2-MoE's is scaled by ``sigmoid(w_gate . h)``
+    (``gated``: gate, up and the sigmoid gate read ``h`` as one matrix); GLM-4.5's ``n_shared_experts`` are one
+    ungated MLP of their summed width."""
 
-    def __init__(self, gate_up_sigmoid: Linear, down: Linear, device):
-        self.inp, self.down, self.xp = gate_up_sigmoid, down, device.xp
+    def __init__(self, inp: Linear, down: Linear, device, gated: bool = True):
+        self.inp, self.down, self.xp, self.gated = inp, down, device.xp, gated
 
     def __call__(self, h):
+        if not self.gated:
+            g, u = self.inp.split(self.inp(h))
+            return self.down(silu_mul(self.xp, g, u))
         g, u, sg = self.inp.split(self.inp(h))
         return sigmoid_gate(self.xp, self.down(silu_mul(self.xp, g, u)), sg)  # down's output: a new array
 

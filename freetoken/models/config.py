@@ -1,9 +1,12 @@
 """Model configuration of the supported MoE families, parsed from an HF ``config.json``.
 
-One decoder serves Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE; their differences are flags here:
-q/k norms (per head for Qwen3, over the whole projection for OLMoE), qkv biases (Qwen2), a shared expert with a
-sigmoid gate (Qwen2), top-k renormalisation (always for Mixtral, ``norm_topk_prob`` otherwise) and which layers
-are MoE (``decoder_sparse_step`` / ``mlp_only_layers``).
+One decoder serves Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and GLM-4.5 (glm4_moe); their differences are flags
+here: q/k norms (per head for Qwen3 and GLM's ``use_qk_norm``, over the whole projection for OLMoE), qkv biases
+(Qwen2, GLM's ``attention_bias``), a shared expert (Qwen2's with a sigmoid gate, GLM's ``n_shared_experts`` without
+one), the router (softmax top-k; GLM's DeepSeek-V3-style sigmoid scores with a selection bias, expert groups and a
+routed scaling factor), top-k renormalisation (always for Mixtral, ``norm_topk_prob`` otherwise), partial rotary
+(GLM's ``partial_rotary_factor``) and which layers are MoE (``decoder_sparse_step`` / ``mlp_only_layers``, GLM's
+``first_k_dense_replace``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,12 @@ from freetoken.models.fields import (
 )
 
 #: model_type -> family name used by freetoken.
-FAMILIES = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
+FAMILIES = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "olmoe": "olmoe",
+            "glm4_moe": "glm4_moe"}
+
+#: Router blocks (freetoken.models.blocks): softmax over the experts then top-k, or DeepSeek-V3's sigmoid scores with
+#: a selection bias and group-limited top-k (freetoken.ops.route_sigmoid_group_topk).
+ROUTERS = ("softmax", "sigmoid_group")
 
 
 #: RoPE scaling variants the decoder implements (freetoken.models.rope.rope_frequencies).
@@ -65,6 +73,23 @@ class ModelConfig:
     #: gpt-oss' attention sinks: a learned logit per query head (weight key ``attn_sinks`` ``[H]``) in each layer's
     #: softmax denominator.
     attention_sinks: bool = False
+    #: "softmax" or "sigmoid_group" (:data:`ROUTERS`); the latter's expert groups, groups in play and weight scale.
+    router: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scale: float = 1.0
+    #: Whether the shared expert's output is scaled by a sigmoid gate (Qwen2-MoE) or added as is (GLM-4.5).
+    shared_gated: bool = True
+    #: Dimensions of each q/k head that RoPE rotates, the first ones (0: all; GLM's ``partial_rotary_factor``).
+    rotary_dim: int = 0
+    #: Multi-token-prediction layers stored after the decoder's (``num_nextn_predict_layers``): not run; their
+    #: tensors are skipped when loading.
+    mtp_layers: int = 0
+
+    @property
+    def rope_dim(self) -> int:
+        """How many leading dimensions of a head RoPE rotates."""
+        return self.rotary_dim or self.head_dim
 
     def __post_init__(self):
         """The invariants every reader relies on (a parser names the file; a config built in code is checked too)."""
@@ -86,10 +111,32 @@ class ModelConfig:
             bad(f"{len(self.sliding_windows)} sliding windows for {self.num_layers} layers (each >= 0)")
         if self.head_dim % 2:
             bad(f"head_dim {self.head_dim} is odd (RoPE rotates pairs)")
+        if self.rotary_dim and (self.rotary_dim % 2 or not 2 <= self.rotary_dim <= self.head_dim):
+            bad(f"{self.rotary_dim} rotary dimensions of a head of {self.head_dim} (an even number in [2, head_dim])")
+        if self.router not in ROUTERS:
+            bad(f"router {self.router!r} (one of {', '.join(ROUTERS)})")
+        if self.router == "sigmoid_group" and self.num_experts:
+            from freetoken.ops.routing import check_groups
+
+            try:
+                check_groups(self.num_experts, self.top_k, self.n_group, self.topk_group)
+            except ValueError as e:
+                bad(f"expert groups: {e} (n_group, topk_group, num_experts_per_tok)")
+        if not (math.isfinite(self.routed_scale) and self.routed_scale > 0):
+            bad(f"routed_scaling_factor {self.routed_scale} is not a finite number > 0")
         if not (math.isfinite(self.rms_eps) and 0 < self.rms_eps < 1):
             bad(f"rms_norm_eps {self.rms_eps} is not in (0, 1)")
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
             bad(f"rope theta {self.rope_theta} is not a finite number > 0")
+
+    def notes(self) -> list[str]:
+        """What of the checkpoint the decoder leaves out, for ``run``/``chat`` to say at load."""
+        if not self.mtp_layers:
+            return []
+        last = self.num_layers + self.mtp_layers - 1
+        where = f"layer {last}" if self.mtp_layers == 1 else f"layers {self.num_layers}-{last}"
+        return [f"the checkpoint's {self.mtp_layers} multi-token-prediction layer(s) ({where}, "
+                "num_nextn_predict_layers) are skipped: generation runs one token per step"]
 
     def is_moe(self, layer: int) -> bool:
         return self.moe_layers[layer]
@@ -150,22 +197,41 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
     if cfg.get("head_dim") is None and hidden % heads:
         f.fail("num_attention_heads", heads, f"a divisor of hidden_size {hidden} (no head_dim is given)")
     head_dim = f.int("head_dim", default=hidden // heads, hi=MAX_HEAD_DIM)
-    experts = f.int("num_experts", "num_local_experts", hi=MAX_EXPERTS)
+    experts = f.int("num_experts", "num_local_experts", "n_routed_experts", hi=MAX_EXPERTS)
     top_k = f.int("num_experts_per_tok", hi=experts)
+    glm = family == "glm4_moe"
     if family == "mixtral":
         moe_inter, dense_inter, norm_topk = f.int("intermediate_size", hi=MAX_INTERMEDIATE), 0, True
     else:
         moe_inter = f.int("moe_intermediate_size", "intermediate_size", hi=MAX_INTERMEDIATE)
         dense_inter = f.int("intermediate_size", default=0, lo=0, hi=MAX_INTERMEDIATE)
-        norm_topk = f.bool("norm_topk_prob", False)
-    step = f.int("decoder_sparse_step", default=1, lo=0, hi=MAX_LAYERS) or 1
-    mlp_only = set(f.int_list("mlp_only_layers", 0, layers - 1))
-    moe_layers = tuple((i not in mlp_only) and (i + 1) % step == 0 for i in range(layers))
+        norm_topk = f.bool("norm_topk_prob", glm)  # transformers' default: True for GLM, False elsewhere
+    if glm:
+        first_dense = f.int("first_k_dense_replace", default=1, lo=0, hi=layers)
+        moe_layers = tuple(i >= first_dense for i in range(layers))
+    else:
+        step = f.int("decoder_sparse_step", default=1, lo=0, hi=MAX_LAYERS) or 1
+        mlp_only = set(f.int_list("mlp_only_layers", 0, layers - 1))
+        moe_layers = tuple((i not in mlp_only) and (i + 1) % step == 0 for i in range(layers))
     theta, scaling = _rope(f, cfg)
     if cfg.get("sliding_window") and f.bool("use_sliding_window", False):
         raise ConfigError(f"{where}: sliding-window attention is not supported yet")
-    shared = f.int("shared_expert_intermediate_size", default=0, lo=0, hi=MAX_INTERMEDIATE) \
-        if family == "qwen2_moe" else 0
+    shared = 0
+    if family == "qwen2_moe":
+        shared = f.int("shared_expert_intermediate_size", default=0, lo=0, hi=MAX_INTERMEDIATE)
+    elif glm:
+        shared = moe_inter * f.int("n_shared_experts", default=1, lo=0, hi=64)  # transformers: 1
+    rotary_dim = 0
+    if glm:
+        # transformers' Glm4MoeConfig defaults the factor to 0.5 when a config names none (as GLM-4.5's own code)
+        factor = (f.dict("rope_parameters") or {}).get("partial_rotary_factor",
+                                                       cfg.get("partial_rotary_factor", 0.5))
+        pf = Fields(lambda _: factor, where).float("partial_rotary_factor", hi=1.0)
+        rotary_dim = int(head_dim * pf)  # transformers' rounding
+        if rotary_dim < 2:
+            f.fail("partial_rotary_factor", factor, f"a factor that rotates at least 2 of the {head_dim} head dims")
+        if rotary_dim == head_dim:
+            rotary_dim = 0
     vocab = f.int("vocab_size", hi=MAX_VOCAB)
     for key in ("eos_token_id",):  # the loader stops generation on these
         v = cfg.get(key)
@@ -176,15 +242,24 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
                 f.whole(f"{key}[{j}]", x, 0, MAX_VOCAB - 1)
         elif v is not None:
             f.int(key, lo=0, hi=MAX_VOCAB - 1)
+    groups = {}
+    if glm:
+        groups = dict(router="sigmoid_group", n_group=f.int("n_group", default=1, hi=MAX_EXPERTS),
+                      topk_group=f.int("topk_group", default=1, hi=MAX_EXPERTS),
+                      routed_scale=f.float("routed_scaling_factor", default=1.0, hi=1e4), shared_gated=False,
+                      mtp_layers=f.int("num_nextn_predict_layers", default=0, lo=0, hi=MAX_LAYERS))
+    qk_norm = {"qwen3_moe": "head", "olmoe": "full"}.get(family, "none")
+    if glm:
+        qk_norm = "head" if f.bool("use_qk_norm", False) else "none"
     return _checked(where, lambda: ModelConfig(
         family=family, vocab_size=vocab, hidden=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, num_experts=experts, top_k=top_k,
         moe_inter=moe_inter, dense_inter=dense_inter, norm_topk_prob=norm_topk,
         rms_eps=f.float("rms_norm_eps", default=1e-6, hi=0.5), rope_theta=theta, rope_scaling=scaling,
-        qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(family, "none"),
-        qkv_bias=family == "qwen2_moe" or f.bool("attention_bias", False), shared_inter=shared,
+        qk_norm=qk_norm, qkv_bias=family == "qwen2_moe" or f.bool("attention_bias", False), shared_inter=shared,
         moe_layers=moe_layers, tie_word_embeddings=f.bool("tie_word_embeddings", False),
-        max_position=f.int("max_position_embeddings", default=32768, hi=MAX_POSITIONS),
+        max_position=f.int("max_position_embeddings", default=32768, hi=MAX_POSITIONS), rotary_dim=rotary_dim,
+        **groups,
     ))
 
 
@@ -198,9 +273,13 @@ def _checked(where: str, make) -> ModelConfig:
 
 
 #: GGUF ``general.architecture`` -> family (``llama`` with experts is Mixtral's layout in llama.cpp).
-GGUF_FAMILIES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "olmoe": "olmoe"}
-#: Whether llama.cpp renormalises the top-k router weights of each family (it hard-codes this per architecture).
-_GGUF_NORM_TOPK = {"qwen3_moe": True, "qwen2_moe": False, "mixtral": True, "olmoe": False}
+GGUF_FAMILIES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "olmoe": "olmoe",
+                 "glm4moe": "glm4_moe"}
+#: Whether llama.cpp renormalises the top-k router weights of each family when ``{arch}.expert_weights_norm`` is
+#: absent (it hard-codes this per architecture; glm4moe reads the key, default false).
+_GGUF_NORM_TOPK = {"qwen3_moe": True, "qwen2_moe": False, "mixtral": True, "olmoe": False, "glm4_moe": False}
+#: llama.cpp's ``{arch}.expert_gating_func`` values (enum llama_expert_gating_func_type).
+_GATING_NONE, _GATING_SOFTMAX, _GATING_SIGMOID = 0, 1, 2
 
 
 def _same_in_every_layer(gf, where: str, layers, suffixes: tuple[str, ...]) -> None:
@@ -232,7 +311,10 @@ def from_gguf(gf) -> ModelConfig:
     m = Fields(lambda key: gf.meta(key, None), where, "metadata key")
     arch = gf.arch
 
-    layers = m.int(f"{arch}.block_count", hi=MAX_LAYERS)
+    blocks = m.int(f"{arch}.block_count", hi=MAX_LAYERS)
+    # multi-token-prediction layers come after the decoder's and count in block_count (llama.cpp's converter)
+    mtp = m.int(f"{arch}.nextn_predict_layers", default=0, lo=0, hi=blocks - 1)
+    layers = blocks - mtp
     hidden = m.int(f"{arch}.embedding_length", hi=MAX_HIDDEN)
     heads = m.int(f"{arch}.attention.head_count", hi=MAX_HEADS)
     kv = gf.meta(f"{arch}.attention.head_count_kv", None)
@@ -264,14 +346,21 @@ def from_gguf(gf) -> ModelConfig:
     dense_inter = gf.info(f"blk.{dense}.ffn_gate.weight").shape[0] if dense is not None else 0
     for group in (("attn_q_norm.weight", "attn_k_norm.weight"), ("attn_q.bias", "attn_k.bias", "attn_v.bias")):
         _same_in_every_layer(gf, where, range(layers), group)
-    _same_in_every_layer(gf, where, [i for i, x in enumerate(moe_layers) if x],
-                         ("ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight",
-                          "ffn_gate_inp_shexp.weight"))
+    moe_ids = [i for i, x in enumerate(moe_layers) if x]
+    _same_in_every_layer(gf, where, moe_ids, ("ffn_gate_shexp.weight", "ffn_up_shexp.weight",
+                                              "ffn_down_shexp.weight"))
+    _same_in_every_layer(gf, where, moe_ids, ("ffn_gate_inp_shexp.weight",))
     shared_inter = 0
+    shared_gated = gf.has(f"blk.{first}.ffn_gate_inp_shexp.weight")
     if gf.has(f"blk.{first}.ffn_gate_shexp.weight"):
-        if family != "qwen2_moe":
+        if family not in ("qwen2_moe", "glm4_moe"):
             raise ConfigError(f"{where}: shared experts in a {gf.arch} model are not supported")
+        if shared_gated != (family == "qwen2_moe"):
+            raise ConfigError(f"{where}: a {gf.arch} shared expert {'with' if shared_gated else 'without'} a "
+                              f"sigmoid gate (blk.{first}.ffn_gate_inp_shexp.weight) is not supported")
         shared_inter = gf.info(f"blk.{first}.ffn_gate_shexp.weight").shape[0]
+    elif shared_gated:
+        raise ConfigError(f"{where}: blk.{first}.ffn_gate_inp_shexp.weight without a shared expert")
     kind = m.str(f"{arch}.rope.scaling.type")
     rope_scaling = None
     if kind not in (None, "none"):
@@ -283,9 +372,28 @@ def from_gguf(gf) -> ModelConfig:
         rope_scaling = {"rope_type": kind, "factor": m.float(f"{arch}.rope.scaling.factor", hi=1e6),
                         "original_max_position_embeddings": None if orig is None else
                         m.int(f"{arch}.rope.scaling.original_context_length", hi=MAX_POSITIONS)}
-    scale = m.float(f"{arch}.expert_weights_scale", default=1.0)
-    if scale != 1.0:
+    scale = m.float(f"{arch}.expert_weights_scale", default=1.0, lo=0.0, lo_open=False) or 1.0  # llama.cpp: 0 = 1
+    router = {}
+    if family == "glm4_moe":
+        gating = m.int(f"{arch}.expert_gating_func", default=_GATING_NONE, lo=0, hi=8)
+        if gating not in (_GATING_NONE, _GATING_SIGMOID):  # llama.cpp takes none as sigmoid for glm4moe
+            raise ConfigError(f"{where}: {arch}.expert_gating_func {gating}: a glm4moe router with other than sigmoid "
+                              "scores is not supported")
+        n_group = m.int(f"{arch}.expert_group_count", default=1, lo=0, hi=MAX_EXPERTS) or 1
+        # llama.cpp limits the choice to groups only when there are several (then it needs the used count)
+        topk_group = m.int(f"{arch}.expert_group_used_count", hi=n_group) if n_group > 1 else 1
+        router = dict(router="sigmoid_group", n_group=n_group, topk_group=topk_group, routed_scale=scale,
+                      shared_gated=False, mtp_layers=mtp)
+    elif scale != 1.0:
         raise ConfigError(f"{where}: expert_weights_scale {scale} is not supported")
+    elif mtp:
+        raise ConfigError(f"{where}: {arch}.nextn_predict_layers {mtp}: multi-token-prediction layers in a "
+                          f"{arch} model are not supported")
+    head_dim = m.int(f"{arch}.attention.key_length", default=hidden // heads, hi=MAX_HEAD_DIM)
+    rotary_dim = m.int(f"{arch}.rope.dimension_count", default=head_dim, lo=2, hi=head_dim)
+    if rotary_dim != head_dim and family != "glm4_moe":
+        raise ConfigError(f"{where}: {arch}.rope.dimension_count {rotary_dim} of a head of {head_dim}: partial rotary "
+                          f"in a {arch} model is not supported")
     vocab = m.int(f"{arch}.vocab_size", default=0, lo=0, hi=MAX_VOCAB) or \
         m.whole("token_embd.weight rows", gf.info("token_embd.weight").shape[0], 1, MAX_VOCAB)
     qk_norm = "none"
@@ -293,7 +401,7 @@ def from_gguf(gf) -> ModelConfig:
         qk_norm = "full" if family == "olmoe" else "head"
     return _checked(where, lambda: ModelConfig(
         family=family, vocab_size=vocab, hidden=hidden, num_layers=layers, num_heads=heads, num_kv_heads=int(kv),
-        head_dim=m.int(f"{arch}.attention.key_length", default=hidden // heads, hi=MAX_HEAD_DIM),
+        head_dim=head_dim, rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
         num_experts=experts, top_k=m.int(f"{arch}.expert_used_count", hi=experts),
         moe_inter=m.whole("ffn_gate_exps rows", int(moe_inter), 1, MAX_INTERMEDIATE),
         dense_inter=m.whole("ffn_gate rows", int(dense_inter), 0, MAX_INTERMEDIATE),
@@ -303,5 +411,5 @@ def from_gguf(gf) -> ModelConfig:
         rope_scaling=rope_scaling,
         qk_norm=qk_norm, qkv_bias=gf.has("blk.0.attn_q.bias"), shared_inter=int(shared_inter),
         moe_layers=moe_layers, tie_word_embeddings=not gf.has("output.weight"),
-        max_position=m.int(f"{arch}.context_length", default=32768, hi=MAX_POSITIONS),
+        max_position=m.int(f"{arch}.context_length", default=32768, hi=MAX_POSITIONS), **router,
     ))

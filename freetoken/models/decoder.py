@@ -1,4 +1,5 @@
-"""The MoE decoder of the Qwen3-MoE / Qwen2-MoE / Mixtral / OLMoE families: embedding, layers, final norm, LM head.
+"""The MoE decoder of the Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and GLM-4.5 families: embedding, layers, final norm,
+LM head.
 
 Each layer's blocks (:mod:`freetoken.models.blocks`) are picked from the config once, here, at load time; a forward
 pass then reads top to bottom (:meth:`MoeDecoder.forward`). Dense projections are :class:`Linear` matrices held in
@@ -22,6 +23,7 @@ from freetoken.models.blocks import (
     PlainQK,
     ProjectionNormQK,
     SharedExpert,
+    SigmoidGroupRouter,
     SoftmaxTopKRouter,
 )
 from freetoken.models.config import ModelConfig
@@ -29,7 +31,7 @@ from freetoken.models.experts import ExpertRunner
 from freetoken.models.kv import KVPool, KVSequence
 from freetoken.models.linear import Linear
 from freetoken.models.qmatrix import QuantizedMatrix
-from freetoken.models.rope import rope_tables
+from freetoken.models.rope import partial_rotary_order, rope_tables
 from freetoken.models.scratch import Scratch
 from freetoken.models.weights import HFWeights, Weights
 
@@ -59,11 +61,32 @@ class _Tensors:
         return Linear.concat(mats, self.dev, biases)
 
 
+def _rotary_rows(cfg: ModelConfig, key: str, w):
+    """Partial rotary (``cfg.rotary_dim``): the q or k rows (a projection, its bias or a per-head norm weight) with
+    each head's dimensions in :func:`partial_rotary_order`, which the RoPE tables expect; others as they are."""
+    if cfg.rope_dim == cfg.head_dim or key[0] not in "qk" or key == "qkv":
+        return w
+    d = cfg.head_dim
+    order = partial_rotary_order(d, cfg.rope_dim)
+    heads = w.shape[0] // d
+    rows = (np.arange(heads)[:, None] * d + order[None, :]).reshape(-1)  # each head's rows in the new order
+    if isinstance(w, QuantizedMatrix):
+        return w.rows(rows)  # whole block rows move: exact
+    return np.ascontiguousarray(w[rows])
+
+
 def _attention(cfg: ModelConfig, t: _Tensors, i: int, dev, scratch: Scratch) -> Attention:
-    qkv = t.linear(("q_proj", "k_proj", "v_proj"), i, ("q_bias", "k_bias", "v_bias") if cfg.qkv_bias else None)
+    if cfg.rope_dim < cfg.head_dim:
+        mats = [_rotary_rows(cfg, k, t.matrix(k, i)) for k in ("q_proj", "k_proj")] + [t.matrix("v_proj", i)]
+        biases = [_rotary_rows(cfg, k, t.host(k, i)) for k in ("q_bias", "k_bias")] + [t.host("v_bias", i)] \
+            if cfg.qkv_bias else None
+        qkv = Linear.concat(mats, dev, biases)
+    else:
+        qkv = t.linear(("q_proj", "k_proj", "v_proj"), i, ("q_bias", "k_bias", "v_bias") if cfg.qkv_bias else None)
     shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm == "head":
-        qk = HeadNormQK(*shape, t.host("q_norm", i), t.host("k_norm", i), cfg.rms_eps, dev)
+        qk = HeadNormQK(*shape, _rotary_rows(cfg, "q_norm", t.host("q_norm", i)),
+                        _rotary_rows(cfg, "k_norm", t.host("k_norm", i)), cfg.rms_eps, dev)
     elif cfg.qk_norm == "full":
         qk = ProjectionNormQK(*shape, t.host("q_norm", i), t.host("k_norm", i), cfg.rms_eps, dev)
     else:
@@ -75,11 +98,15 @@ def _attention(cfg: ModelConfig, t: _Tensors, i: int, dev, scratch: Scratch) -> 
 def _mlp(cfg: ModelConfig, t: _Tensors, i: int, dev, experts: ExpertRunner, moe_index: int):
     if not cfg.is_moe(i):
         return DenseMLP(t.linear(("mlp_gate", "mlp_up"), i), t.linear(("mlp_down",), i), dev)
-    router = SoftmaxTopKRouter(t.linear(("router",), i), cfg.top_k, cfg.norm_topk_prob, dev)
+    if cfg.router == "sigmoid_group":
+        router = SigmoidGroupRouter(t.linear(("router",), i), t.host("router_bias", i), cfg.top_k, cfg.n_group,
+                                    cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scale, dev)
+    else:
+        router = SoftmaxTopKRouter(t.linear(("router",), i), cfg.top_k, cfg.norm_topk_prob, dev)
     shared = None
     if cfg.shared_inter:
-        shared = SharedExpert(t.linear(("shared_gate", "shared_up", "shared_sigmoid"), i),
-                              t.linear(("shared_down",), i), dev)
+        inp = ("shared_gate", "shared_up", "shared_sigmoid") if cfg.shared_gated else ("shared_gate", "shared_up")
+        shared = SharedExpert(t.linear(inp, i), t.linear(("shared_down",), i), dev, gated=cfg.shared_gated)
     experts.load_layer(moe_index, t.weights.expert_banks(i, experts.layout))
     return MoeMLP(router, experts, moe_index, shared, dev)
 
@@ -148,7 +175,7 @@ class MoeDecoder:
         self._layer_kv = [self.kv.layer(i) for i in range(cfg.num_layers)]  # views; the block table updates in place
         self.prefill_chunk = int(prefill_chunk)
         self.rope_cos, self.rope_sin = rope_tables(self.xp, np.arange(ctx), cfg.head_dim, cfg.rope_theta,
-                                                   cfg.rope_scaling, cfg.max_position)
+                                                   cfg.rope_scaling, cfg.max_position, cfg.rope_dim)
 
     def _sequence(self) -> KVSequence:
         if self.kv is None:
@@ -185,7 +212,7 @@ class MoeDecoder:
             dense += sum(int(w.nbytes) for w in (getattr(att.qk, "weight", None), getattr(att.qk, "q_norm", None),
                                                  getattr(att.qk, "k_norm", None), att.sinks) if w is not None)
             if isinstance(mlp, MoeMLP):
-                dense += mlp.router.gate.nbytes
+                dense += mlp.router.gate.nbytes + int(getattr(mlp.router, "bias", np.zeros(0)).nbytes)
                 if mlp.shared is not None:
                     dense += mlp.shared.inp.nbytes + mlp.shared.down.nbytes
             else:

@@ -59,10 +59,34 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None,
     raise ValueError(f"rope scaling {kind!r} is not supported (supported: default, linear, yarn, llama3)")
 
 
-def rope_tables(xp, positions, head_dim: int, theta: float, scaling: dict | None = None, max_position: int = 32768):
+def rope_tables(xp, positions, head_dim: int, theta: float, scaling: dict | None = None, max_position: int = 32768,
+                rotary_dim: int = 0):
     """cos/sin [T, head_dim] (frequencies repeated over both halves, HF convention) of a RoPE variant
-    (:func:`rope_frequencies`)."""
-    inv_freq, attn = rope_frequencies(head_dim, theta, scaling, max_position)
+    (:func:`rope_frequencies`).
+
+    ``rotary_dim`` (0: ``head_dim``): partial rotary, as GLM-4.5 has it: HF rotates the first ``rotary_dim``
+    dimensions of a head by halves of ``rotary_dim`` and passes the rest through. The tables here are for heads whose
+    dimensions :func:`partial_rotary_order` reordered: the rotated pairs at ``j`` and ``j + head_dim / 2`` for ``j <
+    rotary_dim / 2`` (frequencies of a ``rotary_dim``-wide RoPE), cos 1 and sin 0 everywhere else, so the one
+    full-width rotation kernel computes partial rotary exactly."""
+    rd = rotary_dim or head_dim
+    inv_freq, attn = rope_frequencies(rd, theta, scaling, max_position)
     ang = np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]
-    ang = np.concatenate([ang, ang], axis=-1)
-    return xp.asarray((np.cos(ang) * attn).astype(np.float32)), xp.asarray((np.sin(ang) * attn).astype(np.float32))
+    cos, sin = np.cos(ang) * attn, np.sin(ang) * attn
+    if rd < head_dim:
+        pad = ((0, 0), (0, (head_dim - rd) // 2))
+        cos, sin = np.pad(cos, pad, constant_values=1.0), np.pad(sin, pad, constant_values=0.0)
+    cos, sin = np.concatenate([cos, cos], axis=-1), np.concatenate([sin, sin], axis=-1)
+    return xp.asarray(cos.astype(np.float32)), xp.asarray(sin.astype(np.float32))
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> np.ndarray:
+    """The reordering of one head's dimensions (``new[j] = old[order[j]]``) that lets a full-width rotate-half RoPE
+    compute HF's partial rotary: HF pairs dimension ``j`` with ``j + rotary_dim / 2`` inside the first ``rotary_dim``;
+    after the reorder they sit at ``j`` and ``j + head_dim / 2``, and the passed-through dimensions fill the rest of
+    each half (:func:`rope_tables` gives them cos 1, sin 0). Applied to the q and k rows alike (their projections,
+    biases and norm weights), it leaves every q.k product, and so attention, unchanged."""
+    half, rh = head_dim // 2, rotary_dim // 2
+    passed = list(range(rotary_dim, head_dim))
+    first, second = passed[:half - rh], passed[half - rh:]
+    return np.asarray([*range(rh), *first, *range(rh, rotary_dim), *second], np.int64)

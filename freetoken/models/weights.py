@@ -37,10 +37,14 @@ _HF_LAYER = {
     **{f"{x}_proj": f"self_attn.{x}_proj.weight" for x in "qkvo"},
     **{f"{x}_bias": f"self_attn.{x}_proj.bias" for x in "qkv"},
     "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight", "attn_sinks": "self_attn.sinks",
-    "router": "{moe}gate.weight",
+    "router": "{moe}gate.weight", "router_bias": "{moe}gate.e_score_correction_bias",
     **{f"shared_{w}": f"mlp.shared_expert.{w}_proj.weight" for w in ("gate", "up", "down")},
     "shared_sigmoid": "mlp.shared_expert_gate.weight",
     **{f"mlp_{w}": f"mlp.{w}_proj.weight" for w in ("gate", "up", "down")},
+}
+#: Per-family names that differ from :data:`_HF_LAYER`'s.
+_HF_LAYER_FAMILY = {
+    "glm4_moe": {f"shared_{w}": f"mlp.shared_experts.{w}_proj.weight" for w in ("gate", "up", "down")},
 }
 _HF_GLOBAL = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 
@@ -50,14 +54,23 @@ _GGUF_LAYER = {
     "q_proj": "attn_q.weight", "k_proj": "attn_k.weight", "v_proj": "attn_v.weight", "o_proj": "attn_output.weight",
     "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
     "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight", "attn_sinks": "attn_sinks.weight",
-    "router": "ffn_gate_inp.weight",
+    "router": "ffn_gate_inp.weight", "router_bias": "exp_probs_b.bias",
     **{f"shared_{w}": f"ffn_{w}_shexp.weight" for w in ("gate", "up", "down")},
     "shared_sigmoid": "ffn_gate_inp_shexp.weight",
     **{f"mlp_{w}": f"ffn_{w}.weight" for w in ("gate", "up", "down")},
 }
+#: Per-architecture GGUF names that differ from :data:`_GGUF_LAYER`'s: llama.cpp's glm4moe calls the norm before the
+#: MLP ``post_attention_norm`` (its converter maps HF's ``post_attention_layernorm`` there for this architecture).
+_GGUF_LAYER_ARCH = {"glm4moe": {"mlp_norm": "post_attention_norm.weight"}}
 _GGUF_GLOBAL = {"embed": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
-#: Canonical per-layer key -> GGUF name relative to ``blk.N.`` (read-only).
+#: Canonical per-layer key -> GGUF name relative to ``blk.N.`` (read-only; :func:`gguf_layer_name` for an
+#: architecture's own).
 GGUF_LAYER_NAMES = _GGUF_LAYER
+
+
+def gguf_layer_name(arch: str, key: str) -> str:
+    """The GGUF name (relative to ``blk.N.``) of canonical per-layer ``key`` in a file of architecture ``arch``."""
+    return _GGUF_LAYER_ARCH.get(arch, {}).get(key) or _GGUF_LAYER[key]
 
 
 def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
@@ -77,9 +90,13 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
         s["attn_sinks"] = (cfg.num_heads,)
     if cfg.is_moe(i):
         s["router"] = (cfg.num_experts, h)
+        if cfg.router == "sigmoid_group":
+            s["router_bias"] = (cfg.num_experts,)
         if cfg.shared_inter:
             si = cfg.shared_inter
-            s.update(shared_gate=(si, h), shared_up=(si, h), shared_down=(h, si), shared_sigmoid=(1, h))
+            s.update(shared_gate=(si, h), shared_up=(si, h), shared_down=(h, si))
+            if cfg.shared_gated:
+                s["shared_sigmoid"] = (1, h)
     else:
         d = cfg.dense_inter
         s.update(mlp_gate=(d, h), mlp_up=(d, h), mlp_down=(h, d))
@@ -196,6 +213,8 @@ def _check_no_strays(cfg: ModelConfig, w: HFWeights, sd, expected: set[str]) -> 
             continue
         layer = int(m.group(1))
         where = sd.info(name).file
+        if cfg.num_layers <= layer < cfg.num_layers + cfg.mtp_layers:
+            continue  # a multi-token-prediction layer: not run (``run``/``chat`` say so)
         if layer >= cfg.num_layers:
             raise LoadError(where, f"layer {layer} is beyond num_hidden_layers = {cfg.num_layers} in config.json",
                             name)
@@ -265,7 +284,8 @@ class HFWeights(Weights):
         if layer is None:
             return _HF_GLOBAL[key]
         moe = "block_sparse_moe." if self.cfg.family == "mixtral" else "mlp."
-        return f"model.layers.{layer}." + _HF_LAYER[key].format(moe=moe)
+        name = _HF_LAYER_FAMILY.get(self.cfg.family, {}).get(key) or _HF_LAYER[key]
+        return f"model.layers.{layer}." + name.format(moe=moe)
 
     def _exists(self, name: str) -> bool:
         if self._has is not None:
@@ -348,7 +368,7 @@ class GGUFWeights(Weights):
                 self.native_expert_format = None  # f16/bf16/q8_0... experts: decoded and quantized on load
 
     def name(self, key: str, layer: int | None = None) -> str:
-        return _GGUF_GLOBAL[key] if layer is None else f"blk.{layer}." + _GGUF_LAYER[key]
+        return _GGUF_GLOBAL[key] if layer is None else f"blk.{layer}." + gguf_layer_name(self.gguf.arch, key)
 
     def has(self, key: str, layer: int | None = None) -> bool:
         return self.gguf.has(self.name(key, layer))

@@ -35,6 +35,15 @@ def need_program(path: str, why: str = "") -> str:
     return path
 
 
+def need_file(path, why: str = ""):
+    """``path``, a file that setup puts in place (a vendored script); skip (locally) or fail (in CI) as
+    :func:`need` does when it is not there."""
+    __tracebackhide__ = True
+    if not os.path.isfile(path):
+        _missing(f"test oracle {path} is not there" + (f"; {why}" if why else ""))
+    return path
+
+
 def _missing(reason: str):
     import pytest
 

@@ -1,4 +1,4 @@
-"""Parity cases of ``ops.route_softmax_topk`` (``cuda/routing.cu``)."""
+"""Parity cases of ``ops.route_softmax_topk`` and ``ops.route_sigmoid_group_topk`` (``cuda/routing.cu``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 
 from freetoken import ops
 from freetoken.testing.cases.base import KernelCase, poisoned
-from freetoken.testing.reference.routing import route_softmax_topk_reference
+from freetoken.testing.reference.routing import route_sigmoid_group_topk_reference, route_softmax_topk_reference
 
 
 def _make(k: int, renormalize: bool):
@@ -40,3 +40,46 @@ def _make(k: int, renormalize: bool):
 
 
 CASES = [_make(8, True), _make(6, False), _make(1, True)]
+
+
+def _make_group(n: int, n_group: int, topk_group: int, k: int, renormalize: bool, scale: float, large: tuple):
+    def make(rng, size):
+        rows, experts = (13, n) if size == "small" else large
+        x = (2.0 * rng.standard_normal((rows, experts))).astype(np.float32)
+        bias = (0.1 * rng.standard_normal(experts)).astype(np.float32)
+        x[1, :] = 0.25  # equal scores: the bias alone ranks the experts
+        x[2, :experts // 2] = 30.0  # saturated scores (sigmoid 1.0 in float32): ties broken by the bias
+        x[3, 5] = -np.inf  # a masked expert: score 0
+        x[4, 3] = np.nan  # a NaN key, ranked as -inf: never chosen while others are in play
+        x[5, :] = -np.inf  # every score 0: the bias picks
+        return {"x": x, "bias": bias, "k": k, "n_group": n_group, "topk_group": topk_group,
+                "renormalize": renormalize, "scale": scale}
+
+    def setup(dev, inp):
+        rows = inp["x"].shape[0]
+        return {**inp, "x": dev.asarray(inp["x"]), "bias": dev.asarray(inp["bias"]),
+                "out_ids": poisoned(dev, (rows, inp["k"]), np.int32),
+                "out_weights": poisoned(dev, (rows, inp["k"]), np.float32)}
+
+    def launch(dev, st):
+        ops.route_sigmoid_group_topk(st["x"], st["bias"], st["k"], st["n_group"], st["topk_group"],
+                                     st["renormalize"], st["scale"], out_ids=st["out_ids"],
+                                     out_weights=st["out_weights"], device=dev)
+
+    def reference(inp):
+        ids, w = route_sigmoid_group_topk_reference(inp["x"], inp["bias"], inp["k"], inp["n_group"],
+                                                    inp["topk_group"], inp["renormalize"], inp["scale"])
+        return {"ids": ids, "weights": w}
+
+    name = f"route_sigmoid_group_e{n}_g{n_group}of{topk_group}_k{k}_{'renorm' if renormalize else 'plain'}"
+    return KernelCase(name, "routing.cu", make, setup, launch, reference, atol=1e-7, rtol=1e-5,
+                      bytes_moved=lambda inp: inp["x"].nbytes, op="route_sigmoid_group_topk")
+
+
+CASES += [
+    # DeepSeek-V3's shape at full size (256 experts, 8 groups, 4 in play, top-8, scaled 2.5)
+    _make_group(64, 8, 4, 8, True, 2.5, (4096, 256)),
+    _make_group(60, 5, 2, 6, False, 1.0, (4096, 160)),  # 12 experts a group: not a multiple of 32
+    _make_group(40, 1, 1, 4, True, 1.0, (4096, 128)),  # GLM-4.5: one group
+    _make_group(64, 32, 3, 5, True, 1.5, (4096, 256)),  # the most groups a warp holds
+]

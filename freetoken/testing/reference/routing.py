@@ -1,4 +1,4 @@
-"""Reference of ``ops.route_softmax_topk``."""
+"""References of ``ops.route_softmax_topk`` and ``ops.route_sigmoid_group_topk``."""
 
 import numpy as np
 
@@ -18,3 +18,28 @@ def route_softmax_topk_reference(logits: np.ndarray, k: int, renormalize: bool) 
     if renormalize:
         w = w / w.sum(axis=-1, keepdims=True)
     return ids, w
+
+
+def route_sigmoid_group_topk_reference(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int, topk_group: int,
+                                       renormalize: bool, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [T, k], weights float64 [T, k]) of DeepSeek-V3's router in float64, written as transformers writes
+    it (group scores from the two best keys, groups masked to -inf) with this package's order: largest first, ties
+    to the lower index, NaN keys as -inf."""
+    z = np.asarray(logits, np.float64)
+    t, n = z.shape
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = 1.0 / (1.0 + np.exp(-z))
+    key = s + np.asarray(bias, np.float64)[None]
+    key = np.where(np.isnan(key), -np.inf, key)
+    grouped = key.reshape(t, n_group, n // n_group)
+    top2 = -np.sort(-grouped, axis=-1)[..., :2]
+    gscore = top2.sum(axis=-1)
+    gsel = np.argsort(-gscore, axis=1, kind="stable")[:, :topk_group]
+    keep = np.zeros((t, n_group), bool)
+    np.put_along_axis(keep, gsel, True, axis=1)
+    masked = np.where(np.repeat(keep, n // n_group, axis=1), key, -np.inf)
+    ids = np.argsort(-masked, axis=1, kind="stable")[:, :k].astype(np.int32)
+    w = np.take_along_axis(s, ids, axis=1)
+    if renormalize:
+        w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
+    return ids, w * scale
