@@ -10,7 +10,7 @@ import warnings
 
 import numpy as np
 import pytest
-from tiny_models import FAMILIES, make_checkpoint
+from tiny_models import FAMILIES, GGUF_OVERRIDES, make_checkpoint
 
 from freetoken.convert import export_gguf
 from freetoken.engine.load import load
@@ -28,7 +28,7 @@ TOKENS = np.random.default_rng(1).integers(0, 128, 24)
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def exported(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
-    make_checkpoint(request.param, root / "hf")
+    make_checkpoint(request.param, root / "hf", **GGUF_OVERRIDES.get(request.param, {}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no tokenizer.json in these checkpoints
         export_gguf(root / "hf", root / "f32.gguf", experts="f32", other="f32")

@@ -9,6 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
+from tiny_models import GGUF_OVERRIDES
 
 from freetoken.engine.load import DEFAULT_MODEL, load
 from freetoken.testing.oracles import need
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.llama_cpp
 CASES = {
     "glm4_moe": (dict(), ("[gMASK]", "<|user|>", "<|observation|>")),
     "qwen3_moe": (dict(mlp_only_layers=[]), ()),
+    "gpt_oss": (GGUF_OVERRIDES["gpt_oss"], ()),  # experts in F32: the converter's non-MXFP4 path
 }
 
 

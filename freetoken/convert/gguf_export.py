@@ -28,7 +28,7 @@ from freetoken.models.weights import HFWeights, gguf_layer_name, llama_permute
 
 #: freetoken family -> GGUF architecture.
 ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
-         "glm4_moe": "glm4moe"}
+         "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss"}
 #: Types a non-expert matrix can be written in (norms, biases and routers always stay F32).
 OTHER_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 EXPERT_TYPES = ("q4_0", "q8_0", "f16", "bf16", "f32")
@@ -107,6 +107,10 @@ def build_plan(cfg: ModelConfig, w, other: str, experts: str) -> _Plan:
         if cfg.qkv_bias:
             for x in "qkv":
                 p.add(b + f"attn_{x}.bias", (lambda x=x, f=fetch: f(f"{x}_bias")), "f32", (proj[f"{x}_proj"][0],))
+        if cfg.o_bias:
+            p.add(b + "attn_output.bias", vec("o_bias", i), "f32", (cfg.hidden,))
+        if cfg.attention_sinks:
+            p.add(b + "attn_sinks.weight", vec("attn_sinks", i), "f32", (cfg.num_heads,))
         if cfg.qk_norm != "none":
             n_q = hd if cfg.qk_norm == "head" else cfg.num_heads * hd
             n_k = hd if cfg.qk_norm == "head" else cfg.num_kv_heads * hd
@@ -118,6 +122,12 @@ def build_plan(cfg: ModelConfig, w, other: str, experts: str) -> _Plan:
             p.add(b + "ffn_gate_inp.weight", lambda i=i: w.get("router", i), "f32", (e, h))
             if cfg.router == "sigmoid_group":
                 p.add(b + gguf_layer_name(arch, "router_bias"), vec("router_bias", i), "f32", (e,))
+            if cfg.router_logit_bias:
+                p.add(b + "ffn_gate_inp.bias", vec("router_logit_bias", i), "f32", (e,))
+            if cfg.expert_bias:
+                for mat in MATRICES:
+                    p.add(b + f"ffn_{mat}_exps.bias", lambda mat=mat, i=i: w.expert_biases(i)[mat], "f32",
+                          (e, h if mat == "down" else m))
             shapes = {"gate": (e, m, h), "up": (e, m, h), "down": (e, h, m)}
             for mat in MATRICES:
                 fn = lambda mat=mat, i=i: w.expert_stack(i, mat)
@@ -179,6 +189,10 @@ def _write_metadata(writer, cfg: ModelConfig, name: str, experts: str) -> None:
         writer.add_expert_group_count(cfg.n_group)
         writer.add_expert_group_used_count(cfg.topk_group)
         writer.add_rope_dimension_count(cfg.rope_dim)
+    if cfg.family == "gpt_oss":
+        # the window, and which layers have it (a per-layer array: llama.cpp reads it before its every-2nd default)
+        writer.add_sliding_window(max(cfg.sliding_windows))
+        writer.add_sliding_window_pattern([w > 0 for w in cfg.sliding_windows])
     if cfg.rope_scaling is not None:
         from gguf import RopeScalingType
 
@@ -190,6 +204,14 @@ def _write_metadata(writer, cfg: ModelConfig, name: str, experts: str) -> None:
         orig = cfg.rope_scaling.get("original_max_position_embeddings")
         if orig:
             writer.add_rope_scaling_orig_ctx_len(int(orig))
+        if kind == "yarn":
+            for key in ("beta_fast", "beta_slow"):
+                if cfg.rope_scaling.get(key) is not None:
+                    getattr(writer, f"add_rope_scaling_yarn_{key}")(float(cfg.rope_scaling[key]))
+            if not cfg.rope_scaling.get("truncate", True):
+                warnings.warn("YaRN with truncate=false: GGUF has no key for it and llama.cpp (and freetoken reading "
+                              "a GGUF file) round the ramp's ends to whole dimensions, so the file's RoPE differs "
+                              "slightly from the checkpoint's", stacklevel=3)
 
 
 def check_output(out: Path, inputs: Path, force: bool = False) -> None:

@@ -38,7 +38,7 @@ def build_decoder(cfg: ModelConfig, weights: Weights | Callable[[str], np.ndarra
     if not isinstance(weights, Weights):
         weights = HFWeights(cfg, weights)
     fmt = options.expert_format or weights.native_expert_format or "bf16"
-    layout = RecordLayout(formats.get(fmt), cfg.hidden, cfg.moe_inter)
+    layout = RecordLayout(formats.get(fmt), cfg.hidden, cfg.moe_inter, cfg.expert_bias, cfg.expert_act)
     runner = make_runner(device, layout, sum(cfg.moe_layers), cfg.num_experts, cfg.top_k, options.experts)
     decoder = MoeDecoder(cfg, weights, device, runner, progress=options.progress)
     plan = plan_context(cfg, device, options)

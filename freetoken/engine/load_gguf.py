@@ -29,7 +29,14 @@ def _expected_shapes(cfg: ModelConfig, w: GGUFWeights) -> dict[str, tuple[int, .
             e, m, h = cfg.num_experts, cfg.moe_inter, cfg.hidden
             names = w.gguf.expert_names(i)
             out.update({names["gate"]: (e, m, h), names["up"]: (e, m, h), names["down"]: (e, h, m)})
+            if cfg.expert_bias:
+                out.update({_bias(names["gate"]): (e, m), _bias(names["up"]): (e, m), _bias(names["down"]): (e, h)})
     return out
+
+
+def _bias(weight_name: str) -> str:
+    """``blk.N.ffn_gate_exps.weight`` -> ``blk.N.ffn_gate_exps.bias``."""
+    return weight_name.removesuffix(".weight") + ".bias"
 
 
 _T = GGMLQuantizationType
@@ -63,6 +70,7 @@ def check_tensors(gf: GGUFFile, cfg: ModelConfig, w: GGUFWeights, kv_bytes: int 
     and overlaps were checked when the file was opened.) Returns the bytes the load allocates."""
     expected = _expected_shapes(cfg, w)
     experts = {n for i in range(cfg.num_layers) if cfg.is_moe(i) for n in w.gguf.expert_names(i).values()}
+    experts |= {_bias(n) for n in experts} & set(expected)
     dense = 0
     for name, want in expected.items():
         got = gf.info(name)  # LoadError (with close names) when missing

@@ -115,14 +115,21 @@ class ExpertFormat(ABC):
 
 @dataclass(frozen=True)
 class RecordLayout:
-    """The banks of one expert record: gate [I, H], up [I, H], down [H, I] in ``fmt``, optional biases."""
+    """The banks of one expert record: gate [I, H], up [I, H], down [H, I] in ``fmt``, optional biases, and the
+    activation the records are run with (``act``: "swiglu", or gpt-oss' clamped "gpt_oss"; see
+    ``freetoken.device.constants.ACTIVATIONS``): what a runner needs to compute any record of the layout."""
 
     fmt: ExpertFormat
     hidden: int
     inter: int
     bias: bool = False
+    act: str = "swiglu"
 
     def __post_init__(self):
+        from freetoken.device.constants import ACTIVATIONS
+
+        if self.act not in ACTIVATIONS:
+            raise ValueError(f"unknown expert activation {self.act!r}; choose one of {', '.join(ACTIVATIONS)}")
         self.fmt.check_shape(self.inter, self.hidden, "gate/up")
         self.fmt.check_shape(self.hidden, self.inter, "down")
 

@@ -31,7 +31,7 @@ from freetoken.models.fields import (
 
 #: model_type -> family name used by freetoken.
 FAMILIES = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "olmoe": "olmoe",
-            "glm4_moe": "glm4_moe"}
+            "glm4_moe": "glm4_moe", "gpt_oss": "gpt_oss"}
 
 #: Router blocks (freetoken.models.blocks): softmax over the experts then top-k, or DeepSeek-V3's sigmoid scores with
 #: a selection bias and group-limited top-k (freetoken.ops.route_sigmoid_group_topk).
@@ -68,7 +68,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position: int = 32768
     #: Per-layer sliding window: a query sees itself and the ``w - 1`` positions before it (0: the whole context);
-    #: empty: no layer has one. No parser sets it yet (the model-families issue does); the attention block takes it.
+    #: empty: no layer has one (gpt-oss' ``layer_types`` alternate windowed and full layers).
     sliding_windows: tuple[int, ...] = ()
     #: gpt-oss' attention sinks: a learned logit per query head (weight key ``attn_sinks`` ``[H]``) in each layer's
     #: softmax denominator.
@@ -85,6 +85,13 @@ class ModelConfig:
     #: Multi-token-prediction layers stored after the decoder's (``num_nextn_predict_layers``): not run; their
     #: tensors are skipped when loading.
     mtp_layers: int = 0
+    #: gpt-oss: a bias on the attention output projection (``o_bias``) and on the router's logits
+    #: (``router_logit_bias``); routed experts with biases, run with the clamped activation (``expert_act``
+    #: "gpt_oss", ``freetoken.device.constants.ACTIVATIONS``).
+    o_bias: bool = False
+    router_logit_bias: bool = False
+    expert_bias: bool = False
+    expert_act: str = "swiglu"
 
     @property
     def rope_dim(self) -> int:
@@ -198,9 +205,9 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
         f.fail("num_attention_heads", heads, f"a divisor of hidden_size {hidden} (no head_dim is given)")
     head_dim = f.int("head_dim", default=hidden // heads, hi=MAX_HEAD_DIM)
     experts = f.int("num_experts", "num_local_experts", "n_routed_experts", hi=MAX_EXPERTS)
-    top_k = f.int("num_experts_per_tok", hi=experts)
-    glm = family == "glm4_moe"
-    if family == "mixtral":
+    top_k = f.int("num_experts_per_tok", "experts_per_token", hi=experts)
+    glm, oss = family == "glm4_moe", family == "gpt_oss"
+    if family in ("mixtral", "gpt_oss"):  # gpt-oss: softmax over the top-k logits = the top-k renormalised
         moe_inter, dense_inter, norm_topk = f.int("intermediate_size", hi=MAX_INTERMEDIATE), 0, True
     else:
         moe_inter = f.int("moe_intermediate_size", "intermediate_size", hi=MAX_INTERMEDIATE)
@@ -248,6 +255,8 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
                       topk_group=f.int("topk_group", default=1, hi=MAX_EXPERTS),
                       routed_scale=f.float("routed_scaling_factor", default=1.0, hi=1e4), shared_gated=False,
                       mtp_layers=f.int("num_nextn_predict_layers", default=0, lo=0, hi=MAX_LAYERS))
+    if oss:
+        groups.update(_gpt_oss_fields(f, layers))
     qk_norm = {"qwen3_moe": "head", "olmoe": "full"}.get(family, "none")
     if glm:
         qk_norm = "head" if f.bool("use_qk_norm", False) else "none"
@@ -263,6 +272,28 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
     ))
 
 
+def _gpt_oss_fields(f: Fields, layers: int) -> dict:
+    """gpt-oss' config fields beyond the common ones: alternating sliding-window and full layers (``layer_types``,
+    ``sliding_window``; transformers' default: even layers windowed), sinks, the output and router biases, experts
+    with biases and the clamped SwiGLU, whose constants the kernels hold (``swiglu_limit`` 7, ``swiglu_alpha``
+    1.702: other values are refused by name)."""
+    from freetoken.device.constants import GPT_OSS_ALPHA, GPT_OSS_LIMIT
+
+    for key, want in (("swiglu_limit", GPT_OSS_LIMIT), ("swiglu_alpha", GPT_OSS_ALPHA)):
+        got = f.float(key, default=want)
+        if got != want:
+            f.fail(key, got, f"{want:g} (the expert kernels' constant)")
+    window = f.int("sliding_window", default=128, lo=0, hi=MAX_POSITIONS)
+    types = f.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or \
+            any(t not in ("sliding_attention", "full_attention") for t in types):
+        f.fail("layer_types", types, f"a list of {layers} 'sliding_attention' / 'full_attention'")
+    return dict(sliding_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+                attention_sinks=True, o_bias=True, router_logit_bias=True, expert_bias=True, expert_act="gpt_oss")
+
+
 def _checked(where: str, make) -> ModelConfig:
     """``make()`` with :meth:`ModelConfig.__post_init__`'s errors naming the file."""
     try:
@@ -274,10 +305,11 @@ def _checked(where: str, make) -> ModelConfig:
 
 #: GGUF ``general.architecture`` -> family (``llama`` with experts is Mixtral's layout in llama.cpp).
 GGUF_FAMILIES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "olmoe": "olmoe",
-                 "glm4moe": "glm4_moe"}
+                 "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss"}
 #: Whether llama.cpp renormalises the top-k router weights of each family when ``{arch}.expert_weights_norm`` is
 #: absent (it hard-codes this per architecture; glm4moe reads the key, default false).
-_GGUF_NORM_TOPK = {"qwen3_moe": True, "qwen2_moe": False, "mixtral": True, "olmoe": False, "glm4_moe": False}
+_GGUF_NORM_TOPK = {"qwen3_moe": True, "qwen2_moe": False, "mixtral": True, "olmoe": False, "glm4_moe": False,
+                   "gpt_oss": True}
 #: llama.cpp's ``{arch}.expert_gating_func`` values (enum llama_expert_gating_func_type).
 _GATING_NONE, _GATING_SOFTMAX, _GATING_SIGMOID = 0, 1, 2
 
@@ -297,6 +329,28 @@ def _same_in_every_layer(gf, where: str, layers, suffixes: tuple[str, ...]) -> N
             raise ConfigError(f"{where}: blk.{missing[0]}.{sfx} is missing ({len(missing)} of {len(layers)} layers "
                               f"lack {sfx}) while other layers have {', '.join(others)}: a model has these in every "
                               "layer or in none")
+
+
+def _gguf_gpt_oss(gf, m: Fields, arch: str, layers: int) -> dict:
+    """gpt-oss' fields of a GGUF file, as llama.cpp reads them: the window and which layers have it
+    (``{arch}.attention.sliding_window_pattern``: a per-layer array, or every n-th layer full, default n = 2, so
+    layer 0 is windowed), sinks, output and router biases, experts with biases and the clamped SwiGLU."""
+    window = m.int(f"{arch}.attention.sliding_window", lo=0, hi=MAX_POSITIONS)
+    pattern = gf.meta(f"{arch}.attention.sliding_window_pattern", None)
+    if pattern is None or isinstance(pattern, (int, float)):
+        n = 2 if pattern is None else m.int(f"{arch}.attention.sliding_window_pattern", hi=MAX_LAYERS)
+        swa = [i % n < n - 1 for i in range(layers)]
+    else:
+        swa = [bool(x) for x in np.asarray(pattern).reshape(-1)]
+        if len(swa) < layers:
+            raise ConfigError(f"{gf.path}: {arch}.attention.sliding_window_pattern has {len(swa)} entries for "
+                              f"{layers} layers")
+    for name in ("attn_sinks.weight", "attn_output.bias", "ffn_gate_inp.bias", "ffn_gate_exps.bias",
+                 "ffn_up_exps.bias", "ffn_down_exps.bias"):
+        if not gf.has(f"blk.0.{name}"):
+            raise ConfigError(f"{gf.path}: a gpt-oss file without blk.0.{name}")
+    return dict(sliding_windows=tuple(window if swa[i] else 0 for i in range(layers)), attention_sinks=True,
+                o_bias=True, router_logit_bias=True, expert_bias=True, expert_act="gpt_oss")
 
 
 def from_gguf(gf) -> ModelConfig:
@@ -372,6 +426,11 @@ def from_gguf(gf) -> ModelConfig:
         rope_scaling = {"rope_type": kind, "factor": m.float(f"{arch}.rope.scaling.factor", hi=1e6),
                         "original_max_position_embeddings": None if orig is None else
                         m.int(f"{arch}.rope.scaling.original_context_length", hi=MAX_POSITIONS)}
+        if kind == "yarn":  # llama.cpp floors/ceils the ramp's ends always: HF's truncate=True
+            for key in ("beta_fast", "beta_slow"):
+                v = m.float(f"{arch}.rope.scaling.yarn_{key}", default=0.0, lo=0.0, lo_open=False)
+                if v:
+                    rope_scaling[key] = v
     scale = m.float(f"{arch}.expert_weights_scale", default=1.0, lo=0.0, lo_open=False) or 1.0  # llama.cpp: 0 = 1
     router = {}
     if family == "glm4_moe":
@@ -384,6 +443,8 @@ def from_gguf(gf) -> ModelConfig:
         topk_group = m.int(f"{arch}.expert_group_used_count", hi=n_group) if n_group > 1 else 1
         router = dict(router="sigmoid_group", n_group=n_group, topk_group=topk_group, routed_scale=scale,
                       shared_gated=False, mtp_layers=mtp)
+    elif family == "gpt_oss":
+        router = _gguf_gpt_oss(gf, m, arch, layers)
     elif scale != 1.0:
         raise ConfigError(f"{where}: expert_weights_scale {scale} is not supported")
     elif mtp:

@@ -92,7 +92,8 @@ def _attention(cfg: ModelConfig, t: _Tensors, i: int, dev, scratch: Scratch) -> 
     else:
         qk = PlainQK(*shape)
     sinks = t.host("attn_sinks", i) if cfg.attention_sinks else None
-    return Attention(qkv, qk, t.linear(("o_proj",), i), dev, scratch, window=cfg.window(i), sinks=sinks)
+    o_proj = t.linear(("o_proj",), i, ("o_bias",) if cfg.o_bias else None)
+    return Attention(qkv, qk, o_proj, dev, scratch, window=cfg.window(i), sinks=sinks)
 
 
 def _mlp(cfg: ModelConfig, t: _Tensors, i: int, dev, experts: ExpertRunner, moe_index: int):
@@ -102,7 +103,8 @@ def _mlp(cfg: ModelConfig, t: _Tensors, i: int, dev, experts: ExpertRunner, moe_
         router = SigmoidGroupRouter(t.linear(("router",), i), t.host("router_bias", i), cfg.top_k, cfg.n_group,
                                     cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scale, dev)
     else:
-        router = SoftmaxTopKRouter(t.linear(("router",), i), cfg.top_k, cfg.norm_topk_prob, dev)
+        gate = t.linear(("router",), i, ("router_logit_bias",) if cfg.router_logit_bias else None)
+        router = SoftmaxTopKRouter(gate, cfg.top_k, cfg.norm_topk_prob, dev)
     shared = None
     if cfg.shared_inter:
         inp = ("shared_gate", "shared_up", "shared_sigmoid") if cfg.shared_gated else ("shared_gate", "shared_up")

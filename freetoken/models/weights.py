@@ -35,9 +35,10 @@ from freetoken.models.qmatrix import QuantizedMatrix
 _HF_LAYER = {
     "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
     **{f"{x}_proj": f"self_attn.{x}_proj.weight" for x in "qkvo"},
-    **{f"{x}_bias": f"self_attn.{x}_proj.bias" for x in "qkv"},
+    **{f"{x}_bias": f"self_attn.{x}_proj.bias" for x in "qkvo"},
     "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight", "attn_sinks": "self_attn.sinks",
     "router": "{moe}gate.weight", "router_bias": "{moe}gate.e_score_correction_bias",
+    "router_logit_bias": "{moe}gate.bias",
     **{f"shared_{w}": f"mlp.shared_expert.{w}_proj.weight" for w in ("gate", "up", "down")},
     "shared_sigmoid": "mlp.shared_expert_gate.weight",
     **{f"mlp_{w}": f"mlp.{w}_proj.weight" for w in ("gate", "up", "down")},
@@ -45,23 +46,29 @@ _HF_LAYER = {
 #: Per-family names that differ from :data:`_HF_LAYER`'s.
 _HF_LAYER_FAMILY = {
     "glm4_moe": {f"shared_{w}": f"mlp.shared_experts.{w}_proj.weight" for w in ("gate", "up", "down")},
+    "gpt_oss": {"router": "mlp.router.weight", "router_logit_bias": "mlp.router.bias"},
 }
+#: gpt-oss' routed experts: fused tensors per layer (relative to ``model.layers.N.mlp.experts.``): ``gate_up_proj``
+#: [E, H, 2I] (gate and up interleaved along the last axis: gate at even, up at odd indices) and ``down_proj``
+#: [E, I, H], stored input-major (transposed against the other families' [out, in]), with their biases.
+GPT_OSS_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 _HF_GLOBAL = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 
 #: The same keys in llama.cpp's GGUF names (relative to ``blk.N.``).
 _GGUF_LAYER = {
     "attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight",
     "q_proj": "attn_q.weight", "k_proj": "attn_k.weight", "v_proj": "attn_v.weight", "o_proj": "attn_output.weight",
-    "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
+    "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias", "o_bias": "attn_output.bias",
     "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight", "attn_sinks": "attn_sinks.weight",
-    "router": "ffn_gate_inp.weight", "router_bias": "exp_probs_b.bias",
+    "router": "ffn_gate_inp.weight", "router_bias": "exp_probs_b.bias", "router_logit_bias": "ffn_gate_inp.bias",
     **{f"shared_{w}": f"ffn_{w}_shexp.weight" for w in ("gate", "up", "down")},
     "shared_sigmoid": "ffn_gate_inp_shexp.weight",
     **{f"mlp_{w}": f"ffn_{w}.weight" for w in ("gate", "up", "down")},
 }
 #: Per-architecture GGUF names that differ from :data:`_GGUF_LAYER`'s: llama.cpp's glm4moe calls the norm before the
 #: MLP ``post_attention_norm`` (its converter maps HF's ``post_attention_layernorm`` there for this architecture).
-_GGUF_LAYER_ARCH = {"glm4moe": {"mlp_norm": "post_attention_norm.weight"}}
+_GGUF_LAYER_ARCH = {"glm4moe": {"mlp_norm": "post_attention_norm.weight"},
+                    "gpt-oss": {"mlp_norm": "post_attention_norm.weight"}}
 _GGUF_GLOBAL = {"embed": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
 #: Canonical per-layer key -> GGUF name relative to ``blk.N.`` (read-only; :func:`gguf_layer_name` for an
 #: architecture's own).
@@ -88,8 +95,12 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
         s.update(q_norm=(cfg.num_heads * hd,), k_norm=(cfg.num_kv_heads * hd,))
     if cfg.attention_sinks:
         s["attn_sinks"] = (cfg.num_heads,)
+    if cfg.o_bias:
+        s["o_bias"] = (h,)
     if cfg.is_moe(i):
         s["router"] = (cfg.num_experts, h)
+        if cfg.router_logit_bias:
+            s["router_logit_bias"] = (cfg.num_experts,)
         if cfg.router == "sigmoid_group":
             s["router_bias"] = (cfg.num_experts,)
         if cfg.shared_inter:
@@ -147,11 +158,9 @@ def check_hf_tensors(cfg: ModelConfig, sd, fp8_block: bool = False, kv_bytes: in
     for i in range(cfg.num_layers):
         expected.update({w.name(k, i): v for k, v in layer_shapes(cfg, i).items()})
         if cfg.is_moe(i):
-            names = w._expert_names(i)
-            for m, shape in (("gate", (cfg.moe_inter, cfg.hidden)), ("up", (cfg.moe_inter, cfg.hidden)),
-                             ("down", (cfg.hidden, cfg.moe_inter))):
-                expected.update(dict.fromkeys(names[m], shape))
-                experts += names[m]
+            shapes = w.expert_tensor_shapes(i)
+            expected.update(shapes)
+            experts += list(shapes)
     expert_set = set(experts)
     dense = 0
     for name, want in expected.items():
@@ -326,15 +335,43 @@ class HFWeights(Weights):
             key = "embed"
         return self.tensor_f32(self.name(key, layer))
 
+    def _expert_prefix(self, layer: int) -> str:
+        return f"model.layers.{layer}.{'block_sparse_moe' if self.cfg.family == 'mixtral' else 'mlp'}.experts."
+
     def _expert_names(self, layer: int) -> dict[str, list[str]]:
-        prefix = self.name("router", layer).removesuffix("gate.weight") + "experts."
+        prefix = self._expert_prefix(layer)
         names = ("w1", "w3", "w2") if self.cfg.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
         return {m: [f"{prefix}{j}.{n}.weight" for j in range(self.cfg.num_experts)]
                 for m, n in zip(MATRICES, names, strict=True)}
 
+    def expert_tensor_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        """Name -> stored shape of every routed-expert tensor of ``layer``."""
+        e, h, i = self.cfg.num_experts, self.cfg.hidden, self.cfg.moe_inter
+        if self.cfg.family == "gpt_oss":
+            prefix = self._expert_prefix(layer)
+            shapes = ((e, h, 2 * i), (e, 2 * i), (e, i, h), (e, h))
+            return {prefix + n: s for n, s in zip(GPT_OSS_EXPERTS, shapes, strict=True)}
+        names = self._expert_names(layer)
+        return {**dict.fromkeys(names["gate"], (i, h)), **dict.fromkeys(names["up"], (i, h)),
+                **dict.fromkeys(names["down"], (h, i))}
+
     def expert_stack(self, layer: int, matrix: str) -> np.ndarray:
         """float32 [E, N, K] of one matrix ("gate", "up", "down") of every routed expert of ``layer``."""
+        if self.cfg.family == "gpt_oss":
+            prefix = self._expert_prefix(layer)
+            if matrix == "down":
+                return np.ascontiguousarray(self.tensor_f32(prefix + "down_proj").transpose(0, 2, 1))
+            gate_up = self.tensor_f32(prefix + "gate_up_proj")  # [E, H, 2I], gate and up interleaved
+            first = 0 if matrix == "gate" else 1
+            return np.ascontiguousarray(gate_up[:, :, first::2].transpose(0, 2, 1))
         return np.stack([self.tensor_f32(n) for n in self._expert_names(layer)[matrix]])
+
+    def expert_biases(self, layer: int) -> dict[str, np.ndarray]:
+        """float32 {"gate": [E, I], "up": [E, I], "down": [E, H]} of ``layer``'s routed experts (gpt-oss)."""
+        prefix = self._expert_prefix(layer)
+        gate_up = self.tensor_f32(prefix + "gate_up_proj_bias")
+        return {"gate": np.ascontiguousarray(gate_up[:, 0::2]), "up": np.ascontiguousarray(gate_up[:, 1::2]),
+                "down": self.tensor_f32(prefix + "down_proj_bias")}
 
     def expert_banks(self, layer: int, layout: RecordLayout) -> dict[str, np.ndarray]:
         names = self._expert_names(layer)
@@ -351,7 +388,8 @@ class HFWeights(Weights):
                     raise LoadError(self.where, f"layer {layer} {m} experts: {e}", names[m][0]) from e
                 out.update({f"{m}.{k}": v for k, v in banks.items()})
             return out
-        return layout.quantize(*(self.expert_stack(layer, m) for m in MATRICES))
+        biases = self.expert_biases(layer) if layout.bias else None
+        return layout.quantize(*(self.expert_stack(layer, m) for m in MATRICES), biases=biases)
 
 
 class GGUFWeights(Weights):
@@ -420,4 +458,6 @@ class GGUFWeights(Weights):
                 raise LoadError(self.gguf.path, f"layer {layer}: expert biases do not match the record layout",
                                 names["gate"])
             return banks
-        return layout.quantize(*(self.gguf.get_f32(names[m]) for m in MATRICES))
+        biases = {m: self.gguf.get_f32(names[m].removesuffix(".weight") + ".bias") for m in MATRICES} \
+            if layout.bias else None
+        return layout.quantize(*(self.gguf.get_f32(names[m]) for m in MATRICES), biases=biases)

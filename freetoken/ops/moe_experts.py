@@ -62,7 +62,7 @@ def _x_kind(x) -> str:
     raise TypeError(f"x must be float32 or bfloat16 (ml_dtypes.bfloat16, or uint16 holding bf16 bits), got {x.dtype}")
 
 
-def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str = "swiglu", mode: str = "auto",
+def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str | None = None, mode: str = "auto",
                 out=None, device=None, validate: bool = True, workspace: MoeWorkspace | None = None,
                 activations: str = "auto"):
     """Routed expert forward over slot-indexed record banks.
@@ -74,7 +74,7 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
     weights : float32 [T, k] routing weights
     banks : record banks on the device (``layout.bank_specs()``; leading dimension = slots)
     layout : the record layout (format, H, I, biases)
-    act : "swiglu" or "gpt_oss"
+    act : "swiglu" or "gpt_oss"; default: the layout's (``layout.act``)
     mode : "decode", "prefill" or "auto" (decode up to 16 tokens); gpu/emu only
     out : float32 [T, H], optional
     validate : check that every id names a slot (synchronises on gpu; off inside captured graphs)
@@ -90,7 +90,7 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
     float32 [T, H] on the device.
     """
     dev = resolve(device)
-    code = activation_code(act)
+    code = activation_code(layout.act if act is None else act)
     x = as_input(dev, x, "x", None, 2)
     xk = _x_kind(x)
     ids = as_input(dev, ids, "ids", np.int32, 2)

@@ -15,6 +15,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from freetoken.device.constants import activation_code
+
 
 def substitute(ids: np.ndarray, w: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """ids/weights where every pair outside ``keep`` is replaced by a kept pair of the same token (or, for a token
@@ -66,7 +68,8 @@ class CpuShare:
 
             out = self._y_pinned.host[: tokens.size]
             t0 = time.perf_counter()
-            forward(self.fmt, x, flat, w_c, self.host_banks, self.layout.hidden, self.layout.inter, 0, out,
+            forward(self.fmt, x, flat, w_c, self.host_banks, self.layout.hidden, self.layout.inter,
+                    activation_code(self.layout.act), out,
                     activations=self.activations)
             self.oracle.add_cpu(self.fmt, nbytes, time.perf_counter() - t0)
             return tokens, out
