@@ -71,3 +71,45 @@ def finish_gguf(writer, path):
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def to_gpt_oss_mxfp4(src, dst):
+    """The tiny gpt-oss checkpoint at ``src`` as gpt-oss' release format at ``dst``: the routed experts in MXFP4
+    (``*_blocks`` uint8 [E, rows, cols/32, 16], ``*_scales`` uint8 [E, rows, cols/32], gate and up rows
+    interleaved in ``gate_up_proj``), everything else as it was, and the ``quantization_config`` saying so.
+    Quantized with freetoken.formats.mxfp4 (the OCP rounding)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from freetoken.formats import mxfp4
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(src / "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, H, 2I] input-major -> rows [E, 2I, H]
+            banks = mxfp4.FORMAT.quantize(np.ascontiguousarray(t.transpose(0, 2, 1), np.float32))
+            e, rows = banks["w"].shape[:2]
+            out[name + "_blocks"] = banks["w"].reshape(e, rows, -1, 16)
+            out[name + "_scales"] = banks["s"]
+        elif name.endswith("mlp.experts.down_proj"):  # [E, I, H] -> rows [E, H, I]
+            banks = mxfp4.FORMAT.quantize(np.ascontiguousarray(t.transpose(0, 2, 1), np.float32))
+            e, rows = banks["w"].shape[:2]
+            out[name + "_blocks"] = banks["w"].reshape(e, rows, -1, 16)
+            out[name + "_scales"] = banks["s"]
+        else:
+            out[name] = t
+    save_file(out, str(dst / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for extra in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (src / extra).is_file():
+            shutil.copy(src / extra, dst / extra)
+    return dst

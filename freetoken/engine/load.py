@@ -73,12 +73,15 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
         return Model(decoder, tokenizer, eos, chat_template=template, weight_files=[p])
     sd = SafetensorsDir(p)
     q = sd.quantization()
-    if q.method not in ("none", "fp8_block") or q.expert_format not in ("bf16", "fp8_block"):
-        raise LoadError(str(p / "config.json"), f"{q.method} checkpoints are not supported by the runner yet "
-                        "(bf16/f16/f32 and block-FP8 checkpoints are; their experts load through freetoken.formats)")
     cfg = from_hf(sd.config, str(p / "config.json"))
-    check_hf_tensors(cfg, sd, q.method == "fp8_block", kv_load_bytes(cfg, dev.kind, options), options.expert_format)
-    weights = HFWeights(cfg, sd.get, sd.has, fp8_block=q.method == "fp8_block", where=str(p))
+    mxfp4 = q.method == "mxfp4" and cfg.family == "gpt_oss"  # gpt-oss' release format: MXFP4 experts
+    if not mxfp4 and (q.method not in ("none", "fp8_block") or q.expert_format not in ("bf16", "fp8_block")):
+        raise LoadError(str(p / "config.json"), f"{q.method} checkpoints are not supported by the runner yet "
+                        "(bf16/f16/f32, block-FP8 and gpt-oss MXFP4 checkpoints are; their experts load through "
+                        "freetoken.formats)")
+    check_hf_tensors(cfg, sd, q.method == "fp8_block", kv_load_bytes(cfg, dev.kind, options), options.expert_format,
+                     mxfp4=mxfp4)
+    weights = HFWeights(cfg, sd.get, sd.has, fp8_block=q.method == "fp8_block", where=str(p), mxfp4=mxfp4)
     decoder = build_decoder(cfg, weights, dev, options)
     tokenizer = None
     if (p / "tokenizer.json").is_file():

@@ -145,14 +145,14 @@ HF_FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 
 def check_hf_tensors(cfg: ModelConfig, sd, fp8_block: bool = False, kv_bytes: int = 0,
-                     expert_format: str | None = None) -> int:
+                     expert_format: str | None = None, mxfp4: bool = False) -> int:
     """Check every tensor the decoder will read from the :class:`freetoken.loaders.SafetensorsDir` ``sd`` by
     name, shape and dtype, that no tensor of a kind the decoder knows sits where the config has no use for it
     (a layer or expert beyond the config's counts, q/k norms or biases the family has not, a dense MLP in a
     MoE layer...), that block-FP8 tensors come with their scales (and only when ``quantization_config`` says
     FP8), and that the host memory the load needs is available. LoadError naming the file and tensor; returns
     the bytes the load allocates."""
-    w = HFWeights(cfg, sd.get, sd.has, fp8_block=fp8_block, where=str(sd.path))
+    w = HFWeights(cfg, sd.get, sd.has, fp8_block=fp8_block, where=str(sd.path), mxfp4=mxfp4)
     expected: dict[str, tuple[int, ...]] = {w.name(k): v for k, v in global_shapes(cfg).items()}
     experts: list[str] = []
     for i in range(cfg.num_layers):
@@ -179,6 +179,9 @@ def check_hf_tensors(cfg: ModelConfig, sd, fp8_block: bool = False, kv_bytes: in
         elif info.dtype == "F8_E4M3":
             why = "no block-FP8 quantization_config in config.json" if not fp8_block else f"no {scale!r}"
             raise LoadError(info.file, f"F8_E4M3 weight without its block scales ({why})", name)
+        elif mxfp4 and name.endswith(("_blocks", "_scales")) and name in expert_set:
+            if info.dtype != "U8":
+                raise LoadError(info.file, f"dtype {info.dtype}: MXFP4 blocks and scales are U8", name)
         elif info.dtype not in HF_FLOAT_DTYPES:
             also = " or F8_E4M3 with scales" if fp8_block else ""
             raise LoadError(info.file, f"dtype {info.dtype} is not a weight dtype (expected "
@@ -192,10 +195,11 @@ def check_hf_tensors(cfg: ModelConfig, sd, fp8_block: bool = False, kv_bytes: in
     _check_no_strays(cfg, w, sd, set(expected))
     from freetoken.loaders.memory import check_load_bytes
 
-    fmt = expert_format or ("fp8_block" if fp8_block else "bf16")
+    native = "fp8_block" if fp8_block else "mxfp4" if mxfp4 else None
+    fmt = expert_format or native or "bf16"
     need = load_bytes(cfg, dense, fmt, kv_bytes)
-    if fp8_block and fmt == "fp8_block":
-        need["float32 experts of one layer while quantized"] = 0  # the FP8 bytes and scales move as stored
+    if fmt == native:
+        need["float32 experts of one layer while quantized"] = 0  # the stored bytes and scales move as they are
     return check_load_bytes(sd.path, need)
 
 
@@ -284,10 +288,11 @@ class HFWeights(Weights):
     ``has_tensor(name)`` says whether it exists. With ``fp8_block=True`` every tensor that has a
     ``<name>_scale_inv`` companion is block-FP8 and is dequantized (or moved as is into fp8_block banks)."""
 
-    def __init__(self, cfg: ModelConfig, get_tensor, has_tensor=None, fp8_block: bool = False, where: str = ""):
+    def __init__(self, cfg: ModelConfig, get_tensor, has_tensor=None, fp8_block: bool = False, where: str = "",
+                 mxfp4: bool = False):
         self.cfg, self._get, self._fp8, self.where = cfg, get_tensor, fp8_block, where
-        self._has = has_tensor
-        self.native_expert_format = "fp8_block" if fp8_block else None
+        self._has, self._mxfp4 = has_tensor, mxfp4
+        self.native_expert_format = "fp8_block" if fp8_block else "mxfp4" if mxfp4 else None
 
     def name(self, key: str, layer: int | None = None) -> str:
         if layer is None:
@@ -349,6 +354,11 @@ class HFWeights(Weights):
         e, h, i = self.cfg.num_experts, self.cfg.hidden, self.cfg.moe_inter
         if self.cfg.family == "gpt_oss":
             prefix = self._expert_prefix(layer)
+            if self._mxfp4:  # the release checkpoints: MXFP4 blocks of 32 (16 bytes) and e8m0 scales, rows [out]
+                return {prefix + "gate_up_proj_blocks": (e, 2 * i, h // 32, 16),
+                        prefix + "gate_up_proj_scales": (e, 2 * i, h // 32), prefix + "gate_up_proj_bias": (e, 2 * i),
+                        prefix + "down_proj_blocks": (e, h, i // 32, 16), prefix + "down_proj_scales": (e, h, i // 32),
+                        prefix + "down_proj_bias": (e, h)}
             shapes = ((e, h, 2 * i), (e, 2 * i), (e, i, h), (e, h))
             return {prefix + n: s for n, s in zip(GPT_OSS_EXPERTS, shapes, strict=True)}
         names = self._expert_names(layer)
@@ -357,6 +367,10 @@ class HFWeights(Weights):
 
     def expert_stack(self, layer: int, matrix: str) -> np.ndarray:
         """float32 [E, N, K] of one matrix ("gate", "up", "down") of every routed expert of ``layer``."""
+        if self.cfg.family == "gpt_oss" and self._mxfp4:
+            from freetoken.formats import mxfp4
+
+            return mxfp4.decode(**{k[0]: v for k, v in self._mxfp4_banks(layer)[matrix].items()})
         if self.cfg.family == "gpt_oss":
             prefix = self._expert_prefix(layer)
             if matrix == "down":
@@ -365,6 +379,21 @@ class HFWeights(Weights):
             first = 0 if matrix == "gate" else 1
             return np.ascontiguousarray(gate_up[:, :, first::2].transpose(0, 2, 1))
         return np.stack([self.tensor_f32(n) for n in self._expert_names(layer)[matrix]])
+
+    def _mxfp4_banks(self, layer: int) -> dict[str, dict[str, np.ndarray]]:
+        """{"gate": {"w", "s"}, "up": ..., "down": ...} mxfp4 banks of a gpt-oss MXFP4 checkpoint's layer (bits
+        moved: gate and up de-interleaved from ``gate_up_proj``'s rows)."""
+        from freetoken.formats import mxfp4
+
+        prefix = self._expert_prefix(layer)
+        try:
+            gate, up = mxfp4.from_gpt_oss(self._get(prefix + "gate_up_proj_blocks"),
+                                          self._get(prefix + "gate_up_proj_scales"))
+            down = mxfp4.from_gpt_oss_down(self._get(prefix + "down_proj_blocks"),
+                                           self._get(prefix + "down_proj_scales"))
+        except ValueError as e:
+            raise LoadError(self.where, f"layer {layer} experts: {e}", prefix + "*_blocks") from e
+        return {"gate": gate, "up": up, "down": down}
 
     def expert_biases(self, layer: int) -> dict[str, np.ndarray]:
         """float32 {"gate": [E, I], "up": [E, I], "down": [E, H]} of ``layer``'s routed experts (gpt-oss)."""
@@ -389,6 +418,11 @@ class HFWeights(Weights):
                 out.update({f"{m}.{k}": v for k, v in banks.items()})
             return out
         biases = self.expert_biases(layer) if layout.bias else None
+        if self._mxfp4 and layout.fmt.name == "mxfp4":
+            banks = {f"{m}.{k}": v for m, b in self._mxfp4_banks(layer).items() for k, v in b.items()}
+            if biases is not None:
+                banks.update({f"{m}.b": np.ascontiguousarray(b, np.float32) for m, b in biases.items()})
+            return banks
         return layout.quantize(*(self.expert_stack(layer, m) for m in MATRICES), biases=biases)
 
 
