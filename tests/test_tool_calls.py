@@ -110,6 +110,7 @@ def test_tool_format_of_templates():
     assert tool_format("<tool_call>\\n<function=' + name + '>") == "qwen3_coder"
     assert tool_format("'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'") == "deepseek"
     assert tool_format("<|start|>assistant<|channel|>commentary") == "harmony"
+    assert tool_format("'<tool_call>' + tc.name }}<arg_key>{{ k }}</arg_key>") == "glm45"
     with pytest.raises(ValueError, match="'xml' form"):
         make_parser("xml")
 
@@ -188,6 +189,11 @@ FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parame
     ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                     "<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>", False),  # days is a number
     ("qwen3_coder", "<tool_call>\n<function=now>\n</function>\n</tool_call>", True),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>St. Ives <3</arg_value>\n"
+              "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>", True),
+    ("glm45", "<tool_call>get_weather\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
+     False),  # city is required
+    ("glm45", "<tool_call>now\n</tool_call>", True),
     ("harmony", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}', True),
     ("harmony", '<|channel|>final<|message|>It is sunny.', False),
 ])
@@ -217,3 +223,40 @@ def test_forced_call_in_an_unknown_form_is_refused():
 
     with pytest.raises(ValueError, match="'xml' tool-call form is not supported"):
         forced_call_grammar(FORCED_TOOLS, "now", "xml")
+
+
+#: GLM-4.5's template writes a call as the name, then one key/value pair a line (a string value as its text, others
+#: as JSON); several calls follow each other.
+GLM45 = ("Let me look.\n<tool_call>read_file\n<arg_key>path</arg_key>\n<arg_value>src/a <b>.py</arg_value>\n"
+         "<arg_key>lines</arg_key>\n<arg_value>[1, 20]</arg_value>\n</tool_call>\n<tool_call>now\n</tool_call>"
+         "<tool_call>ls</tool_call>")
+
+
+@pytest.mark.parametrize("piece", PIECES)
+def test_glm45(piece):
+    from freetoken.serve.tool_calls import Glm45Parser
+
+    content, calls, _ = _parse(Glm45Parser, GLM45, piece)
+    assert content.strip() == "Let me look."
+    assert [(n, json.loads(a)) for n, a in calls] == [
+        ("read_file", {"path": "src/a <b>.py", "lines": [1, 20]}), ("now", {}), ("ls", {})]
+
+
+def test_glm45_renders_what_it_parses():
+    """The GLM-4.5 template's own tool-call rendering (its macro, as the checkpoint's chat_template writes it) parsed
+    back gives the calls it rendered."""
+    from freetoken.engine.chat import ChatTemplate
+    from freetoken.serve.tool_calls import Glm45Parser
+
+    source = ("{% for m in messages %}{% if m.role == 'assistant' %}{% for tc in m.tool_calls %}"
+              "{% set tc = tc.function %}{{ '\\n<tool_call>' + tc.name }}\n"
+              "{% for k, v in tc.arguments.items() %}<arg_key>{{ k }}</arg_key>\n"
+              "<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>\n"
+              "{% endfor %}</tool_call>{% endfor %}{% endif %}{% endfor %}")
+    assert tool_format(source) == "glm45"
+    calls = [{"name": "grep", "arguments": {"pattern": "def main", "max": 3, "flags": {"i": True}}},
+             {"name": "cwd", "arguments": {}}]
+    text = ChatTemplate(source).render([{"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": c} for c in calls]}], add_generation_prompt=False)
+    _, parsed, _ = _parse(Glm45Parser, text, 4)
+    assert [(n, json.loads(a)) for n, a in parsed] == [(c["name"], c["arguments"]) for c in calls]

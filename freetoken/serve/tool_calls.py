@@ -4,6 +4,8 @@ Forms (``tool_format(template_source)``):
 
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen2.5, Qwen3, Hermes, many more);
 - ``qwen3_coder``: ``<tool_call><function=NAME><parameter=P>VALUE</parameter>...</function></tool_call>``;
+- ``glm45`` (GLM-4.5/4.6): ``<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n...</tool_call>``, a
+  string value as its text, others as JSON (the template writes ``v | tojson`` unless ``v`` is a string);
 - ``deepseek``: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`` (V3.1) and
   ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` + a ```json block (V3), inside
   ``<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>``;
@@ -52,6 +54,8 @@ def tool_format(source: str) -> str:
         return "deepseek"
     if "<tool_call>" in source and "<function=" in source:
         return "qwen3_coder"
+    if "<tool_call>" in source and "<arg_key>" in source:
+        return "glm45"
     if "<tool_call>" in source:
         return "hermes"
     if "<|channel|>" in source or "<|call|>" in source:
@@ -64,6 +68,8 @@ def make_parser(form: str):
         return HermesParser()
     if form == "qwen3_coder":
         return Qwen3CoderParser()
+    if form == "glm45":
+        return Glm45Parser()
     if form == "deepseek":
         return DeepSeekParser()
     if form == "harmony":
@@ -291,6 +297,39 @@ class Qwen3CoderParser(_Parser):
         self._reset_call()
 
 
+# ---- glm-4.5 ----------------------------------------------------------------------------------------------------
+_GLM_NAME = re.compile(r"\s*([^\s<]+)(?=[\s<])")  # a name is complete once whitespace or a tag follows it
+_GLM_ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+class Glm45Parser(Qwen3CoderParser):
+    """``<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n...</tool_call>``: the name once the
+    text after it shows it complete (a newline, the first key or the end), then one fragment per key/value pair
+    as it closes, as :class:`Qwen3CoderParser` streams its parameters."""
+
+    def _advance(self, body: str) -> None:
+        if self.index is None:
+            m = _GLM_NAME.match(body)
+            if m is None:
+                return
+            self.index = self._start(m.group(1))
+            self.consumed = m.end()
+        while True:
+            m = _GLM_ARG.match(body, self.consumed)
+            if m is None:
+                return
+            key = json.dumps(m.group(1).strip(), ensure_ascii=False)
+            value = json.dumps(_xml_value(m.group(2)), ensure_ascii=False)
+            self.events.append(CallArgs(self.index, ("{" if self.params == 0 else ", ") + f"{key}: {value}"))
+            self.params += 1
+            self.consumed = m.end()
+
+    def _close_call(self, body: str, final: bool) -> None:
+        if self.index is None and body.strip() and "<" not in body.strip():
+            self.index = self._start(body.strip())  # a call without arguments: the name alone
+        super()._close_call(body, final)
+
+
 # ---- deepseek ---------------------------------------------------------------------------------------------------
 class DeepSeekParser(_Parser):
     """``<｜tool▁calls▁begin｜>``, then per call ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>``
@@ -444,6 +483,24 @@ def forced_call_grammar(tools: list[dict], name: str | None = None, form: str = 
             alternatives.append(f'{json.dumps(fn["name"] + ">")} "\\n" {" ".join(parts)}'.rstrip())
         return lark_grammar(f'start: "<tool_call>\\n<function=" fn "</function>\\n</tool_call>"\n'
                             f'fn: {" | ".join(alternatives)}\n' + "".join(rules))
+    if form == "glm45":
+        alternatives, rules = [], []
+        for i, fn in enumerate(chosen):
+            params = fn.get("parameters") or {}
+            props, required = params.get("properties") or {}, set(params.get("required") or ())
+            parts = []
+            for j, (key, prop) in enumerate(props.items()):
+                head = f'"<arg_key>{key}</arg_key>\\n<arg_value>"'
+                if (prop or {}).get("type", "string") == "string":  # one lexeme: its text cannot hold "</"
+                    tag = re.escape(key).replace("/", "\\/")
+                    rules.append(f"a{i}_{j}: /<arg_key>{tag}<\\/arg_key>\\n<arg_value>([^<]|<[^\\/])*"
+                                 "<\\/arg_value>\\n/\n")
+                else:
+                    rules.append(f'a{i}_{j}: {head} {lark_json(prop)} "</arg_value>\\n"\n')
+                parts.append(f"a{i}_{j}" if key in required else f"a{i}_{j}?")
+            alternatives.append(f'{json.dumps(fn["name"])} "\\n" {" ".join(parts)}'.rstrip())
+        return lark_grammar(f'start: "<tool_call>" fn "</tool_call>"\nfn: {" | ".join(alternatives)}\n'
+                            + "".join(rules))
     if form == "harmony":
         calls = [f'{json.dumps("to=functions." + fn["name"])} " <|constrain|>json<|message|>" '
                  f'{lark_json(fn.get("parameters") or {"type": "object"})}' for fn in chosen]
