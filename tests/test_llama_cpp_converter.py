@@ -22,6 +22,9 @@ CASES = {
     "glm4_moe": (dict(), ("[gMASK]", "<|user|>", "<|observation|>")),
     "qwen3_moe": (dict(mlp_only_layers=[]), ()),
     "gpt_oss": (GGUF_OVERRIDES["gpt_oss"], ()),  # experts in F32: the converter's non-MXFP4 path
+    # transformers' DeepseekV3Config has no scoring_func: without it written out the converter says nothing of the
+    # gating and llama.cpp takes a deepseek2 file for DeepSeek-V2's softmax router (freetoken refuses such a file)
+    "deepseek_v3": (dict(scoring_func="sigmoid"), ()),
 }
 
 

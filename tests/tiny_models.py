@@ -26,6 +26,16 @@ FAMILIES = {
                 dict(head_dim=16, num_local_experts=8, intermediate_size=32, sliding_window=6,
                      rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                       "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})),
+    # DeepSeek-V3: latent attention (low-rank q, interleaved rope dims, YaRN with DeepSeek's mscale), a dense first
+    # layer, the sigmoid group router (2 groups of 4, one in play, scaled), a shared expert
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8, moe_intermediate_size=32,
+                         intermediate_size=96, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                         routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16,
+                         qk_rope_head_dim=8, v_head_dim=16,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 64,
+                                          "beta_fast": 32.0, "beta_slow": 1.0})),
 }
 
 

@@ -28,7 +28,7 @@ from freetoken.models.weights import HFWeights, gguf_layer_name, llama_permute
 
 #: freetoken family -> GGUF architecture.
 ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
-         "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss"}
+         "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss", "deepseek_v3": "deepseek2"}
 #: Types a non-expert matrix can be written in (norms, biases and routers always stay F32).
 OTHER_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 EXPERT_TYPES = ("q4_0", "q8_0", "f16", "bf16", "f32")
@@ -102,6 +102,9 @@ def build_plan(cfg: ModelConfig, w, other: str, experts: str) -> _Plan:
             return t
 
         p.add(b + "attn_norm.weight", vec("attn_norm", i), "f32", (cfg.hidden,))
+        if cfg.mla:
+            _latent_attention_plan(p, cfg, w, i, other)
+            proj = {}
         for key, shape in proj.items():
             p.add(b + gguf_name[key] + ".weight", (lambda key=key, f=fetch: f(key)), _matrix_type(other, shape), shape)
         if cfg.qkv_bias:
@@ -151,6 +154,46 @@ def build_plan(cfg: ModelConfig, w, other: str, experts: str) -> _Plan:
     return p
 
 
+def _interleave_rope(t: np.ndarray, heads: int, width: int, rope: int) -> np.ndarray:
+    """Rows of heads of ``width`` ending in ``rope`` rotate-half rope dims, those dims in DeepSeek's interleaved-pair
+    order (what llama.cpp's deepseek2 rotates: adjacent pairs), for a checkpoint with ``rope_interleave`` false."""
+    order = np.arange(width)
+    half = rope // 2
+    order[width - rope:] = width - rope + np.stack([np.arange(half), half + np.arange(half)], axis=1).reshape(-1)
+    rows = (np.arange(heads)[:, None] * width + order[None, :]).reshape(-1)
+    return np.ascontiguousarray(t[rows])
+
+
+def _latent_attention_plan(p: _Plan, cfg: ModelConfig, w, i: int, other: str) -> None:
+    """deepseek2's tensors of latent attention layer ``i``, as llama.cpp's converter writes them: ``kv_b_proj``
+    split into ``attn_k_b`` [H, R, nope] (transposed) and ``attn_v_b`` [H, v, R]; the rope rows in DeepSeek's
+    interleaved order."""
+    b, h, heads = f"blk.{i}.", cfg.hidden, cfg.num_heads
+    rank, rope, head, nope, vd = cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.head_dim, cfg.qk_nope_dim, cfg.v_head_dim
+
+    def rows(key, n_heads, width):
+        t = w.get(key, i)
+        return t if cfg.rope_interleave else _interleave_rope(t, n_heads, width, rope)
+
+    def kv_b(half):
+        t = w.get("kv_b_proj", i).reshape(heads, nope + vd, rank)
+        return np.ascontiguousarray(t[:, :nope].transpose(0, 2, 1) if half == "k" else t[:, nope:])
+
+    mats = []
+    if cfg.q_lora_rank:
+        mats += [("attn_q_a", lambda: w.get("q_a_proj", i), (cfg.q_lora_rank, h)),
+                 ("attn_q_b", lambda: rows("q_b_proj", heads, head), (heads * head, cfg.q_lora_rank))]
+        p.add(b + "attn_q_a_norm.weight", lambda: w.get("q_a_norm", i).reshape(-1), "f32", (cfg.q_lora_rank,))
+    else:
+        mats.append(("attn_q", lambda: rows("q_proj", heads, head), (heads * head, h)))
+    mats += [("attn_kv_a_mqa", lambda: rows("kv_a_proj", 1, rank + rope), (rank + rope, h)),
+             ("attn_k_b", lambda: kv_b("k"), (heads, rank, nope)), ("attn_v_b", lambda: kv_b("v"), (heads, vd, rank)),
+             ("attn_output", lambda: w.get("o_proj", i), (h, heads * vd))]
+    p.add(b + "attn_kv_a_norm.weight", lambda: w.get("kv_a_norm", i).reshape(-1), "f32", (rank,))
+    for name, fn, shape in mats:
+        p.add(b + name + ".weight", fn, _matrix_type(other, shape), shape)
+
+
 def _write_metadata(writer, cfg: ModelConfig, name: str, experts: str) -> None:
     from gguf import LlamaFileType
 
@@ -163,9 +206,23 @@ def _write_metadata(writer, cfg: ModelConfig, name: str, experts: str) -> None:
     writer.add_block_count(cfg.num_layers)
     writer.add_feed_forward_length(cfg.dense_inter or cfg.moe_inter)
     writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
+    if cfg.mla:  # stored as MQA over the latent, as llama.cpp's converter does
+        writer.add_head_count_kv(1)
+        writer.add_key_length(cfg.kv_cache_dim)
+        writer.add_value_length(cfg.kv_lora_rank)
+        writer.add_key_length_mla(cfg.head_dim)
+        writer.add_value_length_mla(cfg.v_head_dim)
+        writer.add_kv_lora_rank(cfg.kv_lora_rank)
+        if cfg.q_lora_rank:
+            writer.add_q_lora_rank(cfg.q_lora_rank)
+        writer.add_rope_dimension_count(cfg.qk_rope_dim)
+        mscale_all = (cfg.rope_scaling or {}).get("mscale_all_dim")
+        if mscale_all:
+            writer.add_rope_scaling_yarn_log_mul(0.1 * float(mscale_all))
+    else:
+        writer.add_head_count_kv(cfg.num_kv_heads)
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_eps)
     writer.add_expert_count(cfg.num_experts)
@@ -176,7 +233,7 @@ def _write_metadata(writer, cfg: ModelConfig, name: str, experts: str) -> None:
         writer.add_expert_feed_forward_length(cfg.moe_inter)
     if cfg.shared_inter:
         writer.add_expert_shared_feed_forward_length(cfg.shared_inter)
-    if cfg.family == "glm4_moe":
+    if cfg.family in ("glm4_moe", "deepseek_v3"):
         # llama.cpp's glm4moe reads these (its converter writes them): the shared experts as a count of routed-expert
         # widths, the dense layers before the first MoE one, the sigmoid router with its groups and scale, the
         # rotated head dims. The checkpoint's multi-token-prediction layers are not exported (freetoken skips them).
@@ -188,7 +245,8 @@ def _write_metadata(writer, cfg: ModelConfig, name: str, experts: str) -> None:
         writer.add_expert_weights_scale(cfg.routed_scale)
         writer.add_expert_group_count(cfg.n_group)
         writer.add_expert_group_used_count(cfg.topk_group)
-        writer.add_rope_dimension_count(cfg.rope_dim)
+        if not cfg.mla:
+            writer.add_rope_dimension_count(cfg.rope_dim)
     if cfg.family == "gpt_oss":
         # the window, and which layers have it (a per-layer array: llama.cpp reads it before its every-2nd default)
         writer.add_sliding_window(max(cfg.sliding_windows))

@@ -74,6 +74,14 @@ KV_FP8_MAX = 448.0
 #: KV kind -> the code the paged attention kernels take as their ``kind`` argument (FT_KV_F32, ..., ft::KvKind).
 KV_KIND_CODES = {"f32": 0, "f16": 1, "bf16": 2, "fp8": 3}
 
+# ---- multi-head latent attention (cuda/latent_attention.cu) -----------------------------------------------------
+#: (query, head) rows per block (FT_LATENT_ROWS) and keys per shared-memory tile (FT_LATENT_KEYS) of the latent
+#: attention kernel.
+LATENT_ROWS = 32
+LATENT_KEYS = 32
+#: The widest cached latent row, R + P values (FT_LATENT_MAX_DIM): the kernel's largest build.
+LATENT_MAX_DIM = 1024
+
 # ---- small row ops (cuda/rms_norm.cu, cuda/routing.cu) ----------------------------------------------------------
 #: The largest block of rms_norm_f32 (FT_NORM_THREADS).
 NORM_THREADS = 256
@@ -113,6 +121,9 @@ CUDA_DEFINES: dict[str, str] = {
     "FT_ATT_WARPS": str(ATT_WARPS),
     "FT_KV_FP8_MAX": _float(KV_FP8_MAX),
     **{f"FT_KV_{kind.upper()}": str(code) for kind, code in KV_KIND_CODES.items()},
+    "FT_LATENT_ROWS": str(LATENT_ROWS),
+    "FT_LATENT_KEYS": str(LATENT_KEYS),
+    "FT_LATENT_MAX_DIM": str(LATENT_MAX_DIM),
     "FT_NORM_THREADS": str(NORM_THREADS),
     "FT_ROUTE_WARPS": str(ROUTE_WARPS),
     **_struct_defines("FT_EXPERT_BANKS", EXPERT_BANKS),

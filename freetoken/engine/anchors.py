@@ -76,7 +76,7 @@ def anchor_id(fingerprint: str, tokens: Sequence[int]) -> str:
 def pool_layout(pool: KVPool) -> str:
     """The pool's layout in one string: what an anchor's blocks must be read back into."""
     return (f"v{KV_LAYOUT_VERSION}:blocks{pool.block_size}:layers{pool.num_layers}:heads{pool.kv_heads}:"
-            f"dim{pool.head_dim}")
+            f"dim{pool.head_dim}" + ("" if pool.values else ":keys-only"))
 
 
 def block_sum(data: dict[str, np.ndarray]) -> str:

@@ -100,7 +100,7 @@ def plan_context(cfg: ModelConfig, device, options: LoadOptions) -> ContextPlan:
     """The context and KV pool of ``cfg`` on ``device`` as ``options`` ask (see the module doc); ValueError naming
     the flag when they cannot be met."""
     kind = options.kv_dtype
-    block = kv_block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kind)
+    block = kv_block_bytes(cfg.num_layers, cfg.kv_cache_heads, cfg.kv_cache_dim, kind, values=cfg.kv_cache_values)
     want = options.ctx or cfg.max_position
     want_blocks = -(-want // KV_BLOCK_TOKENS)
     budget, source = _budget(cfg, device, options, want_blocks * block)
@@ -140,5 +140,6 @@ def kv_load_bytes(cfg: ModelConfig, device_kind: str, options: LoadOptions) -> i
     if options.kv_memory is not None:
         return options.kv_memory
     if options.ctx is not None:
-        return options.ctx * kv_token_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, options.kv_dtype)
+        return options.ctx * kv_token_bytes(cfg.num_layers, cfg.kv_cache_heads, cfg.kv_cache_dim, options.kv_dtype,
+                                            values=cfg.kv_cache_values)
     return 0

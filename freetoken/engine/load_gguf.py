@@ -17,7 +17,15 @@ from gguf.constants import GGMLQuantizationType
 from freetoken.loaders import GGUFFile, LoadError
 from freetoken.loaders.memory import check_load_bytes
 from freetoken.models.config import GGUF_FAMILIES, ModelConfig, from_gguf
-from freetoken.models.weights import GGUF_LAYER_NAMES, GGUFWeights, global_shapes, layer_shapes, load_bytes
+from freetoken.models.weights import (
+    GGUF_K_B,
+    GGUF_LAYER_NAMES,
+    GGUF_V_B,
+    GGUFWeights,
+    global_shapes,
+    layer_shapes,
+    load_bytes,
+)
 
 
 def _expected_shapes(cfg: ModelConfig, w: GGUFWeights) -> dict[str, tuple[int, ...]]:
@@ -25,6 +33,11 @@ def _expected_shapes(cfg: ModelConfig, w: GGUFWeights) -> dict[str, tuple[int, .
     out = {w.name(k): v for k, v in global_shapes(cfg).items()}
     for i in range(cfg.num_layers):
         out.update({w.name(k, i): v for k, v in layer_shapes(cfg, i).items()})
+        if cfg.mla and not w.has("kv_b_proj", i):  # stored as its two halves (llama.cpp's converter)
+            del out[w.name("kv_b_proj", i)]
+            h, r = cfg.num_heads, cfg.kv_lora_rank
+            out[f"blk.{i}.{GGUF_K_B}"] = (h, r, cfg.qk_nope_dim)
+            out[f"blk.{i}.{GGUF_V_B}"] = (h, cfg.v_head_dim, r)
         if cfg.is_moe(i):
             e, m, h = cfg.num_experts, cfg.moe_inter, cfg.hidden
             names = w.gguf.expert_names(i)

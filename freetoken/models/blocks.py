@@ -2,7 +2,8 @@
 
 * attention: a fused q/k/v projection, a q/k treatment (:class:`PlainQK`, Qwen3's per-head norms :class:`HeadNormQK`,
   OLMoE's whole-projection norms :class:`ProjectionNormQK`), RoPE, the append to the paged KV cache, causal GQA over
-  it (with the layer's sliding window and sinks), the output projection;
+  it (with the layer's sliding window and sinks), the output projection; :class:`LatentAttention` (DeepSeek-V3's
+  multi-head latent attention over a latent cache, absorbed);
 * routers: :class:`SoftmaxTopKRouter` (softmax over the experts, top-k, optional renormalisation),
   :class:`SigmoidGroupRouter` (DeepSeek-V3 / GLM-4.5: sigmoid scores, a selection bias, group-limited top-k, a
   routed scaling factor);
@@ -128,6 +129,13 @@ class Attention:
         self.window = int(window)
         self.sinks = None if sinks is None else device.asarray(np.ascontiguousarray(sinks, np.float32).reshape(-1))
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the block's weights."""
+        qk = self.qk
+        extra = (getattr(qk, "weight", None), getattr(qk, "q_norm", None), getattr(qk, "k_norm", None), self.sinks)
+        return self.qkv.nbytes + self.o_proj.nbytes + sum(int(w.nbytes) for w in extra if w is not None)
+
     def __call__(self, x, kv, start: int, cos, sin):
         """``x [T, hidden]`` at positions ``start ..`` with ``cos``/``sin`` their RoPE rows; appends the T keys and
         values to ``kv`` (the layer's :class:`freetoken.models.kv.LayerKV`, positions up to ``start + T`` already
@@ -152,6 +160,70 @@ class Attention:
                                 sinks=self.sinks, out=self.scratch.get("att", (t, self.heads * dim)),
                                 device=dev, checked=True)
         return self.o_proj(a)
+
+
+class LatentAttention:
+    """DeepSeek-V3's multi-head latent attention over the paged latent cache, in the absorbed form.
+
+    Each token's cache row is ``[c, k_rope]``: the normed ``kv_lora_rank``-wide latent ``c = norm(kv_a(x)[:R])`` and
+    the one roped key ``k_rope`` all heads share (``R + P`` values, not ``2 H D``). Head h's key would be
+    ``[W_uk_h c, k_rope]`` and its value ``W_uv_h c`` (``kv_b_proj`` rows); instead the query absorbs ``W_uk_h``
+    (``q_lat = W_uk_h^T q_nope``, so ``q.k = [q_lat, q_rope] . [c, k_rope]``) and the output ``W_uv_h``
+    (``o_h = W_uv_h sum_p a_p c_p``), so attention runs over the cached rows as they are
+    (:func:`freetoken.ops.latent_attention`). The per-head products are batched matmuls of the device's array
+    module. ``q``: a plain ``q_proj``, or ``(q_a_proj, q_a_norm weight, q_b_proj)`` (the low-rank query)."""
+
+    def __init__(self, q, kv_a: Linear, kv_a_norm: np.ndarray, kv_b: np.ndarray, o_proj: Linear, heads: int,
+                 nope: int, rope: int, rank: int, v_dim: int, eps: float, scale: float, device,
+                 scratch: Scratch | None = None):
+        self.dev, self.xp = device, device.xp
+        if isinstance(q, tuple):
+            self.q_a, q_a_norm, self.q_b = q
+            self.q_a_norm, self.q_proj = device.asarray(np.ascontiguousarray(q_a_norm, np.float32)), None
+        else:
+            self.q_a = self.q_a_norm = self.q_b = None
+            self.q_proj = q
+        self.kv_a, self.o_proj = kv_a, o_proj
+        self.kv_a_norm = device.asarray(np.ascontiguousarray(kv_a_norm, np.float32))
+        self.heads, self.nope, self.rope, self.rank, self.v_dim = heads, nope, rope, rank, v_dim
+        self.eps, self.scale = eps, float(scale)
+        w = np.asarray(kv_b, np.float32).reshape(heads, nope + v_dim, rank)
+        self.w_uk = device.asarray(np.ascontiguousarray(w[:, :nope]))  # [H, nope, R]
+        self.w_uv_t = device.asarray(np.ascontiguousarray(w[:, nope:].transpose(0, 2, 1)))  # [H, R, v]
+        self.scratch = scratch if scratch is not None else Scratch(device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the block's weights (``kv_b_proj`` held as its two absorbed halves)."""
+        mats = [self.kv_a, self.o_proj] + ([self.q_proj] if self.q_proj is not None else [self.q_a, self.q_b])
+        vecs = [self.kv_a_norm, self.w_uk, self.w_uv_t] + ([] if self.q_a_norm is None else [self.q_a_norm])
+        return sum(m.nbytes for m in mats) + sum(int(v.nbytes) for v in vecs)
+
+    def __call__(self, x, kv, start: int, cos, sin):
+        """As :meth:`Attention.__call__`, with ``kv`` the layer's latent pool (keys only) and ``cos``/``sin`` the
+        rope part's RoPE rows."""
+        t, dev, xp = x.shape[0], self.dev, self.xp
+        h, nope, rope, rank = self.heads, self.nope, self.rope, self.rank
+        if self.q_proj is None:
+            q = self.q_b(ops.rms_norm(self.q_a(x), self.q_a_norm, self.eps, device=dev))
+        else:
+            q = self.q_proj(x)
+        q = q.reshape(t, h, nope + rope)
+        ckv = self.kv_a(x)  # [T, R + P]
+        c = ops.rms_norm(xp.ascontiguousarray(ckv[:, :rank]), self.kv_a_norm, self.eps, device=dev)
+        # the query heads' rope parts and the shared rope key, rotated in one call
+        qk_rope = xp.concatenate([q[:, :, nope:], ckv[:, None, rank:]], axis=1)  # [T, H + 1, P]
+        qk_rope = ops.rope(qk_rope, cos, sin, device=dev)
+        row = self.scratch.get("latent_row", (t, rank + rope))
+        row[:, :rank], row[:, rank:] = c, qk_rope[:, h]
+        ops.latent_store(row, kv.k, kv.k_scale, kv.block_table, start, device=dev, checked=True)
+        q_cat = self.scratch.get("latent_q", (t, h, rank + rope))
+        q_cat[:, :, :rank] = xp.matmul(q[:, :, :nope].transpose(1, 0, 2), self.w_uk).transpose(1, 0, 2)
+        q_cat[:, :, rank:] = qk_rope[:, :h]
+        a = ops.latent_attention(q_cat, kv.k, kv.k_scale, kv.block_table, start, rank, scale=self.scale,
+                                 out=self.scratch.get("latent_att", (t, h * rank)), device=dev, checked=True)
+        o = xp.matmul(a.reshape(t, h, rank).transpose(1, 0, 2), self.w_uv_t)  # [H, T, v]
+        return self.o_proj(xp.ascontiguousarray(o.transpose(1, 0, 2)).reshape(t, h * self.v_dim))
 
 
 # ---- routers -----------------------------------------------------------------------------------------------------

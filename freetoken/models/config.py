@@ -31,7 +31,7 @@ from freetoken.models.fields import (
 
 #: model_type -> family name used by freetoken.
 FAMILIES = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "olmoe": "olmoe",
-            "glm4_moe": "glm4_moe", "gpt_oss": "gpt_oss"}
+            "glm4_moe": "glm4_moe", "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3"}
 
 #: Router blocks (freetoken.models.blocks): softmax over the experts then top-k, or DeepSeek-V3's sigmoid scores with
 #: a selection bias and group-limited top-k (freetoken.ops.route_sigmoid_group_topk).
@@ -92,11 +92,52 @@ class ModelConfig:
     router_logit_bias: bool = False
     expert_bias: bool = False
     expert_act: str = "swiglu"
+    #: DeepSeek-V3's multi-head latent attention (``kv_lora_rank`` > 0): queries through a low-rank ``q_lora_rank``
+    #: projection (0: a plain ``q_proj``), keys and values from a ``kv_lora_rank`` latent plus one shared rope key of
+    #: ``qk_rope_dim``; per head ``qk_nope_dim`` + ``qk_rope_dim`` query/key dims (``head_dim``) and ``v_head_dim``
+    #: value dims. ``rope_interleave``: the checkpoint's rope dims are interleaved pairs (DeepSeek's own layout).
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def rope_dim(self) -> int:
-        """How many leading dimensions of a head RoPE rotates."""
-        return self.rotary_dim or self.head_dim
+        """How many leading dimensions of a head RoPE rotates (MLA: the rope part, ``qk_rope_dim``)."""
+        return self.qk_rope_dim if self.mla else self.rotary_dim or self.head_dim
+
+    @property
+    def kv_cache_heads(self) -> int:
+        """Heads of a token's row in the KV pool (MLA: one latent row)."""
+        return 1 if self.mla else self.num_kv_heads
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Values per head of a token's row in the KV pool (MLA: the latent and the rope key)."""
+        return self.kv_lora_rank + self.qk_rope_dim if self.mla else self.head_dim
+
+    @property
+    def kv_cache_values(self) -> bool:
+        """Whether the pool stores values beside the keys (MLA: no: the values are the latent part of the row)."""
+        return not self.mla
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of q.k: ``1 / sqrt(head_dim)``, times YaRN's ``mscale_all_dim`` factor squared for MLA
+        (DeepSeek's, as transformers applies it)."""
+        scale = self.head_dim ** -0.5
+        sc = self.rope_scaling or {}
+        if self.mla and sc.get("rope_type", sc.get("type")) == "yarn" and sc.get("mscale_all_dim"):
+            factor = float(sc["factor"])
+            m = 0.1 * float(sc["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
+            scale *= m * m
+        return scale
 
     def __post_init__(self):
         """The invariants every reader relies on (a parser names the file; a config built in code is checked too)."""
@@ -118,6 +159,15 @@ class ModelConfig:
             bad(f"{len(self.sliding_windows)} sliding windows for {self.num_layers} layers (each >= 0)")
         if self.head_dim % 2:
             bad(f"head_dim {self.head_dim} is odd (RoPE rotates pairs)")
+        if self.mla:
+            from freetoken.device.constants import LATENT_MAX_DIM
+
+            if self.qk_rope_dim % 2 or self.head_dim != self.qk_nope_dim + self.qk_rope_dim:
+                bad(f"latent attention: qk_rope_head_dim {self.qk_rope_dim} must be even and head_dim "
+                    f"{self.head_dim} = qk_nope_head_dim {self.qk_nope_dim} + qk_rope_head_dim")
+            if self.kv_cache_dim > LATENT_MAX_DIM or self.qk_norm != "none" or self.qkv_bias:
+                bad(f"latent attention: a cached row of kv_lora_rank + qk_rope_head_dim = {self.kv_cache_dim} "
+                    f"(at most {LATENT_MAX_DIM}), no q/k norms, no biases")
         if self.rotary_dim and (self.rotary_dim % 2 or not 2 <= self.rotary_dim <= self.head_dim):
             bad(f"{self.rotary_dim} rotary dimensions of a head of {self.head_dim} (an even number in [2, head_dim])")
         if self.router not in ROUTERS:
@@ -201,20 +251,29 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
     layers = f.int("num_hidden_layers", hi=MAX_LAYERS)
     heads = f.int("num_attention_heads", hi=MAX_HEADS)
     kv_heads = f.int("num_key_value_heads", default=heads, hi=MAX_HEADS)
-    if cfg.get("head_dim") is None and hidden % heads:
-        f.fail("num_attention_heads", heads, f"a divisor of hidden_size {hidden} (no head_dim is given)")
-    head_dim = f.int("head_dim", default=hidden // heads, hi=MAX_HEAD_DIM)
+    ds = family == "deepseek_v3"
+    mla = _mla_fields(f, hidden) if ds else {}
+    if ds:  # transformers writes head_dim = qk_rope_head_dim for these: the query/key head is nope + rope
+        head_dim = mla["qk_nope_dim"] + mla["qk_rope_dim"]
+    else:
+        if cfg.get("head_dim") is None and hidden % heads:
+            f.fail("num_attention_heads", heads, f"a divisor of hidden_size {hidden} (no head_dim is given)")
+        head_dim = f.int("head_dim", default=hidden // heads, hi=MAX_HEAD_DIM)
     experts = f.int("num_experts", "num_local_experts", "n_routed_experts", hi=MAX_EXPERTS)
     top_k = f.int("num_experts_per_tok", "experts_per_token", hi=experts)
     glm, oss = family == "glm4_moe", family == "gpt_oss"
+    # DeepSeek-V3's router, shared experts, leading dense layers and MTP layers: GLM-4.5 took them over (with other
+    # defaults in transformers' configs)
+    v3_moe = {"glm4_moe": dict(first_dense=1, n_group=1, topk_group=1, scale=1.0),
+              "deepseek_v3": dict(first_dense=3, n_group=8, topk_group=4, scale=2.5)}.get(family)
     if family in ("mixtral", "gpt_oss"):  # gpt-oss: softmax over the top-k logits = the top-k renormalised
         moe_inter, dense_inter, norm_topk = f.int("intermediate_size", hi=MAX_INTERMEDIATE), 0, True
     else:
         moe_inter = f.int("moe_intermediate_size", "intermediate_size", hi=MAX_INTERMEDIATE)
         dense_inter = f.int("intermediate_size", default=0, lo=0, hi=MAX_INTERMEDIATE)
-        norm_topk = f.bool("norm_topk_prob", glm)  # transformers' default: True for GLM, False elsewhere
-    if glm:
-        first_dense = f.int("first_k_dense_replace", default=1, lo=0, hi=layers)
+        norm_topk = f.bool("norm_topk_prob", v3_moe is not None)  # transformers' default: True for these only
+    if v3_moe:
+        first_dense = f.int("first_k_dense_replace", default=v3_moe["first_dense"], lo=0, hi=layers)
         moe_layers = tuple(i >= first_dense for i in range(layers))
     else:
         step = f.int("decoder_sparse_step", default=1, lo=0, hi=MAX_LAYERS) or 1
@@ -226,7 +285,7 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
     shared = 0
     if family == "qwen2_moe":
         shared = f.int("shared_expert_intermediate_size", default=0, lo=0, hi=MAX_INTERMEDIATE)
-    elif glm:
+    elif v3_moe:
         shared = moe_inter * f.int("n_shared_experts", default=1, lo=0, hi=64)  # transformers: 1
     rotary_dim = 0
     if glm:
@@ -249,11 +308,15 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
                 f.whole(f"{key}[{j}]", x, 0, MAX_VOCAB - 1)
         elif v is not None:
             f.int(key, lo=0, hi=MAX_VOCAB - 1)
-    groups = {}
-    if glm:
-        groups = dict(router="sigmoid_group", n_group=f.int("n_group", default=1, hi=MAX_EXPERTS),
-                      topk_group=f.int("topk_group", default=1, hi=MAX_EXPERTS),
-                      routed_scale=f.float("routed_scaling_factor", default=1.0, hi=1e4), shared_gated=False,
+    groups = dict(mla)
+    if v3_moe:
+        for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):  # DeepSeek-V2's are others
+            if cfg.get(key) not in (None, want):
+                f.fail(key, cfg.get(key), f"{want!r} (DeepSeek-V2's routers are not supported yet)")
+        groups.update(router="sigmoid_group", n_group=f.int("n_group", default=v3_moe["n_group"], hi=MAX_EXPERTS),
+                      topk_group=f.int("topk_group", default=v3_moe["topk_group"], hi=MAX_EXPERTS),
+                      routed_scale=f.float("routed_scaling_factor", default=v3_moe["scale"], hi=1e4),
+                      shared_gated=False,
                       mtp_layers=f.int("num_nextn_predict_layers", default=0, lo=0, hi=MAX_LAYERS))
     if oss:
         groups.update(_gpt_oss_fields(f, layers))
@@ -270,6 +333,19 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
         max_position=f.int("max_position_embeddings", default=32768, hi=MAX_POSITIONS), rotary_dim=rotary_dim,
         **groups,
     ))
+
+
+def _mla_fields(f: Fields, hidden: int) -> dict:
+    """DeepSeek-V3's multi-head latent attention dims (``q_lora_rank`` null: a plain q projection)."""
+    if f.bool("attention_bias", False):
+        f.fail("attention_bias", True, "false (biases on the latent projections are not supported)")
+    q_rank = f.get("q_lora_rank")
+    return dict(kv_lora_rank=f.int("kv_lora_rank", hi=MAX_HIDDEN),
+                q_lora_rank=0 if q_rank is None else f.int("q_lora_rank", hi=MAX_HIDDEN),
+                qk_nope_dim=f.int("qk_nope_head_dim", hi=MAX_HEAD_DIM),
+                qk_rope_dim=f.int("qk_rope_head_dim", hi=MAX_HEAD_DIM),
+                v_head_dim=f.int("v_head_dim", hi=MAX_HEAD_DIM),
+                rope_interleave=f.bool("rope_interleave", True))
 
 
 def _gpt_oss_fields(f: Fields, layers: int) -> dict:
@@ -305,11 +381,11 @@ def _checked(where: str, make) -> ModelConfig:
 
 #: GGUF ``general.architecture`` -> family (``llama`` with experts is Mixtral's layout in llama.cpp).
 GGUF_FAMILIES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "olmoe": "olmoe",
-                 "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss"}
+                 "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v3"}
 #: Whether llama.cpp renormalises the top-k router weights of each family when ``{arch}.expert_weights_norm`` is
 #: absent (it hard-codes this per architecture; glm4moe reads the key, default false).
 _GGUF_NORM_TOPK = {"qwen3_moe": True, "qwen2_moe": False, "mixtral": True, "olmoe": False, "glm4_moe": False,
-                   "gpt_oss": True}
+                   "gpt_oss": True, "deepseek_v3": False}
 #: llama.cpp's ``{arch}.expert_gating_func`` values (enum llama_expert_gating_func_type).
 _GATING_NONE, _GATING_SOFTMAX, _GATING_SIGMOID = 0, 1, 2
 
@@ -407,7 +483,7 @@ def from_gguf(gf) -> ModelConfig:
     shared_inter = 0
     shared_gated = gf.has(f"blk.{first}.ffn_gate_inp_shexp.weight")
     if gf.has(f"blk.{first}.ffn_gate_shexp.weight"):
-        if family not in ("qwen2_moe", "glm4_moe"):
+        if family not in ("qwen2_moe", "glm4_moe", "deepseek_v3"):
             raise ConfigError(f"{where}: shared experts in a {gf.arch} model are not supported")
         if shared_gated != (family == "qwen2_moe"):
             raise ConfigError(f"{where}: a {gf.arch} shared expert {'with' if shared_gated else 'without'} a "
@@ -433,11 +509,13 @@ def from_gguf(gf) -> ModelConfig:
                     rope_scaling[key] = v
     scale = m.float(f"{arch}.expert_weights_scale", default=1.0, lo=0.0, lo_open=False) or 1.0  # llama.cpp: 0 = 1
     router = {}
-    if family == "glm4_moe":
+    if family in ("glm4_moe", "deepseek_v3"):
         gating = m.int(f"{arch}.expert_gating_func", default=_GATING_NONE, lo=0, hi=8)
-        if gating not in (_GATING_NONE, _GATING_SIGMOID):  # llama.cpp takes none as sigmoid for glm4moe
-            raise ConfigError(f"{where}: {arch}.expert_gating_func {gating}: a glm4moe router with other than sigmoid "
-                              "scores is not supported")
+        # llama.cpp takes none as sigmoid for glm4moe, and as softmax for deepseek2 (DeepSeek-V2's files)
+        sigmoid = gating == _GATING_SIGMOID or (gating == _GATING_NONE and family == "glm4_moe")
+        if not sigmoid:
+            raise ConfigError(f"{where}: {arch}.expert_gating_func {gating}: a router with other than sigmoid scores "
+                              f"(DeepSeek-V2's softmax) is not supported; DeepSeek-V3 files say 2 (sigmoid)")
         n_group = m.int(f"{arch}.expert_group_count", default=1, lo=0, hi=MAX_EXPERTS) or 1
         # llama.cpp limits the choice to groups only when there are several (then it needs the used count)
         topk_group = m.int(f"{arch}.expert_group_used_count", hi=n_group) if n_group > 1 else 1
@@ -450,8 +528,24 @@ def from_gguf(gf) -> ModelConfig:
     elif mtp:
         raise ConfigError(f"{where}: {arch}.nextn_predict_layers {mtp}: multi-token-prediction layers in a "
                           f"{arch} model are not supported")
-    head_dim = m.int(f"{arch}.attention.key_length", default=hidden // heads, hi=MAX_HEAD_DIM)
-    rotary_dim = m.int(f"{arch}.rope.dimension_count", default=head_dim, lo=2, hi=head_dim)
+    mla = {}
+    if family == "deepseek_v3":  # the file's attention is stored as MQA over the latent: key_length = R + P
+        head_dim = m.int(f"{arch}.attention.key_length_mla", hi=MAX_HEAD_DIM)
+        rope = m.int(f"{arch}.rope.dimension_count", lo=2, hi=head_dim - 1)
+        mla = dict(kv_lora_rank=m.int(f"{arch}.attention.kv_lora_rank", hi=MAX_HIDDEN),
+                   q_lora_rank=m.int(f"{arch}.attention.q_lora_rank", default=0, lo=0, hi=MAX_HIDDEN),
+                   qk_nope_dim=head_dim - rope, qk_rope_dim=rope,
+                   v_head_dim=m.int(f"{arch}.attention.value_length_mla", hi=MAX_HEAD_DIM),
+                   rope_interleave=True)  # llama.cpp rotates adjacent pairs here: DeepSeek's own layout
+        kv = heads
+        ms = gf.meta(f"{arch}.rope.scaling.yarn_log_multiplier", None)
+        if rope_scaling is not None and ms:  # the converter writes 0.1 * mscale_all_dim; llama.cpp's mscale equals it
+            mscale = m.float(f"{arch}.rope.scaling.yarn_log_multiplier", hi=1e3) / 0.1
+            rope_scaling.update(mscale=mscale, mscale_all_dim=mscale)
+        rotary_dim = head_dim
+    else:
+        head_dim = m.int(f"{arch}.attention.key_length", default=hidden // heads, hi=MAX_HEAD_DIM)
+        rotary_dim = m.int(f"{arch}.rope.dimension_count", default=head_dim, lo=2, hi=head_dim)
     if rotary_dim != head_dim and family != "glm4_moe":
         raise ConfigError(f"{where}: {arch}.rope.dimension_count {rotary_dim} of a head of {head_dim}: partial rotary "
                           f"in a {arch} model is not supported")
@@ -472,5 +566,5 @@ def from_gguf(gf) -> ModelConfig:
         rope_scaling=rope_scaling,
         qk_norm=qk_norm, qkv_bias=gf.has("blk.0.attn_q.bias"), shared_inter=int(shared_inter),
         moe_layers=moe_layers, tie_word_embeddings=not gf.has("output.weight"),
-        max_position=m.int(f"{arch}.context_length", default=32768, hi=MAX_POSITIONS), **router,
+        max_position=m.int(f"{arch}.context_length", default=32768, hi=MAX_POSITIONS), **router, **mla,
     ))

@@ -19,6 +19,7 @@ from freetoken.models.blocks import (
     DecoderLayer,
     DenseMLP,
     HeadNormQK,
+    LatentAttention,
     MoeMLP,
     PlainQK,
     ProjectionNormQK,
@@ -75,7 +76,34 @@ def _rotary_rows(cfg: ModelConfig, key: str, w):
     return np.ascontiguousarray(w[rows])
 
 
+def _deinterleave_rope(w: np.ndarray, heads: int, width: int, rope: int) -> np.ndarray:
+    """Rows of a projection whose heads of ``width`` end in ``rope`` interleaved-pair rope dims (DeepSeek's layout:
+    pair j at 2j, 2j + 1) with those dims reordered to rotate-half's (pair j at j, j + rope / 2). Applied to the
+    query's and the shared key's rope rows alike, it leaves every q.k product unchanged."""
+    order = np.arange(width)
+    order[width - rope:] = width - rope + np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)])
+    rows = (np.arange(heads)[:, None] * width + order[None, :]).reshape(-1)
+    return np.ascontiguousarray(w[rows])
+
+
+def _latent_attention(cfg: ModelConfig, t: _Tensors, i: int, dev, scratch: Scratch) -> LatentAttention:
+    rank, rope, head = cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.head_dim
+    fix = (lambda w, heads, width: _deinterleave_rope(w, heads, width, rope)) if cfg.rope_interleave else \
+        (lambda w, heads, width: w)
+    kv_a = fix(t.host("kv_a_proj", i), 1, rank + rope)
+    if cfg.q_lora_rank:
+        q = (t.linear(("q_a_proj",), i), t.host("q_a_norm", i),
+             Linear(fix(t.host("q_b_proj", i), cfg.num_heads, head), dev))
+    else:
+        q = Linear(fix(t.host("q_proj", i), cfg.num_heads, head), dev)
+    return LatentAttention(q, Linear(kv_a, dev), t.host("kv_a_norm", i), t.host("kv_b_proj", i),
+                           t.linear(("o_proj",), i), cfg.num_heads, cfg.qk_nope_dim, rope, rank, cfg.v_head_dim,
+                           cfg.rms_eps, cfg.attention_scale, dev, scratch)
+
+
 def _attention(cfg: ModelConfig, t: _Tensors, i: int, dev, scratch: Scratch) -> Attention:
+    if cfg.mla:
+        return _latent_attention(cfg, t, i, dev, scratch)
     if cfg.rope_dim < cfg.head_dim:
         mats = [_rotary_rows(cfg, k, t.matrix(k, i)) for k in ("q_proj", "k_proj")] + [t.matrix("v_proj", i)]
         biases = [_rotary_rows(cfg, k, t.host(k, i)) for k in ("q_bias", "k_bias")] + [t.host("v_bias", i)] \
@@ -164,9 +192,11 @@ class MoeDecoder:
         """Hold the sequence in ``pool`` (made for this model's layers and kv heads), up to ``ctx`` tokens, and run
         prompts in forward chunks of ``prefill_chunk`` tokens. Forgets the current sequence."""
         cfg = self.cfg
-        if (pool.num_layers, pool.kv_heads, pool.head_dim) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
-            raise ValueError(f"a KV pool of {pool.num_layers} layers x {pool.kv_heads} heads x {pool.head_dim} does "
-                             f"not fit this model ({cfg.num_layers} x {cfg.num_kv_heads} x {cfg.head_dim})")
+        want = (cfg.num_layers, cfg.kv_cache_heads, cfg.kv_cache_dim, cfg.kv_cache_values)
+        if (pool.num_layers, pool.kv_heads, pool.head_dim, pool.values) != want:
+            raise ValueError(f"a KV pool of {pool.num_layers} layers x {pool.kv_heads} heads x {pool.head_dim} "
+                             f"(values: {pool.values}) does not fit this model ({want[0]} x {want[1]} x {want[2]}, "
+                             f"values: {want[3]})")
         if not 1 <= ctx <= pool.tokens:
             raise ValueError(f"a context of {ctx} tokens does not fit the KV pool of {pool.tokens} tokens")
         if prefill_chunk < 1:
@@ -176,8 +206,12 @@ class MoeDecoder:
         self.pool, self.kv = pool, KVSequence(pool, ctx)
         self._layer_kv = [self.kv.layer(i) for i in range(cfg.num_layers)]  # views; the block table updates in place
         self.prefill_chunk = int(prefill_chunk)
-        self.rope_cos, self.rope_sin = rope_tables(self.xp, np.arange(ctx), cfg.head_dim, cfg.rope_theta,
-                                                   cfg.rope_scaling, cfg.max_position, cfg.rope_dim)
+        if cfg.mla:  # the rope part of a latent-attention head is rotated whole
+            self.rope_cos, self.rope_sin = rope_tables(self.xp, np.arange(ctx), cfg.qk_rope_dim, cfg.rope_theta,
+                                                       cfg.rope_scaling, cfg.max_position)
+        else:
+            self.rope_cos, self.rope_sin = rope_tables(self.xp, np.arange(ctx), cfg.head_dim, cfg.rope_theta,
+                                                       cfg.rope_scaling, cfg.max_position, cfg.rope_dim)
 
     def _sequence(self) -> KVSequence:
         if self.kv is None:
@@ -210,9 +244,7 @@ class MoeDecoder:
         dense += int(self.norm.nbytes)
         for layer in self.layers:
             att, mlp = layer.attention, layer.mlp
-            dense += int(layer.attn_norm.nbytes) + int(layer.mlp_norm.nbytes) + att.qkv.nbytes + att.o_proj.nbytes
-            dense += sum(int(w.nbytes) for w in (getattr(att.qk, "weight", None), getattr(att.qk, "q_norm", None),
-                                                 getattr(att.qk, "k_norm", None), att.sinks) if w is not None)
+            dense += int(layer.attn_norm.nbytes) + int(layer.mlp_norm.nbytes) + att.nbytes
             if isinstance(mlp, MoeMLP):
                 dense += mlp.router.gate.nbytes + int(getattr(mlp.router, "bias", np.zeros(0)).nbytes)
                 if mlp.shared is not None:

@@ -38,18 +38,19 @@ class OutOfKVBlocks(ValueError):
     """The pool has fewer free blocks than a sequence needs."""
 
 
-def kv_token_bytes(num_layers: int, kv_heads: int, head_dim: int, kind: str) -> int:
-    """Bytes one token takes in the pool over all layers, K and V (fp8: its per-(token, head) scales included)."""
+def kv_token_bytes(num_layers: int, kv_heads: int, head_dim: int, kind: str, values: bool = True) -> int:
+    """Bytes one token takes in the pool over all layers, K and V (fp8: its per-(token, head) scales included;
+    ``values`` False: the keys alone, as a latent-attention pool holds them)."""
     if kind not in KV_DTYPES:
         raise ValueError(f"KV kind {kind!r}: choose one of {', '.join(KV_KINDS)}")
     per_head = head_dim * np.dtype(KV_DTYPES[kind]).itemsize + (4 if kind == "fp8" else 0)
-    return 2 * num_layers * kv_heads * per_head
+    return (2 if values else 1) * num_layers * kv_heads * per_head
 
 
 def kv_block_bytes(num_layers: int, kv_heads: int, head_dim: int, kind: str,
-                   block_size: int = KV_BLOCK_TOKENS) -> int:
+                   block_size: int = KV_BLOCK_TOKENS, values: bool = True) -> int:
     """Bytes of one block of the pool (all layers, K and V, scales included)."""
-    return block_size * kv_token_bytes(num_layers, kv_heads, head_dim, kind)
+    return block_size * kv_token_bytes(num_layers, kv_heads, head_dim, kind, values)
 
 
 class LayerKV(NamedTuple):
@@ -64,10 +65,12 @@ class LayerKV(NamedTuple):
 
 class KVPool:
     """``num_blocks`` blocks of ``block_size`` tokens for ``num_layers`` layers of ``kv_heads`` x ``head_dim`` keys
-    and values, stored as ``kind`` (see :data:`KV_DTYPES`), on ``device``."""
+    and values, stored as ``kind`` (see :data:`KV_DTYPES`), on ``device``. ``values`` False: keys only (``v`` and
+    ``v_scale`` are None): a latent-attention pool, whose one row per token holds what keys and values are made
+    from (``ops.latent_store`` / ``ops.latent_attention``)."""
 
     def __init__(self, device, num_layers: int, kv_heads: int, head_dim: int, num_blocks: int, kind: str = "bf16",
-                 block_size: int = KV_BLOCK_TOKENS):
+                 block_size: int = KV_BLOCK_TOKENS, values: bool = True):
         if kind not in KV_DTYPES:
             raise ValueError(f"KV kind {kind!r}: choose one of {', '.join(KV_KINDS)}")
         for name, n in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
@@ -78,12 +81,13 @@ class KVPool:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.num_blocks, self.block_size = int(num_blocks), int(block_size)
         shape = (num_layers, self.num_blocks, block_size, kv_heads, head_dim)
+        self.values = bool(values)
         self.k = device.zeros(shape, KV_DTYPES[kind])
-        self.v = device.zeros(shape, KV_DTYPES[kind])
+        self.v = device.zeros(shape, KV_DTYPES[kind]) if values else None
         self.k_scale = self.v_scale = None
         if kind == "fp8":
             self.k_scale = device.zeros(shape[:-1], np.float32)
-            self.v_scale = device.zeros(shape[:-1], np.float32)
+            self.v_scale = device.zeros(shape[:-1], np.float32) if values else None
         self.refs = np.zeros(self.num_blocks, np.int32)  # holders of each block (0: free)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack: the lowest free block comes out first
         #: called in order, round after round, with the number of blocks still missing when an allocation finds
@@ -109,7 +113,8 @@ class KVPool:
 
     def layer(self, i: int, block_table) -> LayerKV:
         """Layer ``i``'s slice of the pool with a sequence's ``block_table``."""
-        return LayerKV(self.k[i], self.v[i], None if self.k_scale is None else self.k_scale[i],
+        return LayerKV(self.k[i], None if self.v is None else self.v[i],
+                       None if self.k_scale is None else self.k_scale[i],
                        None if self.v_scale is None else self.v_scale[i], block_table)
 
     # ---- blocks ------------------------------------------------------------------------------------------------

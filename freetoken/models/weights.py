@@ -39,6 +39,10 @@ _HF_LAYER = {
     "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight", "attn_sinks": "self_attn.sinks",
     "router": "{moe}gate.weight", "router_bias": "{moe}gate.e_score_correction_bias",
     "router_logit_bias": "{moe}gate.bias",
+    # DeepSeek-V3's latent attention
+    "q_a_proj": "self_attn.q_a_proj.weight", "q_a_norm": "self_attn.q_a_layernorm.weight",
+    "q_b_proj": "self_attn.q_b_proj.weight", "kv_a_proj": "self_attn.kv_a_proj_with_mqa.weight",
+    "kv_a_norm": "self_attn.kv_a_layernorm.weight", "kv_b_proj": "self_attn.kv_b_proj.weight",
     **{f"shared_{w}": f"mlp.shared_expert.{w}_proj.weight" for w in ("gate", "up", "down")},
     "shared_sigmoid": "mlp.shared_expert_gate.weight",
     **{f"mlp_{w}": f"mlp.{w}_proj.weight" for w in ("gate", "up", "down")},
@@ -47,6 +51,7 @@ _HF_LAYER = {
 _HF_LAYER_FAMILY = {
     "glm4_moe": {f"shared_{w}": f"mlp.shared_experts.{w}_proj.weight" for w in ("gate", "up", "down")},
     "gpt_oss": {"router": "mlp.router.weight", "router_logit_bias": "mlp.router.bias"},
+    "deepseek_v3": {f"shared_{w}": f"mlp.shared_experts.{w}_proj.weight" for w in ("gate", "up", "down")},
 }
 #: gpt-oss' routed experts: fused tensors per layer (relative to ``model.layers.N.mlp.experts.``): ``gate_up_proj``
 #: [E, H, 2I] (gate and up interleaved along the last axis: gate at even, up at odd indices) and ``down_proj``
@@ -64,11 +69,17 @@ _GGUF_LAYER = {
     **{f"shared_{w}": f"ffn_{w}_shexp.weight" for w in ("gate", "up", "down")},
     "shared_sigmoid": "ffn_gate_inp_shexp.weight",
     **{f"mlp_{w}": f"ffn_{w}.weight" for w in ("gate", "up", "down")},
+    # latent attention (deepseek2): kv_b_proj is stored split, as attn_k_b [H, R, nope] (transposed) and attn_v_b
+    # [H, v, R] (llama.cpp's converter; older files have the whole attn_kv_b)
+    "q_a_proj": "attn_q_a.weight", "q_a_norm": "attn_q_a_norm.weight", "q_b_proj": "attn_q_b.weight",
+    "kv_a_proj": "attn_kv_a_mqa.weight", "kv_a_norm": "attn_kv_a_norm.weight", "kv_b_proj": "attn_kv_b.weight",
 }
 #: Per-architecture GGUF names that differ from :data:`_GGUF_LAYER`'s: llama.cpp's glm4moe calls the norm before the
 #: MLP ``post_attention_norm`` (its converter maps HF's ``post_attention_layernorm`` there for this architecture).
 _GGUF_LAYER_ARCH = {"glm4moe": {"mlp_norm": "post_attention_norm.weight"},
                     "gpt-oss": {"mlp_norm": "post_attention_norm.weight"}}
+#: The halves deepseek2 files store ``kv_b_proj`` as (relative to ``blk.N.``).
+GGUF_K_B, GGUF_V_B = "attn_k_b.weight", "attn_v_b.weight"
 _GGUF_GLOBAL = {"embed": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
 #: Canonical per-layer key -> GGUF name relative to ``blk.N.`` (read-only; :func:`gguf_layer_name` for an
 #: architecture's own).
@@ -84,9 +95,20 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     """HF-order shape of every per-layer tensor the decoder reads from layer ``i`` (canonical keys; routed
     experts excluded: their storage differs per source)."""
     hd, h = cfg.head_dim, cfg.hidden
-    s = {"attn_norm": (h,), "mlp_norm": (h,), "q_proj": (cfg.num_heads * hd, h),
-         "k_proj": (cfg.num_kv_heads * hd, h), "v_proj": (cfg.num_kv_heads * hd, h),
-         "o_proj": (h, cfg.num_heads * hd)}
+    if cfg.mla:
+        s = {"attn_norm": (h,), "mlp_norm": (h,), "kv_a_proj": (cfg.kv_lora_rank + cfg.qk_rope_dim, h),
+             "kv_a_norm": (cfg.kv_lora_rank,),
+             "kv_b_proj": (cfg.num_heads * (cfg.qk_nope_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+             "o_proj": (h, cfg.num_heads * cfg.v_head_dim)}
+        if cfg.q_lora_rank:
+            s.update(q_a_proj=(cfg.q_lora_rank, h), q_a_norm=(cfg.q_lora_rank,),
+                     q_b_proj=(cfg.num_heads * hd, cfg.q_lora_rank))
+        else:
+            s["q_proj"] = (cfg.num_heads * hd, h)
+    else:
+        s = {"attn_norm": (h,), "mlp_norm": (h,), "q_proj": (cfg.num_heads * hd, h),
+             "k_proj": (cfg.num_kv_heads * hd, h), "v_proj": (cfg.num_kv_heads * hd, h),
+             "o_proj": (h, cfg.num_heads * hd)}
     if cfg.qkv_bias:
         s.update(q_bias=(cfg.num_heads * hd,), k_bias=(cfg.num_kv_heads * hd,), v_bias=(cfg.num_kv_heads * hd,))
     if cfg.qk_norm == "head":
@@ -448,6 +470,11 @@ class GGUFWeights(Weights):
     def get(self, key: str, layer: int | None = None) -> np.ndarray:
         if key == "lm_head" and not self.has("lm_head"):
             key = "embed"  # tied embeddings: llama.cpp files simply omit output.weight
+        if key == "kv_b_proj" and not self.has(key, layer):  # the split halves: back to HF's [H * (nope + v), R]
+            k_b = self.gguf.get_f32(f"blk.{layer}.{GGUF_K_B}")  # [H, R, nope]
+            v_b = self.gguf.get_f32(f"blk.{layer}.{GGUF_V_B}")  # [H, v, R]
+            kv = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)
+            return np.ascontiguousarray(kv.reshape(-1, kv.shape[-1]))
         w = self.gguf.get_f32(self.name(key, layer))
         if key == "shared_sigmoid":
             w = w.reshape(1, -1)  # stored as a vector [hidden]; the decoder wants HF's [1, hidden]

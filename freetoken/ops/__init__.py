@@ -16,6 +16,7 @@ from freetoken.device import constants
 from freetoken.ops.cache import cache_admit, cache_borrow_layer, cache_copy
 from freetoken.ops.dense import dense, dense_gemv
 from freetoken.ops.histogram import histogram
+from freetoken.ops.latent_attention import latent_attention, latent_store
 from freetoken.ops.moe_experts import MoeWorkspace, moe_experts
 from freetoken.ops.paged_attention import kv_store, paged_attention
 from freetoken.ops.reduce import row_sum
@@ -60,6 +61,12 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("paged_attention", paged_attention, ("paged_attention.cu",), "freetoken.ops.paged_attention",
        (_K + "paged_attention:paged_attention_rows",), _R + "paged_attention:paged_attention_reference",
        _C + "paged_attention"),
+    Op("latent_store", latent_store, ("paged_attention.cu",), "freetoken.ops.latent_attention", (),
+       _R + "latent_attention:latent_store_reference", _C + "latent_attention",
+       cpu="array code (freetoken.ops.paged_attention.kv_encode and a scatter)"),
+    Op("latent_attention", latent_attention, ("latent_attention.cu", "paged_attention.cu"),
+       "freetoken.ops.latent_attention", (_K + "latent_attention:latent_attention_rows",),
+       _R + "latent_attention:latent_attention_reference", _C + "latent_attention"),
     Op("dense_gemv", dense_gemv, ("dense.cu",), "freetoken.ops.dense",
        (_K + "gemv:matmul_into", _K + "qgemv:qmatmul_into"), _R + "dense:dense_reference", _C + "dense"),
     Op("dense", dense, ("dense.cu",), "freetoken.ops.dense",
@@ -90,5 +97,5 @@ OPS: dict[str, Op] = {op.name: op for op in (
 
 __all__ = ["OPS", "MoeWorkspace", "Op", "add_rms_norm", "cache_admit",
            "cache_borrow_layer", "cache_copy", "constants", "dense", "dense_gemv", "histogram", "moe_experts",
-           "kv_store", "paged_attention", "rms_norm", "rope", "rope_qkv_cache", "route_sigmoid_group_topk",
-           "route_softmax_topk", "row_sum", "topk", "transpose"]
+           "kv_store", "latent_attention", "latent_store", "paged_attention", "rms_norm", "rope", "rope_qkv_cache",
+           "route_sigmoid_group_topk", "route_softmax_topk", "row_sum", "topk", "transpose"]
