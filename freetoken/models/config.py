@@ -157,7 +157,7 @@ class ModelConfig:
         if self.sliding_windows and (len(self.sliding_windows) != self.num_layers
                                      or any(w < 0 for w in self.sliding_windows)):
             bad(f"{len(self.sliding_windows)} sliding windows for {self.num_layers} layers (each >= 0)")
-        if self.head_dim % 2:
+        if self.head_dim % 2 and not self.mla:
             bad(f"head_dim {self.head_dim} is odd (RoPE rotates pairs)")
         if self.mla:
             from freetoken.device.constants import LATENT_MAX_DIM
