@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from tiny_models import make_checkpoint, to_gpt_oss_mxfp4
+from tiny_models import GGUF_OVERRIDES, make_checkpoint, to_gpt_oss_mxfp4
 
 from freetoken.engine.load import load
 from freetoken.models import ConfigError
@@ -18,7 +18,7 @@ TOKENS = np.random.default_rng(0).integers(0, 128, 24)
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpt_oss")
-    make_checkpoint("gpt_oss", root / "hf")
+    make_checkpoint("gpt_oss", root / "hf", **GGUF_OVERRIDES["gpt_oss"])  # YaRN as GGUF keeps it: exact round trips
     return root / "hf", to_gpt_oss_mxfp4(root / "hf", root / "mxfp4")
 
 
@@ -77,3 +77,18 @@ def test_windows_follow_layer_types(checkpoints):
     assert from_hf(cfg).sliding_windows == (6, 0)  # transformers' default: even layers windowed
     cfg["layer_types"] = ["full_attention", "sliding_attention"]
     assert from_hf(cfg).sliding_windows == (0, 6)
+
+
+def test_mxfp4_checkpoint_exports_to_gguf(checkpoints, tmp_path):
+    """freetoken convert on the release format: the MXFP4 experts decoded (exact in float32) and written out; the
+    file loads to the MXFP4 directory's logits exactly (the same values re-quantized to mxfp4 decode the same)."""
+    import warnings
+
+    from freetoken.convert import export_gguf
+
+    _, mx = checkpoints
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no tokenizer in the test checkpoint
+        export_gguf(mx, tmp_path / "mx.gguf", experts="f32", other="f32")
+    got = load(tmp_path / "mx.gguf", device="cpu", expert_format="mxfp4", cpu_activations="f32").logits(TOKENS)
+    np.testing.assert_array_equal(got, load(mx, device="cpu", cpu_activations="f32").logits(TOKENS))

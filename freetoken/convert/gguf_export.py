@@ -335,10 +335,11 @@ def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, experts: s
     check_output(Path(out), src, force)
     sd = SafetensorsDir(src)
     q = quantization(sd.config, sd.hf_quant_config)
-    if q.method not in ("none", "fp8_block"):
-        raise LoadError(src / "config.json", f"exporting {q.method} checkpoints is not supported")
     cfg = from_hf(sd.config, str(src / "config.json"))
-    weights = HFWeights(cfg, sd.get, sd.has, fp8_block=q.method == "fp8_block", where=str(src))
+    mxfp4 = q.method == "mxfp4" and cfg.family == "gpt_oss"  # its experts decoded from the MXFP4 blocks
+    if q.method not in ("none", "fp8_block") and not mxfp4:
+        raise LoadError(src / "config.json", f"exporting {q.method} checkpoints is not supported")
+    weights = HFWeights(cfg, sd.get, sd.has, fp8_block=q.method == "fp8_block", where=str(src), mxfp4=mxfp4)
     tok_fields = None
     if (src / "tokenizer.json").is_file():
         from freetoken.loaders.gguf_tokenizer import gguf_tokenizer_fields
