@@ -115,3 +115,63 @@ def sigmoid_group_topk_rows(logits, bias, k, n_group, topk_group, renorm, scale,
         denom = sel + _F32(1e-20)
         for j in range(k):
             w[r, j] = (w[r, j] / denom if renorm else w[r, j]) * scale
+
+
+@nb.njit(cache=True, boundscheck=False)
+def softmax_group_topk_rows(logits, k, n_group, topk_group, renorm, scale, ids, w):
+    """DeepSeek-V2 routing of each row of ``logits [R, E]`` (float32): softmax probabilities (as
+    :func:`softmax_topk_rows`); a group's score is its largest probability; the ``topk_group`` best of the
+    ``n_group`` equal groups stay in play; the k largest probabilities among their experts into ``ids [R, k]``
+    int32 (largest first, ties to the lower index, NaN ranked as -inf), the probabilities into ``w [R, k]``,
+    divided by their sum when ``renorm``, times ``scale``. ``cuda/routing.cu``'s ``route_softmax_group_topk_f32``."""
+    rows, n = logits.shape
+    gsize = n // n_group
+    p = np.empty(n, np.float32)
+    gscore = np.empty(n_group, np.float32)
+    chosen = np.empty(n_group, np.bool_)
+    scale = _F32(scale)
+    for r in range(rows):
+        m = logits[r, 0]
+        for c in range(1, n):
+            v = logits[r, c]
+            if v > m or v != v:
+                m = v
+            if m != m:
+                break
+        total = 0.0
+        for c in range(n):
+            e = np.exp(logits[r, c] - m)
+            p[c] = e
+            total += e
+        s = _F32(total)
+        for c in range(n):
+            p[c] = p[c] / s
+        for g in range(n_group):
+            a = _F32(-np.inf)
+            for c in range(g * gsize, (g + 1) * gsize):
+                if p[c] > a:
+                    a = p[c]
+            gscore[g] = a
+            chosen[g] = False
+        for _ in range(topk_group):
+            best, best_g = _F32(-np.inf), 0x7FFFFFFF
+            for g in range(n_group):
+                if not chosen[g] and _before(gscore[g], g, best, best_g):
+                    best, best_g = gscore[g], g
+            chosen[best_g] = True
+        prev, prev_i = _F32(np.inf), -1
+        sel = 0.0
+        for j in range(k):
+            best, best_i = _F32(-np.inf), 0x7FFFFFFF
+            for c in range(n):
+                v = p[c]
+                key = v if chosen[c // gsize] and v == v else _F32(-np.inf)
+                if _before(prev, prev_i, key, c) and _before(key, c, best, best_i):
+                    best, best_i = key, c
+            ids[r, j] = best_i
+            w[r, j] = p[best_i]
+            sel += p[best_i]
+            prev, prev_i = best, best_i
+        s = _F32(sel)
+        for j in range(k):
+            w[r, j] = (w[r, j] / s if renorm else w[r, j]) * scale

@@ -3,6 +3,7 @@
 // index, NaN ranked as -inf: topk.cu's order), their weights, renormalised to sum 1 when asked. A NaN logit makes
 // the row's probabilities NaN (as a NumPy softmax does).
 // route_sigmoid_group_topk_f32: DeepSeek-V3's sigmoid scores with a selection bias and group-limited top-k (below).
+// route_softmax_group_topk_f32: DeepSeek-V2's softmax with group-limited (or plain) greedy top-k (below).
 #include "common.cuh"
 
 namespace {
@@ -186,5 +187,96 @@ extern "C" __global__ void __launch_bounds__(FT_ROUTE_WARPS * 32) route_sigmoid_
   if (lane == 0) {
     const float denom = renormalize ? sel + 1e-20f : 1.0f;
     for (int j = 0; j < k; ++j) wr[j] = (renormalize ? wr[j] / denom : wr[j]) * scale;
+  }
+}
+
+// DeepSeek-V2's routing, one warp per row: softmax probabilities p (max-subtracted, as route_softmax_topk_f32); the
+// experts fall into n_group equal groups, a group scored by its largest p ("group_limited_greedy"; one group:
+// "greedy"); the topk_group best groups stay in play and the k largest p among their experts are chosen (largest
+// first, ties to the lower index, NaN ranked as -inf at every step); weights are their p, divided by their sum when
+// renormalize, then times `scale` (routed_scaling_factor). n_group <= 32 (lane g holds group g's score),
+// n % n_group == 0, topk_group <= n_group: the launcher checks.
+extern "C" __global__ void __launch_bounds__(FT_ROUTE_WARPS * 32) route_softmax_group_topk_f32(
+    const float* __restrict__ logits, int* __restrict__ ids, float* __restrict__ weights, int rows, int n, int k,
+    int n_group, int topk_group, int renormalize, float scale) {
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * FT_ROUTE_WARPS + (threadIdx.x >> 5);
+  if (row >= rows) return;  // uniform across the warp
+  const float* xr = logits + static_cast<long long>(row) * n;
+  float m = -ft::inf();
+  for (int c = lane; c < n; c += 32) {
+    const float v = xr[c];
+    if (v > m || v != v) m = v;
+  }
+  m = warp_max_nan(m);
+  float total = 0.0f;
+  for (int c = lane; c < n; c += 32) total += expf(xr[c] - m);
+  total = ft::warp_sum(total);
+  const float inv = 1.0f / total;
+  const int gsize = n / n_group;
+  float group_score = -ft::inf();  // lane g ends with group g's largest p
+  for (int g = 0; g < n_group; ++g) {
+    float a = -ft::inf();
+    for (int c = g * gsize + lane; c < (g + 1) * gsize; c += 32) {
+      const float p = expf(xr[c] - m) * inv;
+      if (p > a) a = p;  // a NaN p never wins: ranked as -inf
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) a = fmaxf(a, __shfl_xor_sync(FT_FULL_MASK, a, off));
+    if (lane == g) group_score = a;
+  }
+  unsigned chosen = 0u;
+  for (int j = 0; j < topk_group; ++j) {
+    float best = (lane < n_group && !((chosen >> lane) & 1u)) ? group_score : -ft::inf();
+    int best_g = (lane < n_group && !((chosen >> lane) & 1u)) ? lane : 0x7fffffff;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float ob = __shfl_xor_sync(FT_FULL_MASK, best, off);
+      const int og = __shfl_xor_sync(FT_FULL_MASK, best_g, off);
+      if (before(ob, og, best, best_g)) {
+        best = ob;
+        best_g = og;
+      }
+    }
+    chosen |= 1u << best_g;
+  }
+  float prev = ft::inf();
+  int prev_i = -1;
+  float sel = 0.0f;
+  int* idr = ids + static_cast<long long>(row) * k;
+  float* wr = weights + static_cast<long long>(row) * k;
+  for (int j = 0; j < k; ++j) {
+    float best = -ft::inf(), best_p = 0.0f;
+    int best_i = 0x7fffffff;
+    for (int c = lane; c < n; c += 32) {
+      const float p = expf(xr[c] - m) * inv;
+      const float key = (((chosen >> (c / gsize)) & 1u) && p == p) ? p : -ft::inf();
+      if (before(prev, prev_i, key, c) && before(key, c, best, best_i)) {
+        best = key;
+        best_i = c;
+        best_p = p;
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float ob = __shfl_xor_sync(FT_FULL_MASK, best, off);
+      const int oi = __shfl_xor_sync(FT_FULL_MASK, best_i, off);
+      const float op = __shfl_xor_sync(FT_FULL_MASK, best_p, off);
+      if (before(ob, oi, best, best_i)) {
+        best = ob;
+        best_i = oi;
+        best_p = op;
+      }
+    }
+    if (lane == 0) {
+      idr[j] = best_i;
+      wr[j] = best_p;
+    }
+    sel += best_p;
+    prev = best;
+    prev_i = best_i;
+  }
+  if (lane == 0) {
+    for (int j = 0; j < k; ++j) wr[j] = (renormalize ? wr[j] / sel : wr[j]) * scale;
   }
 }

@@ -1,6 +1,6 @@
 """DeepSeek-V3 beyond the shared parity tests (test_model_parity, test_gguf_model, the llama.cpp modules): the latent
 KV cache's size, the attention variants a checkpoint may pick, prefix reuse over a keys-only pool, and what is
-refused by name (DeepSeek-V2's routers)."""
+refused by name; DeepSeek-V2's routers."""
 
 import json
 
@@ -63,6 +63,20 @@ def test_attention_variants_match_transformers(overrides, tmp_path):
     assert _nmse(got, want) < 5e-5  # as the shared parity test's bound (bf16 experts and KV cache)
 
 
+@pytest.mark.parametrize("overrides", [dict(topk_method="greedy", n_group=None, topk_group=None),
+                                       dict(q_lora_rank=24)], ids=["greedy", "q_lora"])
+def test_deepseek_v2_variants_match_transformers(overrides, tmp_path):
+    """DeepSeek-V2's other router (plain greedy top-k of the softmax) and a low-rank query; the shared parity test
+    runs its group-limited greedy with a plain q_proj."""
+    torch = need("torch")
+    model = make_checkpoint("deepseek_v2", tmp_path / "hf", **overrides)
+    tokens = np.random.default_rng(4).integers(0, 128, 24)
+    with torch.no_grad():
+        want = model(torch.tensor(tokens)[None]).logits[0].float().numpy()
+    got = load(tmp_path / "hf", device="cpu").logits(tokens)
+    assert _nmse(got, want) < 5e-5
+
+
 def test_prefix_reuse_over_the_latent_cache(tmp_path):
     """The keys-only pool goes through the prefix cache as any other: a second prompt that extends the first reuses
     its latent rows and gives the logits of a fresh run."""
@@ -82,6 +96,7 @@ def test_prefix_reuse_over_the_latent_cache(tmp_path):
 
 @pytest.mark.parametrize("edit, match", [
     (dict(topk_method="group_limited_greedy"), "'topk_method' = 'group_limited_greedy'"),
+    (dict(model_type="deepseek_v2", topk_method="noaux_tc"), "'topk_method' = 'noaux_tc'"),
     (dict(scoring_func="softmax"), "'scoring_func' = 'softmax'"),
     (dict(attention_bias=True), "'attention_bias' = True"),
     (dict(qk_rope_head_dim=7), "qk_rope_head_dim 7 must be even"),

@@ -25,6 +25,7 @@ CASES = {
     # transformers' DeepseekV3Config has no scoring_func: without it written out the converter says nothing of the
     # gating and llama.cpp takes a deepseek2 file for DeepSeek-V2's softmax router (freetoken refuses such a file)
     "deepseek_v3": (dict(scoring_func="sigmoid"), ()),
+    "deepseek_v2": (dict(topk_method="greedy", n_group=None, topk_group=None), ()),
 }
 
 

@@ -57,14 +57,14 @@ LLAMA_CPP_SHAPES = {"qwen3_moe": dict(mlp_only_layers=[]), "olmoe": dict(num_key
 # 1.5-5 s each: the quick tier keeps qwen3_moe
 @pytest.mark.parametrize("family", ["qwen3_moe", *(pytest.param(f, marks=pytest.mark.slow)
                                                    for f in ("qwen2_moe", "mixtral", "olmoe", "glm4_moe",
-                                                             "gpt_oss", "deepseek_v3"))])
+                                                             "gpt_oss", "deepseek_v3", "deepseek_v2"))])
 def test_tiny_families_match_llama_cpp(family, tmp_path):
     need("torch")
     need("transformers")
-    from tiny_models import GGUF_OVERRIDES, make_checkpoint
+    from tiny_models import GGUF_OVERRIDES, LLAMA_CPP_OVERRIDES, make_checkpoint
 
     make_checkpoint(family, tmp_path / "hf", vocab_size=4096, **LLAMA_CPP_SHAPES.get(family, {}),
-                    **GGUF_OVERRIDES.get(family, {}))
+                    **GGUF_OVERRIDES.get(family, {}), **LLAMA_CPP_OVERRIDES.get(family, {}))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEFAULT_MODEL / name, tmp_path / "hf" / name)
     export_gguf(tmp_path / "hf", tmp_path / "m.gguf", experts="q4_0", other="f16")

@@ -36,12 +36,23 @@ FAMILIES = {
                          rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
                                           "mscale_all_dim": 1.0, "original_max_position_embeddings": 64,
                                           "beta_fast": 32.0, "beta_slow": 1.0})),
+    # DeepSeek-V2: latent attention (plain q, as V2-Lite), softmax router limited to the best 2 of 4 groups, scaled,
+    # two shared experts, no dense layer
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    dict(num_key_value_heads=4, n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96,
+                         n_shared_experts=2, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+                         routed_scaling_factor=1.5, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+                         qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=0)),
 }
 
 
 #: Overrides for a checkpoint that goes through GGUF: GGUF has no key for YaRN's ``truncate`` and llama.cpp always
 #: rounds the ramp's ends (HF's truncate=True), so a gpt-oss test checkpoint bound for GGUF uses that.
 GGUF_OVERRIDES = {"gpt_oss": dict(rope_parameters={**FAMILIES["gpt_oss"][2]["rope_parameters"], "truncate": True})}
+#: Overrides for a checkpoint that llama.cpp runs: DeepSeek-V2's group-limited routing is scored by llama.cpp as
+#: V3's (top two probabilities of a group, not the largest): the plain greedy router both define alike.
+#: And llama.cpp's deepseek2 wants a q_lora_rank unless the model has V2-Lite's 27 layers.
+LLAMA_CPP_OVERRIDES = {"deepseek_v2": dict(topk_method="greedy", n_group=None, topk_group=None, q_lora_rank=24)}
 
 
 #: The random seed of a family's checkpoint where seed 0 leaves a router near-tie in the parity prompt (gpt_oss:

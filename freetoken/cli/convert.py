@@ -6,7 +6,7 @@ import argparse
 import sys
 
 CONVERT_DESCRIPTION = """\
-Write an HF MoE checkpoint (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5, gpt-oss, DeepSeek-V3; bf16/f16/f32,
+Write an HF MoE checkpoint (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5, gpt-oss, DeepSeek-V2/V3; bf16/f16/f32,
 block-FP8 or gpt-oss MXFP4 safetensors) as a GGUF file with llama.cpp's architecture, tensor names and metadata
 (qwen3moe, qwen2moe, llama, olmoe, glm4moe, gpt-oss, deepseek2) and the tokenizer embedded. Routed experts are
 quantized to --experts (default q4_0); embeddings, attention, shared experts and dense MLPs to --other (default

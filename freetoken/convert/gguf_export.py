@@ -28,7 +28,8 @@ from freetoken.models.weights import HFWeights, gguf_layer_name, llama_permute
 
 #: freetoken family -> GGUF architecture.
 ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
-         "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss", "deepseek_v3": "deepseek2"}
+         "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss", "deepseek_v3": "deepseek2",
+         "deepseek_v2": "deepseek2"}
 #: Types a non-expert matrix can be written in (norms, biases and routers always stay F32).
 OTHER_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 EXPERT_TYPES = ("q4_0", "q8_0", "f16", "bf16", "f32")
@@ -233,7 +234,7 @@ def _write_metadata(writer, cfg: ModelConfig, name: str, experts: str) -> None:
         writer.add_expert_feed_forward_length(cfg.moe_inter)
     if cfg.shared_inter:
         writer.add_expert_shared_feed_forward_length(cfg.shared_inter)
-    if cfg.family in ("glm4_moe", "deepseek_v3"):
+    if cfg.family in ("glm4_moe", "deepseek_v3", "deepseek_v2"):
         # llama.cpp's glm4moe reads these (its converter writes them): the shared experts as a count of routed-expert
         # widths, the dense layers before the first MoE one, the sigmoid router with its groups and scale, the
         # rotated head dims. The checkpoint's multi-token-prediction layers are not exported (freetoken skips them).
@@ -241,7 +242,9 @@ def _write_metadata(writer, cfg: ModelConfig, name: str, experts: str) -> None:
 
         writer.add_expert_shared_count(cfg.shared_inter // cfg.moe_inter)
         writer.add_leading_dense_block_count(next(i for i in range(cfg.num_layers) if cfg.is_moe(i)))
-        writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        # (DeepSeek-V2's groups: llama.cpp scores them by their top two probabilities, the model by its largest)
+        writer.add_expert_gating_func(ExpertGatingFuncType.SOFTMAX if cfg.router == "softmax_group"
+                                      else ExpertGatingFuncType.SIGMOID)
         writer.add_expert_weights_scale(cfg.routed_scale)
         writer.add_expert_group_count(cfg.n_group)
         writer.add_expert_group_used_count(cfg.topk_group)

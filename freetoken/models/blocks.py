@@ -6,7 +6,8 @@
   multi-head latent attention over a latent cache, absorbed);
 * routers: :class:`SoftmaxTopKRouter` (softmax over the experts, top-k, optional renormalisation),
   :class:`SigmoidGroupRouter` (DeepSeek-V3 / GLM-4.5: sigmoid scores, a selection bias, group-limited top-k, a
-  routed scaling factor);
+  routed scaling factor), :class:`SoftmaxGroupRouter` (DeepSeek-V2: softmax, group-limited or plain greedy top-k,
+  a routed scaling factor);
 * MLPs: :class:`DenseMLP` (SwiGLU), :class:`MoeMLP` (router + routed experts through the model's expert runner +
   an optional :class:`SharedExpert`, with a sigmoid gate or without).
 
@@ -258,6 +259,24 @@ class SigmoidGroupRouter:
         t, dev = h.shape[0], self.dev
         return ops.route_sigmoid_group_topk(
             self.gate(h), self.bias, self.top_k, self.n_group, self.topk_group, self.renormalize, self.scale,
+            out_ids=dev.empty((t, self.top_k), np.int32), out_weights=dev.empty((t, self.top_k), np.float32),
+            device=dev, checked=True)
+
+
+class SoftmaxGroupRouter:
+    """DeepSeek-V2's router: softmax over the experts of a linear gate, the best ``topk_group`` of ``n_group``
+    groups (scored by their largest probability; one group: plain greedy top-k), the top-k among their experts,
+    renormalised when ``renormalize``, times ``scale`` (:func:`freetoken.ops.route_softmax_group_topk`)."""
+
+    def __init__(self, gate: Linear, top_k: int, n_group: int, topk_group: int, renormalize: bool, scale: float,
+                 device):
+        self.gate, self.top_k, self.dev = gate, top_k, device
+        self.n_group, self.topk_group, self.renormalize, self.scale = n_group, topk_group, renormalize, scale
+
+    def __call__(self, h):
+        t, dev = h.shape[0], self.dev
+        return ops.route_softmax_group_topk(
+            self.gate(h), self.top_k, self.n_group, self.topk_group, self.renormalize, self.scale,
             out_ids=dev.empty((t, self.top_k), np.int32), out_weights=dev.empty((t, self.top_k), np.float32),
             device=dev, checked=True)
 

@@ -31,11 +31,12 @@ from freetoken.models.fields import (
 
 #: model_type -> family name used by freetoken.
 FAMILIES = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "olmoe": "olmoe",
-            "glm4_moe": "glm4_moe", "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3"}
+            "glm4_moe": "glm4_moe", "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3",
+            "deepseek_v2": "deepseek_v2"}
 
 #: Router blocks (freetoken.models.blocks): softmax over the experts then top-k, or DeepSeek-V3's sigmoid scores with
 #: a selection bias and group-limited top-k (freetoken.ops.route_sigmoid_group_topk).
-ROUTERS = ("softmax", "sigmoid_group")
+ROUTERS = ("softmax", "sigmoid_group", "softmax_group")
 
 
 #: RoPE scaling variants the decoder implements (freetoken.models.rope.rope_frequencies).
@@ -172,7 +173,7 @@ class ModelConfig:
             bad(f"{self.rotary_dim} rotary dimensions of a head of {self.head_dim} (an even number in [2, head_dim])")
         if self.router not in ROUTERS:
             bad(f"router {self.router!r} (one of {', '.join(ROUTERS)})")
-        if self.router == "sigmoid_group" and self.num_experts:
+        if self.router in ("sigmoid_group", "softmax_group") and self.num_experts:
             from freetoken.ops.routing import check_groups
 
             try:
@@ -251,7 +252,7 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
     layers = f.int("num_hidden_layers", hi=MAX_LAYERS)
     heads = f.int("num_attention_heads", hi=MAX_HEADS)
     kv_heads = f.int("num_key_value_heads", default=heads, hi=MAX_HEADS)
-    ds = family == "deepseek_v3"
+    ds = family in ("deepseek_v3", "deepseek_v2")
     mla = _mla_fields(f, hidden) if ds else {}
     if ds:  # transformers writes head_dim = qk_rope_head_dim for these: the query/key head is nope + rope
         head_dim = mla["qk_nope_dim"] + mla["qk_rope_dim"]
@@ -265,13 +266,15 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
     # DeepSeek-V3's router, shared experts, leading dense layers and MTP layers: GLM-4.5 took them over (with other
     # defaults in transformers' configs)
     v3_moe = {"glm4_moe": dict(first_dense=1, n_group=1, topk_group=1, scale=1.0),
-              "deepseek_v3": dict(first_dense=3, n_group=8, topk_group=4, scale=2.5)}.get(family)
+              "deepseek_v3": dict(first_dense=3, n_group=8, topk_group=4, scale=2.5),
+              "deepseek_v2": dict(first_dense=0, n_group=1, topk_group=1, scale=1.0)}.get(family)
     if family in ("mixtral", "gpt_oss"):  # gpt-oss: softmax over the top-k logits = the top-k renormalised
         moe_inter, dense_inter, norm_topk = f.int("intermediate_size", hi=MAX_INTERMEDIATE), 0, True
     else:
         moe_inter = f.int("moe_intermediate_size", "intermediate_size", hi=MAX_INTERMEDIATE)
         dense_inter = f.int("intermediate_size", default=0, lo=0, hi=MAX_INTERMEDIATE)
-        norm_topk = f.bool("norm_topk_prob", v3_moe is not None)  # transformers' default: True for these only
+        # transformers' default: True for GLM and DeepSeek-V3 only
+        norm_topk = f.bool("norm_topk_prob", v3_moe is not None and family != "deepseek_v2")
     if v3_moe:
         first_dense = f.int("first_k_dense_replace", default=v3_moe["first_dense"], lo=0, hi=layers)
         moe_layers = tuple(i >= first_dense for i in range(layers))
@@ -286,7 +289,8 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
     if family == "qwen2_moe":
         shared = f.int("shared_expert_intermediate_size", default=0, lo=0, hi=MAX_INTERMEDIATE)
     elif v3_moe:
-        shared = moe_inter * f.int("n_shared_experts", default=1, lo=0, hi=64)  # transformers: 1
+        shared = moe_inter * f.int("n_shared_experts", default=2 if family == "deepseek_v2" else 1, lo=0,
+                                   hi=64)  # transformers' defaults
     rotary_dim = 0
     if glm:
         # transformers' Glm4MoeConfig defaults the factor to 0.5 when a config names none (as GLM-4.5's own code)
@@ -310,11 +314,19 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
             f.int(key, lo=0, hi=MAX_VOCAB - 1)
     groups = dict(mla)
     if v3_moe:
-        for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):  # DeepSeek-V2's are others
-            if cfg.get(key) not in (None, want):
-                f.fail(key, cfg.get(key), f"{want!r} (DeepSeek-V2's routers are not supported yet)")
-        groups.update(router="sigmoid_group", n_group=f.int("n_group", default=v3_moe["n_group"], hi=MAX_EXPERTS),
-                      topk_group=f.int("topk_group", default=v3_moe["topk_group"], hi=MAX_EXPERTS),
+        router, greedy = "sigmoid_group", False
+        if family == "deepseek_v2":  # softmax scores: plain greedy top-k, or limited to the best groups
+            router, method = "softmax_group", cfg.get("topk_method") or "greedy"
+            if method not in ("greedy", "group_limited_greedy"):
+                f.fail("topk_method", method, "'greedy' or 'group_limited_greedy' (DeepSeek-V2's)")
+            greedy = method == "greedy"  # its config may still name groups: they are not used
+        else:
+            for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+                if cfg.get(key) not in (None, want):
+                    f.fail(key, cfg.get(key), f"{want!r} (a DeepSeek-V2 router is model_type deepseek_v2)")
+        groups.update(router=router,
+                      n_group=1 if greedy else f.int("n_group", default=v3_moe["n_group"], hi=MAX_EXPERTS),
+                      topk_group=1 if greedy else f.int("topk_group", default=v3_moe["topk_group"], hi=MAX_EXPERTS),
                       routed_scale=f.float("routed_scaling_factor", default=v3_moe["scale"], hi=1e4),
                       shared_gated=False,
                       mtp_layers=f.int("num_nextn_predict_layers", default=0, lo=0, hi=MAX_LAYERS))
@@ -385,7 +397,7 @@ GGUF_FAMILIES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mix
 #: Whether llama.cpp renormalises the top-k router weights of each family when ``{arch}.expert_weights_norm`` is
 #: absent (it hard-codes this per architecture; glm4moe reads the key, default false).
 _GGUF_NORM_TOPK = {"qwen3_moe": True, "qwen2_moe": False, "mixtral": True, "olmoe": False, "glm4_moe": False,
-                   "gpt_oss": True, "deepseek_v3": False}
+                   "gpt_oss": True, "deepseek_v3": False, "deepseek_v2": False}
 #: llama.cpp's ``{arch}.expert_gating_func`` values (enum llama_expert_gating_func_type).
 _GATING_NONE, _GATING_SOFTMAX, _GATING_SIGMOID = 0, 1, 2
 
@@ -483,7 +495,7 @@ def from_gguf(gf) -> ModelConfig:
     shared_inter = 0
     shared_gated = gf.has(f"blk.{first}.ffn_gate_inp_shexp.weight")
     if gf.has(f"blk.{first}.ffn_gate_shexp.weight"):
-        if family not in ("qwen2_moe", "glm4_moe", "deepseek_v3"):
+        if family not in ("qwen2_moe", "glm4_moe", "deepseek_v3", "deepseek_v2"):
             raise ConfigError(f"{where}: shared experts in a {gf.arch} model are not supported")
         if shared_gated != (family == "qwen2_moe"):
             raise ConfigError(f"{where}: a {gf.arch} shared expert {'with' if shared_gated else 'without'} a "
@@ -513,14 +525,18 @@ def from_gguf(gf) -> ModelConfig:
         gating = m.int(f"{arch}.expert_gating_func", default=_GATING_NONE, lo=0, hi=8)
         # llama.cpp takes none as sigmoid for glm4moe, and as softmax for deepseek2 (DeepSeek-V2's files)
         sigmoid = gating == _GATING_SIGMOID or (gating == _GATING_NONE and family == "glm4_moe")
+        if not sigmoid and (family == "glm4_moe" or gating not in (_GATING_NONE, _GATING_SOFTMAX)):
+            raise ConfigError(f"{where}: {arch}.expert_gating_func {gating}: not a router freetoken runs "
+                              f"({'sigmoid' if family == 'glm4_moe' else 'sigmoid (DeepSeek-V3) or softmax (V2)'})")
         if not sigmoid:
-            raise ConfigError(f"{where}: {arch}.expert_gating_func {gating}: a router with other than sigmoid scores "
-                              f"(DeepSeek-V2's softmax) is not supported; DeepSeek-V3 files say 2 (sigmoid)")
+            family = "deepseek_v2"
         n_group = m.int(f"{arch}.expert_group_count", default=1, lo=0, hi=MAX_EXPERTS) or 1
-        # llama.cpp limits the choice to groups only when there are several (then it needs the used count)
+        # llama.cpp limits the choice to groups only when there are several (then it needs the used count). For
+        # DeepSeek-V2 it scores a group by its top two probabilities, as for V3, where the model (transformers,
+        # DeepSeek's own code) takes the largest one: freetoken runs the model's definition.
         topk_group = m.int(f"{arch}.expert_group_used_count", hi=n_group) if n_group > 1 else 1
-        router = dict(router="sigmoid_group", n_group=n_group, topk_group=topk_group, routed_scale=scale,
-                      shared_gated=False, mtp_layers=mtp)
+        router = dict(router="sigmoid_group" if sigmoid else "softmax_group", n_group=n_group, topk_group=topk_group,
+                      routed_scale=scale, shared_gated=False, mtp_layers=mtp)
     elif family == "gpt_oss":
         router = _gguf_gpt_oss(gf, m, arch, layers)
     elif scale != 1.0:
@@ -529,7 +545,7 @@ def from_gguf(gf) -> ModelConfig:
         raise ConfigError(f"{where}: {arch}.nextn_predict_layers {mtp}: multi-token-prediction layers in a "
                           f"{arch} model are not supported")
     mla = {}
-    if family == "deepseek_v3":  # the file's attention is stored as MQA over the latent: key_length = R + P
+    if family in ("deepseek_v3", "deepseek_v2"):  # the attention is stored as MQA over the latent: key_length R + P
         head_dim = m.int(f"{arch}.attention.key_length_mla", hi=MAX_HEAD_DIM)
         rope = m.int(f"{arch}.rope.dimension_count", lo=2, hi=head_dim - 1)
         mla = dict(kv_lora_rank=m.int(f"{arch}.attention.kv_lora_rank", hi=MAX_HIDDEN),

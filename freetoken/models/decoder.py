@@ -25,6 +25,7 @@ from freetoken.models.blocks import (
     ProjectionNormQK,
     SharedExpert,
     SigmoidGroupRouter,
+    SoftmaxGroupRouter,
     SoftmaxTopKRouter,
 )
 from freetoken.models.config import ModelConfig
@@ -127,7 +128,10 @@ def _attention(cfg: ModelConfig, t: _Tensors, i: int, dev, scratch: Scratch) -> 
 def _mlp(cfg: ModelConfig, t: _Tensors, i: int, dev, experts: ExpertRunner, moe_index: int):
     if not cfg.is_moe(i):
         return DenseMLP(t.linear(("mlp_gate", "mlp_up"), i), t.linear(("mlp_down",), i), dev)
-    if cfg.router == "sigmoid_group":
+    if cfg.router == "softmax_group":
+        router = SoftmaxGroupRouter(t.linear(("router",), i), cfg.top_k, cfg.n_group, cfg.topk_group,
+                                    cfg.norm_topk_prob, cfg.routed_scale, dev)
+    elif cfg.router == "sigmoid_group":
         router = SigmoidGroupRouter(t.linear(("router",), i), t.host("router_bias", i), cfg.top_k, cfg.n_group,
                                     cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scale, dev)
     else:

@@ -52,6 +52,7 @@ _HF_LAYER_FAMILY = {
     "glm4_moe": {f"shared_{w}": f"mlp.shared_experts.{w}_proj.weight" for w in ("gate", "up", "down")},
     "gpt_oss": {"router": "mlp.router.weight", "router_logit_bias": "mlp.router.bias"},
     "deepseek_v3": {f"shared_{w}": f"mlp.shared_experts.{w}_proj.weight" for w in ("gate", "up", "down")},
+    "deepseek_v2": {f"shared_{w}": f"mlp.shared_experts.{w}_proj.weight" for w in ("gate", "up", "down")},
 }
 #: gpt-oss' routed experts: fused tensors per layer (relative to ``model.layers.N.mlp.experts.``): ``gate_up_proj``
 #: [E, H, 2I] (gate and up interleaved along the last axis: gate at even, up at odd indices) and ``down_proj``

@@ -22,7 +22,7 @@ from freetoken.ops.paged_attention import kv_store, paged_attention
 from freetoken.ops.reduce import row_sum
 from freetoken.ops.rms_norm import add_rms_norm, rms_norm
 from freetoken.ops.rope import rope, rope_qkv_cache
-from freetoken.ops.routing import route_sigmoid_group_topk, route_softmax_topk
+from freetoken.ops.routing import route_sigmoid_group_topk, route_softmax_group_topk, route_softmax_topk
 from freetoken.ops.topk import topk
 from freetoken.ops.transpose import transpose
 
@@ -85,6 +85,9 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("route_sigmoid_group_topk", route_sigmoid_group_topk, ("routing.cu",), "freetoken.ops.routing",
        (_K + "routing:sigmoid_group_topk_rows",), _R + "routing:route_sigmoid_group_topk_reference",
        _C + "routing"),
+    Op("route_softmax_group_topk", route_softmax_group_topk, ("routing.cu",), "freetoken.ops.routing",
+       (_K + "routing:softmax_group_topk_rows",), _R + "routing:route_softmax_group_topk_reference",
+       _C + "routing"),
     Op("moe_experts", moe_experts, ("moe_plan.cu", "moe_decode.cu", "moe_prefill.cu"), "freetoken.ops.moe_experts",
        (_K + "moe_experts:forward",), _R + "moe_experts:moe_forward_reference", _C + "moe_experts"),
     Op("cache_admit", cache_admit, ("cache.cu",), "freetoken.ops.cache", (_K + "cache:cache_admit",),
@@ -98,4 +101,4 @@ OPS: dict[str, Op] = {op.name: op for op in (
 __all__ = ["OPS", "MoeWorkspace", "Op", "add_rms_norm", "cache_admit",
            "cache_borrow_layer", "cache_copy", "constants", "dense", "dense_gemv", "histogram", "moe_experts",
            "kv_store", "latent_attention", "latent_store", "paged_attention", "rms_norm", "rope", "rope_qkv_cache",
-           "route_sigmoid_group_topk", "route_softmax_topk", "row_sum", "topk", "transpose"]
+           "route_sigmoid_group_topk", "route_softmax_group_topk", "route_softmax_topk", "row_sum", "topk", "transpose"]

@@ -1,6 +1,7 @@
 """MoE routing (``cuda/routing.cu``, ``cpu_kernels/routing.py``): softmax over router logits, top-k, optional
 renormalisation (:func:`route_softmax_topk`: Qwen, Mixtral, OLMoE); sigmoid scores with a selection bias and
-group-limited top-k (:func:`route_sigmoid_group_topk`: DeepSeek-V3, Kimi-K2, GLM-4.5)."""
+group-limited top-k (:func:`route_sigmoid_group_topk`: DeepSeek-V3, Kimi-K2, GLM-4.5); softmax with group-limited or
+plain greedy top-k and a scale (:func:`route_softmax_group_topk`: DeepSeek-V2)."""
 
 from __future__ import annotations
 
@@ -147,4 +148,47 @@ def _run_group(dev, logits, bias, k, n_group, topk_group, renormalize, scale, id
     fn = cuda_kernel(dev, "routing.cu", "route_sigmoid_group_topk_f32")
     fn((-(-rows // ROUTE_WARPS),), (32 * ROUTE_WARPS,),
        (logits, bias, ids, w, np.int32(rows), np.int32(n), np.int32(k), np.int32(n_group), np.int32(topk_group),
+        np.int32(bool(renormalize)), np.float32(scale)))
+
+
+def route_softmax_group_topk(logits, k: int, n_group: int, topk_group: int, renormalize: bool, scale: float = 1.0,
+                             *, out_ids=None, out_weights=None, device=None, checked: bool = False):
+    """DeepSeek-V2's router, as transformers computes it in float32: softmax probabilities over the experts; with
+    ``n_group`` > 1 ("group_limited_greedy") the experts form equal consecutive groups, a group's score is its
+    largest probability, and only the ``topk_group`` best groups' experts stay in play ("greedy": one group); the k
+    largest probabilities among them are chosen, their weights the probabilities, divided by their sum when
+    ``renormalize``, then times ``scale`` (``routed_scaling_factor``).
+
+    Parameters and returns as :func:`route_sigmoid_group_topk`, without the bias; NaN probabilities are ranked as
+    -inf (a NaN logit makes its row's probabilities NaN, as a NumPy softmax does)."""
+    if checked:
+        _run_softmax_group(device, logits, k, n_group, topk_group, renormalize, scale, out_ids, out_weights)
+        return out_ids, out_weights
+    dev = resolve(device)
+    logits = as_input(dev, logits, "logits", np.float32, 2)
+    rows, n = logits.shape
+    check_groups(n, k, n_group, topk_group)
+    scale = float(scale)
+    if not np.isfinite(scale):
+        raise ValueError(f"scale={scale} is not finite")
+    ids = prepare_out(dev, out_ids, (rows, k), np.int32, "out_ids")
+    w = prepare_out(dev, out_weights, (rows, k), np.float32, "out_weights")
+    check_int32("rows", rows)
+    check_int32("E", n)
+    _run_softmax_group(dev, logits, k, n_group, topk_group, renormalize, scale, ids, w)
+    return ids, w
+
+
+def _run_softmax_group(dev, logits, k, n_group, topk_group, renormalize, scale, ids, w) -> None:
+    if dev.kind == "cpu":
+        from freetoken.cpu_kernels.routing import softmax_group_topk_rows
+
+        softmax_group_topk_rows(logits, k, n_group, topk_group, bool(renormalize), scale, ids, w)
+        return
+    rows, n = logits.shape
+    if rows == 0:
+        return
+    fn = cuda_kernel(dev, "routing.cu", "route_softmax_group_topk_f32")
+    fn((-(-rows // ROUTE_WARPS),), (32 * ROUTE_WARPS,),
+       (logits, ids, w, np.int32(rows), np.int32(n), np.int32(k), np.int32(n_group), np.int32(topk_group),
         np.int32(bool(renormalize)), np.float32(scale)))

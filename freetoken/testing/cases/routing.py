@@ -6,7 +6,11 @@ import numpy as np
 
 from freetoken import ops
 from freetoken.testing.cases.base import KernelCase, poisoned
-from freetoken.testing.reference.routing import route_sigmoid_group_topk_reference, route_softmax_topk_reference
+from freetoken.testing.reference.routing import (
+    route_sigmoid_group_topk_reference,
+    route_softmax_group_topk_reference,
+    route_softmax_topk_reference,
+)
 
 
 def _make(k: int, renormalize: bool):
@@ -82,4 +86,43 @@ CASES += [
     _make_group(60, 5, 2, 6, False, 1.0, (4096, 160)),  # 12 experts a group: not a multiple of 32
     _make_group(40, 1, 1, 4, True, 1.0, (4096, 128)),  # GLM-4.5: one group
     _make_group(64, 32, 3, 5, True, 1.5, (4096, 256)),  # the most groups a warp holds
+]
+
+
+def _make_softmax_group(n: int, n_group: int, topk_group: int, k: int, renormalize: bool, scale: float,
+                        large: tuple):
+    def make(rng, size):
+        rows, experts = (13, n) if size == "small" else large
+        x = (2.0 * rng.standard_normal((rows, experts))).astype(np.float32)
+        x[1, :] = 0.25  # equal probabilities: ties to the lower group and index
+        x[2, 3] = 80.0  # one expert takes all the probability: the rest are 0 and tie
+        x[3, 5] = -np.inf  # a masked expert: probability 0
+        x[4, 3] = np.nan  # a NaN row: every probability NaN, ranked as -inf
+        return {"x": x, "k": k, "n_group": n_group, "topk_group": topk_group, "renormalize": renormalize,
+                "scale": scale}
+
+    def setup(dev, inp):
+        rows = inp["x"].shape[0]
+        return {**inp, "x": dev.asarray(inp["x"]), "out_ids": poisoned(dev, (rows, inp["k"]), np.int32),
+                "out_weights": poisoned(dev, (rows, inp["k"]), np.float32)}
+
+    def launch(dev, st):
+        ops.route_softmax_group_topk(st["x"], st["k"], st["n_group"], st["topk_group"], st["renormalize"],
+                                     st["scale"], out_ids=st["out_ids"], out_weights=st["out_weights"], device=dev)
+
+    def reference(inp):
+        ids, w = route_softmax_group_topk_reference(inp["x"], inp["k"], inp["n_group"], inp["topk_group"],
+                                                    inp["renormalize"], inp["scale"])
+        return {"ids": ids, "weights": w}
+
+    name = f"route_softmax_group_e{n}_g{n_group}of{topk_group}_k{k}_{'renorm' if renormalize else 'plain'}"
+    return KernelCase(name, "routing.cu", make, setup, launch, reference, atol=1e-7, rtol=1e-5,
+                      bytes_moved=lambda inp: inp["x"].nbytes, op="route_softmax_group_topk")
+
+
+CASES += [
+    # DeepSeek-V2's shape at full size (160 experts, 8 groups, 3 in play, top-6, scaled 16), V2-Lite's greedy
+    _make_softmax_group(80, 8, 3, 6, False, 16.0, (4096, 160)),
+    _make_softmax_group(64, 1, 1, 6, False, 1.0, (4096, 64)),
+    _make_softmax_group(60, 5, 2, 4, True, 1.0, (4096, 160)),
 ]

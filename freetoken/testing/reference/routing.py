@@ -43,3 +43,26 @@ def route_sigmoid_group_topk_reference(logits: np.ndarray, bias: np.ndarray, k: 
     if renormalize:
         w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
     return ids, w * scale
+
+
+def route_softmax_group_topk_reference(logits: np.ndarray, k: int, n_group: int, topk_group: int,
+                                       renormalize: bool, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [T, k], weights float64 [T, k]) of DeepSeek-V2's router in float64, as transformers writes it
+    (softmax; a group scored by its largest probability; the other groups masked) with this package's order:
+    largest first, ties to the lower index, NaN as -inf."""
+    z = np.asarray(logits, np.float64)
+    t, n = z.shape
+    with np.errstate(invalid="ignore", over="ignore"):
+        e = np.exp(z - z.max(axis=-1, keepdims=True))
+        p = e / e.sum(axis=-1, keepdims=True)
+    key = np.where(np.isnan(p), -np.inf, p)
+    gscore = key.reshape(t, n_group, n // n_group).max(axis=-1)
+    gsel = np.argsort(-gscore, axis=1, kind="stable")[:, :topk_group]
+    keep = np.zeros((t, n_group), bool)
+    np.put_along_axis(keep, gsel, True, axis=1)
+    masked = np.where(np.repeat(keep, n // n_group, axis=1), key, -np.inf)
+    ids = np.argsort(-masked, axis=1, kind="stable")[:, :k].astype(np.int32)
+    w = np.take_along_axis(p, ids, axis=1)
+    if renormalize:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return ids, w * scale
