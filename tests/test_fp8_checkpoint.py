@@ -1,5 +1,6 @@
 """Block-FP8 HF checkpoints (DeepSeek-V3 / Qwen3-FP8 style: e4m3 weights + a float32 ``weight_scale_inv`` per
-128x128 block). The non-expert linears are dequantized on load; the routed experts move into fp8_block banks
+128x128 block), of a Qwen3-MoE and of a DeepSeek-V3 (latent attention: its q_a/q_b/kv_a/kv_b projections are fp8
+too, as in DeepSeek's release). The non-expert linears are dequantized on load; the routed experts move into fp8_block banks
 without re-quantization. The oracle is transformers running the dequantized weights in fp32: since freetoken
 decodes exactly those values, the logits agree to float32 rounding."""
 
@@ -45,12 +46,17 @@ def _quantized(name: str, w: np.ndarray) -> bool:
     return w.ndim == 2 and name.endswith("proj.weight")  # embeddings, norms, routers and lm_head stay as they are
 
 
-@pytest.fixture(scope="module")
-def fp8_checkpoint(tmp_path_factory):
+#: The first MoE layer of each family's tiny checkpoint (DeepSeek-V3's layer 0 is dense).
+FIRST_MOE = {"qwen3_moe": 0, "deepseek_v3": 1}
+
+
+@pytest.fixture(scope="module", params=list(FIRST_MOE))
+def fp8_checkpoint(request, tmp_path_factory):
     from safetensors.numpy import load_file
 
     root = tmp_path_factory.mktemp("fp8")
-    model = make_checkpoint("qwen3_moe", root / "bf16", **SHAPE)
+    extra = {"q_lora_rank": 32} if request.param == "deepseek_v3" else {}  # fp8 blocks want K a multiple of 32
+    model = make_checkpoint(request.param, root / "bf16", **SHAPE, **extra)
     src = load_file(str(root / "bf16" / "model.safetensors"))
     out, dequant = {}, {}
     for name, w in src.items():
@@ -77,11 +83,11 @@ def fp8_checkpoint(tmp_path_factory):
     model = type(model).from_pretrained(root / "dequant", dtype=torch.float32).eval()
     with torch.no_grad():
         want = model(torch.from_numpy(TOKENS)[None]).logits[0].float().numpy()
-    return root, want
+    return root, want, request.param
 
 
 def test_fp8_checkpoint_matches_dequantized_transformers(fp8_checkpoint, device):
-    root, want = fp8_checkpoint
+    root, want, _ = fp8_checkpoint
     # float32 keys and values as transformers keeps them: what is measured is the fp8 experts' path alone
     model = load(root / "fp8", device=device.kind, kv_dtype="f32")
     assert model.experts.layout.fmt.name == "fp8_block"  # experts kept in their native format
@@ -94,19 +100,21 @@ def test_fp8_checkpoint_matches_dequantized_transformers(fp8_checkpoint, device)
 def test_fp8_experts_are_the_checkpoint_bits(fp8_checkpoint):
     from freetoken.loaders import SafetensorsDir
 
-    root, _ = fp8_checkpoint
+    root, _, family = fp8_checkpoint
     model = load(root / "fp8", device="cpu")
     banks = model.experts.banks[0]
     sd = SafetensorsDir(root / "fp8")
-    w = sd.get("model.layers.0.mlp.experts.5.up_proj.weight")
+    layer = FIRST_MOE[family]
+    w = sd.get(f"model.layers.{layer}.mlp.experts.5.up_proj.weight")
     np.testing.assert_array_equal(banks["up.w"][5], w.view(np.uint8))
-    np.testing.assert_array_equal(banks["up.s"][5], sd.get("model.layers.0.mlp.experts.5.up_proj.weight_scale_inv"))
+    np.testing.assert_array_equal(banks["up.s"][5],
+                                  sd.get(f"model.layers.{layer}.mlp.experts.5.up_proj.weight_scale_inv"))
 
 
 def test_bad_scale_shape_is_named(fp8_checkpoint, tmp_path):
     from freetoken.loaders import SafetensorsDir
 
-    root, _ = fp8_checkpoint
+    root, _, _ = fp8_checkpoint
     sd = SafetensorsDir(root / "fp8")
     tensors = {n: np.asarray(sd.get(n)) for n in sd.names()}
     tensors["model.layers.1.self_attn.o_proj.weight_scale_inv"] = np.ones((3, 3), np.float32)
