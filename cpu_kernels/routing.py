@@ -12,6 +12,39 @@ def _before(a, ia, b, ib):
     return a > b or (a == b and ia < ib)
 
 
+@nb.njit(inline="always")
+def _softmax_row(logits, r, p):
+    """Row ``r``'s softmax into ``p`` (max-subtracted; sums in float64; a NaN logit makes every p NaN)."""
+    n = logits.shape[1]
+    m = logits[r, 0]
+    for c in range(1, n):
+        v = logits[r, c]
+        if v > m or v != v:
+            m = v
+        if m != m:
+            break
+    total = 0.0
+    for c in range(n):
+        e = np.exp(logits[r, c] - m)
+        p[c] = e
+        total += e
+    s = _F32(total)
+    for c in range(n):
+        p[c] = p[c] / s
+
+
+@nb.njit(inline="always")
+def _choose_groups(gscore, topk_group, chosen):
+    """``chosen[g]``: whether group g is among the ``topk_group`` best scores (ties to the lower group)."""
+    chosen[:] = False
+    for _ in range(topk_group):
+        best, best_g = _F32(-np.inf), 0x7FFFFFFF
+        for g in range(gscore.shape[0]):
+            if not chosen[g] and _before(gscore[g], g, best, best_g):
+                best, best_g = gscore[g], g
+        chosen[best_g] = True
+
+
 @nb.njit(cache=True, boundscheck=False)
 def softmax_topk_rows(logits, k, renorm, ids, w):
     """MoE routing of each row of ``logits [R, E]`` (float32): softmax, the k largest probabilities (largest first,
@@ -22,21 +55,7 @@ def softmax_topk_rows(logits, k, renorm, ids, w):
     rows, n = logits.shape
     p = np.empty(n, np.float32)
     for r in range(rows):
-        m = logits[r, 0]
-        for c in range(1, n):
-            v = logits[r, c]
-            if v > m or v != v:
-                m = v
-            if m != m:
-                break
-        total = 0.0
-        for c in range(n):
-            e = np.exp(logits[r, c] - m)
-            p[c] = e
-            total += e
-        s = _F32(total)
-        for c in range(n):
-            p[c] = p[c] / s
+        _softmax_row(logits, r, p)
         prev, prev_i = _F32(np.inf), -1
         sel = 0.0
         for j in range(k):
@@ -89,13 +108,7 @@ def sigmoid_group_topk_rows(logits, bias, k, n_group, topk_group, renorm, scale,
                 elif v > b:
                     b = v
             gscore[g] = a + b
-            chosen[g] = False
-        for _ in range(topk_group):
-            best, best_g = _F32(-np.inf), 0x7FFFFFFF
-            for g in range(n_group):
-                if not chosen[g] and _before(gscore[g], g, best, best_g):
-                    best, best_g = gscore[g], g
-            chosen[best_g] = True
+        _choose_groups(gscore, topk_group, chosen)
         for c in range(n):
             if not chosen[c // gsize]:
                 key[c] = _F32(-np.inf)
@@ -131,34 +144,14 @@ def softmax_group_topk_rows(logits, k, n_group, topk_group, renorm, scale, ids, 
     chosen = np.empty(n_group, np.bool_)
     scale = _F32(scale)
     for r in range(rows):
-        m = logits[r, 0]
-        for c in range(1, n):
-            v = logits[r, c]
-            if v > m or v != v:
-                m = v
-            if m != m:
-                break
-        total = 0.0
-        for c in range(n):
-            e = np.exp(logits[r, c] - m)
-            p[c] = e
-            total += e
-        s = _F32(total)
-        for c in range(n):
-            p[c] = p[c] / s
+        _softmax_row(logits, r, p)
         for g in range(n_group):
             a = _F32(-np.inf)
             for c in range(g * gsize, (g + 1) * gsize):
                 if p[c] > a:
                     a = p[c]
             gscore[g] = a
-            chosen[g] = False
-        for _ in range(topk_group):
-            best, best_g = _F32(-np.inf), 0x7FFFFFFF
-            for g in range(n_group):
-                if not chosen[g] and _before(gscore[g], g, best, best_g):
-                    best, best_g = gscore[g], g
-            chosen[best_g] = True
+        _choose_groups(gscore, topk_group, chosen)
         prev, prev_i = _F32(np.inf), -1
         sel = 0.0
         for j in range(k):

@@ -20,6 +20,34 @@ __device__ __forceinline__ float warp_max_nan(float v) {
   return v;
 }
 
+// The warp's best (key, index) pair in topk.cu's order, with the value chosen alongside it: every lane ends with it.
+__device__ __forceinline__ void warp_best(float& best, int& best_i, float& value) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float ob = __shfl_xor_sync(FT_FULL_MASK, best, off);
+    const int oi = __shfl_xor_sync(FT_FULL_MASK, best_i, off);
+    const float ov = __shfl_xor_sync(FT_FULL_MASK, value, off);
+    if (before(ob, oi, best, best_i)) {
+      best = ob;
+      best_i = oi;
+      value = ov;
+    }
+  }
+}
+
+// The topk_group best groups as a bit mask (lane g < n_group holds group g's score; ties to the lower group).
+__device__ __forceinline__ unsigned choose_groups(float group_score, int lane, int n_group, int topk_group) {
+  unsigned chosen = 0u;
+  for (int j = 0; j < topk_group; ++j) {
+    const bool open = lane < n_group && !((chosen >> lane) & 1u);
+    float best = open ? group_score : -ft::inf(), unused = 0.0f;
+    int best_g = open ? lane : 0x7fffffff;
+    warp_best(best, best_g, unused);
+    chosen |= 1u << best_g;
+  }
+  return chosen;
+}
+
 }  // namespace
 
 // logits [rows, n] float32 -> ids [rows, k] int32, weights [rows, k] float32. Block: FT_ROUTE_WARPS warps; warp w of
@@ -59,17 +87,7 @@ extern "C" __global__ void __launch_bounds__(FT_ROUTE_WARPS * 32) route_softmax_
         best_p = p;
       }
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float ob = __shfl_xor_sync(FT_FULL_MASK, best, off);
-      const int oi = __shfl_xor_sync(FT_FULL_MASK, best_i, off);
-      const float op = __shfl_xor_sync(FT_FULL_MASK, best_p, off);
-      if (before(ob, oi, best, best_i)) {
-        best = ob;
-        best_i = oi;
-        best_p = op;
-      }
-    }
+    warp_best(best, best_i, best_p);
     if (lane == 0) {
       idr[j] = best_i;
       wr[j] = best_p;
@@ -132,22 +150,7 @@ extern "C" __global__ void __launch_bounds__(FT_ROUTE_WARPS * 32) route_sigmoid_
     }
     if (lane == g) group_score = a + b;
   }
-  // the topk_group best groups (ties to the lower group), as a bit mask
-  unsigned chosen = 0u;
-  for (int j = 0; j < topk_group; ++j) {
-    float best = (lane < n_group && !((chosen >> lane) & 1u)) ? group_score : -ft::inf();
-    int best_g = (lane < n_group && !((chosen >> lane) & 1u)) ? lane : 0x7fffffff;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float ob = __shfl_xor_sync(FT_FULL_MASK, best, off);
-      const int og = __shfl_xor_sync(FT_FULL_MASK, best_g, off);
-      if (before(ob, og, best, best_g)) {
-        best = ob;
-        best_g = og;
-      }
-    }
-    chosen |= 1u << best_g;
-  }
+  const unsigned chosen = choose_groups(group_score, lane, n_group, topk_group);  // the best groups
   // the k largest keys among the chosen groups' experts (the others ranked as -inf)
   float prev = ft::inf();
   int prev_i = -1;
@@ -165,17 +168,7 @@ extern "C" __global__ void __launch_bounds__(FT_ROUTE_WARPS * 32) route_sigmoid_
         best_s = sigmoid_score(xr[c]);
       }
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float ob = __shfl_xor_sync(FT_FULL_MASK, best, off);
-      const int oi = __shfl_xor_sync(FT_FULL_MASK, best_i, off);
-      const float os = __shfl_xor_sync(FT_FULL_MASK, best_s, off);
-      if (before(ob, oi, best, best_i)) {
-        best = ob;
-        best_i = oi;
-        best_s = os;
-      }
-    }
+    warp_best(best, best_i, best_s);
     if (lane == 0) {
       idr[j] = best_i;
       wr[j] = best_s;
@@ -225,21 +218,7 @@ extern "C" __global__ void __launch_bounds__(FT_ROUTE_WARPS * 32) route_softmax_
     for (int off = 16; off > 0; off >>= 1) a = fmaxf(a, __shfl_xor_sync(FT_FULL_MASK, a, off));
     if (lane == g) group_score = a;
   }
-  unsigned chosen = 0u;
-  for (int j = 0; j < topk_group; ++j) {
-    float best = (lane < n_group && !((chosen >> lane) & 1u)) ? group_score : -ft::inf();
-    int best_g = (lane < n_group && !((chosen >> lane) & 1u)) ? lane : 0x7fffffff;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float ob = __shfl_xor_sync(FT_FULL_MASK, best, off);
-      const int og = __shfl_xor_sync(FT_FULL_MASK, best_g, off);
-      if (before(ob, og, best, best_g)) {
-        best = ob;
-        best_g = og;
-      }
-    }
-    chosen |= 1u << best_g;
-  }
+  const unsigned chosen = choose_groups(group_score, lane, n_group, topk_group);  // the best groups
   float prev = ft::inf();
   int prev_i = -1;
   float sel = 0.0f;
@@ -257,17 +236,7 @@ extern "C" __global__ void __launch_bounds__(FT_ROUTE_WARPS * 32) route_softmax_
         best_p = p;
       }
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float ob = __shfl_xor_sync(FT_FULL_MASK, best, off);
-      const int oi = __shfl_xor_sync(FT_FULL_MASK, best_i, off);
-      const float op = __shfl_xor_sync(FT_FULL_MASK, best_p, off);
-      if (before(ob, oi, best, best_i)) {
-        best = ob;
-        best_i = oi;
-        best_p = op;
-      }
-    }
+    warp_best(best, best_i, best_p);
     if (lane == 0) {
       idr[j] = best_i;
       wr[j] = best_p;

@@ -1,8 +1,8 @@
 """Block-FP8 HF checkpoints (DeepSeek-V3 / Qwen3-FP8 style: e4m3 weights + a float32 ``weight_scale_inv`` per
 128x128 block), of a Qwen3-MoE and of a DeepSeek-V3 (latent attention: its q_a/q_b/kv_a/kv_b projections are fp8
-too, as in DeepSeek's release). The non-expert linears are dequantized on load; the routed experts move into fp8_block banks
-without re-quantization. The oracle is transformers running the dequantized weights in fp32: since freetoken
-decodes exactly those values, the logits agree to float32 rounding."""
+too, as in DeepSeek's release). The non-expert linears are dequantized on load; the routed experts move into
+fp8_block banks without re-quantization. The oracle is transformers running the dequantized weights in fp32:
+since freetoken decodes exactly those values, the logits agree to float32 rounding."""
 
 import json
 import struct

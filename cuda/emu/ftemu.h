@@ -235,15 +235,26 @@ inline void fiber_main() {
 }
 
 // ---- fiber stacks ---------------------------------------------------------------------------------------
-// Stacks are mmap'ed (committed lazily), each with a guard page, and recycled across launches.
+// Stacks are mmap'ed (committed lazily) and recycled across launches. A stack gets its guard page (below it) when a
+// block first needs that many threads, not when the arena is mapped: each guard page splits the mapping, and a
+// process may hold only vm.max_map_count (65530 by default) mappings in all. Every emu module has its own arenas
+// (one per worker), so guarding all 1024 stacks of each took 2048 mappings per arena: a test process with a few
+// dozen modules loaded ran out, and the next mmap anywhere (Numba's JIT, malloc) failed.
 constexpr size_t kStackSize = size_t(256) << 10;
 constexpr int kMaxThreads = 1024;
 
 struct Arena {
   char* base = nullptr;
   size_t per = 0;
+  int guarded = 0;  // stacks 0 .. guarded - 1 have their guard page
   Fiber fibers[kMaxThreads];
 };
+
+// Guard pages for the first n stacks of the arena (those a block of n threads runs on).
+inline void guard_stacks(Arena& a, int n) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  for (; a.guarded < n; ++a.guarded) mprotect(a.base + a.per * a.guarded, page, PROT_NONE);
+}
 
 inline std::mutex g_arena_mu;
 inline std::vector<Arena*> g_arenas;
@@ -265,8 +276,7 @@ inline Arena* get_arena() {
   Arena* a = new Arena();
   a->base = base;
   a->per = per;
-  for (int i = 0; i < kMaxThreads; ++i) {
-    mprotect(base + per * i, size_t(page), PROT_NONE);  // guard page below each stack
+  for (int i = 0; i < kMaxThreads; ++i) {  // the guard page below each stack: guard_stacks, when first used
     a->fibers[i].stack_lo = base + per * i + page;
     a->fibers[i].stack_size = kStackSize;
   }
@@ -660,6 +670,7 @@ inline int launch(const char* name, void (*fn)(A...), const LaunchArgs* a, int m
       abort = true;
       return;
     }
+    guard_stacks(*arena, static_cast<int>(nthreads));
     std::vector<char> smem(smem_bytes + 128);
     char* dyn = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem.data()) + 127) & ~uintptr_t(127));
     Block b;

@@ -1,12 +1,15 @@
-"""Model configuration of the supported MoE families, parsed from an HF ``config.json``.
+"""Model configuration of the supported MoE families, parsed from an HF ``config.json`` or a GGUF file's metadata.
 
-One decoder serves Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and GLM-4.5 (glm4_moe); their differences are flags
-here: q/k norms (per head for Qwen3 and GLM's ``use_qk_norm``, over the whole projection for OLMoE), qkv biases
-(Qwen2, GLM's ``attention_bias``), a shared expert (Qwen2's with a sigmoid gate, GLM's ``n_shared_experts`` without
-one), the router (softmax top-k; GLM's DeepSeek-V3-style sigmoid scores with a selection bias, expert groups and a
-routed scaling factor), top-k renormalisation (always for Mixtral, ``norm_topk_prob`` otherwise), partial rotary
-(GLM's ``partial_rotary_factor``) and which layers are MoE (``decoder_sparse_step`` / ``mlp_only_layers``, GLM's
-``first_k_dense_replace``).
+One decoder serves Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5 (glm4_moe), gpt-oss and DeepSeek-V2/V3 (with
+Kimi-K2's model_type); their differences are flags here: q/k norms (per head for Qwen3 and GLM's ``use_qk_norm``, over
+the whole projection for OLMoE), qkv biases (Qwen2, GLM's and gpt-oss' ``attention_bias``), an output bias and sinks
+(gpt-oss), sliding windows per layer (gpt-oss' ``layer_types``), multi-head latent attention (DeepSeek's
+``kv_lora_rank``...), a shared expert (Qwen2's with a sigmoid gate; GLM's and DeepSeek's ``n_shared_experts``
+without one), the router (softmax top-k, with a logit bias for gpt-oss; DeepSeek-V3's sigmoid scores with a
+selection bias, expert groups and a routed scaling factor, which GLM has too; DeepSeek-V2's softmax with group-limited
+greedy top-k), top-k renormalisation (always for Mixtral and gpt-oss, ``norm_topk_prob`` otherwise), partial rotary
+(GLM's ``partial_rotary_factor``), experts with biases and the clamped SwiGLU (gpt-oss), and which layers are MoE
+(``decoder_sparse_step`` / ``mlp_only_layers``, ``first_k_dense_replace``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The MoE decoder of the Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and GLM-4.5 families: embedding, layers, final norm,
-LM head.
+"""The MoE decoder of the Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5, gpt-oss and DeepSeek-V2/V3 families:
+embedding, layers, final norm, LM head.
 
 Each layer's blocks (:mod:`freetoken.models.blocks`) are picked from the config once, here, at load time; a forward
 pass then reads top to bottom (:meth:`MoeDecoder.forward`). Dense projections are :class:`Linear` matrices held in

@@ -87,6 +87,20 @@ def check_groups(n: int, k: int, n_group: int, topk_group: int) -> None:
                          f"{n // n_group} experts are in play")
 
 
+def _checked_group_outputs(dev, logits, k, n_group, topk_group, scale, out_ids, out_weights):
+    """The group routers' shared checks: (scale as a float, ids [T, k], weights [T, k] on the device)."""
+    rows, n = logits.shape
+    check_groups(n, k, n_group, topk_group)
+    scale = float(scale)
+    if not np.isfinite(scale):
+        raise ValueError(f"scale={scale} is not finite")
+    ids = prepare_out(dev, out_ids, (rows, k), np.int32, "out_ids")
+    w = prepare_out(dev, out_weights, (rows, k), np.float32, "out_weights")
+    check_int32("rows", rows)
+    check_int32("E", n)
+    return scale, ids, w
+
+
 def route_sigmoid_group_topk(logits, bias, k: int, n_group: int, topk_group: int, renormalize: bool,
                              scale: float = 1.0, *, out_ids=None, out_weights=None, device=None,
                              checked: bool = False):
@@ -121,17 +135,9 @@ def route_sigmoid_group_topk(logits, bias, k: int, n_group: int, topk_group: int
     dev = resolve(device)
     logits = as_input(dev, logits, "logits", np.float32, 2)
     bias = as_input(dev, bias, "bias", np.float32, 1)
-    rows, n = logits.shape
-    if bias.shape[0] != n:
-        raise ValueError(f"bias has {bias.shape[0]} entries for {n} experts")
-    check_groups(n, k, n_group, topk_group)
-    scale = float(scale)
-    if not np.isfinite(scale):
-        raise ValueError(f"scale={scale} is not finite")
-    ids = prepare_out(dev, out_ids, (rows, k), np.int32, "out_ids")
-    w = prepare_out(dev, out_weights, (rows, k), np.float32, "out_weights")
-    check_int32("rows", rows)
-    check_int32("E", n)
+    if bias.shape[0] != logits.shape[1]:
+        raise ValueError(f"bias has {bias.shape[0]} entries for {logits.shape[1]} experts")
+    scale, ids, w = _checked_group_outputs(dev, logits, k, n_group, topk_group, scale, out_ids, out_weights)
     _run_group(dev, logits, bias, k, n_group, topk_group, renormalize, scale, ids, w)
     return ids, w
 
@@ -166,15 +172,7 @@ def route_softmax_group_topk(logits, k: int, n_group: int, topk_group: int, reno
         return out_ids, out_weights
     dev = resolve(device)
     logits = as_input(dev, logits, "logits", np.float32, 2)
-    rows, n = logits.shape
-    check_groups(n, k, n_group, topk_group)
-    scale = float(scale)
-    if not np.isfinite(scale):
-        raise ValueError(f"scale={scale} is not finite")
-    ids = prepare_out(dev, out_ids, (rows, k), np.int32, "out_ids")
-    w = prepare_out(dev, out_weights, (rows, k), np.float32, "out_weights")
-    check_int32("rows", rows)
-    check_int32("E", n)
+    scale, ids, w = _checked_group_outputs(dev, logits, k, n_group, topk_group, scale, out_ids, out_weights)
     _run_softmax_group(dev, logits, k, n_group, topk_group, renormalize, scale, ids, w)
     return ids, w
 

@@ -250,6 +250,7 @@ class Qwen3CoderParser(_Parser):
     fragment per parameter as it closes (``{"P": V``, ``, "Q": W``, then ``}``)."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    NAME, PAIR = _FUNCTION, _PARAMETER  # the call's name; one argument: groups (key, value text)
 
     def __init__(self):
         super().__init__()
@@ -273,13 +274,13 @@ class Qwen3CoderParser(_Parser):
 
     def _advance(self, body: str) -> None:
         if self.index is None:
-            m = _FUNCTION.match(body)
+            m = self.NAME.match(body)
             if m is None:
                 return
             self.index = self._start(m.group(1).strip())
             self.consumed = m.end()
         while True:
-            m = _PARAMETER.match(body, self.consumed)
+            m = self.PAIR.match(body, self.consumed)
             if m is None:
                 return
             key = json.dumps(m.group(1).strip(), ensure_ascii=False)
@@ -307,22 +308,7 @@ class Glm45Parser(Qwen3CoderParser):
     text after it shows it complete (a newline, the first key or the end), then one fragment per key/value pair
     as it closes, as :class:`Qwen3CoderParser` streams its parameters."""
 
-    def _advance(self, body: str) -> None:
-        if self.index is None:
-            m = _GLM_NAME.match(body)
-            if m is None:
-                return
-            self.index = self._start(m.group(1))
-            self.consumed = m.end()
-        while True:
-            m = _GLM_ARG.match(body, self.consumed)
-            if m is None:
-                return
-            key = json.dumps(m.group(1).strip(), ensure_ascii=False)
-            value = json.dumps(_xml_value(m.group(2)), ensure_ascii=False)
-            self.events.append(CallArgs(self.index, ("{" if self.params == 0 else ", ") + f"{key}: {value}"))
-            self.params += 1
-            self.consumed = m.end()
+    NAME, PAIR = _GLM_NAME, _GLM_ARG
 
     def _close_call(self, body: str, final: bool) -> None:
         if self.index is None and body.strip() and "<" not in body.strip():
