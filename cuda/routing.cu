@@ -20,6 +20,20 @@ __device__ __forceinline__ float warp_max_nan(float v) {
   return v;
 }
 
+// A row's softmax as p = expf(x - m) * inv: its max m (NaN winning, so that a NaN row stays NaN) and the inverse of
+// the sum of expf(x - m) over the row, on every lane.
+__device__ __forceinline__ void softmax_stats(const float* __restrict__ xr, int n, int lane, float& m, float& inv) {
+  m = -ft::inf();
+  for (int c = lane; c < n; c += 32) {
+    const float v = xr[c];
+    if (v > m || v != v) m = v;
+  }
+  m = warp_max_nan(m);
+  float total = 0.0f;
+  for (int c = lane; c < n; c += 32) total += expf(xr[c] - m);
+  inv = 1.0f / ft::warp_sum(total);
+}
+
 // The warp's best (key, index) pair in topk.cu's order, with the value chosen alongside it: every lane ends with it.
 __device__ __forceinline__ void warp_best(float& best, int& best_i, float& value) {
 #pragma unroll
@@ -60,16 +74,8 @@ extern "C" __global__ void __launch_bounds__(FT_ROUTE_WARPS * 32) route_softmax_
   const int row = blockIdx.x * FT_ROUTE_WARPS + (threadIdx.x >> 5);
   if (row >= rows) return;  // uniform across the warp
   const float* xr = logits + static_cast<long long>(row) * n;
-  float m = -ft::inf();
-  for (int c = lane; c < n; c += 32) {
-    const float v = xr[c];
-    if (v > m || v != v) m = v;
-  }
-  m = warp_max_nan(m);
-  float total = 0.0f;
-  for (int c = lane; c < n; c += 32) total += expf(xr[c] - m);
-  total = ft::warp_sum(total);
-  const float inv = 1.0f / total;
+  float m, inv;
+  softmax_stats(xr, n, lane, m, inv);
   float prev = ft::inf();
   int prev_i = -1;
   float sel = 0.0f;
@@ -196,16 +202,8 @@ extern "C" __global__ void __launch_bounds__(FT_ROUTE_WARPS * 32) route_softmax_
   const int row = blockIdx.x * FT_ROUTE_WARPS + (threadIdx.x >> 5);
   if (row >= rows) return;  // uniform across the warp
   const float* xr = logits + static_cast<long long>(row) * n;
-  float m = -ft::inf();
-  for (int c = lane; c < n; c += 32) {
-    const float v = xr[c];
-    if (v > m || v != v) m = v;
-  }
-  m = warp_max_nan(m);
-  float total = 0.0f;
-  for (int c = lane; c < n; c += 32) total += expf(xr[c] - m);
-  total = ft::warp_sum(total);
-  const float inv = 1.0f / total;
+  float m, inv;
+  softmax_stats(xr, n, lane, m, inv);
   const int gsize = n / n_group;
   float group_score = -ft::inf();  // lane g ends with group g's largest p
   for (int g = 0; g < n_group; ++g) {
