@@ -62,3 +62,37 @@ def test_record_trace(model_dir, tmp_path, capsys):
 def test_bad_model_path(tmp_path, capsys):
     assert main(["run", "--model", str(tmp_path / "nope"), "hello"]) == 2
     assert "no such model directory" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v2"])
+def test_run_the_new_families_from_hf_and_gguf(family, tmp_path, capsys):
+    """`freetoken run --model DIR` on cpu and emu and `--model FILE.gguf` (our converter's file) on cpu, for each of
+    the families issue 15 added: a continuation streams, the HF and GGUF greedy tokens agree (an f32 export), and a
+    checkpoint that declares multi-token-prediction layers says they are skipped."""
+    import shutil
+    import warnings
+
+    need("torch")
+    from tiny_models import GGUF_OVERRIDES, make_checkpoint
+
+    from freetoken.convert import export_gguf
+    from freetoken.engine.load import DEFAULT_MODEL
+
+    hf = tmp_path / "hf"
+    make_checkpoint(family, hf, vocab_size=4096, **GGUF_OVERRIDES.get(family, {}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_MODEL / name, hf / name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export_gguf(hf, tmp_path / "m.gguf", experts="f32", other="f32")
+    outs = {}
+    for key, model, dev in (("hf", hf, "cpu"), ("emu", hf, "emu"), ("gguf", tmp_path / "m.gguf", "cpu")):
+        rc = main(["run", "--model", str(model), "--device", dev, "--max-tokens", "6", "--temperature", "0",
+                   "def f(x):"])
+        out = capsys.readouterr()
+        assert rc == 0, out.err
+        outs[key] = out
+    assert outs["hf"].out == outs["gguf"].out and outs["hf"].out.startswith("def f(x):")
+    mtp = "multi-token-prediction layer(s)"
+    assert (mtp in outs["hf"].err) == (family in ("glm4_moe", "deepseek_v3")), outs["hf"].err
