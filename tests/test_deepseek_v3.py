@@ -114,3 +114,47 @@ def test_tiny_checkpoint_config_is_what_the_tests_think(tmp_path):
     extra = FAMILIES["deepseek_v3"][2]
     assert cfg.mla and cfg.q_lora_rank == extra["q_lora_rank"] and cfg.rope_interleave
     assert cfg.head_dim == extra["qk_nope_head_dim"] + extra["qk_rope_head_dim"]
+
+
+def test_gguf_with_a_whole_kv_b_loads_alike(tmp_path):
+    """Files from llama.cpp's converter before it split ``kv_b_proj`` hold one ``attn_kv_b`` [H * (nope + v), R]
+    instead of ``attn_k_b`` / ``attn_v_b``: such a file (ours, rewritten that way) loads to the same logits."""
+    import warnings
+
+    import gguf
+
+    from freetoken.convert import export_gguf
+    from freetoken.loaders import GGUFFile
+    from freetoken.models.config import from_gguf
+    from freetoken.models.weights import GGUFWeights
+
+    need("torch")
+    make_checkpoint("deepseek_v3", tmp_path / "hf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no tokenizer
+        split = export_gguf(tmp_path / "hf", tmp_path / "split.gguf", experts="f32", other="f32")
+    gf = GGUFFile(split)
+    weights = GGUFWeights(from_gguf(gf), gf)
+    reader = gguf.GGUFReader(split)
+    writer = gguf.GGUFWriter(tmp_path / "whole.gguf", reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        if t.name.endswith(("attn_k_b.weight", "attn_v_b.weight")):
+            if t.name.endswith("attn_k_b.weight"):
+                layer = int(t.name.split(".")[1])
+                writer.add_tensor(f"blk.{layer}.attn_kv_b.weight", weights.get("kv_b_proj", layer))
+            continue
+        assert t.tensor_type == gguf.GGMLQuantizationType.F32, t.name
+        writer.add_tensor(t.name, np.asarray(t.data).reshape(tuple(int(d) for d in reversed(t.shape))))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert GGUFFile(tmp_path / "whole.gguf").has("blk.0.attn_kv_b.weight")
+    tokens = np.random.default_rng(8).integers(0, 128, 20)
+    np.testing.assert_array_equal(load(tmp_path / "whole.gguf", device="cpu").logits(tokens),
+                                  load(split, device="cpu").logits(tokens))
