@@ -154,7 +154,9 @@ def read_prompt_file(path: str) -> str:
 def add_model_args(p: argparse.ArgumentParser, max_tokens: int, what: str) -> None:
     """--model, --device, --max-tokens (default ``max_tokens``; ``what`` says per what), sampling, --cache-slots,
     --cpu-activations, and the context flags (:func:`add_context_args`)."""
-    p.add_argument("--model", default=None, help="HF model directory or GGUF file (default: the bundled model)")
+    p.add_argument("--model", default=None,
+                   help="HF model directory or GGUF file of a Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5, "
+                        "gpt-oss or DeepSeek-V2/V3 (Kimi-K2) model (default: the bundled model)")
     p.add_argument("--device", default="auto", choices=["auto", "gpu", "cpu", "emu"],
                    help="where to run (auto: gpu when present, else cpu)")
     p.add_argument("--max-tokens", type=count(1), default=max_tokens, metavar="N",
