@@ -194,6 +194,10 @@ FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parame
     ("glm45", "<tool_call>get_weather\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
      False),  # city is required
     ("glm45", "<tool_call>now\n</tool_call>", True),
+    ("kimi_k2", '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+                '{"city":"Oslo"}<|tool_call_end|><|tool_calls_section_end|>', True),
+    ("kimi_k2", '<|tool_calls_section_begin|><|tool_call_begin|>functions.lookup:0<|tool_call_argument_begin|>{}'
+                '<|tool_call_end|><|tool_calls_section_end|>', False),
     ("harmony", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}', True),
     ("harmony", '<|channel|>final<|message|>It is sunny.', False),
 ])
@@ -260,3 +264,18 @@ def test_glm45_renders_what_it_parses():
         {"type": "function", "function": c} for c in calls]}], add_generation_prompt=False)
     _, parsed, _ = _parse(Glm45Parser, text, 4)
     assert [(n, json.loads(a)) for n, a in parsed] == [(c["name"], c["arguments"]) for c in calls]
+
+
+KIMI = ("Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.now:1'
+        "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>")
+
+
+@pytest.mark.parametrize("piece", PIECES)
+def test_kimi_k2(piece):
+    from freetoken.serve.tool_calls import KimiK2Parser
+
+    content, calls, _ = _parse(KimiK2Parser, KIMI, piece)
+    assert content == "Let me check."
+    assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Paris"}), ("now", {})]
+    assert tool_format("{{'<|tool_calls_section_begin|>'}}") == "kimi_k2"

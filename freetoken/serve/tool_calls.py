@@ -9,6 +9,8 @@ Forms (``tool_format(template_source)``):
 - ``deepseek``: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`` (V3.1) and
   ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` + a ```json block (V3), inside
   ``<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>``;
+- ``kimi_k2``: ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>ARGS
+  <|tool_call_end|>...<|tool_calls_section_end|>``;
 - ``harmony`` (gpt-oss): messages ``<|channel|>CH [to=functions.NAME] [<|constrain|>json]<|message|>BODY`` ended by
   ``<|end|>`` (more follow), ``<|call|>`` or ``<|return|>``: the ``final`` channel is the reply's content, a message
   to ``functions.NAME`` is a call, the ``analysis`` channel (reasoning) is not shown;
@@ -52,6 +54,8 @@ def tool_format(source: str) -> str:
     """The tool-call form a chat template's model writes (``injected`` when the template has none)."""
     if "tool▁call▁begin" in source:
         return "deepseek"
+    if "<|tool_calls_section_begin|>" in source:
+        return "kimi_k2"
     if "<tool_call>" in source and "<function=" in source:
         return "qwen3_coder"
     if "<tool_call>" in source and "<arg_key>" in source:
@@ -72,6 +76,8 @@ def make_parser(form: str):
         return Glm45Parser()
     if form == "deepseek":
         return DeepSeekParser()
+    if form == "kimi_k2":
+        return KimiK2Parser()
     if form == "harmony":
         return HarmonyParser()
     raise ValueError(f"tool calls in the {form!r} form are not supported")
@@ -345,7 +351,12 @@ class DeepSeekParser(_Parser):
             if body:
                 self.events.append(Content(body))
             return
-        first, rest = body.split(self.SEP, 1)
+        name, args = self._name_and_args(*body.split(self.SEP, 1))
+        index = self._start(name.strip())
+        self.events.append(CallArgs(index, args.strip()))
+
+    def _name_and_args(self, first: str, rest: str) -> tuple[str, str]:
+        """A call's name and argument text from what comes before and after its separator."""
         if first.strip() == "function" and "\n" in rest:  # V3: the name, then a fenced JSON block
             name, rest = rest.split("\n", 1)
             rest = rest.strip()
@@ -353,10 +364,22 @@ class DeepSeekParser(_Parser):
                 rest = rest[len("```json"):]
             if rest.endswith("```"):
                 rest = rest[:-3]
-        else:
-            name = first
-        index = self._start(name.strip())
-        self.events.append(CallArgs(index, rest.strip()))
+            return name, rest
+        return first, rest
+
+
+class KimiK2Parser(DeepSeekParser):
+    """Kimi-K2: ``<|tool_calls_section_begin|>``, then per call ``<|tool_call_begin|>functions.NAME:IDX
+    <|tool_call_argument_begin|>ARGS<|tool_call_end|>``, then ``<|tool_calls_section_end|>``."""
+
+    OPEN = "<|tool_calls_section_begin|>"
+    CALL, SEP, END, CLOSE = ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+                             "<|tool_calls_section_end|>")
+
+    def _name_and_args(self, first: str, rest: str) -> tuple[str, str]:
+        name = first.strip().removeprefix("functions.")
+        head, _, idx = name.rpartition(":")
+        return (head if head and idx.isdigit() else name), rest
 
 
 # ---- harmony (gpt-oss) ------------------------------------------------------------------------------------------
@@ -469,6 +492,11 @@ def forced_call_grammar(tools: list[dict], name: str | None = None, form: str = 
             alternatives.append(f'{json.dumps(fn["name"] + ">")} "\\n" {" ".join(parts)}'.rstrip())
         return lark_grammar(f'start: "<tool_call>\\n<function=" fn "</function>\\n</tool_call>"\n'
                             f'fn: {" | ".join(alternatives)}\n' + "".join(rules))
+    if form == "kimi_k2":
+        calls = [f'{json.dumps("functions." + fn["name"] + ":0")} "{KimiK2Parser.SEP}" '
+                 f'{lark_json(fn.get("parameters") or {"type": "object"})}' for fn in chosen]
+        return lark_grammar(f'start: "{KimiK2Parser.OPEN}{KimiK2Parser.CALL}" call '
+                            f'"{KimiK2Parser.END}{KimiK2Parser.CLOSE}"\ncall: {" | ".join(calls)}\n')
     if form == "glm45":
         alternatives, rules = [], []
         for i, fn in enumerate(chosen):
