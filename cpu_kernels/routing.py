@@ -34,6 +34,20 @@ def _softmax_row(logits, r, p):
 
 
 @nb.njit(inline="always")
+def _topk_ids(key, k, ids, r):
+    """``ids[r, :k]``: the k largest of ``key [E]`` (no NaN: -inf instead), largest first, ties to the lower index."""
+    prev, prev_i = _F32(np.inf), -1
+    for j in range(k):
+        best, best_i = _F32(-np.inf), 0x7FFFFFFF
+        for c in range(key.shape[0]):
+            v = key[c]
+            if _before(prev, prev_i, v, c) and _before(v, c, best, best_i):
+                best, best_i = v, c
+        ids[r, j] = best_i
+        prev, prev_i = best, best_i
+
+
+@nb.njit(inline="always")
 def _choose_groups(gscore, topk_group, chosen):
     """``chosen[g]``: whether group g is among the ``topk_group`` best scores (ties to the lower group)."""
     chosen[:] = False
@@ -54,21 +68,16 @@ def softmax_topk_rows(logits, k, renorm, ids, w):
     """
     rows, n = logits.shape
     p = np.empty(n, np.float32)
+    key = np.empty(n, np.float32)
     for r in range(rows):
         _softmax_row(logits, r, p)
-        prev, prev_i = _F32(np.inf), -1
+        for c in range(n):
+            key[c] = _F32(-np.inf) if p[c] != p[c] else p[c]
+        _topk_ids(key, k, ids, r)
         sel = 0.0
         for j in range(k):
-            best, best_i = _F32(-np.inf), 0x7FFFFFFF
-            for c in range(n):
-                v = p[c]
-                key = _F32(-np.inf) if v != v else v
-                if _before(prev, prev_i, key, c) and _before(key, c, best, best_i):
-                    best, best_i = key, c
-            ids[r, j] = best_i
-            w[r, j] = p[best_i]
-            sel += p[best_i]
-            prev, prev_i = best, best_i
+            w[r, j] = p[ids[r, j]]
+            sel += w[r, j]
         if renorm:
             s = _F32(sel)
             for j in range(k):
@@ -112,19 +121,12 @@ def sigmoid_group_topk_rows(logits, bias, k, n_group, topk_group, renorm, scale,
         for c in range(n):
             if not chosen[c // gsize]:
                 key[c] = _F32(-np.inf)
-        prev, prev_i = _F32(np.inf), -1
+        _topk_ids(key, k, ids, r)
         sel = _F32(0.0)
         for j in range(k):
-            best, best_i = _F32(-np.inf), 0x7FFFFFFF
-            for c in range(n):
-                v = key[c]
-                if _before(prev, prev_i, v, c) and _before(v, c, best, best_i):
-                    best, best_i = v, c
-            ids[r, j] = best_i
-            s = _sigmoid(logits[r, best_i])
+            s = _sigmoid(logits[r, ids[r, j]])
             w[r, j] = s
             sel += s
-            prev, prev_i = best, best_i
         denom = sel + _F32(1e-20)
         for j in range(k):
             w[r, j] = (w[r, j] / denom if renorm else w[r, j]) * scale
@@ -140,6 +142,7 @@ def softmax_group_topk_rows(logits, k, n_group, topk_group, renorm, scale, ids, 
     rows, n = logits.shape
     gsize = n // n_group
     p = np.empty(n, np.float32)
+    key = np.empty(n, np.float32)
     gscore = np.empty(n_group, np.float32)
     chosen = np.empty(n_group, np.bool_)
     scale = _F32(scale)
@@ -152,19 +155,13 @@ def softmax_group_topk_rows(logits, k, n_group, topk_group, renorm, scale, ids, 
                     a = p[c]
             gscore[g] = a
         _choose_groups(gscore, topk_group, chosen)
-        prev, prev_i = _F32(np.inf), -1
+        for c in range(n):
+            key[c] = p[c] if chosen[c // gsize] and p[c] == p[c] else _F32(-np.inf)
+        _topk_ids(key, k, ids, r)
         sel = 0.0
         for j in range(k):
-            best, best_i = _F32(-np.inf), 0x7FFFFFFF
-            for c in range(n):
-                v = p[c]
-                key = v if chosen[c // gsize] and v == v else _F32(-np.inf)
-                if _before(prev, prev_i, key, c) and _before(key, c, best, best_i):
-                    best, best_i = key, c
-            ids[r, j] = best_i
-            w[r, j] = p[best_i]
-            sel += p[best_i]
-            prev, prev_i = best, best_i
+            w[r, j] = p[ids[r, j]]
+            sel += w[r, j]
         s = _F32(sel)
         for j in range(k):
             w[r, j] = (w[r, j] / s if renorm else w[r, j]) * scale

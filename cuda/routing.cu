@@ -62,11 +62,44 @@ __device__ __forceinline__ unsigned choose_groups(float group_score, int lane, i
   return chosen;
 }
 
+// The k largest keys of a row, largest first (ties to the lower index), into idr and the value beside each into wr
+// (lane 0 writes); returns the sum of the k values on every lane. key_value(c, key, value) gives expert c's key
+// (never NaN: -inf instead) and value. Keys are recomputed per round (no scratch memory): O(k * n / 32) per lane,
+// right for routing (n <= 512, k <= 32).
+template <class KeyValue>
+__device__ __forceinline__ float select_topk(int n, int k, int lane, int* __restrict__ idr, float* __restrict__ wr,
+                                             KeyValue key_value) {
+  float prev = ft::inf();
+  int prev_i = -1;
+  float sel = 0.0f;
+  for (int j = 0; j < k; ++j) {
+    float best = -ft::inf(), best_v = 0.0f;
+    int best_i = 0x7fffffff;
+    for (int c = lane; c < n; c += 32) {
+      float key, value;
+      key_value(c, key, value);
+      if (before(prev, prev_i, key, c) && before(key, c, best, best_i)) {
+        best = key;
+        best_i = c;
+        best_v = value;
+      }
+    }
+    warp_best(best, best_i, best_v);
+    if (lane == 0) {
+      idr[j] = best_i;
+      wr[j] = best_v;
+    }
+    sel += best_v;
+    prev = best;
+    prev_i = best_i;
+  }
+  return sel;
+}
+
 }  // namespace
 
 // logits [rows, n] float32 -> ids [rows, k] int32, weights [rows, k] float32. Block: FT_ROUTE_WARPS warps; warp w of
-// block b routes row b * FT_ROUTE_WARPS + w. The probabilities are recomputed per round (no scratch memory):
-// O(k * n / 32) per lane, right for routing (n <= 512, k <= 32).
+// block b routes row b * FT_ROUTE_WARPS + w.
 extern "C" __global__ void __launch_bounds__(FT_ROUTE_WARPS * 32) route_softmax_topk_f32(
     const float* __restrict__ logits, int* __restrict__ ids, float* __restrict__ weights, int rows, int n, int k,
     int renormalize) {
@@ -76,32 +109,12 @@ extern "C" __global__ void __launch_bounds__(FT_ROUTE_WARPS * 32) route_softmax_
   const float* xr = logits + static_cast<long long>(row) * n;
   float m, inv;
   softmax_stats(xr, n, lane, m, inv);
-  float prev = ft::inf();
-  int prev_i = -1;
-  float sel = 0.0f;
   int* idr = ids + static_cast<long long>(row) * k;
   float* wr = weights + static_cast<long long>(row) * k;
-  for (int j = 0; j < k; ++j) {
-    float best = -ft::inf(), best_p = 0.0f;
-    int best_i = 0x7fffffff;
-    for (int c = lane; c < n; c += 32) {
-      const float p = expf(xr[c] - m) * inv;
-      const float key = p != p ? -ft::inf() : p;
-      if (before(prev, prev_i, key, c) && before(key, c, best, best_i)) {
-        best = key;
-        best_i = c;
-        best_p = p;
-      }
-    }
-    warp_best(best, best_i, best_p);
-    if (lane == 0) {
-      idr[j] = best_i;
-      wr[j] = best_p;
-    }
-    sel += best_p;
-    prev = best;
-    prev_i = best_i;
-  }
+  const float sel = select_topk(n, k, lane, idr, wr, [&](int c, float& key, float& value) {
+    value = expf(xr[c] - m) * inv;
+    key = value != value ? -ft::inf() : value;
+  });
   if (renormalize && lane == 0) {
     for (int j = 0; j < k; ++j) wr[j] = wr[j] / sel;
   }
@@ -157,32 +170,13 @@ extern "C" __global__ void __launch_bounds__(FT_ROUTE_WARPS * 32) route_sigmoid_
     if (lane == g) group_score = a + b;
   }
   const unsigned chosen = choose_groups(group_score, lane, n_group, topk_group);  // the best groups
-  // the k largest keys among the chosen groups' experts (the others ranked as -inf)
-  float prev = ft::inf();
-  int prev_i = -1;
-  float sel = 0.0f;
+  // the k largest keys among the chosen groups' experts (the others ranked as -inf), their scores as values
   int* idr = ids + static_cast<long long>(row) * k;
   float* wr = weights + static_cast<long long>(row) * k;
-  for (int j = 0; j < k; ++j) {
-    float best = -ft::inf(), best_s = 0.0f;
-    int best_i = 0x7fffffff;
-    for (int c = lane; c < n; c += 32) {
-      const float key = ((chosen >> (c / gsize)) & 1u) ? choice_key(xr[c], bias[c]) : -ft::inf();
-      if (before(prev, prev_i, key, c) && before(key, c, best, best_i)) {
-        best = key;
-        best_i = c;
-        best_s = sigmoid_score(xr[c]);
-      }
-    }
-    warp_best(best, best_i, best_s);
-    if (lane == 0) {
-      idr[j] = best_i;
-      wr[j] = best_s;
-    }
-    sel += best_s;
-    prev = best;
-    prev_i = best_i;
-  }
+  const float sel = select_topk(n, k, lane, idr, wr, [&](int c, float& key, float& value) {
+    value = sigmoid_score(xr[c]);
+    key = ((chosen >> (c / gsize)) & 1u) ? choice_key(xr[c], bias[c]) : -ft::inf();
+  });
   if (lane == 0) {
     const float denom = renormalize ? sel + 1e-20f : 1.0f;
     for (int j = 0; j < k; ++j) wr[j] = (renormalize ? wr[j] / denom : wr[j]) * scale;
@@ -217,32 +211,12 @@ extern "C" __global__ void __launch_bounds__(FT_ROUTE_WARPS * 32) route_softmax_
     if (lane == g) group_score = a;
   }
   const unsigned chosen = choose_groups(group_score, lane, n_group, topk_group);  // the best groups
-  float prev = ft::inf();
-  int prev_i = -1;
-  float sel = 0.0f;
   int* idr = ids + static_cast<long long>(row) * k;
   float* wr = weights + static_cast<long long>(row) * k;
-  for (int j = 0; j < k; ++j) {
-    float best = -ft::inf(), best_p = 0.0f;
-    int best_i = 0x7fffffff;
-    for (int c = lane; c < n; c += 32) {
-      const float p = expf(xr[c] - m) * inv;
-      const float key = (((chosen >> (c / gsize)) & 1u) && p == p) ? p : -ft::inf();
-      if (before(prev, prev_i, key, c) && before(key, c, best, best_i)) {
-        best = key;
-        best_i = c;
-        best_p = p;
-      }
-    }
-    warp_best(best, best_i, best_p);
-    if (lane == 0) {
-      idr[j] = best_i;
-      wr[j] = best_p;
-    }
-    sel += best_p;
-    prev = best;
-    prev_i = best_i;
-  }
+  const float sel = select_topk(n, k, lane, idr, wr, [&](int c, float& key, float& value) {
+    value = expf(xr[c] - m) * inv;
+    key = (((chosen >> (c / gsize)) & 1u) && value == value) ? value : -ft::inf();
+  });
   if (lane == 0) {
     for (int j = 0; j < k; ++j) wr[j] = (renormalize ? wr[j] / sel : wr[j]) * scale;
   }

@@ -243,7 +243,22 @@ class SoftmaxTopKRouter:
                                       out_weights=dev.empty((t, self.top_k), np.float32), device=dev, checked=True)
 
 
-class SigmoidGroupRouter:
+class _GroupRouter:
+    """What the group-limited routers share: a linear gate, top-k, ``n_group`` groups of which ``topk_group`` stay in
+    play, renormalisation, a weight scale, new output arrays per call (the routing record keeps them)."""
+
+    def __init__(self, gate: Linear, top_k: int, n_group: int, topk_group: int, renormalize: bool, scale: float,
+                 device):
+        self.gate, self.top_k, self.dev = gate, top_k, device
+        self.n_group, self.topk_group, self.renormalize, self.scale = n_group, topk_group, renormalize, scale
+
+    def _outputs(self, t: int) -> dict:
+        dev = self.dev
+        return dict(out_ids=dev.empty((t, self.top_k), np.int32), out_weights=dev.empty((t, self.top_k), np.float32),
+                    device=dev, checked=True)
+
+
+class SigmoidGroupRouter(_GroupRouter):
     """DeepSeek-V3's router (GLM-4.5 has it too): sigmoid scores of a linear gate, ``e_score_correction_bias`` added
     for the choice only, the best ``topk_group`` of ``n_group`` expert groups, the top-k among their experts, the
     unbiased scores as weights (renormalised when ``renormalize``) times ``scale``
@@ -251,34 +266,22 @@ class SigmoidGroupRouter:
 
     def __init__(self, gate: Linear, bias: np.ndarray, top_k: int, n_group: int, topk_group: int,
                  renormalize: bool, scale: float, device):
-        self.gate, self.top_k, self.dev = gate, top_k, device
+        super().__init__(gate, top_k, n_group, topk_group, renormalize, scale, device)
         self.bias = device.asarray(np.ascontiguousarray(bias, np.float32).reshape(-1))
-        self.n_group, self.topk_group, self.renormalize, self.scale = n_group, topk_group, renormalize, scale
 
     def __call__(self, h):
-        t, dev = h.shape[0], self.dev
-        return ops.route_sigmoid_group_topk(
-            self.gate(h), self.bias, self.top_k, self.n_group, self.topk_group, self.renormalize, self.scale,
-            out_ids=dev.empty((t, self.top_k), np.int32), out_weights=dev.empty((t, self.top_k), np.float32),
-            device=dev, checked=True)
+        return ops.route_sigmoid_group_topk(self.gate(h), self.bias, self.top_k, self.n_group, self.topk_group,
+                                            self.renormalize, self.scale, **self._outputs(h.shape[0]))
 
 
-class SoftmaxGroupRouter:
+class SoftmaxGroupRouter(_GroupRouter):
     """DeepSeek-V2's router: softmax over the experts of a linear gate, the best ``topk_group`` of ``n_group``
     groups (scored by their largest probability; one group: plain greedy top-k), the top-k among their experts,
     renormalised when ``renormalize``, times ``scale`` (:func:`freetoken.ops.route_softmax_group_topk`)."""
 
-    def __init__(self, gate: Linear, top_k: int, n_group: int, topk_group: int, renormalize: bool, scale: float,
-                 device):
-        self.gate, self.top_k, self.dev = gate, top_k, device
-        self.n_group, self.topk_group, self.renormalize, self.scale = n_group, topk_group, renormalize, scale
-
     def __call__(self, h):
-        t, dev = h.shape[0], self.dev
-        return ops.route_softmax_group_topk(
-            self.gate(h), self.top_k, self.n_group, self.topk_group, self.renormalize, self.scale,
-            out_ids=dev.empty((t, self.top_k), np.int32), out_weights=dev.empty((t, self.top_k), np.float32),
-            device=dev, checked=True)
+        return ops.route_softmax_group_topk(self.gate(h), self.top_k, self.n_group, self.topk_group,
+                                            self.renormalize, self.scale, **self._outputs(h.shape[0]))
 
 
 # ---- MLPs --------------------------------------------------------------------------------------------------------

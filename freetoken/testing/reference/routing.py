@@ -20,6 +20,17 @@ def route_softmax_topk_reference(logits: np.ndarray, k: int, renormalize: bool) 
     return ids, w
 
 
+def _group_limited_topk(key: np.ndarray, gscore: np.ndarray, topk_group: int, k: int) -> np.ndarray:
+    """ids int32 [T, k]: the k largest ``key [T, E]`` among the experts of each row's ``topk_group`` best groups by
+    ``gscore [T, n_group]`` (the others masked to -inf), largest first, ties to the lower index (groups too)."""
+    t, n_group = gscore.shape
+    gsel = np.argsort(-gscore, axis=1, kind="stable")[:, :topk_group]
+    keep = np.zeros((t, n_group), bool)
+    np.put_along_axis(keep, gsel, True, axis=1)
+    masked = np.where(np.repeat(keep, key.shape[1] // n_group, axis=1), key, -np.inf)
+    return np.argsort(-masked, axis=1, kind="stable")[:, :k].astype(np.int32)
+
+
 def route_sigmoid_group_topk_reference(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int, topk_group: int,
                                        renormalize: bool, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """(ids int32 [T, k], weights float64 [T, k]) of DeepSeek-V3's router in float64, written as transformers writes
@@ -31,14 +42,8 @@ def route_sigmoid_group_topk_reference(logits: np.ndarray, bias: np.ndarray, k: 
         s = 1.0 / (1.0 + np.exp(-z))
     key = s + np.asarray(bias, np.float64)[None]
     key = np.where(np.isnan(key), -np.inf, key)
-    grouped = key.reshape(t, n_group, n // n_group)
-    top2 = -np.sort(-grouped, axis=-1)[..., :2]
-    gscore = top2.sum(axis=-1)
-    gsel = np.argsort(-gscore, axis=1, kind="stable")[:, :topk_group]
-    keep = np.zeros((t, n_group), bool)
-    np.put_along_axis(keep, gsel, True, axis=1)
-    masked = np.where(np.repeat(keep, n // n_group, axis=1), key, -np.inf)
-    ids = np.argsort(-masked, axis=1, kind="stable")[:, :k].astype(np.int32)
+    gscore = (-np.sort(-key.reshape(t, n_group, n // n_group), axis=-1)[..., :2]).sum(axis=-1)  # the top two
+    ids = _group_limited_topk(key, gscore, topk_group, k)
     w = np.take_along_axis(s, ids, axis=1)
     if renormalize:
         w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
@@ -56,12 +61,7 @@ def route_softmax_group_topk_reference(logits: np.ndarray, k: int, n_group: int,
         e = np.exp(z - z.max(axis=-1, keepdims=True))
         p = e / e.sum(axis=-1, keepdims=True)
     key = np.where(np.isnan(p), -np.inf, p)
-    gscore = key.reshape(t, n_group, n // n_group).max(axis=-1)
-    gsel = np.argsort(-gscore, axis=1, kind="stable")[:, :topk_group]
-    keep = np.zeros((t, n_group), bool)
-    np.put_along_axis(keep, gsel, True, axis=1)
-    masked = np.where(np.repeat(keep, n // n_group, axis=1), key, -np.inf)
-    ids = np.argsort(-masked, axis=1, kind="stable")[:, :k].astype(np.int32)
+    ids = _group_limited_topk(key, key.reshape(t, n_group, n // n_group).max(axis=-1), topk_group, k)
     w = np.take_along_axis(p, ids, axis=1)
     if renormalize:
         w = w / w.sum(axis=-1, keepdims=True)
