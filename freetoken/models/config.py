@@ -256,7 +256,7 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
     heads = f.int("num_attention_heads", hi=MAX_HEADS)
     kv_heads = f.int("num_key_value_heads", default=heads, hi=MAX_HEADS)
     ds = family in ("deepseek_v3", "deepseek_v2")
-    mla = _mla_fields(f, hidden) if ds else {}
+    mla = _mla_fields(f) if ds else {}
     if ds:  # transformers writes head_dim = qk_rope_head_dim for these: the query/key head is nope + rope
         head_dim = mla["qk_nope_dim"] + mla["qk_rope_dim"]
     else:
@@ -350,7 +350,7 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
     ))
 
 
-def _mla_fields(f: Fields, hidden: int) -> dict:
+def _mla_fields(f: Fields) -> dict:
     """DeepSeek-V3's multi-head latent attention dims (``q_lora_rank`` null: a plain q projection)."""
     if f.bool("attention_bias", False):
         f.fail("attention_bias", True, "false (biases on the latent projections are not supported)")
@@ -361,6 +361,10 @@ def _mla_fields(f: Fields, hidden: int) -> dict:
                 qk_rope_dim=f.int("qk_rope_head_dim", hi=MAX_HEAD_DIM),
                 v_head_dim=f.int("v_head_dim", hi=MAX_HEAD_DIM),
                 rope_interleave=f.bool("rope_interleave", True))
+
+
+#: What every gpt-oss model has, whatever file it comes from.
+_GPT_OSS = dict(attention_sinks=True, o_bias=True, router_logit_bias=True, expert_bias=True, expert_act="gpt_oss")
 
 
 def _gpt_oss_fields(f: Fields, layers: int) -> dict:
@@ -381,8 +385,7 @@ def _gpt_oss_fields(f: Fields, layers: int) -> dict:
     if not isinstance(types, list) or len(types) != layers or \
             any(t not in ("sliding_attention", "full_attention") for t in types):
         f.fail("layer_types", types, f"a list of {layers} 'sliding_attention' / 'full_attention'")
-    return dict(sliding_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
-                attention_sinks=True, o_bias=True, router_logit_bias=True, expert_bias=True, expert_act="gpt_oss")
+    return dict(sliding_windows=tuple(window if t == "sliding_attention" else 0 for t in types), **_GPT_OSS)
 
 
 def _checked(where: str, make) -> ModelConfig:
@@ -440,8 +443,7 @@ def _gguf_gpt_oss(gf, m: Fields, arch: str, layers: int) -> dict:
                  "ffn_up_exps.bias", "ffn_down_exps.bias"):
         if not gf.has(f"blk.0.{name}"):
             raise ConfigError(f"{gf.path}: a gpt-oss file without blk.0.{name}")
-    return dict(sliding_windows=tuple(window if swa[i] else 0 for i in range(layers)), attention_sinks=True,
-                o_bias=True, router_logit_bias=True, expert_bias=True, expert_act="gpt_oss")
+    return dict(sliding_windows=tuple(window if swa[i] else 0 for i in range(layers)), **_GPT_OSS)
 
 
 def from_gguf(gf) -> ModelConfig:

@@ -63,40 +63,42 @@ class _Tensors:
         return Linear.concat(mats, self.dev, biases)
 
 
-def _rotary_rows(cfg: ModelConfig, key: str, w):
-    """Partial rotary (``cfg.rotary_dim``): the q or k rows (a projection, its bias or a per-head norm weight) with
-    each head's dimensions in :func:`partial_rotary_order`, which the RoPE tables expect; others as they are."""
-    if cfg.rope_dim == cfg.head_dim or key[0] not in "qk" or key == "qkv":
+def _head_rows(w, width: int, order: np.ndarray):
+    """The rows of a projection (or its bias, or a per-head weight) made of heads of ``width`` rows, each head's rows
+    reordered (``new[j] = old[order[j]]``); a q8_0/q4_0 matrix moves whole block rows (exact)."""
+    rows = (np.arange(w.shape[0] // width)[:, None] * width + order[None, :]).reshape(-1)
+    return w.rows(rows) if isinstance(w, QuantizedMatrix) else np.ascontiguousarray(w[rows])
+
+
+def _rotary_rows(cfg: ModelConfig, w):
+    """Partial rotary (``cfg.rotary_dim``): q or k rows with each head's dimensions in :func:`partial_rotary_order`,
+    which the RoPE tables expect; as they are when every dimension rotates."""
+    if cfg.rope_dim == cfg.head_dim:
         return w
-    d = cfg.head_dim
-    order = partial_rotary_order(d, cfg.rope_dim)
-    heads = w.shape[0] // d
-    rows = (np.arange(heads)[:, None] * d + order[None, :]).reshape(-1)  # each head's rows in the new order
-    if isinstance(w, QuantizedMatrix):
-        return w.rows(rows)  # whole block rows move: exact
-    return np.ascontiguousarray(w[rows])
+    return _head_rows(w, cfg.head_dim, partial_rotary_order(cfg.head_dim, cfg.rope_dim))
 
 
-def _deinterleave_rope(w: np.ndarray, heads: int, width: int, rope: int) -> np.ndarray:
-    """Rows of a projection whose heads of ``width`` end in ``rope`` interleaved-pair rope dims (DeepSeek's layout:
-    pair j at 2j, 2j + 1) with those dims reordered to rotate-half's (pair j at j, j + rope / 2). Applied to the
-    query's and the shared key's rope rows alike, it leaves every q.k product unchanged."""
+def _rope_deinterleaved(width: int, rope: int) -> np.ndarray:
+    """The reorder of a head of ``width`` dims ending in ``rope`` interleaved-pair rope dims (DeepSeek's layout: pair
+    j at 2j, 2j + 1) that puts them in rotate-half's order (pair j at j, j + rope / 2). Applied to the query's and
+    the shared key's rope rows alike, it leaves every q.k product unchanged."""
     order = np.arange(width)
     order[width - rope:] = width - rope + np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)])
-    rows = (np.arange(heads)[:, None] * width + order[None, :]).reshape(-1)
-    return np.ascontiguousarray(w[rows])
+    return order
 
 
 def _latent_attention(cfg: ModelConfig, t: _Tensors, i: int, dev, scratch: Scratch) -> LatentAttention:
     rank, rope, head = cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.head_dim
-    fix = (lambda w, heads, width: _deinterleave_rope(w, heads, width, rope)) if cfg.rope_interleave else \
-        (lambda w, heads, width: w)
-    kv_a = fix(t.host("kv_a_proj", i), 1, rank + rope)
+
+    def rope_rows(key: str, width: int):
+        w = t.host(key, i)
+        return _head_rows(w, width, _rope_deinterleaved(width, rope)) if cfg.rope_interleave else w
+
+    kv_a = rope_rows("kv_a_proj", rank + rope)
     if cfg.q_lora_rank:
-        q = (t.linear(("q_a_proj",), i), t.host("q_a_norm", i),
-             Linear(fix(t.host("q_b_proj", i), cfg.num_heads, head), dev))
+        q = (t.linear(("q_a_proj",), i), t.host("q_a_norm", i), Linear(rope_rows("q_b_proj", head), dev))
     else:
-        q = Linear(fix(t.host("q_proj", i), cfg.num_heads, head), dev)
+        q = Linear(rope_rows("q_proj", head), dev)
     return LatentAttention(q, Linear(kv_a, dev), t.host("kv_a_norm", i), t.host("kv_b_proj", i),
                            t.linear(("o_proj",), i), cfg.num_heads, cfg.qk_nope_dim, rope, rank, cfg.v_head_dim,
                            cfg.rms_eps, cfg.attention_scale, dev, scratch)
@@ -106,16 +108,16 @@ def _attention(cfg: ModelConfig, t: _Tensors, i: int, dev, scratch: Scratch) -> 
     if cfg.mla:
         return _latent_attention(cfg, t, i, dev, scratch)
     if cfg.rope_dim < cfg.head_dim:
-        mats = [_rotary_rows(cfg, k, t.matrix(k, i)) for k in ("q_proj", "k_proj")] + [t.matrix("v_proj", i)]
-        biases = [_rotary_rows(cfg, k, t.host(k, i)) for k in ("q_bias", "k_bias")] + [t.host("v_bias", i)] \
+        mats = [_rotary_rows(cfg, t.matrix(k, i)) for k in ("q_proj", "k_proj")] + [t.matrix("v_proj", i)]
+        biases = [_rotary_rows(cfg, t.host(k, i)) for k in ("q_bias", "k_bias")] + [t.host("v_bias", i)] \
             if cfg.qkv_bias else None
         qkv = Linear.concat(mats, dev, biases)
     else:
         qkv = t.linear(("q_proj", "k_proj", "v_proj"), i, ("q_bias", "k_bias", "v_bias") if cfg.qkv_bias else None)
     shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm == "head":
-        qk = HeadNormQK(*shape, _rotary_rows(cfg, "q_norm", t.host("q_norm", i)),
-                        _rotary_rows(cfg, "k_norm", t.host("k_norm", i)), cfg.rms_eps, dev)
+        qk = HeadNormQK(*shape, _rotary_rows(cfg, t.host("q_norm", i)), _rotary_rows(cfg, t.host("k_norm", i)),
+                        cfg.rms_eps, dev)
     elif cfg.qk_norm == "full":
         qk = ProjectionNormQK(*shape, t.host("q_norm", i), t.host("k_norm", i), cfg.rms_eps, dev)
     else:
