@@ -477,19 +477,8 @@ def forced_call_grammar(tools: list[dict], name: str | None = None, form: str = 
                             f'"{DeepSeekParser.END}{DeepSeekParser.CLOSE}"\ncall: {" | ".join(names)}\n'
                             + "".join(rules))
     if form == "qwen3_coder":
-        alternatives, rules = [], []
-        for i, fn in enumerate(chosen):
-            params = fn.get("parameters") or {}
-            props, required = params.get("properties") or {}, set(params.get("required") or ())
-            parts = []
-            for j, (key, prop) in enumerate(props.items()):
-                if (prop or {}).get("type", "string") == "string":  # one lexeme: its text cannot hold "</"
-                    tag = re.escape(key).replace("/", "\\/")
-                    rules.append(f"p{i}_{j}: /<parameter={tag}>\\n([^<]|<[^\\/])*\\n<\\/parameter>\\n/\n")
-                else:
-                    rules.append(f'p{i}_{j}: "<parameter={key}>\\n" {lark_json(prop)} "\\n</parameter>\\n"\n')
-                parts.append(f"p{i}_{j}" if key in required else f"p{i}_{j}?")
-            alternatives.append(f'{json.dumps(fn["name"] + ">")} "\\n" {" ".join(parts)}'.rstrip())
+        alternatives, rules = _tagged_calls(chosen, "p", lambda key: f"<parameter={key}>\n", "\n</parameter>\n",
+                                            lambda name: name + ">")
         return lark_grammar(f'start: "<tool_call>\\n<function=" fn "</function>\\n</tool_call>"\n'
                             f'fn: {" | ".join(alternatives)}\n' + "".join(rules))
     if form == "kimi_k2":
@@ -498,21 +487,8 @@ def forced_call_grammar(tools: list[dict], name: str | None = None, form: str = 
         return lark_grammar(f'start: "{KimiK2Parser.OPEN}{KimiK2Parser.CALL}" call '
                             f'"{KimiK2Parser.END}{KimiK2Parser.CLOSE}"\ncall: {" | ".join(calls)}\n')
     if form == "glm45":
-        alternatives, rules = [], []
-        for i, fn in enumerate(chosen):
-            params = fn.get("parameters") or {}
-            props, required = params.get("properties") or {}, set(params.get("required") or ())
-            parts = []
-            for j, (key, prop) in enumerate(props.items()):
-                head = f'"<arg_key>{key}</arg_key>\\n<arg_value>"'
-                if (prop or {}).get("type", "string") == "string":  # one lexeme: its text cannot hold "</"
-                    tag = re.escape(key).replace("/", "\\/")
-                    rules.append(f"a{i}_{j}: /<arg_key>{tag}<\\/arg_key>\\n<arg_value>([^<]|<[^\\/])*"
-                                 "<\\/arg_value>\\n/\n")
-                else:
-                    rules.append(f'a{i}_{j}: {head} {lark_json(prop)} "</arg_value>\\n"\n')
-                parts.append(f"a{i}_{j}" if key in required else f"a{i}_{j}?")
-            alternatives.append(f'{json.dumps(fn["name"])} "\\n" {" ".join(parts)}'.rstrip())
+        alternatives, rules = _tagged_calls(chosen, "a", lambda key: f"<arg_key>{key}</arg_key>\n<arg_value>",
+                                            "</arg_value>\n", lambda name: name)
         return lark_grammar(f'start: "<tool_call>" fn "</tool_call>"\nfn: {" | ".join(alternatives)}\n'
                             + "".join(rules))
     if form == "harmony":
@@ -520,6 +496,34 @@ def forced_call_grammar(tools: list[dict], name: str | None = None, form: str = 
                  f'{lark_json(fn.get("parameters") or {"type": "object"})}' for fn in chosen]
         return lark_grammar(f'start: "<|channel|>commentary " call\ncall: {" | ".join(calls)}\n')
     raise ValueError(f"forcing a call in the {form!r} tool-call form is not supported")
+
+
+def _lark_regex_text(text: str) -> str:
+    """``text`` matched literally inside a Lark ``/regex/``."""
+    return re.escape(text).replace("\\\n", "\\n").replace("/", "\\/")
+
+
+def _tagged_calls(chosen: list[dict], prefix: str, head, tail: str, name_text) -> tuple[list[str], list[str]]:
+    """The Lark alternatives (one per function: ``name_text(name)``, a newline, then its parameters) and rules of
+    the forms that write each argument as ``head(key)`` + value + ``tail`` (Qwen3-Coder's, GLM's): the schema's
+    properties in order, the required ones present; a string value is its text (one lexeme, which cannot hold
+    ``</``), any other JSON."""
+    from freetoken.engine.grammar import lark_json
+
+    alternatives, rules = [], []
+    for i, fn in enumerate(chosen):
+        params = fn.get("parameters") or {}
+        props, required = params.get("properties") or {}, set(params.get("required") or ())
+        parts = []
+        for j, (key, prop) in enumerate(props.items()):
+            rule = f"{prefix}{i}_{j}"
+            if (prop or {}).get("type", "string") == "string":
+                rules.append(f"{rule}: /{_lark_regex_text(head(key))}([^<]|<[^\\/])*{_lark_regex_text(tail)}/\n")
+            else:
+                rules.append(f"{rule}: {json.dumps(head(key))} {lark_json(prop)} {json.dumps(tail)}\n")
+            parts.append(rule if key in required else rule + "?")
+        alternatives.append(f'{json.dumps(name_text(fn["name"]))} "\\n" {" ".join(parts)}'.rstrip())
+    return alternatives, rules
 
 
 # ---- the injected form: tools for a template that knows none ----------------------------------------------------
