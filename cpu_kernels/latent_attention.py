@@ -19,7 +19,7 @@ depend on the vector width.
 import numba as nb
 import numpy as np
 from freetoken.cpu_kernels.gemm_panel import SHORT_TOKENS, TOKENS
-from freetoken.cpu_kernels.paged_attention import _LANES, _exp, _key_panel, _rows_through, _value_panels
+from freetoken.cpu_kernels.paged_attention import _LANES, _fold_row, _key_panel, _rows_through, _value_panels
 
 #: Queries per task (prompt chunks): their rows share each decoded block.
 QUERY_TILE = 16
@@ -88,29 +88,7 @@ def latent_attention_rows(q, pool, pool_scale, table, block_table, start, rank, 
                 jhi = min(j1, start + t0 + r // nh - base + 1)  # keys up to the query's own position
                 if jhi <= 0:
                     continue
-                mx = m[r]
-                for g in range(g_hi):
-                    for lane in range(_LANES):
-                        if g * _LANES + lane < jhi:
-                            mx = max(mx, s[g, r, lane])
-                corr = _exp(m[r] - mx) if m[r] > -np.inf else np.float32(0.0)
-                for lane in range(_LANES):
-                    tot[lane] = np.float32(0.0)
-                for g in range(g_hi):  # per-lane partial sums: vectorised, the same on any vector width
-                    for lane in range(_LANES):
-                        j = g * _LANES + lane
-                        e = _exp(s[g, r, lane] - mx)
-                        e = e if j < jhi else np.float32(0.0)
-                        p[r, j] = e
-                        tot[lane] += e
-                total = np.float32(0.0)
-                for lane in range(_LANES):
-                    total += tot[lane]
-                lsum[r] = lsum[r] * corr + total
-                m[r] = mx
-                for c in range(nc):
-                    for lane in range(_LANES):
-                        o[c, r, lane] *= corr
+                _fold_row(s, p, m, lsum, o, tot, r, 0, g_hi, 0, jhi)
             for c in range(nc):
                 _rows_through(vpan[c], p, bsp, rows, o[c], toks)
         for r in range(rows):

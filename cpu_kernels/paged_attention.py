@@ -166,6 +166,38 @@ def _rows_through(panel, x, k, rows, acc, toks):
         r0 += TOKENS if n > SHORT_TOKENS else SHORT_TOKENS
 
 
+@nb.njit(inline="always", fastmath=_FASTMATH)
+def _fold_row(s, p, m, lsum, o, tot, r, g_lo, g_hi, jlo, jhi):
+    """Row r's online softmax over one block's keys ``jlo .. jhi - 1`` (key ``g * _LANES + lane`` scored
+    ``s[g, r, lane]``, groups ``g_lo .. g_hi - 1``): the running max ``m[r]`` and sum ``lsum[r]`` updated, the row's
+    outputs ``o[:, r]`` rescaled, and the block's unnormalised probabilities into ``p[r]`` (0 for the other keys) for
+    ``O += P V``. ``tot``: scratch of ``_LANES``."""
+    mx = m[r]
+    for g in range(g_lo, g_hi):
+        for lane in range(_LANES):
+            j = g * _LANES + lane
+            if j >= jlo and j < jhi:
+                mx = max(mx, s[g, r, lane])
+    corr = _exp(m[r] - mx) if m[r] > -np.inf else np.float32(0.0)
+    for lane in range(_LANES):
+        tot[lane] = np.float32(0.0)
+    for g in range(g_lo, g_hi):  # per-lane partial sums: vectorised, the same on any vector width
+        for lane in range(_LANES):
+            j = g * _LANES + lane
+            e = _exp(s[g, r, lane] - mx)
+            e = e if j >= jlo and j < jhi else np.float32(0.0)
+            p[r, j] = e
+            tot[lane] += e
+    total = np.float32(0.0)
+    for lane in range(_LANES):
+        total += tot[lane]
+    lsum[r] = lsum[r] * corr + total
+    m[r] = mx
+    for c in range(o.shape[0]):
+        for lane in range(_LANES):
+            o[c, r, lane] *= corr
+
+
 @nb.njit(parallel=True, cache=True, fastmath=_FASTMATH)
 def paged_attention_rows(q, k_pool, v_pool, k_scale, v_scale, table, block_table, start, window, sinks, scale, out):
     """q float32 ``[T, H, D]`` at positions ``start ..``; pools ``[NB, BS, Hkv, D]`` (float32, uint16 = bf16 bits,
@@ -227,30 +259,7 @@ def paged_attention_rows(q, k_pool, v_pool, k_scale, v_scale, table, block_table
                 jlo = max(lo - base, 0) if window == 0 else max(0, pos - window + 1 - base)
                 if jhi <= jlo:
                     continue
-                mx = m[r]
-                for g in range(g_lo, g_hi):
-                    for lane in range(_LANES):
-                        j = g * _LANES + lane
-                        if j >= jlo and j < jhi:
-                            mx = max(mx, s[g, r, lane])
-                corr = _exp(m[r] - mx) if m[r] > -np.inf else np.float32(0.0)
-                for lane in range(_LANES):
-                    tot[lane] = np.float32(0.0)
-                for g in range(g_lo, g_hi):  # per-lane partial sums: vectorised, the same on any vector width
-                    for lane in range(_LANES):
-                        j = g * _LANES + lane
-                        e = _exp(s[g, r, lane] - mx)
-                        e = e if j >= jlo and j < jhi else np.float32(0.0)
-                        p[r, j] = e
-                        tot[lane] += e
-                total = np.float32(0.0)
-                for lane in range(_LANES):
-                    total += tot[lane]
-                lsum[r] = lsum[r] * corr + total
-                m[r] = mx
-                for c in range(nc):
-                    for lane in range(_LANES):
-                        o[c, r, lane] *= corr
+                _fold_row(s, p, m, lsum, o, tot, r, g_lo, g_hi, jlo, jhi)
             for c in range(nc):
                 _rows_through(vpan[c], p, bsp, rows, o[c], toks)
         for r in range(rows):
