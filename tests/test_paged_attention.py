@@ -44,6 +44,74 @@ def test_prompt_attention_float32_accuracy(kind, heads, kv_heads, dim, t, start,
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("heads, kv_heads, dim, t, start, window, sinks", [
+    (16, 4, 64, 1, 520, 0, False),     # the synthetic bench's decode step
+    (3, 1, 48, 1, 2000, 0, True),      # a group of 3 (padding rows), 3 chunks of 16, 4 runs of keys, sinks
+    (2, 2, 80, 1, 63, 0, False),       # no GQA, the last row of the first block
+    (8, 1, 256, 2, 700, 0, False),     # two queries of a group of 8: 16 rows, the largest head dim
+    (16, 1, 16, 1, 1100, 300, True),   # one kv head for 16, a window across blocks, sinks
+    (4, 2, 128, 1, 0, 0, False),       # the first token
+])
+def test_decode_attention_float32_accuracy(kind, heads, kv_heads, dim, t, start, window, sinks):
+    """The decode kernel (a few query rows per kv head, K/V rows read in place) within 1e-5 of the largest output
+    of the float64 reference, across group sizes, head dims, runs of keys, windows and sinks."""
+    from freetoken.cpu_kernels.paged_decode import handles, splits_for
+
+    assert handles(kind, dim, t * heads // kv_heads)
+    rng = np.random.default_rng(11)
+    (kp, vp), (ks, vs), table = _sequence(rng, kind, start + t, kv_heads, dim, 64)
+    q = (2.0 * rng.standard_normal((t, heads, dim))).astype(np.float32)
+    sk = rng.uniform(-1, 3, heads).astype(np.float32) if sinks else None
+    got = ops.paged_attention(q, kp, vp, ks, vs, table, start, window=window, sinks=sk, device=CPU)
+    want = paged_attention_reference(q, kp, vp, ks, vs, table, start, window=window, sinks=sk)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    if start == 2000:
+        assert splits_for(t, 64, start, window) == 4
+
+
+def test_decode_attention_does_not_depend_on_thread_count():
+    """The runs of keys come from the context, not the threads: 1 and 2 threads give bit-identical outputs."""
+    import numba
+
+    rng = np.random.default_rng(5)
+    (kp, vp), _, table = _sequence(rng, "bf16", 1500, 2, 64, 64)
+    q = rng.standard_normal((1, 8, 64)).astype(np.float32)
+    threads = numba.get_num_threads()
+    out = []
+    try:
+        for n in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+            numba.set_num_threads(n)
+            out.append(ops.paged_attention(q, kp, vp, None, None, table, 1499, device=CPU))
+    finally:
+        numba.set_num_threads(threads)
+    np.testing.assert_array_equal(out[0], out[1])
+
+
+def test_cpu_store_encodes_as_the_reference():
+    """The Numba append (f32, bf16 pools) writes the bytes the reference encoder gives, awkward values included,
+    into the blocks the table names."""
+    f32 = np.float32
+    special = np.array([0.0, -0.0, np.inf, -np.inf, 3.4e38, -3.4e38, 1e-40, -1e-45, 65504.0], f32)
+    ties = np.array([0x3F808000, 0x3F818000, 0x7F7F8000, 0x00008000, 0x80018000], np.uint32).view(f32)
+    rng = np.random.default_rng(9)
+    for kind in ("f32", "bf16"):
+        k = rng.standard_normal((5, 2, 16)).astype(f32) * f32(100)
+        k[0, 0, :9], k[0, 1, :5] = special, ties
+        k[4, 1, 3] = np.nan
+        v = -k[::-1].copy()
+        table = np.array([3, 0, 2, 1], np.int32)
+        pools = [np.zeros((4, 4, 2, 16), KV_DTYPES[kind]) for _ in range(2)]
+        ops.kv_store(k, v, pools[0], pools[1], None, None, table, 6, device=CPU)
+        for pool, x in zip(pools, (k, v), strict=True):
+            want, _ = kv_encode_reference(x, kind)
+            got = np.stack([pool[table[p // 4], p % 4] for p in range(6, 11)])
+            nan = np.isnan(x)
+            assert np.isnan(got.view(ml_dtypes.bfloat16).astype(f32) if kind == "bf16" else got)[nan].all()
+            np.testing.assert_array_equal(got[~nan], want[~nan], err_msg=kind)
+        assert not pools[0][table[0]].any() and not pools[0][table[1], :2].any()  # positions 0-5 untouched
+
+
 def test_result_does_not_depend_on_block_placement():
     """The same sequence in blocks 0, 1, 2, ... and in shuffled blocks gives bit-identical outputs."""
     out = []

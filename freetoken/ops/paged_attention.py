@@ -154,6 +154,11 @@ def kv_store(k, v, k_pool, v_pool, k_scale, v_scale, block_table, start, *, devi
         kv_store_cuda(dev, k, v, k_pool, v_pool, k_scale, v_scale, block_table, start)
         return None
     kind = kv_kind_of(k_pool)
+    if kind in ("f32", "bf16"):
+        from freetoken.cpu_kernels.kv_store import kv_store_rows
+
+        kv_store_rows(k, v, k_pool, v_pool, block_table, start)
+        return None
     bs = k_pool.shape[1]
     pos = start + np.arange(t)
     blocks, rows = block_table[pos // bs], pos % bs
@@ -221,11 +226,17 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, block_table, start, *, 
 
         paged_attention_cuda(dev, q, k_pool, v_pool, k_scale, v_scale, block_table, start, window, sinks, sc, out)
         return out
+    from freetoken.cpu_kernels import paged_decode
     from freetoken.cpu_kernels.paged_attention import paged_attention_rows
 
     kind = kv_kind_of(k_pool)
-    if kind == "f16":  # the kernel widens IEEE half bits from int16 (Numba has no float16 arithmetic)
+    if kind == "f16":  # the kernels widen IEEE half bits from int16 (Numba has no float16 arithmetic)
         k_pool, v_pool = k_pool.view(np.int16), v_pool.view(np.int16)
+    if paged_decode.handles(kind, dim, t_count * heads // k_pool.shape[2]):  # a decode step: rows read in place
+        nsplit = paged_decode.splits_for(t_count, k_pool.shape[1], start, window)
+        paged_decode.paged_decode_rows(q, k_pool, v_pool, block_table, start, window, sinks,
+                                       np.float32(sc), nsplit, out)
+        return out
     table = decode_table("fp8") if kind == "fp8" else _NO_TABLE
     paged_attention_rows(q, k_pool, v_pool, k_scale, v_scale, table, block_table, start, window, sinks,
                          np.float32(sc), out)

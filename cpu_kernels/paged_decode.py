@@ -1,0 +1,301 @@
+"""Decode-step attention over the paged KV cache on the CPU: the few-query case of
+:func:`freetoken.cpu_kernels.paged_attention.paged_attention_rows` (same arguments, same contract:
+``freetoken/testing/reference/paged_attention.py``), reading each stored K and V row where it lies.
+
+A decode step has only G rows (the heads of a kv group) per kv head. The prompt kernel's layout (16 keys in the
+vector lanes, each K block widened and transposed into a panel, V widened into panels) pays a transpose and two
+copies per key for G multiply-adds each, and so ran at ~3-10 GB/s of KV. Here the head dimension is in the lanes:
+
+* scores ``s = q . k`` (:func:`_scores`): the stored K row is loaded 16 values at a time, widened in registers
+  (bf16: a shift; f16: ``vcvtph2ps``) and multiply-added into 16 lane sums of 4 query rows at once, which one fixed
+  pairwise tree then adds up;
+* ``o += p v`` (:func:`_weighted_values`): per query row, 4 chunks of 16 outputs held in registers while the
+  block's V rows, widened the same way, are multiply-added in key order: no reduction at all.
+
+Both read each K/V row once per kv head and touch no buffer but the rows' outputs. The softmax between them is the
+prompt kernel's online softmax (:func:`~freetoken.cpu_kernels.paged_attention._fold_row`). Long contexts split the
+keys of each kv head into runs of :data:`SPLIT_BLOCKS` blocks (more parallel tasks when a model has few kv heads);
+the runs' partial maxima, sums and outputs are merged at the end. The split depends on the context only, never on
+the thread count, and every sum has a fixed order: results are the same on any machine with the same vector
+instructions. Kinds: float32, bf16, f16 pools with D a multiple of 16 (:func:`handles`); fp8 and other head dims run
+the prompt kernel.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+from freetoken.cpu_kernels.moe_memory import addr, typed_ptr
+from freetoken.cpu_kernels.paged_attention import _FASTMATH, _LANES, _exp, _fold_row
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+#: Query rows (query x head of the group) per kv head up to which a step runs here.
+DECODE_ROWS = 16
+#: Pool blocks per run of keys (one parallel task per kv head and run).
+SPLIT_BLOCKS = 8
+
+_F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+_V16F = ir.VectorType(_F32, 16)
+_KINDS = {types.float32: "f32", types.uint16: "bf16", types.int16: "f16"}
+
+
+def handles(kind: str, dim: int, rows: int) -> bool:
+    """Whether :func:`paged_decode_rows` takes a step of ``rows`` rows per kv head over a ``kind`` pool of head dim
+    ``dim``."""
+    return kind in ("f32", "bf16", "f16") and dim % _LANES == 0 and 0 < rows <= DECODE_ROWS
+
+
+def _load_widened(builder, kind, ptr, c):
+    """IR: the ``c``-th 16 stored values at ``ptr`` (a pointer to 16-value vectors) as float32 lanes."""
+    v = builder.load(builder.gep(ptr, [c]), align=2 if kind != "f32" else 4)
+    if kind == "f16":
+        return builder.fpext(v, _V16F)
+    if kind == "bf16":
+        v32 = ir.VectorType(_I32, 16)
+        return builder.bitcast(builder.shl(builder.zext(v, v32), ir.Constant(v32, [16] * 16)), _V16F)
+    return v
+
+
+def _row_ptr(builder, kind, address):
+    elem = {"f32": _F32, "bf16": ir.IntType(16), "f16": ir.HalfType()}[kind]
+    return typed_ptr(builder, address, ir.VectorType(elem, 16))
+
+
+def _fmuladd(builder):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3),
+                                          "llvm.fmuladd.v16f32")
+
+
+def _broadcast(builder, x):
+    undef1 = ir.Constant(ir.VectorType(_F32, 1), ir.Undefined)
+    return builder.shuffle_vector(builder.insert_element(undef1, x, ir.Constant(_I32, 0)), undef1,
+                                  ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+
+
+def _lane_sums4(builder, vs):
+    """IR: the 16 lanes of each of 4 vectors added up in one fixed order (halves, pairwise: lane i
+    with i + 8, then i + 4, i + 2, i + 1), the 4 sums in one 4-lane vector; the 4 vectors reduced together (10
+    shuffles and 5 additions instead of 32 and 16)."""
+    def pick(a, b, idx):
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, len(idx)), idx))
+
+    # 16 lanes per row -> 8: [a lanes (i + i + 8), b lanes (i + i + 8)]
+    ab = builder.fadd(pick(vs[0], vs[1], list(range(8)) + list(range(16, 24))),
+                      pick(vs[0], vs[1], list(range(8, 16)) + list(range(24, 32))))
+    cd = builder.fadd(pick(vs[2], vs[3], list(range(8)) + list(range(16, 24))),
+                      pick(vs[2], vs[3], list(range(8, 16)) + list(range(24, 32))))
+    # 8 per row -> 4: lane i with i + 4 within each row's 8
+    lo = [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27]
+    q = builder.fadd(pick(ab, cd, lo), pick(ab, cd, [i + 4 for i in lo]))
+    # 4 per row -> 2: lane i with i + 2
+    lo = [0, 1, 4, 5, 8, 9, 12, 13]
+    h = builder.fadd(pick(q, q, lo), pick(q, q, [i + 2 for i in lo]))
+    # 2 per row -> 1
+    return builder.fadd(pick(h, h, [0, 2, 4, 6]), pick(h, h, [1, 3, 5, 7]))
+
+
+def _ints(context, builder, signature, args, count):
+    return [context.cast(builder, a, t, types.uint64) for a, t in zip(args[:count], signature.args[:count],
+                                                                      strict=True)]
+
+
+#: Query rows whose scores :func:`_scores` computes together (independent sums; each key chunk loaded once).
+SCORE_ROWS = 4
+#: Output chunks of 16 values :func:`_weighted_values` accumulates together in registers.
+_VALUE_CHUNKS = 4
+
+
+@intrinsic
+def _scores(typingctx, qs, groups, keys, key_bytes, nkeys, n16, s, s_stride, sample):
+    """``s[r * s_stride + j] = sum_i qs[r, i] * widen(K_j[i])`` for keys ``j < nkeys`` (stored rows ``key_bytes``
+    apart from address ``keys``, of ``sample``'s type) and rows ``r < SCORE_ROWS * groups`` of ``qs`` (float32
+    ``[rows, 16 n16]`` at its address), ``SCORE_ROWS`` rows at a time: per row 16 lane sums in order, then
+    :func:`_lane_sum`."""
+    ints = (qs, groups, keys, key_bytes, nkeys, n16, s, s_stride)
+    if sample not in _KINDS or not all(isinstance(a, types.Integer) for a in ints):
+        return None
+
+    def codegen(context, builder, signature, args):
+        qs_, groups_, keys_, kb_, nk_, n_, s_, ss_ = _ints(context, builder, signature, args, 8)
+        kind = _KINDS[signature.args[8]]
+        qp, sp = typed_ptr(builder, qs_, _V16F), typed_ptr(builder, s_, _F32)
+        fma = _fmuladd(builder)
+        zero = ir.Constant(_V16F, [0.0] * 16)
+        accs = [cgutils.alloca_once(builder, _V16F) for _ in range(SCORE_ROWS)]
+        with cgutils.for_range(builder, nk_) as kl:
+            j = kl.index
+            kp = _row_ptr(builder, kind, builder.add(keys_, builder.mul(j, kb_)))
+            with cgutils.for_range(builder, groups_) as gl:
+                r0 = builder.mul(gl.index, ir.Constant(_I64, SCORE_ROWS))
+                for a in accs:
+                    builder.store(zero, a)
+                with cgutils.for_range(builder, n_) as cl:
+                    c = cl.index
+                    w = _load_widened(builder, kind, kp, c)
+                    for i, a in enumerate(accs):
+                        at = builder.add(builder.mul(builder.add(r0, ir.Constant(_I64, i)), n_), c)
+                        qv = builder.load(builder.gep(qp, [at]), align=4)
+                        builder.store(builder.call(fma, [qv, w, builder.load(a)]), a)
+                sums = _lane_sums4(builder, [builder.load(a) for a in accs])
+                for i in range(SCORE_ROWS):
+                    at = builder.add(builder.mul(builder.add(r0, ir.Constant(_I64, i)), ss_), j)
+                    builder.store(builder.extract_element(sums, ir.Constant(_I32, i)), builder.gep(sp, [at]))
+        return context.get_dummy_value()
+    return types.void(qs, groups, keys, key_bytes, nkeys, n16, s, s_stride, sample), codegen
+
+
+def _accumulate(builder, kind, fma, o, n16, p, p_stride, vals, vb, nk, r0, c0, width):
+    """IR: ``o[r0 + i, c0 + c] += sum_j p[(r0 + i) p_stride + j] * widen(V_j[c0 + c])`` for ``SCORE_ROWS`` rows i
+    and ``width`` chunks c (of 16 values), the ``SCORE_ROWS x width`` sums in registers, keys in order."""
+    op, pp = typed_ptr(builder, o, _V16F), typed_ptr(builder, p, _F32)
+    rows = [builder.add(r0, ir.Constant(_I64, i)) for i in range(SCORE_ROWS)]
+    chunks = [builder.add(c0, ir.Constant(_I64, c)) for c in range(width)]
+    outs = [[builder.gep(op, [builder.add(builder.mul(r, n16), c)]) for c in chunks] for r in rows]
+    accs = [[cgutils.alloca_once_value(builder, builder.load(at, align=4)) for at in row] for row in outs]
+    prow = [builder.gep(pp, [builder.mul(r, p_stride)]) for r in rows]
+    with cgutils.for_range(builder, nk) as kl:
+        j = kl.index
+        vp = _row_ptr(builder, kind, builder.add(vals, builder.mul(j, vb)))
+        ws = [_load_widened(builder, kind, vp, c) for c in chunks]
+        for i in range(SCORE_ROWS):
+            pj = _broadcast(builder, builder.load(builder.gep(prow[i], [j])))
+            for a, w in zip(accs[i], ws, strict=True):
+                builder.store(builder.call(fma, [pj, w, builder.load(a)]), a)
+    for row_accs, row_outs in zip(accs, outs, strict=True):
+        for a, at in zip(row_accs, row_outs, strict=True):
+            builder.store(builder.load(a), at, align=4)
+
+
+@intrinsic
+def _weighted_values(typingctx, o, groups, p, p_stride, vals, val_bytes, nkeys, n16, sample):
+    """``o[r, :] += sum_{j < nkeys} p[r * p_stride + j] * widen(V_j)`` for rows ``r < SCORE_ROWS * groups``
+    (float32 ``o [rows, 16 n16]`` and ``p`` at their addresses; stored rows ``val_bytes`` apart from address
+    ``vals``, of ``sample``'s type): each output value summed over the keys in order, tiles of ``SCORE_ROWS`` rows
+    x ``_VALUE_CHUNKS`` chunks of 16 outputs in registers (each V chunk widened once per tile)."""
+    ints = (o, groups, p, p_stride, vals, val_bytes, nkeys, n16)
+    if sample not in _KINDS or not all(isinstance(a, types.Integer) for a in ints):
+        return None
+
+    def codegen(context, builder, signature, args):
+        o_, groups_, p_, ps_, v_, vb_, nk_, n_ = _ints(context, builder, signature, args, 8)
+        kind = _KINDS[signature.args[8]]
+        fma = _fmuladd(builder)
+        width = ir.Constant(_I64, _VALUE_CHUNKS)
+        full = builder.udiv(n_, width)
+        with cgutils.for_range(builder, groups_) as gl:
+            r0 = builder.mul(gl.index, ir.Constant(_I64, SCORE_ROWS))
+            with cgutils.for_range(builder, full) as cl:
+                _accumulate(builder, kind, fma, o_, n_, p_, ps_, v_, vb_, nk_, r0, builder.mul(cl.index, width),
+                            _VALUE_CHUNKS)
+            with cgutils.for_range(builder, builder.sub(n_, builder.mul(full, width))) as cl:
+                _accumulate(builder, kind, fma, o_, n_, p_, ps_, v_, vb_, nk_, r0,
+                            builder.add(builder.mul(full, width), cl.index), 1)
+        return context.get_dummy_value()
+    return types.void(o, groups, p, p_stride, vals, val_bytes, nkeys, n16, sample), codegen
+
+
+def splits_for(t_count: int, block_size: int, start: int, window: int) -> int:
+    """Runs of keys per kv head for a step of ``t_count`` queries from position ``start``: one per
+    :data:`SPLIT_BLOCKS` pool blocks the step reads (from the context alone, never the thread count)."""
+    hi = start + t_count
+    lo = 0 if window == 0 else max(0, start - window + 1)
+    blocks = (hi - 1) // block_size - lo // block_size + 1
+    return max(1, (blocks + SPLIT_BLOCKS - 1) // SPLIT_BLOCKS)
+
+
+@nb.njit(parallel=True, cache=True, fastmath=_FASTMATH)
+def paged_decode_rows(q, k_pool, v_pool, block_table, start, window, sinks, scale, nsplit, out):
+    """As :func:`~freetoken.cpu_kernels.paged_attention.paged_attention_rows` for a float32, bf16 (uint16) or f16
+    (int16) pool, ``H / Hkv * T <= DECODE_ROWS`` and ``D % 16 == 0``, in ``nsplit`` runs of keys per kv head
+    (:func:`splits_for`). The fp8 kind runs the prompt kernel."""
+    t_count, heads, dim = q.shape
+    bs, kv_heads = k_pool.shape[1], k_pool.shape[2]
+    group = heads // kv_heads
+    rows = t_count * group
+    n16 = dim // _LANES
+    ngroups = (bs + _LANES - 1) // _LANES
+    row_bytes = np.uint64(dim * k_pool.itemsize)
+    key_bytes = row_bytes * np.uint64(kv_heads)  # consecutive positions of one kv head
+    hi = start + t_count  # keys [lo, hi) serve some row
+    lo = 0 if window == 0 else max(0, start - window + 1)
+    b_first = lo // bs
+    nblocks = (hi - 1) // bs - b_first + 1
+    rows_pad = (rows + SCORE_ROWS - 1) // SCORE_ROWS * SCORE_ROWS
+    bsp = ngroups * _LANES
+    part_m = np.empty((kv_heads, nsplit, rows), np.float32)
+    part_l = np.empty((kv_heads, nsplit, rows), np.float32)
+    part_o = np.empty((kv_heads, nsplit, rows_pad, dim), np.float32)
+    for task in nb.prange(kv_heads * nsplit):
+        kvh = task // nsplit
+        sp = task - kvh * nsplit
+        qs = np.zeros((rows_pad, dim), np.float32)  # padding rows: scores computed and never read
+        for r in range(rows):
+            t = r // group
+            h = kvh * group + r % group
+            for d in range(dim):
+                qs[r, d] = q[t, h, d] * scale
+        m = np.full(rows, -np.inf, np.float32)
+        lsum = np.zeros(rows, np.float32)
+        o = part_o[kvh, sp]
+        o[:] = np.float32(0.0)
+        s = np.zeros((ngroups, rows_pad, _LANES), np.float32)
+        p = np.zeros((rows_pad, bsp), np.float32)  # padding rows stay 0
+        tot = np.empty(_LANES, np.float32)
+        no_o = np.empty((0, rows, _LANES), np.float32)  # _fold_row's rescale of o: done here, o's layout differs
+        kbase, vbase = addr(k_pool), addr(v_pool)
+        for blk in range(b_first + sp * nblocks // nsplit, b_first + (sp + 1) * nblocks // nsplit):
+            base = blk * bs
+            block = block_table[blk]
+            j0 = max(lo - base, 0)
+            j1 = min(hi - base, bs)  # keys past the last query's position are not read
+            g_lo, g_hi = j0 // _LANES, (j1 + _LANES - 1) // _LANES
+            row0 = np.uint64(block * bs * kv_heads + kvh) * row_bytes
+            for g in range(g_lo, g_hi):
+                k0 = max(g * _LANES, j0)
+                _scores(addr(qs), rows_pad // SCORE_ROWS, kbase + row0 + np.uint64(k0 * kv_heads) * row_bytes,
+                        key_bytes, min(j1, g * _LANES + _LANES) - k0, n16,
+                        addr(s) + np.uint64(((g * rows_pad) * _LANES + k0 - g * _LANES) * 4), _LANES,
+                        k_pool[0, 0, 0, 0])
+            for r in range(rows):
+                pos = start + r // group
+                jhi = min(j1, pos - base + 1)  # keys up to the query's own position
+                jlo = j0 if window == 0 else max(0, pos - window + 1 - base)
+                for j in range(g_lo * _LANES, g_hi * _LANES):
+                    p[r, j] = np.float32(0.0)
+                if jhi <= jlo:
+                    continue
+                m_old = m[r]
+                _fold_row(s, p, m, lsum, no_o, tot, r, g_lo, g_hi, jlo, jhi)
+                corr = _exp(m_old - m[r]) if m_old > -np.inf else np.float32(0.0)
+                for d in range(dim):
+                    o[r, d] *= corr
+            _weighted_values(addr(o), rows_pad // SCORE_ROWS, addr(p) + np.uint64(j0 * 4), bsp,
+                             vbase + row0 + np.uint64(j0 * kv_heads) * row_bytes, key_bytes, j1 - j0, n16,
+                             v_pool[0, 0, 0, 0])
+        for r in range(rows):
+            part_m[kvh, sp, r] = m[r]
+            part_l[kvh, sp, r] = lsum[r]
+    for kvh in range(kv_heads):  # merge the runs (one run: out = o / (sum + sink))
+        for r in range(rows):
+            t = r // group
+            h = kvh * group + r % group
+            mx = -np.inf
+            for sp in range(nsplit):
+                mx = max(mx, part_m[kvh, sp, r])
+            den = np.float32(0.0)
+            for sp in range(nsplit):
+                if part_m[kvh, sp, r] > -np.inf:
+                    den += part_l[kvh, sp, r] * _exp(part_m[kvh, sp, r] - mx)
+            if sinks is not None:
+                den += np.float32(np.exp(np.float64(sinks[h]) - np.float64(mx)))
+            inv = np.float32(1.0) / den
+            for d in range(dim):
+                out[t, h * dim + d] = np.float32(0.0)
+            for sp in range(nsplit):
+                if part_m[kvh, sp, r] > -np.inf:
+                    w = _exp(part_m[kvh, sp, r] - mx) * inv
+                    for d in range(dim):
+                        out[t, h * dim + d] += part_o[kvh, sp, r, d] * w
