@@ -41,6 +41,7 @@ from freetoken.formats import RecordLayout
 
 SHAPES = {  # name: (hidden, inter, experts, experts with --quick)
     "qwen3-30b-a3b": (2048, 768, 64, 16),
+    "half-width": (1024, 384, 64, 16),  # bench_decode's 16-layer synthetic model: 0.66 MB per expert
     "deepseek-v3": (7168, 2048, 16, 8),
 }
 TOP_K = 8

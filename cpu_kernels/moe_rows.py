@@ -1,9 +1,9 @@
 """Per-format row kernels of the CPU expert forward: one row of an expert matrix dotted with 1, 2 or 4 token vectors.
 
-Format codes and decode tables, the bf16 and fp8_block row dots in plain Numba (they vectorise as written), and the
-per-row dispatch over every format (``row_dot*``), which the gate/up and down kernels
-(:mod:`freetoken.cpu_kernels.moe_kernels`) inline. The nibble formats' dots are LLVM IR intrinsics
-(:mod:`freetoken.cpu_kernels.moe_nibble`); every access goes through raw addresses
+Format codes and decode tables, the bf16 row dots in plain Numba (they vectorise as written), and the per-row
+dispatch over every format (``row_dot*``), which the gate/up and down kernels (:mod:`freetoken.cpu_kernels.moe_kernels`)
+inline. The nibble formats' dots are LLVM IR intrinsics (:mod:`freetoken.cpu_kernels.moe_nibble`), fp8_block's too
+(:mod:`freetoken.cpu_kernels.moe_fp8`); every access goes through raw addresses
 (:mod:`freetoken.cpu_kernels.moe_memory`).
 
 K order: bf16 and fp8_block read the natural element order; the nibble formats read "block split" order (each group
@@ -16,7 +16,8 @@ from __future__ import annotations
 import ml_dtypes
 import numba as nb
 import numpy as np
-from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, addr, load_f32, load_u8, load_u16, prefetch
+from freetoken.cpu_kernels.moe_fp8 import fp8_dot1, fp8_dot2, fp8_dot4
+from freetoken.cpu_kernels.moe_memory import addr, load_f32, load_u16
 from freetoken.cpu_kernels.moe_nibble import (
     mx_dot1,
     mx_dot1x2,
@@ -31,7 +32,6 @@ from freetoken.cpu_kernels.moe_nibble import (
     q4_dot2,
     q4_dot4,
 )
-from freetoken.cpu_kernels.widen import _widen
 
 # Format codes of the kernels (mxfp4 and ds_fp4 share banks and kernel).
 FMT_BF16 = 0
@@ -69,23 +69,11 @@ def block_split_perm(k: int) -> np.ndarray:
     return blk * 32 + np.where(r < 16, 2 * r, 2 * (r - 16) + 1)
 
 
-# ------------------------------------------------------------------------------------ bf16 and fp8_block: Numba
+# ------------------------------------------------------------------------------ bf16 (Numba) and fp8_block (IR)
 
 @nb.njit(inline="always")
 def _bf16(w16, i):
     return _U32(_U32(load_u16(w16, i)) << _U32(16)).view(_F32)
-
-
-@nb.njit(inline="always")
-def _e4m3_256(w8, i):
-    """e4m3fn byte / 256 as float32, exact (subnormals included; 0x7F/0xFF NaN): the byte's exponent and mantissa
-    moved into a half's fields (``<< 7``) are the value 2^-8 times (exponent bias 15 vs 7, subnormals too). One
-    ``vcvtph2ps`` per 8 or 16 values once vectorised, ~3x fewer instructions than decoding the fields in float
-    arithmetic; the row dots fold the 256 into the block scale."""
-    b = _U32(load_u8(w8, i))
-    mag = _U32(b & _U32(0x7F))
-    v = _widen(np.int16(_U32(mag << _U32(7)) | _U32(_U32(b & _U32(0x80)) << _U32(8))))  # half bits -> float32
-    return _F32(np.nan) if mag == _U32(0x7F) else v
 
 
 @nb.njit(fastmath=FASTMATH, inline="always")
@@ -127,53 +115,20 @@ def _fp8_row(e, n, rows, k):
 
 @nb.njit(fastmath=FASTMATH, inline="always")
 def _fp8_dot1(w8, s32, e, n, rows, k, x, o0):
-    src, sb, nkb = _fp8_row(e, n, rows, k)
-    a0 = _F32(0.0)
-    for kb in range(nkb):  # one 128-column scale block at a time
-        prefetch(w8 + src + (kb << _U64(7)) + _U64(PREFETCH_BYTES))
-        p0 = _F32(0.0)
-        for i in range(kb << _U64(7), min((kb + _U64(1)) << _U64(7), k)):
-            p0 += _e4m3_256(w8, src + i) * load_f32(x, o0 + i)
-        a0 += p0 * (load_f32(s32, sb + kb) * _F32(256.0))
-    return a0
+    src, sb, _ = _fp8_row(e, n, rows, k)
+    return fp8_dot1(w8 + src, s32 + sb * _U64(4), x, o0, k)
 
 
 @nb.njit(fastmath=FASTMATH, inline="always")
 def _fp8_dot2(w8, s32, e, n, rows, k, x, o0, o1):
-    src, sb, nkb = _fp8_row(e, n, rows, k)
-    a0 = a1 = _F32(0.0)
-    for kb in range(nkb):
-        prefetch(w8 + src + (kb << _U64(7)) + _U64(PREFETCH_BYTES))
-        p0 = p1 = _F32(0.0)
-        for i in range(kb << _U64(7), min((kb + _U64(1)) << _U64(7), k)):
-            v = _e4m3_256(w8, src + i)
-            p0 += v * load_f32(x, o0 + i)
-            p1 += v * load_f32(x, o1 + i)
-        sc = load_f32(s32, sb + kb) * _F32(256.0)
-        a0 += p0 * sc
-        a1 += p1 * sc
-    return a0, a1
+    src, sb, _ = _fp8_row(e, n, rows, k)
+    return fp8_dot2(w8 + src, s32 + sb * _U64(4), x, o0, o1, k)
 
 
 @nb.njit(fastmath=FASTMATH, inline="always")
 def _fp8_dot4(w8, s32, e, n, rows, k, x, o0, o1, o2, o3):
-    src, sb, nkb = _fp8_row(e, n, rows, k)
-    a0 = a1 = a2 = a3 = _F32(0.0)
-    for kb in range(nkb):
-        prefetch(w8 + src + (kb << _U64(7)) + _U64(PREFETCH_BYTES))
-        p0 = p1 = p2 = p3 = _F32(0.0)
-        for i in range(kb << _U64(7), min((kb + _U64(1)) << _U64(7), k)):
-            v = _e4m3_256(w8, src + i)
-            p0 += v * load_f32(x, o0 + i)
-            p1 += v * load_f32(x, o1 + i)
-            p2 += v * load_f32(x, o2 + i)
-            p3 += v * load_f32(x, o3 + i)
-        sc = load_f32(s32, sb + kb) * _F32(256.0)
-        a0 += p0 * sc
-        a1 += p1 * sc
-        a2 += p2 * sc
-        a3 += p3 * sc
-    return a0, a1, a2, a3
+    src, sb, _ = _fp8_row(e, n, rows, k)
+    return fp8_dot4(w8 + src, s32 + sb * _U64(4), x, o0, o1, o2, o3, k)
 
 
 # ---------------------------------------------------------------------------------------------------- dispatch

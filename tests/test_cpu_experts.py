@@ -87,6 +87,24 @@ def test_q8_is_the_default_where_the_cpu_has_int8_dots():
         uses_q8("q4_0", "int4")
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+def test_fp8_block_rows_tail_blocks_and_nan_codes(tokens):
+    """fp8_block rows with a K that ends in a partial 128-block (H = 160: one whole block and 2 chunks of 16; I = 96),
+    against the float64 reference; then the e4m3fn NaN codes (0x7F, 0xFF) in one gate row make that expert's
+    outputs NaN, as the reference's decode does, and leave the other tokens' experts finite."""
+    hidden, inter = 160, 96
+    banks, deq = _record("fp8_block", hidden, inter, 3, bias=False, seed=8)
+    _check("fp8_block", banks, deq, hidden, inter, "swiglu", tokens, 2, seed=8)
+    for code in (0x7F, 0xFF):
+        bad = {name: a.copy() for name, a in banks.items()}
+        bad["gate.w"][1, 5, 150] = code  # expert 1, gate row 5, a value in the partial block
+        x = np.random.default_rng(1).standard_normal((2, hidden)).astype(np.float32)
+        out = poison((2, hidden), np.float32)
+        forward("fp8_block", x, np.array([[1], [2]], np.int32), np.ones((2, 1), np.float32), bad, hidden, inter,
+                ACT_SWIGLU, out)
+        assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
+
+
 def test_duplicate_ids_and_zero_weights_exact():
     banks, deq = _record("mxfp4", 64, 32, 3, bias=True, seed=5)
     x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
