@@ -5,19 +5,22 @@ per-token ops around them (RMSNorm, RoPE, MoE routing: re-exported from :mod:`~f
 Public entry point of the products: :func:`gemv`. ``W`` is float32, float16 or bf16 (``uint16`` bits or
 ``ml_dtypes.bfloat16``); ``x`` and ``out`` are float32; accumulation is float32 (reassociated: vector lanes, FMA).
 
-* Few tokens (T <= :data:`GEMV_MAX_TOKENS`), :func:`_gemv_kernel`: bound by reading the weights (two flops per weight
-  and token). A ``prange`` over blocks of output rows (below :data:`SERIAL_MACS` multiply-adds the same loops on the
-  calling thread); each row is read from memory once per call, widened to float32
-  in registers (bf16: a 16-bit shift; f16: ``vcvtph2ps``) and dotted with every token (groups of 4, 2, 1 tokens; later
-  groups re-read the row from L1). Numba's loop vectoriser turns the inner loops into 16-lane FMAs.
+* Few tokens (T <= :data:`GEMV_MAX_TOKENS`): bound by reading the weights (two flops per weight and token). A
+  ``prange`` over blocks of output rows (below :data:`SERIAL_MACS` multiply-adds the same loops on the calling
+  thread); each row is read from memory once per token, widened to float32 in registers (bf16: a 16-bit shift; f16:
+  ``vcvtph2ps``). K a multiple of 16 (nearly every model), :func:`_gemv16_kernel`: 8 rows per explicit-vector call
+  (:func:`_dot_rows8`: 16-lane sums per row, the 8 rows' lanes added up together in one fixed order). Other K,
+  :func:`_gemv_kernel`: Numba's loop vectoriser over each row (tokens in groups of 4, 2, 1). On a 2-core Zen 5 the
+  vectoriser's kernel took 150-175 us for bf16 4096 x 192 (the bundled model's lm_head, L2-resident: ~10 GB/s,
+  ~130 cycles per 192-value row) in most processes and 17-33 us in a few, without a cause we could pin down (its
+  per-row horizontal sums and loop guards are the candidates); the explicit kernel took 19-25 us in every process,
+  and 1.3-2x less than the vectoriser's at K = 1024-2048 measured in one process.
 * More tokens, :func:`_gemm_kernel`: compute bound. A ``prange`` over 16-row panels of the weights, each widened
   once into float32 and multiplied by every token with the micro-kernel of :mod:`~freetoken.cpu_kernels.gemm_panel`
   (rows in vector lanes, one panel load per ``TOKENS`` FMAs); tokens in panels of about 1 MiB of ``x``.
 
 One kernel source serves the three storage types: it is compiled per weight dtype, and float16 (which Numba cannot
-type) travels as its ``int16`` bits, bf16 as ``uint16`` bits. Measured on a 2-core Zen 5 with the projections of a
-16-layer Qwen3-MoE-like model (hidden 1024, 94 MB in f16): one token 1.5-1.9 ms (50-63 GB/s; NumPy's float32
-product on one BLAS thread: 5.6 ms); 64 tokens 19 ms (~300 GFLOP/s; one BLAS thread: 58 ms).
+type) travels as its ``int16`` bits, bf16 as ``uint16`` bits.
 """
 
 from __future__ import annotations
@@ -25,10 +28,16 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 from freetoken.cpu_kernels.gemm_panel import PANEL_ROWS, TOKENS, panel_product, widen_panel
+from freetoken.cpu_kernels.lanes import F32, I32, I64, KINDS, V16F, fmuladd, lane_sums4, load_widened, row_ptr
+from freetoken.cpu_kernels.moe_memory import addr, typed_ptr
 from freetoken.cpu_kernels.rms_norm import rms_norm_rows
 from freetoken.cpu_kernels.rope import rope_rows
 from freetoken.cpu_kernels.routing import softmax_topk_rows
 from freetoken.cpu_kernels.widen import FASTMATH, _widen
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 __all__ = ["GEMV_MAX_TOKENS", "gemv", "matmul_into", "rms_norm_rows", "rope_rows", "softmax_topk_rows",
            "storage_view", "widen"]
@@ -79,6 +88,78 @@ def _row_tokens(x, w, out, r, t, t_count, k):
         out[t, r] = a0
 
 
+#: Weight rows one :func:`_dot_rows8` call dots with a token.
+LANE_ROWS = 8
+
+
+@intrinsic
+def _dot_rows8(typingctx, x, w, w_bytes, n16, out, sample):
+    """``out[i] = sum_c x[c] * widen(w_i[c])`` for the 8 weight rows ``w_i`` (``w_bytes`` apart from address ``w``, of
+    ``sample``'s type) and the float32 token ``x`` (``16 n16`` values at its address); ``out``: address of 8
+    float32. Rows one after the other (the matrix read in memory order), each into two 16-lane sums (even and odd
+    chunks: two FMA chains) added lane by lane; the 8 rows' lanes then added up 4 rows at a time in
+    :func:`~freetoken.cpu_kernels.lanes.lane_sums4`'s fixed order (no horizontal sum per row)."""
+    if sample not in KINDS or not all(isinstance(a, types.Integer) for a in (x, w, w_bytes, n16, out)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        x_, w_, wb_, n_, o_ = (context.cast(builder, a, t, types.uint64)
+                               for a, t in zip(args[:5], signature.args[:5], strict=True))
+        kind = KINDS[signature.args[5]]
+        xp = typed_ptr(builder, x_, V16F)
+        fma = fmuladd(builder)
+        zero = ir.Constant(V16F, [0.0] * 16)
+        two = ir.Constant(I64, 2)
+        pairs = builder.udiv(n_, two)
+        last = builder.sub(n_, ir.Constant(I64, 1))
+        sums = []
+        for i in range(LANE_ROWS):  # row after row: the matrix is read in memory order
+            rp = row_ptr(builder, kind, builder.add(w_, builder.mul(wb_, ir.Constant(I64, i))))
+            even, odd = (cgutils.alloca_once_value(builder, zero) for _ in range(2))
+            with cgutils.for_range(builder, pairs) as loop:
+                c0 = builder.mul(loop.index, two)
+                for a, c in ((even, c0), (odd, builder.add(c0, ir.Constant(I64, 1)))):
+                    xv = builder.load(builder.gep(xp, [c]), align=4)
+                    builder.store(builder.call(fma, [load_widened(builder, kind, rp, c), xv, builder.load(a)]), a)
+            with builder.if_then(builder.icmp_unsigned("!=", builder.mul(pairs, two), n_)):  # odd n16: the last
+                xv = builder.load(builder.gep(xp, [last]), align=4)
+                builder.store(builder.call(fma, [load_widened(builder, kind, rp, last), xv, builder.load(even)]),
+                              even)
+            sums.append(builder.fadd(builder.load(even), builder.load(odd)))
+        op = typed_ptr(builder, o_, F32)
+        for quad in range(LANE_ROWS // 4):
+            four = lane_sums4(builder, sums[4 * quad:4 * quad + 4])
+            for i in range(4):
+                builder.store(builder.extract_element(four, ir.Constant(I32, i)),
+                              builder.gep(op, [ir.Constant(I64, 4 * quad + i)]))
+        return context.get_dummy_value()
+    return types.void(x, w, w_bytes, n16, out, sample), codegen
+
+
+@nb.njit(parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
+def _gemv16_kernel(x, w, out):
+    """:func:`_gemv_kernel` for K a multiple of 16: rows in groups of :data:`LANE_ROWS` through :func:`_dot_rows8`
+    (explicit vector IR: no per-row horizontal sum, no alias-checked loop; the last N % 8 rows as there)."""
+    t_count, k = x.shape
+    n = w.shape[0]
+    n16 = k // 16
+    row_bytes = np.uint64(k * w.itemsize)
+    for blk in nb.prange((n + ROWS - 1) // ROWS):
+        r = blk * ROWS
+        r_end = min(r + ROWS, n)
+        while r + LANE_ROWS <= r_end:
+            for t in range(t_count):
+                _dot_rows8(addr(x) + np.uint64(t * k * 4), addr(w) + np.uint64(r) * row_bytes, row_bytes, n16,
+                           addr(out) + np.uint64((t * n + r) * 4), w[0, 0])
+            r += LANE_ROWS
+        for rr in range(r, r_end):
+            _row_tokens(x, w, out, rr, 0, t_count, k)
+
+
+#: :func:`_gemv16_kernel` on the calling thread.
+_gemv16_serial = nb.njit(cache=True, boundscheck=False, fastmath=FASTMATH)(_gemv16_kernel.py_func)
+
+
 @nb.njit(parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
 def _gemv_kernel(x, w, out):
     """out[t, r] = sum_i widen(w[r, i]) * x[t, i]; x [T, K], w [N, K], out [T, N], all C-contiguous."""
@@ -116,10 +197,11 @@ def matmul_into(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
     (:func:`storage_view`) [N, K], out float32 [T, N], all C-contiguous, T >= 1."""
     t_count = x.shape[0]
     if t_count <= GEMV_MAX_TOKENS:
+        lanes = x.shape[1] % 16 == 0  # nearly every model: the explicit-vector kernel
         if w.size * t_count < SERIAL_MACS:
-            _gemv_serial(x, w, out)
+            (_gemv16_serial if lanes else _gemv_serial)(x, w, out)
         else:
-            _gemv_kernel(x, w, out)
+            (_gemv16_kernel if lanes else _gemv_kernel)(x, w, out)
         return
     panel = max(4, PANEL_BYTES // (4 * max(1, x.shape[1])) // 4 * 4)
     nthreads = nb.get_num_threads()

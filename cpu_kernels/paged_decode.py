@@ -25,6 +25,18 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from freetoken.cpu_kernels.lanes import (
+    F32,
+    I32,
+    I64,
+    KINDS,
+    V16F,
+    broadcast,
+    fmuladd,
+    lane_sums4,
+    load_widened,
+    row_ptr,
+)
 from freetoken.cpu_kernels.moe_memory import addr, typed_ptr
 from freetoken.cpu_kernels.paged_attention import _FASTMATH, _LANES, _exp, _fold_row
 from llvmlite import ir
@@ -37,64 +49,12 @@ DECODE_ROWS = 16
 #: Pool blocks per run of keys (one parallel task per kv head and run).
 SPLIT_BLOCKS = 8
 
-_F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-_V16F = ir.VectorType(_F32, 16)
-_KINDS = {types.float32: "f32", types.uint16: "bf16", types.int16: "f16"}
 
 
 def handles(kind: str, dim: int, rows: int) -> bool:
     """Whether :func:`paged_decode_rows` takes a step of ``rows`` rows per kv head over a ``kind`` pool of head dim
     ``dim``."""
     return kind in ("f32", "bf16", "f16") and dim % _LANES == 0 and 0 < rows <= DECODE_ROWS
-
-
-def _load_widened(builder, kind, ptr, c):
-    """IR: the ``c``-th 16 stored values at ``ptr`` (a pointer to 16-value vectors) as float32 lanes."""
-    v = builder.load(builder.gep(ptr, [c]), align=2 if kind != "f32" else 4)
-    if kind == "f16":
-        return builder.fpext(v, _V16F)
-    if kind == "bf16":
-        v32 = ir.VectorType(_I32, 16)
-        return builder.bitcast(builder.shl(builder.zext(v, v32), ir.Constant(v32, [16] * 16)), _V16F)
-    return v
-
-
-def _row_ptr(builder, kind, address):
-    elem = {"f32": _F32, "bf16": ir.IntType(16), "f16": ir.HalfType()}[kind]
-    return typed_ptr(builder, address, ir.VectorType(elem, 16))
-
-
-def _fmuladd(builder):
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3),
-                                          "llvm.fmuladd.v16f32")
-
-
-def _broadcast(builder, x):
-    undef1 = ir.Constant(ir.VectorType(_F32, 1), ir.Undefined)
-    return builder.shuffle_vector(builder.insert_element(undef1, x, ir.Constant(_I32, 0)), undef1,
-                                  ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
-
-
-def _lane_sums4(builder, vs):
-    """IR: the 16 lanes of each of 4 vectors added up in one fixed order (halves, pairwise: lane i
-    with i + 8, then i + 4, i + 2, i + 1), the 4 sums in one 4-lane vector; the 4 vectors reduced together (10
-    shuffles and 5 additions instead of 32 and 16)."""
-    def pick(a, b, idx):
-        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, len(idx)), idx))
-
-    # 16 lanes per row -> 8: [a lanes (i + i + 8), b lanes (i + i + 8)]
-    ab = builder.fadd(pick(vs[0], vs[1], list(range(8)) + list(range(16, 24))),
-                      pick(vs[0], vs[1], list(range(8, 16)) + list(range(24, 32))))
-    cd = builder.fadd(pick(vs[2], vs[3], list(range(8)) + list(range(16, 24))),
-                      pick(vs[2], vs[3], list(range(8, 16)) + list(range(24, 32))))
-    # 8 per row -> 4: lane i with i + 4 within each row's 8
-    lo = [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27]
-    q = builder.fadd(pick(ab, cd, lo), pick(ab, cd, [i + 4 for i in lo]))
-    # 4 per row -> 2: lane i with i + 2
-    lo = [0, 1, 4, 5, 8, 9, 12, 13]
-    h = builder.fadd(pick(q, q, lo), pick(q, q, [i + 2 for i in lo]))
-    # 2 per row -> 1
-    return builder.fadd(pick(h, h, [0, 2, 4, 6]), pick(h, h, [1, 3, 5, 7]))
 
 
 def _ints(context, builder, signature, args, count):
@@ -115,34 +75,34 @@ def _scores(typingctx, qs, groups, keys, key_bytes, nkeys, n16, s, s_stride, sam
     ``[rows, 16 n16]`` at its address), ``SCORE_ROWS`` rows at a time: per row 16 lane sums in order, then
     :func:`_lane_sum`."""
     ints = (qs, groups, keys, key_bytes, nkeys, n16, s, s_stride)
-    if sample not in _KINDS or not all(isinstance(a, types.Integer) for a in ints):
+    if sample not in KINDS or not all(isinstance(a, types.Integer) for a in ints):
         return None
 
     def codegen(context, builder, signature, args):
         qs_, groups_, keys_, kb_, nk_, n_, s_, ss_ = _ints(context, builder, signature, args, 8)
-        kind = _KINDS[signature.args[8]]
-        qp, sp = typed_ptr(builder, qs_, _V16F), typed_ptr(builder, s_, _F32)
-        fma = _fmuladd(builder)
-        zero = ir.Constant(_V16F, [0.0] * 16)
-        accs = [cgutils.alloca_once(builder, _V16F) for _ in range(SCORE_ROWS)]
+        kind = KINDS[signature.args[8]]
+        qp, sp = typed_ptr(builder, qs_, V16F), typed_ptr(builder, s_, F32)
+        fma = fmuladd(builder)
+        zero = ir.Constant(V16F, [0.0] * 16)
+        accs = [cgutils.alloca_once(builder, V16F) for _ in range(SCORE_ROWS)]
         with cgutils.for_range(builder, nk_) as kl:
             j = kl.index
-            kp = _row_ptr(builder, kind, builder.add(keys_, builder.mul(j, kb_)))
+            kp = row_ptr(builder, kind, builder.add(keys_, builder.mul(j, kb_)))
             with cgutils.for_range(builder, groups_) as gl:
-                r0 = builder.mul(gl.index, ir.Constant(_I64, SCORE_ROWS))
+                r0 = builder.mul(gl.index, ir.Constant(I64, SCORE_ROWS))
                 for a in accs:
                     builder.store(zero, a)
                 with cgutils.for_range(builder, n_) as cl:
                     c = cl.index
-                    w = _load_widened(builder, kind, kp, c)
+                    w = load_widened(builder, kind, kp, c)
                     for i, a in enumerate(accs):
-                        at = builder.add(builder.mul(builder.add(r0, ir.Constant(_I64, i)), n_), c)
+                        at = builder.add(builder.mul(builder.add(r0, ir.Constant(I64, i)), n_), c)
                         qv = builder.load(builder.gep(qp, [at]), align=4)
                         builder.store(builder.call(fma, [qv, w, builder.load(a)]), a)
-                sums = _lane_sums4(builder, [builder.load(a) for a in accs])
+                sums = lane_sums4(builder, [builder.load(a) for a in accs])
                 for i in range(SCORE_ROWS):
-                    at = builder.add(builder.mul(builder.add(r0, ir.Constant(_I64, i)), ss_), j)
-                    builder.store(builder.extract_element(sums, ir.Constant(_I32, i)), builder.gep(sp, [at]))
+                    at = builder.add(builder.mul(builder.add(r0, ir.Constant(I64, i)), ss_), j)
+                    builder.store(builder.extract_element(sums, ir.Constant(I32, i)), builder.gep(sp, [at]))
         return context.get_dummy_value()
     return types.void(qs, groups, keys, key_bytes, nkeys, n16, s, s_stride, sample), codegen
 
@@ -150,18 +110,18 @@ def _scores(typingctx, qs, groups, keys, key_bytes, nkeys, n16, s, s_stride, sam
 def _accumulate(builder, kind, fma, o, n16, p, p_stride, vals, vb, nk, r0, c0, width):
     """IR: ``o[r0 + i, c0 + c] += sum_j p[(r0 + i) p_stride + j] * widen(V_j[c0 + c])`` for ``SCORE_ROWS`` rows i
     and ``width`` chunks c (of 16 values), the ``SCORE_ROWS x width`` sums in registers, keys in order."""
-    op, pp = typed_ptr(builder, o, _V16F), typed_ptr(builder, p, _F32)
-    rows = [builder.add(r0, ir.Constant(_I64, i)) for i in range(SCORE_ROWS)]
-    chunks = [builder.add(c0, ir.Constant(_I64, c)) for c in range(width)]
+    op, pp = typed_ptr(builder, o, V16F), typed_ptr(builder, p, F32)
+    rows = [builder.add(r0, ir.Constant(I64, i)) for i in range(SCORE_ROWS)]
+    chunks = [builder.add(c0, ir.Constant(I64, c)) for c in range(width)]
     outs = [[builder.gep(op, [builder.add(builder.mul(r, n16), c)]) for c in chunks] for r in rows]
     accs = [[cgutils.alloca_once_value(builder, builder.load(at, align=4)) for at in row] for row in outs]
     prow = [builder.gep(pp, [builder.mul(r, p_stride)]) for r in rows]
     with cgutils.for_range(builder, nk) as kl:
         j = kl.index
-        vp = _row_ptr(builder, kind, builder.add(vals, builder.mul(j, vb)))
-        ws = [_load_widened(builder, kind, vp, c) for c in chunks]
+        vp = row_ptr(builder, kind, builder.add(vals, builder.mul(j, vb)))
+        ws = [load_widened(builder, kind, vp, c) for c in chunks]
         for i in range(SCORE_ROWS):
-            pj = _broadcast(builder, builder.load(builder.gep(prow[i], [j])))
+            pj = broadcast(builder, builder.load(builder.gep(prow[i], [j])))
             for a, w in zip(accs[i], ws, strict=True):
                 builder.store(builder.call(fma, [pj, w, builder.load(a)]), a)
     for row_accs, row_outs in zip(accs, outs, strict=True):
@@ -176,17 +136,17 @@ def _weighted_values(typingctx, o, groups, p, p_stride, vals, val_bytes, nkeys, 
     ``vals``, of ``sample``'s type): each output value summed over the keys in order, tiles of ``SCORE_ROWS`` rows
     x ``_VALUE_CHUNKS`` chunks of 16 outputs in registers (each V chunk widened once per tile)."""
     ints = (o, groups, p, p_stride, vals, val_bytes, nkeys, n16)
-    if sample not in _KINDS or not all(isinstance(a, types.Integer) for a in ints):
+    if sample not in KINDS or not all(isinstance(a, types.Integer) for a in ints):
         return None
 
     def codegen(context, builder, signature, args):
         o_, groups_, p_, ps_, v_, vb_, nk_, n_ = _ints(context, builder, signature, args, 8)
-        kind = _KINDS[signature.args[8]]
-        fma = _fmuladd(builder)
-        width = ir.Constant(_I64, _VALUE_CHUNKS)
+        kind = KINDS[signature.args[8]]
+        fma = fmuladd(builder)
+        width = ir.Constant(I64, _VALUE_CHUNKS)
         full = builder.udiv(n_, width)
         with cgutils.for_range(builder, groups_) as gl:
-            r0 = builder.mul(gl.index, ir.Constant(_I64, SCORE_ROWS))
+            r0 = builder.mul(gl.index, ir.Constant(I64, SCORE_ROWS))
             with cgutils.for_range(builder, full) as cl:
                 _accumulate(builder, kind, fma, o_, n_, p_, ps_, v_, vb_, nk_, r0, builder.mul(cl.index, width),
                             _VALUE_CHUNKS)

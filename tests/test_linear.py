@@ -81,6 +81,32 @@ def test_both_kernels_every_remainder(kind):
             _check(out, x, wv)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "f16", "f32"])
+def test_lane_kernel_every_remainder_and_special_values(kind):
+    """The explicit-vector GEMV (K a multiple of 16): groups of 8 rows and the N % 8 rows after them (N = 1, 7, 8,
+    36..39, 47), an odd and an even count of 16-value chunks (K = 48, 64), T = 1..4, on the calling thread and in
+    parallel; inf and NaN weights propagate."""
+    rng = np.random.default_rng(5)
+    for k in (48, 64):
+        for n in (1, 7, 8, 36, 37, 38, 39, 47):
+            w, wv = _stored(rng.standard_normal((n, k), np.float32), kind)
+            w = G.storage_view(w)
+            for t in range(1, 5):
+                x = rng.standard_normal((t, k), np.float32)
+                for kernel in (G._gemv16_kernel, G._gemv16_serial):
+                    out = np.full((t, n), np.nan, np.float32)
+                    kernel(x, w, out)
+                    _check(out, x, wv)
+    w = np.ones((9, 32), np.float32)
+    w[1, 3], w[2, 0], w[3, 31], w[8, 17] = np.inf, np.nan, -np.inf, np.nan
+    ws = G.storage_view(to_storage(w, kind))
+    for t in (1, 2):
+        out = np.empty((t, 9), np.float32)
+        G._gemv16_kernel(np.ones((t, 32), np.float32), ws, out)
+        np.testing.assert_array_equal(out, np.broadcast_to([32.0, np.inf, np.nan, -np.inf] + [32.0] * 4 + [np.nan],
+                                                           (t, 9)))
+
+
 def test_gemv_token_panels_and_arguments():
     rng = np.random.default_rng(3)
     w = rng.standard_normal((40, 300), np.float32).astype(np.float16)
