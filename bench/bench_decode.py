@@ -8,11 +8,12 @@ Models:
   (16 layers, hidden 1024, expert FFN 384: 0.7 GB; 8 layers, hidden 2048, expert FFN 768: 1.4 GB); ``--synthetic
   PATH`` (repeatable) names existing files instead.
 
-Both engines run the same prompt (random ids), then greedy single-token decode steps, each on ``--threads``
-threads; times are the median of ``--reps`` runs after a warm-up. llama.cpp computes logits for every prompt
-token (logits_all, as freetoken's forward does). ``ratio`` is freetoken / llama.cpp (> 1: freetoken faster).
-``roof`` is the decode step's expert bytes (top-k records per MoE layer) over this machine's read bandwidth,
-measured in the same run: the best a bandwidth-bound decoder could do.
+Both engines run the same prompt (random ids), then greedy single-token decode steps, each on ``--threads`` threads;
+times are the median of ``--reps`` runs after a warm-up, the two engines' runs alternated (a drift of the machine's
+speed then hits both alike; ``pair range`` shows how far one pair's decode ratio strays from another's). llama.cpp
+computes logits for every prompt token (logits_all, as freetoken's forward does). ``ratio`` is freetoken / llama.cpp
+(> 1: freetoken faster). ``roof`` is the decode step's expert bytes (top-k records per MoE layer) over this
+machine's read bandwidth, measured in the same run: the best a bandwidth-bound decoder could do.
 
 ``--profile`` adds, per model, freetoken's time split of the prefill and of a decode step among routed experts,
 dense projections, attention and the rest (:mod:`profile_split`, timed in a separate run).
@@ -36,7 +37,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def _freetoken_times(path, prompt, steps, reps):
+def _freetoken_runner(path, prompt, steps):
+    """(one timed run: (prefill seconds, decode seconds), the model), warmed up."""
     from freetoken.engine.load import load
 
     model = load(path, device="cpu", ctx=len(prompt) + steps + 8)
@@ -53,11 +55,10 @@ def _freetoken_times(path, prompt, steps, reps):
         return t1 - t0, time.perf_counter() - t1
 
     run()  # warm-up: Numba compiles, caches fill
-    times = [run() for _ in range(reps)]
-    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times), model
+    return run, model
 
 
-def _llama_times(path, prompt, steps, reps, threads):
+def _llama_runner(path, prompt, steps, threads):
     import llama_cpp
 
     llm = llama_cpp.Llama(str(path), n_ctx=len(prompt) + steps + 8, n_batch=len(prompt), n_threads=threads,
@@ -75,8 +76,18 @@ def _llama_times(path, prompt, steps, reps, threads):
         return t1 - t0, time.perf_counter() - t1
 
     run()
-    times = [run() for _ in range(reps)]
-    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+    return run
+
+
+def _paired(ft_run, llama_run, reps):
+    """Runs of the two engines alternated (ft, llama, ft, ...), so that a drift of the machine's speed (a VM shares
+    its memory bandwidth with its neighbours) hits both alike: (ft times, llama times), lists of (prefill, decode)."""
+    ft, ll = [], []
+    for _ in range(reps):
+        ft.append(ft_run())
+        if llama_run is not None:
+            ll.append(llama_run())
+    return ft, ll
 
 
 def _read_bandwidth() -> float:
@@ -134,23 +145,28 @@ def main(argv=None) -> int:
     print(f"# {args.threads} threads; prompt {args.prompt_tokens} tokens, {args.decode_tokens} decode steps, "
           f"median of {args.reps}; memory read bandwidth {bw:.1f} GB/s; llama.cpp: {why or 'llama-cpp-python'}")
     header = (f"{'model':<32} {'ft prefill':>10} {'llama pf':>9} {'ratio':>6} {'ft decode':>10} {'llama dec':>10} "
-              f"{'ratio':>6} {'roof':>7}")
+              f"{'ratio':>6} {'pair range':>11} {'roof':>7}")
     print(header)
     print("-" * len(header))
     splits = []
     for name, path, gguf in rows:
-        pf, dc, model = _freetoken_times(path, prompt, args.decode_tokens, args.reps)
+        ft_run, model = _freetoken_runner(path, prompt, args.decode_tokens)
+        llama_run = _llama_runner(path, prompt, args.decode_tokens, args.threads) if gguf and have_llama else None
+        ft, ll = _paired(ft_run, llama_run, args.reps)
         cfg = model.config
         name = name or f"synthetic {cfg.num_layers}L/h{cfg.hidden}/{cfg.num_experts}E (q4_0)"
         step_bytes = sum(cfg.moe_layers) * cfg.top_k * model.experts.layout.record_bytes
         roof = bw * 1e9 / step_bytes
-        ft_pf, ft_dc = len(prompt) / pf, args.decode_tokens / dc
-        if gguf and have_llama:
-            lpf, ldc = _llama_times(path, prompt, args.decode_tokens, args.reps, args.threads)
-            l_pf, l_dc = len(prompt) / lpf, args.decode_tokens / ldc
-            cols = f"{l_pf:9.1f} {ft_pf / l_pf:6.2f} {ft_dc:10.1f} {l_dc:10.1f} {ft_dc / l_dc:6.2f}"
+        ft_pf = len(prompt) / statistics.median(t[0] for t in ft)
+        ft_dc = args.decode_tokens / statistics.median(t[1] for t in ft)
+        if ll:
+            l_pf = len(prompt) / statistics.median(t[0] for t in ll)
+            l_dc = args.decode_tokens / statistics.median(t[1] for t in ll)
+            pair = sorted(b[1] / a[1] for a, b in zip(ft, ll, strict=True))  # per pair: decode speed ratio
+            cols = (f"{l_pf:9.1f} {ft_pf / l_pf:6.2f} {ft_dc:10.1f} {l_dc:10.1f} {ft_dc / l_dc:6.2f} "
+                    f"{pair[0]:5.2f}-{pair[-1]:<5.2f}")
         else:
-            cols = f"{'-':>9} {'-':>6} {ft_dc:10.1f} {'-':>10} {'-':>6}"
+            cols = f"{'-':>9} {'-':>6} {ft_dc:10.1f} {'-':>10} {'-':>6} {'-':>11}"
         print(f"{name:<32} {ft_pf:10.1f} {cols} {roof:7.0f}", flush=True)
         if args.profile:
             from profile_split import format_split, split
@@ -158,7 +174,8 @@ def main(argv=None) -> int:
             splits.append(format_split(name, split(model, prompt, min(args.decode_tokens, 16), args.reps),
                                        len(prompt)))
         del model
-    print("tokens/s; ratio = freetoken / llama.cpp; roof = read bandwidth / expert bytes per decode step")
+    print("tokens/s (medians); ratio = freetoken / llama.cpp; pair range = the lowest and highest decode ratio of the "
+          "runs taken in alternation; roof = read bandwidth / expert bytes per decode step")
     for text in splits:
         print(text)
     return 0
