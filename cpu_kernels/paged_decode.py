@@ -50,7 +50,6 @@ DECODE_ROWS = 16
 SPLIT_BLOCKS = 8
 
 
-
 def handles(kind: str, dim: int, rows: int) -> bool:
     """Whether :func:`paged_decode_rows` takes a step of ``rows`` rows per kv head over a ``kind`` pool of head dim
     ``dim``."""
@@ -58,6 +57,7 @@ def handles(kind: str, dim: int, rows: int) -> bool:
 
 
 def _ints(context, builder, signature, args, count):
+    """The intrinsic's first ``count`` arguments (integers, addresses) as uint64 IR values."""
     return [context.cast(builder, a, t, types.uint64) for a, t in zip(args[:count], signature.args[:count],
                                                                       strict=True)]
 
