@@ -7,7 +7,7 @@ import numpy as np
 _NO_KEY = np.int64(0x7FFFFFFFFFFFFFFF)
 
 
-@nb.njit(cache=True)
+@nb.njit(error_model="numpy", cache=True)
 def cache_admit(ids, layer, experts, slot_for_id, id_of_slot, recency, pinned, clock, worklist, n_work, hits, misses,
                 err, count):
     """Admit one layer's routed ids (``ids`` int32, any shape, C-contiguous: expert indices, rewritten in place to slot
@@ -82,7 +82,7 @@ def cache_admit(ids, layer, experts, slot_for_id, id_of_slot, recency, pinned, c
         misses[layer] += n_miss
 
 
-@nb.njit(cache=True)
+@nb.njit(error_model="numpy", cache=True)
 def cache_copy_bank(worklist, n_work, src, dst):
     """Row ``worklist[2 i + 1]`` of ``src`` [records, bytes] into row ``worklist[2 i]`` of ``dst`` [slots, bytes]
     (uint8) for i < n_work[0]: one bank of ``cache_copy``."""
@@ -91,7 +91,7 @@ def cache_copy_bank(worklist, n_work, src, dst):
         dst[s, :] = src[f, :]
 
 
-@nb.njit(cache=True)
+@nb.njit(error_model="numpy", cache=True)
 def cache_borrow_layer(layer, first, experts, slot_for_id, id_of_slot, recency, worklist, n_work):
     """Prefill borrows slots [first, first + experts) for ``layer``: their owners lose mapping and recency, the slots
     stay unregistered, and the worklist lists the layer's records (slot first + e <- record layer * experts + e)."""

@@ -154,7 +154,7 @@ def widen16_strided(typingctx, w, k, stride, rows, panel, sample):
     return types.void(w, k, stride, rows, panel, sample), codegen
 
 
-@nb.njit(inline="always", fastmath=FASTMATH)
+@nb.njit(error_model="numpy", inline="always", fastmath=FASTMATH)
 def widen_panel(w, r0, panel):
     """``panel[c, r] = widen(w[r0 + r, c])`` for the 16 rows from ``r0`` (rows past the matrix: 0): 16 x 16
     blocks transposed in registers, the last K % 16 columns one by one."""
@@ -169,7 +169,7 @@ def widen_panel(w, r0, panel):
             panel[c, r] = np.float32(0.0)
 
 
-@nb.njit(inline="always", fastmath=FASTMATH)
+@nb.njit(error_model="numpy", inline="always", fastmath=FASTMATH)
 def panel_product(x, panel, r0, rows, out, toks, acc):
     """``out[:, r0:r0 + rows] = x @ panel[:, :rows]``: every token of ``x`` (float32 [T, K], C-contiguous) through
     the micro-kernel in K slices of ``KC`` and tiles of ``TOKENS``; ``toks`` int64 [TOKENS] and ``acc`` float32

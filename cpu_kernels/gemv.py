@@ -56,7 +56,7 @@ SERIAL_MACS = 1 << 18
 _F32 = np.float32
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def _row_tokens(x, w, out, r, t, t_count, k):
     """out[t:t_count, r] for one row r: tokens in groups of 4, 2, 1 (the row re-read from L1 by later groups)."""
     while t_count - t >= 4:
@@ -136,7 +136,7 @@ def _dot_rows8(typingctx, x, w, w_bytes, n16, out, sample):
     return types.void(x, w, w_bytes, n16, out, sample), codegen
 
 
-@nb.njit(parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
+@nb.njit(error_model="numpy", parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
 def _gemv16_kernel(x, w, out):
     """:func:`_gemv_kernel` for K a multiple of 16: rows in groups of :data:`LANE_ROWS` through :func:`_dot_rows8`
     (explicit vector IR: no per-row horizontal sum, no alias-checked loop; the last N % 8 rows as there)."""
@@ -157,10 +157,10 @@ def _gemv16_kernel(x, w, out):
 
 
 #: :func:`_gemv16_kernel` on the calling thread.
-_gemv16_serial = nb.njit(cache=True, boundscheck=False, fastmath=FASTMATH)(_gemv16_kernel.py_func)
+_gemv16_serial = nb.njit(error_model="numpy", cache=True, boundscheck=False, fastmath=FASTMATH)(_gemv16_kernel.py_func)
 
 
-@nb.njit(parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
+@nb.njit(error_model="numpy", parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
 def _gemv_kernel(x, w, out):
     """out[t, r] = sum_i widen(w[r, i]) * x[t, i]; x [T, K], w [N, K], out [T, N], all C-contiguous."""
     t_count, k = x.shape
@@ -171,10 +171,10 @@ def _gemv_kernel(x, w, out):
 
 
 #: :func:`_gemv_kernel` compiled without threads (``prange`` runs as ``range``): the same loops, the same sums.
-_gemv_serial = nb.njit(cache=True, boundscheck=False, fastmath=FASTMATH)(_gemv_kernel.py_func)
+_gemv_serial = nb.njit(error_model="numpy", cache=True, boundscheck=False, fastmath=FASTMATH)(_gemv_kernel.py_func)
 
 
-@nb.njit(parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
+@nb.njit(error_model="numpy", parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
 def _gemm_kernel(x, w, out, nthreads):
     """The same product for many tokens: a ``prange`` over 16-row panels, each widened once into a float32
     ``[K, 16]`` buffer of the thread and multiplied by every token in K slices of ``KC`` and token tiles of

@@ -3,7 +3,7 @@
 import numba as nb
 
 
-@nb.njit(cache=True)
+@nb.njit(error_model="numpy", cache=True)
 def histogram_i32(ids, counts):
     nbins = counts.shape[0]
     for i in range(ids.shape[0]):

@@ -46,7 +46,7 @@ def _encode_typed(x, sample):
     return None
 
 
-@nb.njit(cache=True)
+@nb.njit(error_model="numpy", cache=True)
 def kv_store_rows(k, v, k_pool, v_pool, block_table, start):
     """Rows ``t`` of ``k``, ``v`` (float32 ``[T, Hkv, D]``) into pool block ``block_table[(start + t) // BS]``, row
     ``(start + t) % BS`` of ``k_pool``, ``v_pool`` (``[NB, BS, Hkv, D]``: float32, or uint16 bf16 bits)."""

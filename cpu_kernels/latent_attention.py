@@ -29,7 +29,7 @@ HEAD_CHUNK = 16
 _FASTMATH = {"contract"}  # fused multiply-adds; no reassociation: results do not depend on the vector width
 
 
-@nb.njit(parallel=True, cache=True, fastmath=_FASTMATH)
+@nb.njit(error_model="numpy", parallel=True, cache=True, fastmath=_FASTMATH)
 def latent_attention_rows(q, pool, pool_scale, table, block_table, start, rank, scale, out):
     """q float32 ``[T, H, R + P]`` at positions ``start ..``; pool ``[NB, BS, 1, R + P]`` (float32, uint16 = bf16
     bits, int16 = IEEE half bits, uint8 = fp8 codes with float32 scales ``[NB, BS, 1]``, else scales None);

@@ -55,7 +55,7 @@ _F32 = np.float32
 _U64 = np.uint64
 
 
-@nb.njit(cache=True)
+@nb.njit(error_model="numpy", cache=True)
 def group_pairs(ids, weights, num_experts):
     """Unique experts (ascending) and their tokens; duplicate (token, expert) pairs merged by summing weights.
 
@@ -100,7 +100,7 @@ def group_pairs(ids, weights, num_experts):
     return uniq[:u + 1], poff[:u + 2], ptok[:p + 1], pw[:p + 1], np.int64(-1)
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def rows_dot(fmt, q8, w, s, g, e, n, nr, rows, k, x, xq, offs, npairs, acc):
     """Rows ``n .. n + nr - 1`` of matrix ``e`` dotted with token vectors into ``acc[r * npairs + q]`` (float32
     address). Token vectors: float32 at element offsets ``offs[:npairs]`` (int64 address) of address ``x``, or, with
@@ -141,7 +141,7 @@ def rows_dot(fmt, q8, w, s, g, e, n, nr, rows, k, x, xq, offs, npairs, acc):
             store_f32(acc, q, row_dot1(fmt, w, s, g, e, n, rows, k, x, o0))
 
 
-@nb.njit(inline="always")
+@nb.njit(error_model="numpy", inline="always")
 def quantize_rows_parallel(q8, x, qoff, xq8):
     """With ``q8``: every row of ``x`` into the 8-bit rows ``xq8`` = (qa, nc, dx, cs) (one parallel region), returning
     the row dots' (qa, nc, dx, kp) addresses; without: zeros. Many rows (a prompt) in one parallel region."""
@@ -157,7 +157,7 @@ def quantize_rows_parallel(q8, x, qoff, xq8):
     return addr(qa), addr(nc), addr(dx), _U64(qa.shape[1])
 
 
-@nb.njit(inline="always")
+@nb.njit(error_model="numpy", inline="always")
 def _activation(g, u, act):
     if act == ACT_SWIGLU:
         return g / (_F32(1.0) + np.exp(-g)) * u
@@ -167,7 +167,7 @@ def _activation(g, u, act):
     return (u + _F32(1.0)) * g / (_F32(1.0) + np.exp(_F32(-GPT_OSS_ALPHA) * g))
 
 
-@nb.njit(inline="always")
+@nb.njit(error_model="numpy", inline="always")
 def _tile_tokens(offs, q0, npairs, toks):
     """``TILE_TOKENS`` token row indices from ``offs[q0:]`` into ``toks``, the last one repeated past ``npairs``;
     returns how many are real."""
@@ -177,7 +177,7 @@ def _tile_tokens(offs, q0, npairs, toks):
     return n
 
 
-@nb.njit(inline="always")
+@nb.njit(error_model="numpy", inline="always")
 def _panel_buffers(k):
     """A worker's panel, its scales, the tile's token indices and outputs (two of each panel: gate and up)."""
     nblk = k // 32
@@ -185,7 +185,7 @@ def _panel_buffers(k):
             np.empty(TILE_TOKENS, np.int64), np.empty((2, TILE_TOKENS * PANEL_ROWS), np.float32))
 
 
-@nb.njit(parallel=True, nogil=True, cache=True, boundscheck=False, fastmath=FASTMATH)
+@nb.njit(error_model="numpy", parallel=True, nogil=True, cache=True, boundscheck=False, fastmath=FASTMATH)
 def gate_up_kernel(fmt, gate, up, gb, ub, has_bias, act, uniq, poff, ptok, xs, q8, qoff, xq8, hidden, inter, hperm,
                    h, nthreads):
     """h[p, hperm[n]] = act(gate_e[n] . x[ptok[p]] + gb, up_e[n] . x[ptok[p]] + ub) for the pairs p of each e.
@@ -259,7 +259,7 @@ def gate_up_kernel(fmt, gate, up, gb, ub, has_bias, act, uniq, poff, ptok, xs, q
                 n += nr
 
 
-@nb.njit(parallel=True, nogil=True, cache=True, boundscheck=False, fastmath=FASTMATH)
+@nb.njit(error_model="numpy", parallel=True, nogil=True, cache=True, boundscheck=False, fastmath=FASTMATH)
 def down_kernel(fmt, down, db, has_bias, uniq, poff, ptok, pw, h, q8, qoff, hq8, hidden, inter, out, nthreads):
     """out[t, r] = sum over pairs p of token t: pw[p] * (down_e[r] . h[p] + db[e, r]); ``down``: bank addresses,
     ``db``: address of the float32 [E, H] biases; with ``q8`` h is first quantized into ``hq8`` and that is read

@@ -71,12 +71,12 @@ def block_split_perm(k: int) -> np.ndarray:
 
 # ------------------------------------------------------------------------------ bf16 (Numba) and fp8_block (IR)
 
-@nb.njit(inline="always")
+@nb.njit(error_model="numpy", inline="always")
 def _bf16(w16, i):
     return _U32(_U32(load_u16(w16, i)) << _U32(16)).view(_F32)
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def _bf16_dot1(w16, src, x, o0, n):
     a0 = _F32(0.0)
     for i in range(n):
@@ -84,7 +84,7 @@ def _bf16_dot1(w16, src, x, o0, n):
     return a0
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def _bf16_dot2(w16, src, x, o0, o1, n):
     a0 = a1 = _F32(0.0)
     for i in range(n):
@@ -94,7 +94,7 @@ def _bf16_dot2(w16, src, x, o0, o1, n):
     return a0, a1
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def _bf16_dot4(w16, src, x, o0, o1, o2, o3, n):
     a0 = a1 = a2 = a3 = _F32(0.0)
     for i in range(n):
@@ -106,26 +106,26 @@ def _bf16_dot4(w16, src, x, o0, o1, o2, o3, n):
     return a0, a1, a2, a3
 
 
-@nb.njit(inline="always")
+@nb.njit(error_model="numpy", inline="always")
 def _fp8_row(e, n, rows, k):
     """(first value index, first scale index, scale blocks per row) of row n of matrix e."""
     nkb = (k + _U64(127)) >> _U64(7)
     return (e * rows + n) * k, (e * ((rows + _U64(127)) >> _U64(7)) + (n >> _U64(7))) * nkb, nkb
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def _fp8_dot1(w8, s32, e, n, rows, k, x, o0):
     src, sb, _ = _fp8_row(e, n, rows, k)
     return fp8_dot1(w8 + src, s32 + sb * _U64(4), x, o0, k)
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def _fp8_dot2(w8, s32, e, n, rows, k, x, o0, o1):
     src, sb, _ = _fp8_row(e, n, rows, k)
     return fp8_dot2(w8 + src, s32 + sb * _U64(4), x, o0, o1, k)
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def _fp8_dot4(w8, s32, e, n, rows, k, x, o0, o1, o2, o3):
     src, sb, _ = _fp8_row(e, n, rows, k)
     return fp8_dot4(w8 + src, s32 + sb * _U64(4), x, o0, o1, o2, o3, k)
@@ -137,12 +137,12 @@ def _fp8_dot4(w8, s32, e, n, rows, k, x, o0, o1, o2, o3):
 # scale bank and nvfp4 globals float32 [E] (a dummy where the format has none). ``fmt`` is a runtime value: the
 # branches are per row, the loops inside them are format-specific.
 
-@nb.njit(fastmath=FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def _row(e, rows, n, k):
     return _U64(e) * _U64(rows) + _U64(n), k >> _U64(5)
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def row_dot1(fmt, w, s, g, e, n, rows, k, x, o0):
     k, o0 = _U64(k), _U64(o0)
     row, nblk = _row(e, rows, n, k)
@@ -162,7 +162,7 @@ def row_dot1(fmt, w, s, g, e, n, rows, k, x, o0):
     return res
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def row_dot2(fmt, w, s, g, e, n, rows, k, x, o0, o1):
     k, o0, o1 = _U64(k), _U64(o0), _U64(o1)
     row, nblk = _row(e, rows, n, k)
@@ -182,7 +182,7 @@ def row_dot2(fmt, w, s, g, e, n, rows, k, x, o0, o1):
     return res
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def row_dot4(fmt, w, s, g, e, n, rows, k, x, o0, o1, o2, o3):
     k, o0, o1, o2, o3 = _U64(k), _U64(o0), _U64(o1), _U64(o2), _U64(o3)
     row, nblk = _row(e, rows, n, k)
@@ -202,7 +202,7 @@ def row_dot4(fmt, w, s, g, e, n, rows, k, x, o0, o1, o2, o3):
     return res
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def row_dot1x2(fmt, w, s, g, e, n, rows, k, x, o0):
     """Rows n and n + 1 with one token vector: (dot_n, dot_n+1). Nibble formats only."""
     k, o0 = _U64(k), _U64(o0)

@@ -44,7 +44,7 @@ _F32 = np.float32
 _U64 = np.uint64
 
 
-@nb.njit(inline="always")
+@nb.njit(error_model="numpy", inline="always")
 def _args(fmt, w, s, g, e, n, rows, k):
     """(value address, scale address, scale table address, global) of row n of matrix e, and its block count."""
     row = _U64(e) * _U64(rows) + _U64(n)
@@ -57,7 +57,7 @@ def _args(fmt, w, s, g, e, n, rows, k):
     return wa, s + row * nblk * _U64(2), addr(E8M0_TABLE), _F32(1.0), nblk
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def row_q8_dot1(fmt, w, s, g, e, n, rows, k, xq, r0):
     wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
     qa, nc, dx, kp = xq
@@ -68,7 +68,7 @@ def row_q8_dot1(fmt, w, s, g, e, n, rows, k, xq, r0):
     return q4_q8_dot1(wa, sa, st, gv, qa, nc, dx, kp, r0, nblk)
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def row_q8_dot2(fmt, w, s, g, e, n, rows, k, xq, r0, r1):
     wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
     qa, nc, dx, kp = xq
@@ -79,7 +79,7 @@ def row_q8_dot2(fmt, w, s, g, e, n, rows, k, xq, r0, r1):
     return q4_q8_dot2(wa, sa, st, gv, qa, nc, dx, kp, r0, r1, nblk)
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def row_q8_dot4(fmt, w, s, g, e, n, rows, k, xq, r0, r1, r2, r3):
     wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
     qa, nc, dx, kp = xq
@@ -90,7 +90,7 @@ def row_q8_dot4(fmt, w, s, g, e, n, rows, k, xq, r0, r1, r2, r3):
     return q4_q8_dot4(wa, sa, st, gv, qa, nc, dx, kp, r0, r1, r2, r3, nblk)
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def row_q8_dot1x2(fmt, w, s, g, e, n, rows, k, xq, r0):
     wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
     qa, nc, dx, kp = xq
@@ -101,7 +101,7 @@ def row_q8_dot1x2(fmt, w, s, g, e, n, rows, k, xq, r0):
     return q4_q8_dot1x2(wa, sa, st, gv, qa, nc, dx, kp, r0, nblk)
 
 
-@nb.njit(inline="always")
+@nb.njit(error_model="numpy", inline="always")
 def panel_repack(fmt, w, s, g, e, n, rows, k, panel, pscale):
     """Rows ``n .. n + 15`` of matrix ``e`` into the int8 panel at address ``panel`` and its scales at ``pscale``
     (:mod:`freetoken.cpu_kernels.moe_int8_tile`)."""
@@ -114,7 +114,7 @@ def panel_repack(fmt, w, s, g, e, n, rows, k, panel, pscale):
         q4_q8_repack16(wa, sa, st, gv, nblk, panel, pscale)
 
 
-@nb.njit(inline="always")
+@nb.njit(error_model="numpy", inline="always")
 def panel_tile(fmt, panel, pscale, xq, cs, toks, k, out):
     """The panel's 16 rows dotted with ``TILE_TOKENS`` 8-bit token rows (indices at address ``toks``) into float32
     ``out [TILE_TOKENS, 16]`` (addresses); ``cs``: the token rows' half-block sums

@@ -44,7 +44,7 @@ def _bits_f32(typingctx, i):
     return types.float32(i), codegen
 
 
-@nb.njit(inline="always", fastmath=_FASTMATH)
+@nb.njit(error_model="numpy", inline="always", fastmath=_FASTMATH)
 def _exp(x):
     """exp(x) for float32 x <= 0 (scores minus their running max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2],
     p the degree-6 Taylor polynomial (relative error < 3e-7); x < -87 gives 0."""
@@ -62,7 +62,7 @@ def _exp(x):
     return v if x >= np.float32(-87.0) else np.float32(0.0)
 
 
-@nb.njit(inline="always")
+@nb.njit(error_model="numpy", inline="always")
 def _widen_fp8(code, table, scale):
     return table[code] * scale
 
@@ -93,7 +93,7 @@ def _key_panel_typed(pool, scales, table, block, kvh, g0, nkeys, panel, tmp):
     return plain
 
 
-@nb.njit(inline="always", fastmath=_FASTMATH)
+@nb.njit(error_model="numpy", inline="always", fastmath=_FASTMATH)
 def _widen_rows(rows_view, src, stride, nkeys, panel, sample):
     dim = panel.shape[0]
     if dim >= 16:
@@ -134,7 +134,7 @@ def _value_panels_typed(pool, scales, table, block, kvh, nkeys, vpan):
     return plain
 
 
-@nb.njit(inline="always")
+@nb.njit(error_model="numpy", inline="always")
 def _zero_value_tail(dim, nkeys, vpan):
     """Zeros in ``vpan`` past D (the last panel's lanes) and past ``nkeys`` (the block's last keys)."""
     nc, bsp = vpan.shape[0], vpan.shape[1]
@@ -147,7 +147,7 @@ def _zero_value_tail(dim, nkeys, vpan):
                 vpan[c, j, lane] = np.float32(0.0)
 
 
-@nb.njit(inline="always", fastmath=_FASTMATH)
+@nb.njit(error_model="numpy", inline="always", fastmath=_FASTMATH)
 def _rows_through(panel, x, k, rows, acc, toks):
     """``acc[r] += x[r, :k] @ panel[:k]`` for rows ``0 .. rows - 1`` (micro-kernel tiles; a short last tile runs
     the 4-row kernel)."""
@@ -166,7 +166,7 @@ def _rows_through(panel, x, k, rows, acc, toks):
         r0 += TOKENS if n > SHORT_TOKENS else SHORT_TOKENS
 
 
-@nb.njit(inline="always", fastmath=_FASTMATH)
+@nb.njit(error_model="numpy", inline="always", fastmath=_FASTMATH)
 def _fold_row(s, p, m, lsum, o, tot, r, g_lo, g_hi, jlo, jhi):
     """Row r's online softmax over one block's keys ``jlo .. jhi - 1`` (key ``g * _LANES + lane`` scored
     ``s[g, r, lane]``, groups ``g_lo .. g_hi - 1``): the running max ``m[r]`` and sum ``lsum[r]`` updated, the row's
@@ -198,7 +198,7 @@ def _fold_row(s, p, m, lsum, o, tot, r, g_lo, g_hi, jlo, jhi):
             o[c, r, lane] *= corr
 
 
-@nb.njit(parallel=True, cache=True, fastmath=_FASTMATH)
+@nb.njit(error_model="numpy", parallel=True, cache=True, fastmath=_FASTMATH)
 def paged_attention_rows(q, k_pool, v_pool, k_scale, v_scale, table, block_table, start, window, sinks, scale, out):
     """q float32 ``[T, H, D]`` at positions ``start ..``; pools ``[NB, BS, Hkv, D]`` (float32, uint16 = bf16 bits,
     int16 = IEEE half bits, uint8 = fp8 codes with float32 scales ``[NB, BS, Hkv]``, else scales None); ``table``

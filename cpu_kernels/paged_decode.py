@@ -166,7 +166,7 @@ def splits_for(t_count: int, block_size: int, start: int, window: int) -> int:
     return max(1, (blocks + SPLIT_BLOCKS - 1) // SPLIT_BLOCKS)
 
 
-@nb.njit(parallel=True, cache=True, fastmath=_FASTMATH)
+@nb.njit(error_model="numpy", parallel=True, cache=True, fastmath=_FASTMATH)
 def paged_decode_rows(q, k_pool, v_pool, block_table, start, window, sinks, scale, nsplit, out):
     """As :func:`~freetoken.cpu_kernels.paged_attention.paged_attention_rows` for a float32, bf16 (uint16) or f16
     (int16) pool, ``H / Hkv * T <= DECODE_ROWS`` and ``D % 16 == 0``, in ``nsplit`` runs of keys per kv head
@@ -251,9 +251,10 @@ def paged_decode_rows(q, k_pool, v_pool, block_table, start, window, sinks, scal
                     den += part_l[kvh, sp, r] * _exp(part_m[kvh, sp, r] - mx)
             if sinks is not None:
                 den += np.float32(np.exp(np.float64(sinks[h]) - np.float64(mx)))
-            inv = np.float32(1.0) / den
+            # every row sees at least its own key, so no finite maximum means NaN scores: NaN out, as NumPy gives
+            inv = np.float32(1.0) / den if mx > -np.inf else np.float32(np.nan)
             for d in range(dim):
-                out[t, h * dim + d] = np.float32(0.0)
+                out[t, h * dim + d] = np.float32(0.0) if mx > -np.inf else inv
             for sp in range(nsplit):
                 if part_m[kvh, sp, r] > -np.inf:
                     w = _exp(part_m[kvh, sp, r] - mx) * inv

@@ -28,7 +28,7 @@ def padded_blocks(k: int) -> int:
     return nblk + (nblk & 1)
 
 
-@nb.njit(boundscheck=False, nogil=True)
+@nb.njit(error_model="numpy", boundscheck=False, nogil=True)
 def quantize_row(x, t, offset, qa, nc, dx, cs):
     """Row ``t`` of ``x`` float32 [T, K] -> row t of ``qa`` int8 [.., kp], ``nc`` int32 [.., kp / 4], ``dx`` float32
     [.., kp / 32], ``cs`` int32 [.., kp / 16] (half-block sums). Not inlined on purpose: compiled without fast-math
@@ -70,7 +70,7 @@ def quantize_row(x, t, offset, qa, nc, dx, cs):
                                   + nc[t, b * 8 + 2 * sub + 5])
 
 
-@nb.njit(cache=True, boundscheck=False, nogil=True)
+@nb.njit(error_model="numpy", cache=True, boundscheck=False, nogil=True)
 def quantize_rows(x, offset, qa, nc, dx, cs):
     """Every row of ``x`` float32 [T, K] -> ``qa`` int8 [T, kp], ``nc`` int32 [T, kp / 4], ``dx`` float32
     [T, kp / 32], ``cs`` int32 [T, kp / 16] (the kernels quantize inside their parallel regions with

@@ -51,7 +51,7 @@ def _nibble(typingctx, v, high):
     return types.float32(v, high), codegen
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def _qrow1(q8, s16, r, x, t, nblk, acc, q4):
     """sum_i w[r, i] * x[t, i] for one row r of blocks: per block, the 32 weights d * q are made in registers and
     multiplied into 32 lane sums ``acc[0:32]`` (no per-block horizontal sum); the lanes are summed at the end."""
@@ -79,7 +79,7 @@ def _qrow1(q8, s16, r, x, t, nblk, acc, q4):
     return s
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def _qrow4(q8, s16, r, x, t, nblk, acc, out, q4):
     """out[t:t+4, r]: :func:`_qrow1` for 4 tokens at once, each weight made once and used 4 times (lane sums
     ``acc[32 * u : 32 * u + 32]`` for token t + u)."""
@@ -120,7 +120,7 @@ def _qrow4(q8, s16, r, x, t, nblk, acc, out, q4):
         out[t + u, r] = s
 
 
-@nb.njit(parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
+@nb.njit(error_model="numpy", parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
 def _qgemv_kernel(x, s16, q8, out, q4):
     """out[t, r] = sum over blocks and lanes of d * q * x; x [T, K], s16/q8 the block rows [N, *], out [T, N]."""
     t_count, k = x.shape
@@ -139,10 +139,10 @@ def _qgemv_kernel(x, s16, q8, out, q4):
 
 
 #: :func:`_qgemv_kernel` without threads, for products below :data:`freetoken.cpu_kernels.gemv.SERIAL_MACS`.
-_qgemv_serial = nb.njit(cache=True, boundscheck=False, fastmath=FASTMATH)(_qgemv_kernel.py_func)
+_qgemv_serial = nb.njit(error_model="numpy", cache=True, boundscheck=False, fastmath=FASTMATH)(_qgemv_kernel.py_func)
 
 
-@nb.njit(parallel=True, cache=True, boundscheck=False)
+@nb.njit(error_model="numpy", parallel=True, cache=True, boundscheck=False)
 def _dequant_kernel(s16, q8, r0, out, q4):
     """out[i] = the float32 weights of block row r0 + i (exact: d * q)."""
     rows, k = out.shape
@@ -163,7 +163,7 @@ def _dequant_kernel(s16, q8, r0, out, q4):
                     out[i, b * 32 + j] = d * _F32(q8[r, o + j])
 
 
-@nb.njit(fastmath=FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def _dequant_row(s16, q8, r, dst, i, nblk, q4):
     """dst[i, :] = the float32 weights of block row r (exact: d * q)."""
     if q4:
@@ -182,7 +182,7 @@ def _dequant_row(s16, q8, r, dst, i, nblk, q4):
                 dst[i, b * 32 + j] = d * _F32(q8[r, o + j])
 
 
-@nb.njit(parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
+@nb.njit(error_model="numpy", parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
 def _qgemm_kernel(x, s16, q8, out, q4, nthreads):
     """out = x @ dequantize(blocks).T for many tokens: a ``prange`` over tiles of :data:`QTILE_ROWS` block rows;
     each tile is decoded once (exactly) into a float32 buffer of the thread, transposed into a panel and multiplied

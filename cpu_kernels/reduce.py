@@ -4,7 +4,7 @@ import numba as nb
 import numpy as np
 
 
-@nb.njit(parallel=True, cache=True)
+@nb.njit(error_model="numpy", parallel=True, cache=True)
 def row_sum_f32(x, out):
     rows, cols = x.shape
     for r in nb.prange(rows):

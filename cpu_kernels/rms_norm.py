@@ -6,7 +6,7 @@ import numpy as np
 _F32 = np.float32
 
 
-@nb.njit(cache=True, boundscheck=False, fastmath={"reassoc", "contract", "nsz"})
+@nb.njit(error_model="numpy", cache=True, boundscheck=False, fastmath={"reassoc", "contract", "nsz"})
 def rms_norm_rows(x, w, eps, out):
     """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w[r % W] for x, out [R, D] and w [W, D] float32, C-contiguous.
 
@@ -26,7 +26,7 @@ def rms_norm_rows(x, w, eps, out):
             out[r, i] = x[r, i] / s * w[wr, i]
 
 
-@nb.njit(cache=True, boundscheck=False)
+@nb.njit(error_model="numpy", cache=True, boundscheck=False)
 def _add_rows(x, y):
     """x += y, element for element (float32 adds, as NumPy's)."""
     rows, d = x.shape
@@ -35,7 +35,7 @@ def _add_rows(x, y):
             x[r, i] = x[r, i] + y[r, i]
 
 
-@nb.njit(cache=True, boundscheck=False)
+@nb.njit(error_model="numpy", cache=True, boundscheck=False)
 def add_rms_norm_rows(x, y, w, eps, out):
     """x += y, then out = :func:`rms_norm_rows` (x, w, eps): the residual add and the next norm in one call; x, y,
     out [R, D], w [W, D] float32 (x and out C-contiguous, out not aliasing y). The same arithmetic as NumPy's ``x +=

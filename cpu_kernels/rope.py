@@ -5,7 +5,7 @@ import numpy as np
 from freetoken.cpu_kernels.rms_norm import rms_norm_rows
 
 
-@nb.njit(cache=True, boundscheck=False)
+@nb.njit(error_model="numpy", cache=True, boundscheck=False)
 def rope_rows(x, cos, sin, out):
     """out = x * cos + rotate_half(x) * sin for x, out [T, H, D] (D even) and cos, sin [T, D] float32: NumPy's
     float32 arithmetic element for element (no fast-math: no FMA contraction), so the results are identical."""
@@ -19,7 +19,7 @@ def rope_rows(x, cos, sin, out):
                 out[t, h, i] = x[t, h, i] * cos[t, i] + x[t, h, i - half] * sin[t, i]
 
 
-@nb.njit(cache=True, boundscheck=False)
+@nb.njit(error_model="numpy", cache=True, boundscheck=False)
 def _rope_row(x, c, s, out):
     """One head: out = x * c + rotate_half(x) * s, as :func:`rope_rows` computes each element."""
     d = x.shape[0]
@@ -30,7 +30,7 @@ def _rope_row(x, c, s, out):
         out[i] = x[i] * c[i] + x[i - half] * s[i]
 
 
-@nb.njit(cache=True, boundscheck=False)
+@nb.njit(error_model="numpy", cache=True, boundscheck=False)
 def rope_qkv_cache_rows(qkv, norm, use_norm, eps, cos, sin, k_cache, v_cache, start, q):
     """A fused q/k/v projection into attention's inputs in one call: for every token t of ``qkv [T, H + 2 Hkv, D]``
     (C-contiguous), its q and k heads RMS-normed with ``norm [H + Hkv, D]`` when ``use_norm``

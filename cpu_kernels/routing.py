@@ -7,12 +7,12 @@ import numpy as np
 _F32 = np.float32
 
 
-@nb.njit(inline="always")
+@nb.njit(error_model="numpy", inline="always")
 def _before(a, ia, b, ib):
     return a > b or (a == b and ia < ib)
 
 
-@nb.njit(inline="always")
+@nb.njit(error_model="numpy", inline="always")
 def _softmax_row(logits, r, p):
     """Row ``r``'s softmax into ``p`` (max-subtracted; sums in float64; a NaN logit makes every p NaN)."""
     n = logits.shape[1]
@@ -33,7 +33,7 @@ def _softmax_row(logits, r, p):
         p[c] = p[c] / s
 
 
-@nb.njit(inline="always")
+@nb.njit(error_model="numpy", inline="always")
 def _topk_ids(key, k, ids, r):
     """``ids[r, :k]``: the k largest of ``key [E]`` (no NaN: -inf instead), largest first, ties to the lower index."""
     prev, prev_i = _F32(np.inf), -1
@@ -47,7 +47,7 @@ def _topk_ids(key, k, ids, r):
         prev, prev_i = best, best_i
 
 
-@nb.njit(inline="always")
+@nb.njit(error_model="numpy", inline="always")
 def _choose_groups(gscore, topk_group, chosen):
     """``chosen[g]``: whether group g is among the ``topk_group`` best scores (ties to the lower group)."""
     chosen[:] = False
@@ -59,7 +59,7 @@ def _choose_groups(gscore, topk_group, chosen):
         chosen[best_g] = True
 
 
-@nb.njit(cache=True, boundscheck=False)
+@nb.njit(error_model="numpy", cache=True, boundscheck=False)
 def softmax_topk_rows(logits, k, renorm, ids, w):
     """MoE routing of each row of ``logits [R, E]`` (float32): softmax, the k largest probabilities (largest first,
     ties to the lower index, NaN ranked as -inf: ``cpu_kernels/topk.py``'s rule) into ``ids [R, k]`` int32 and
@@ -84,12 +84,12 @@ def softmax_topk_rows(logits, k, renorm, ids, w):
                 w[r, j] = w[r, j] / s
 
 
-@nb.njit(inline="always")
+@nb.njit(error_model="numpy", inline="always")
 def _sigmoid(x):
     return _F32(1.0) / (_F32(1.0) + np.exp(-x))
 
 
-@nb.njit(cache=True, boundscheck=False)
+@nb.njit(error_model="numpy", cache=True, boundscheck=False)
 def sigmoid_group_topk_rows(logits, bias, k, n_group, topk_group, renorm, scale, ids, w):
     """DeepSeek-V3 / GLM-4.5 routing of each row of ``logits [R, E]`` (float32; ``bias [E]`` float32): scores
     ``s = sigmoid(logit)``, selection keys ``s + bias`` (NaN ranked as -inf); a group's score is the sum of its two
@@ -132,7 +132,7 @@ def sigmoid_group_topk_rows(logits, bias, k, n_group, topk_group, renorm, scale,
             w[r, j] = (w[r, j] / denom if renorm else w[r, j]) * scale
 
 
-@nb.njit(cache=True, boundscheck=False)
+@nb.njit(error_model="numpy", cache=True, boundscheck=False)
 def softmax_group_topk_rows(logits, k, n_group, topk_group, renorm, scale, ids, w):
     """DeepSeek-V2 routing of each row of ``logits [R, E]`` (float32): softmax probabilities (as
     :func:`softmax_topk_rows`); a group's score is its largest probability; the ``topk_group`` best of the

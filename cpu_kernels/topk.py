@@ -4,12 +4,12 @@ import numba as nb
 import numpy as np
 
 
-@nb.njit(inline="always")
+@nb.njit(error_model="numpy", inline="always")
 def _before(a, ia, b, ib):
     return a > b or (a == b and ia < ib)
 
 
-@nb.njit(parallel=True, cache=True)
+@nb.njit(error_model="numpy", parallel=True, cache=True)
 def topk_rows_f32(x, k, idx, val):
     rows, n = x.shape
     for r in nb.prange(rows):

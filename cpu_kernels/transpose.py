@@ -5,7 +5,7 @@ import numba as nb
 _B = 32
 
 
-@nb.njit(parallel=True, cache=True)
+@nb.njit(error_model="numpy", parallel=True, cache=True)
 def transpose_2d(x, out):
     rows, cols = x.shape
     for bi in nb.prange((rows + _B - 1) // _B):

@@ -70,6 +70,23 @@ def test_decode_attention_float32_accuracy(kind, heads, kv_heads, dim, t, start,
         assert splits_for(t, 64, start, window) == 4
 
 
+@pytest.mark.parametrize("t, start", [(1, 300), (20, 0)])  # the decode kernel and the prompt kernel
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_non_finite_query_gives_nan_not_an_exception(t, start, poison):
+    """A non-finite query (what corrupt weights give) turns its head's outputs into NaN, as NumPy and the CUDA
+    kernels do; the other heads are untouched. The kernels divide by the softmax sum, which such a row leaves at 0 or
+    NaN: under Numba's default error model that raised ZeroDivisionError in the middle of a forward pass."""
+    rng = np.random.default_rng(3)
+    (kp, vp), _, table = _sequence(rng, "bf16", start + t, 2, 64, 64)
+    q = rng.standard_normal((t, 8, 64)).astype(np.float32)
+    q[:, 5, 7] = poison
+    got = ops.paged_attention(q, kp, vp, None, None, table, start, device=CPU).reshape(t, 8, 64)
+    want = paged_attention_reference(q, kp, vp, None, None, table, start).reshape(t, 8, 64)
+    assert np.isnan(got[:, 5]).all() and np.isnan(want[:, 5]).all()
+    keep = [h for h in range(8) if h != 5]
+    assert np.abs(got[:, keep] - want[:, keep]).max() <= 1e-5 * np.abs(want[:, keep]).max()
+
+
 def test_decode_attention_does_not_depend_on_thread_count():
     """The runs of keys come from the context, not the threads: 1 and 2 threads give bit-identical outputs."""
     import numba
