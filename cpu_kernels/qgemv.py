@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from freetoken.cpu_kernels.fp8_dense import fp8_dequantize_rows, fp8_matmul_into
 from freetoken.cpu_kernels.gemm_panel import PANEL_ROWS, TOKENS, panel_product, widen_panel
 from freetoken.cpu_kernels.gemv import GEMV_MAX_TOKENS, PANEL_BYTES, ROWS, SERIAL_MACS
 from freetoken.cpu_kernels.widen import FASTMATH, _widen
@@ -216,8 +217,11 @@ def _views(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def dequantize_rows(blocks: np.ndarray, kind: str, k: int, r0: int = 0, out: np.ndarray | None = None) -> np.ndarray:
-    """Block rows ``r0 .. r0 + len(out)`` of ``kind`` ("q8_0" / "q4_0") as float32 [rows, K] in ``out`` (default:
-    all rows from r0, a new array)."""
+    """Block rows ``r0 .. r0 + len(out)`` of ``kind`` ("q8_0" / "q4_0"; "fp8_block" rows go to
+    :mod:`freetoken.cpu_kernels.fp8_dense`) as float32 [rows, K] in ``out`` (default: all rows from r0, a new
+    array)."""
+    if kind == "fp8_block":
+        return fp8_dequantize_rows(blocks, k, r0, out)
     s16, q8 = _views(blocks)
     if out is None:
         out = np.empty((blocks.shape[0] - r0, k), np.float32)
@@ -228,7 +232,11 @@ def dequantize_rows(blocks: np.ndarray, kind: str, k: int, r0: int = 0, out: np.
 
 def qmatmul_into(x: np.ndarray, blocks: np.ndarray, kind: str, out: np.ndarray) -> None:
     """``out = x @ dequantize(blocks).T`` with no shape checks (the caller's): x float32 [T, K] (K a multiple of 32),
-    blocks uint8 [N, K/32 * bytes] of ``kind``, out float32 [T, N], all C-contiguous, T >= 1."""
+    blocks uint8 [N, K/32 * bytes] of ``kind``, out float32 [T, N], all C-contiguous, T >= 1 ("fp8_block" rows go
+    to :mod:`freetoken.cpu_kernels.fp8_dense`)."""
+    if kind == "fp8_block":
+        fp8_matmul_into(x, blocks, out)
+        return
     q4 = kind == "q4_0"
     s16, q8 = _views(blocks)
     t_count, k = x.shape

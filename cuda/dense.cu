@@ -22,9 +22,18 @@
 // and the sum is scaled by d once (fmaf into the lane's accumulator).
 // dense_dequant_q8_0 / dense_dequant_q4_0 (w, out, N, K): the float32 matrix [N, K] (exact), one thread per
 // block (the chunked product of T > FT_DENSE_MAX_T tokens).
+//
+// Block-FP8 rows (dense_gemv_fp8_block, same parameters; freetoken/models/qmatrix.py): W is uint8
+// [N, K + 4 * ceil(K/128)], each row its ceil(K/128) float32 scales, then its K e4m3fn codes; w[j] =
+// e4m3(code j) * scale[j / 128]; K a multiple of 16. One warp per row; per step lane l reads the kBytes codes at
+// l * kBytes of the warp's next 32 * kBytes (16-byte loads when every row's codes are 16-byte aligned: K a multiple
+// of 512 and W aligned; else 4-byte words, else bytes), dots them with x per token (fmaf, fixed order) and adds the
+// sum times its block's scale (a lane's codes never straddle a 128-block). dense_dequant_fp8_block (w, out, N, K):
+// one thread per 16 codes, e4m3 * scale rounded once.
 #include <cuda_fp16.h>
 
 #include "common.cuh"
+#include "numeric.cuh"
 
 // FT_DENSE_WARPS (warps = rows per block) and FT_DENSE_MAX_T (tokens per call) come from freetoken/ops/constants.py.
 
@@ -341,3 +350,117 @@ __device__ __forceinline__ void qdense_dequant(const unsigned char* __restrict__
 
 FT_QDENSE(q8_0, Q80)
 FT_QDENSE(q4_0, Q40)
+
+// ---- block-FP8 rows ----------------------------------------------------------------------------------------
+
+namespace {
+
+// kBytes consecutive e4m3 codes at p (aligned to kBytes) as floats.
+template <int kBytes>
+__device__ __forceinline__ void fp8_codes(const unsigned char* p, float* v) {
+  if constexpr (kBytes == 16) {
+    const uint4 q = __ldg(reinterpret_cast<const uint4*>(p));
+    const unsigned words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) v[i] = ft::e4m3_to_float((words[i / 4] >> (8 * (i % 4))) & 0xFFu);
+  } else if constexpr (kBytes == 4) {
+    const unsigned u = __ldg(reinterpret_cast<const unsigned*>(p));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = ft::e4m3_to_float((u >> (8 * i)) & 0xFFu);
+  } else {
+    v[0] = ft::e4m3_to_float(__ldg(p));
+  }
+}
+
+// The row's b-th float32 scale (little-endian at the row's start; read as a word when W is 4-byte aligned).
+template <bool kWord>
+__device__ __forceinline__ float fp8_row_scale(const unsigned char* row, int b) {
+  if (kWord) return __ldg(reinterpret_cast<const float*>(row) + b);
+  const unsigned char* p = row + 4 * b;
+  return __uint_as_float(static_cast<unsigned>(__ldg(p)) | (static_cast<unsigned>(__ldg(p + 1)) << 8) |
+                         (static_cast<unsigned>(__ldg(p + 2)) << 16) | (static_cast<unsigned>(__ldg(p + 3)) << 24));
+}
+
+// One warp: output row `row` for NT tokens.
+template <int NT, int kBytes>
+__device__ __forceinline__ void fp8dense_row(const unsigned char* __restrict__ w, const float* __restrict__ x,
+                                             const float* __restrict__ bias, int has_bias, float* __restrict__ y,
+                                             int row, int n, int k) {
+  constexpr bool kWord = kBytes >= 4;
+  const int lane = threadIdx.x & 31;
+  const int nkb = (k + 127) / 128;
+  const unsigned char* wr = w + static_cast<size_t>(row) * (static_cast<size_t>(k) + 4u * nkb);
+  const unsigned char* codes = wr + 4 * nkb;
+  float acc[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+  for (int j0 = lane * kBytes; j0 < k; j0 += 32 * kBytes) {
+    float v[kBytes];
+    fp8_codes<kBytes>(codes + j0, v);
+    const float s = fp8_row_scale<kWord>(wr, j0 / 128);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const float* xt = x + static_cast<size_t>(t) * k + j0;
+      float c = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kBytes; ++i) c = fmaf(v[i], __ldg(xt + i), c);
+      acc[t] = fmaf(s, c, acc[t]);
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t] = ft::warp_sum(acc[t]);
+  if (lane == 0) {
+    const float bv = has_bias ? bias[row] : 0.0f;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) y[static_cast<size_t>(t) * n + row] = acc[t] + bv;
+  }
+}
+
+template <int kBytes>
+__device__ __forceinline__ void fp8dense_dispatch(const unsigned char* __restrict__ w, const float* __restrict__ x,
+                                                  const float* __restrict__ bias, int has_bias,
+                                                  float* __restrict__ y, int t, int row, int n, int k) {
+  switch (t) {
+    case 1: fp8dense_row<1, kBytes>(w, x, bias, has_bias, y, row, n, k); break;
+    case 2: fp8dense_row<2, kBytes>(w, x, bias, has_bias, y, row, n, k); break;
+    case 3: fp8dense_row<3, kBytes>(w, x, bias, has_bias, y, row, n, k); break;
+    case 4: fp8dense_row<4, kBytes>(w, x, bias, has_bias, y, row, n, k); break;
+    case 5: fp8dense_row<5, kBytes>(w, x, bias, has_bias, y, row, n, k); break;
+    case 6: fp8dense_row<6, kBytes>(w, x, bias, has_bias, y, row, n, k); break;
+    case 7: fp8dense_row<7, kBytes>(w, x, bias, has_bias, y, row, n, k); break;
+    case FT_DENSE_MAX_T: fp8dense_row<FT_DENSE_MAX_T, kBytes>(w, x, bias, has_bias, y, row, n, k); break;
+    default: break;  // the host refuses T outside [1, FT_DENSE_MAX_T]
+  }
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(FT_DENSE_WARPS * 32) dense_gemv_fp8_block(
+    const unsigned char* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias, int has_bias,
+    float* __restrict__ y, int t, int n, int k) {
+  const int row = blockIdx.x * FT_DENSE_WARPS + (threadIdx.x >> 5);
+  if (row >= n) return;  // the whole warp: no collective is left waiting
+  const unsigned long long base = reinterpret_cast<unsigned long long>(w);
+  const int nkb = (k + 127) / 128;
+  if (aligned16(w) && nkb % 4 == 0 && k % 16 == 0 && (k + 4 * nkb) % 16 == 0) {
+    fp8dense_dispatch<16>(w, x, bias, has_bias, y, t, row, n, k);
+  } else if ((base & 3ull) == 0ull) {
+    fp8dense_dispatch<4>(w, x, bias, has_bias, y, t, row, n, k);  // rows are whole words: K % 16 == 0
+  } else {
+    fp8dense_dispatch<1>(w, x, bias, has_bias, y, t, row, n, k);
+  }
+}
+
+extern "C" __global__ void dense_dequant_fp8_block(const unsigned char* __restrict__ w, float* __restrict__ out,
+                                                   int n, int k) {
+  const int chunks = k / 16;
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<long long>(n) * chunks) return;
+  const int row = static_cast<int>(i / chunks), j0 = static_cast<int>(i % chunks) * 16;
+  const int nkb = (k + 127) / 128;
+  const unsigned char* wr = w + static_cast<size_t>(row) * (static_cast<size_t>(k) + 4u * nkb);
+  const float s = fp8_row_scale<false>(wr, j0 / 128);
+  float* o = out + static_cast<size_t>(row) * k + j0;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) o[j] = ft::e4m3_to_float(__ldg(wr + 4 * nkb + j0 + j)) * s;
+}

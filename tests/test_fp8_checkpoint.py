@@ -1,8 +1,8 @@
 """Block-FP8 HF checkpoints (DeepSeek-V3 / Qwen3-FP8 style: e4m3 weights + a float32 ``weight_scale_inv`` per
 128x128 block), of a Qwen3-MoE and of a DeepSeek-V3 (latent attention: its q_a/q_b/kv_a/kv_b projections are fp8
-too, as in DeepSeek's release). The non-expert linears are dequantized on load; the routed experts move into
-fp8_block banks without re-quantization. The oracle is transformers running the dequantized weights in fp32:
-since freetoken decodes exactly those values, the logits agree to float32 rounding."""
+too, as in DeepSeek's release). The non-expert linears stay fp8 (``fp8_block`` rows of the dense op); the
+routed experts move into fp8_block banks without re-quantization. The oracle is transformers running the
+dequantized weights in fp32: since freetoken decodes exactly those values, the logits agree to float32 rounding."""
 
 import json
 import struct
@@ -43,7 +43,8 @@ def write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
 
 
 def _quantized(name: str, w: np.ndarray) -> bool:
-    return w.ndim == 2 and name.endswith("proj.weight")  # embeddings, norms, routers and lm_head stay as they are
+    # embeddings, norms, routers and lm_head stay as they are (DeepSeek's kv_a_proj_with_mqa is fp8 in its release)
+    return w.ndim == 2 and name.endswith(("proj.weight", "proj_with_mqa.weight"))
 
 
 #: The first MoE layer of each family's tiny checkpoint (DeepSeek-V3's layer 0 is dense).
@@ -109,6 +110,33 @@ def test_fp8_experts_are_the_checkpoint_bits(fp8_checkpoint):
     np.testing.assert_array_equal(banks["up.w"][5], w.view(np.uint8))
     np.testing.assert_array_equal(banks["up.s"][5],
                                   sd.get(f"model.layers.{layer}.mlp.experts.5.up_proj.weight_scale_inv"))
+
+
+def test_fp8_linears_stay_fp8(fp8_checkpoint):
+    """Every block-FP8 projection outside the experts is held as fp8_block rows (1 + 4/128 bytes per weight, not 4):
+    the codes of the checkpoint, each row led by its tile's scales; rope row reordering (DeepSeek's kv_a / q_b)
+    moves whole rows."""
+    from freetoken.loaders import SafetensorsDir
+
+    root, _, family = fp8_checkpoint
+    model = load(root / "fp8", device="cpu")
+    sd = SafetensorsDir(root / "fp8")
+    layer = model.decoder.layers[FIRST_MOE[family]]
+    att = layer.attention
+    linears = {"o_proj": att.o_proj}
+    if family == "deepseek_v3":
+        linears.update(q_a_proj=att.q_a, q_b_proj=att.q_b, kv_a_proj_with_mqa=att.kv_a)
+    else:
+        linears["qkv"] = att.qkv
+    for name, lin in linears.items():
+        assert lin.storage == "fp8_block", (name, lin.storage)
+        assert lin.nbytes == lin.out_features * (lin.in_features + 4 * -(-lin.in_features // 128)), name
+    o = att.o_proj
+    w = sd.get(f"model.layers.{FIRST_MOE[family]}.self_attn.o_proj.weight").view(np.uint8)
+    s = sd.get(f"model.layers.{FIRST_MOE[family]}.self_attn.o_proj.weight_scale_inv")
+    nkb = s.shape[1]
+    np.testing.assert_array_equal(o._w[:, 4 * nkb:], w)
+    np.testing.assert_array_equal(o._w[:, :4 * nkb].copy().view(np.float32), np.repeat(s, 128, axis=0)[:w.shape[0]])
 
 
 def test_bad_scale_shape_is_named(fp8_checkpoint, tmp_path):

@@ -16,7 +16,7 @@ from freetoken.ops.dense import MAX_TOKENS, dense_dequant, dense_gemv
 from freetoken.testing import assert_close, poison, random_record
 from freetoken.testing.cases import CASES
 from freetoken.testing.cases.dense import dense_weights, quantized_blocks
-from freetoken.testing.reference.dense import dense_reference, gguf_dequantized
+from freetoken.testing.reference.dense import blocks_dequantized, dense_reference
 from freetoken.testing.reference.moe_experts import moe_forward_reference
 from freetoken.testing.reference.paged_attention import KV_DTYPES, paged_attention_reference
 from freetoken.testing.reference.rms_norm import rms_norm_reference
@@ -93,7 +93,7 @@ def test_wrong_dtype_is_refused(device):
 
 # ---- dense_gemv / dense (tests/test_linear.py: Linear's bookkeeping on top) ---------------------------------------
 STORAGES = ("bf16", "f16", "f32")
-QKINDS = ("q8_0", "q4_0")
+QKINDS = ("q8_0", "q4_0", "fp8_block")
 
 
 def check_dense(got, x, w32, bias):
@@ -109,7 +109,7 @@ def test_dense_gemv_every_token_count(device, storage):
     n, k = 37, 96
     if storage in QKINDS:
         w = quantized_blocks(storage, n, k, seed=n + k)
-        w32 = gguf_dequantized(w, storage)
+        w32 = blocks_dequantized(w, storage, k)
     else:
         w, w32 = dense_weights(storage, n, k, seed=n * 1000 + k)
     rng = np.random.default_rng(k)
@@ -160,15 +160,21 @@ def test_qdense_odd_base_and_special_scales(device):
         dw = flat[1:].reshape(n, row)
         x = rng.standard_normal((3, k), dtype=np.float32)
         got = device.to_host(dense_gemv(device.asarray(x), dw, kind, device=device))
-        check_dense(got, x, gguf_dequantized(w, kind), None)
+        check_dense(got, x, blocks_dequantized(w, kind, k), None)
         np.testing.assert_array_equal(device.to_host(dense_dequant(dw, kind, k, device=device)),
-                                      gguf_dequantized(w, kind))
+                                      blocks_dequantized(w, kind, k))
         ws = w.copy()
-        ws[1, :2] = np.array([np.inf], "<f2").view(np.uint8)
-        ws[2, :2] = np.array([np.nan], "<f2").view(np.uint8)
+        scale = "<f4" if kind == "fp8_block" else "<f2"  # a row's first scale
+        ws[1, :np.dtype(scale).itemsize] = np.array([np.inf], scale).view(np.uint8)
+        ws[2, :np.dtype(scale).itemsize] = np.array([np.nan], scale).view(np.uint8)
         ones = device.asarray(np.ones((2, k), np.float32))
         got = device.to_host(dense_gemv(ones, device.asarray(ws), kind, device=device))
         assert np.isnan(got[:, 2]).all() and not np.isfinite(got[:, 1]).any() and np.isfinite(got[:, [0, 3, 4]]).all()
+    w = quantized_blocks("fp8_block", n, k, seed=2)  # e4m3fn's NaN codes (0x7F, 0xFF) give NaN
+    w[3, 4 + 17], w[4, 4 + 63] = 0x7F, 0xFF
+    got = device.to_host(dense_gemv(device.asarray(np.ones((2, k), np.float32)), device.asarray(w), "fp8_block",
+                                    device=device))
+    assert np.isnan(got[:, 3:]).all() and np.isfinite(got[:, :3]).all()
 
 
 @pytest.mark.parametrize("storage", STORAGES + QKINDS)
@@ -180,7 +186,7 @@ def test_dense_chunked_product_covers_every_row(device, storage, monkeypatch):
     n, k = 13, 64
     if storage in QKINDS:
         w = quantized_blocks(storage, n, k, seed=10)
-        w32 = gguf_dequantized(w, storage)
+        w32 = blocks_dequantized(w, storage, k)
     else:
         w, w32 = dense_weights(storage, n, k, seed=10)
     x = np.random.default_rng(9).standard_normal((MAX_TOKENS + 1, k), dtype=np.float32)
@@ -220,6 +226,14 @@ def test_dense_empty_and_errors(device):
     with pytest.raises(ValueError, match="q4_0 w has 18 bytes per row but x has 40 columns"):
         dense_gemv(device.asarray(np.ones((2, 40), np.float32)), device.asarray(np.zeros((3, 18), np.uint8)),
                    "q4_0", device=device)
+    with pytest.raises(ValueError, match=r"fp8_block w has 66 bytes per row but x has 64 columns \(w must be "
+                                         r"\[N, K \+ 4 \* ceil\(K/128\)\]"):
+        dense_gemv(xq, device.asarray(np.zeros((3, 66), np.uint8)), "fp8_block", device=device)
+    with pytest.raises(ValueError, match="K a multiple of 16"):
+        ops.dense(device.asarray(np.ones((2, 40), np.float32)), device.asarray(np.zeros((3, 44), np.uint8)),
+                  "fp8_block", device=device)
+    with pytest.raises(ValueError, match=r"fp8_block w has 64 bytes per row, not K \+ 4 \* ceil\(K/128\) for K=64"):
+        dense_dequant(device.asarray(np.zeros((3, 64), np.uint8)), "fp8_block", 64, device=device)
     with pytest.raises(TypeError, match="w must be uint8 for storage 'q8_0'"):
         dense_gemv(xq, device.asarray(np.zeros((3, 68), np.uint16)), "q8_0", device=device)
     with pytest.raises(ValueError, match="unknown quantized storage 'bf16'"):

@@ -9,15 +9,16 @@ import ml_dtypes
 import numpy as np
 import pytest
 from freetoken.cpu_kernels import gemv as G
-from freetoken.cpu_kernels import qgemv
+from freetoken.cpu_kernels import fp8_dense, qgemv
 
 from freetoken.device import get_device
 from freetoken.models.linear import Linear, exact_storage, to_storage
-from freetoken.models.qmatrix import BLOCK_BYTES, QuantizedMatrix
+from freetoken.models.qmatrix import QuantizedMatrix
+from freetoken.ops.dense import row_bytes
 from freetoken.testing import assert_close
 from freetoken.testing.cases.dense import quantized_blocks
 from freetoken.testing.oracles import need
-from freetoken.testing.reference.dense import dense_reference, gguf_dequantized
+from freetoken.testing.reference.dense import blocks_dequantized, dense_reference
 
 CPU = get_device("cpu")
 SHAPES = [(37, 50), (1024, 1024), (6, 33)]
@@ -216,7 +217,7 @@ def test_linear_concat_splits_exactly(device):
 
 def _qmat(kind, n, k, seed):
     w = quantized_blocks(kind, n, k, seed=seed)
-    return QuantizedMatrix(kind, w, (n, k)), gguf_dequantized(w, kind)
+    return QuantizedMatrix(kind, w, (n, k)), blocks_dequantized(w, kind, k)
 
 
 def _check_dense(got, x, w32, bias):
@@ -225,7 +226,7 @@ def _check_dense(got, x, w32, bias):
     assert_close(got, ref, atol=1e-5 * float(np.abs(ref).max()), name="y")
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "fp8_block"])
 def test_linear_quantized(device, kind, monkeypatch):
     rng = np.random.default_rng(5)
     n, k = 45, 96
@@ -233,11 +234,12 @@ def test_linear_quantized(device, kind, monkeypatch):
     b = rng.standard_normal(n, dtype=np.float32)
     lin = Linear(q, device, bias=b)
     assert lin.storage == kind and lin.sizes == (n,)
-    assert lin.nbytes == n * k // 32 * BLOCK_BYTES[kind] + b.nbytes == q.blocks.nbytes + b.nbytes
+    assert lin.nbytes == n * row_bytes(kind, k) + b.nbytes == q.blocks.nbytes + b.nbytes
     np.testing.assert_array_equal(device.to_host(lin.weight), w32)
     np.testing.assert_array_equal(q.dequantize(), w32)
     monkeypatch.setattr(_dense_module(), "CHUNK_ELEMENTS", 8 * k)  # gpu/emu T > 8: 6 chunks, the last of 5 rows
-    monkeypatch.setattr(qgemv, "PANEL_BYTES", 8 * 4 * k)  # cpu T > 4: panels of 8 tokens, the last of 4
+    for module in (qgemv, fp8_dense):
+        monkeypatch.setattr(module, "PANEL_BYTES", 8 * 4 * k)  # cpu T > 4: panels of 8 tokens, the last of 4
     for t in (1, 2, 3, 5, 8, 20):
         x = rng.standard_normal((t, k), dtype=np.float32)
         _check_dense(device.to_host(lin(device.asarray(x))), x, w32, b)
@@ -246,7 +248,7 @@ def test_linear_quantized(device, kind, monkeypatch):
         lin(device.asarray(np.zeros((2, 95), np.float32)))
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "fp8_block"])
 def test_linear_quantized_concat(device, kind):
     """Fused q/k/v: block rows stacked, every row the same dot product as in the separate matrices (T <= 8);
     mixed storages: one Linear per run, outputs concatenated, nothing dequantized."""

@@ -91,7 +91,7 @@ def _latent_attention(cfg: ModelConfig, t: _Tensors, i: int, dev, scratch: Scrat
     rank, rope, head = cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.head_dim
 
     def rope_rows(key: str, width: int):
-        w = t.host(key, i)
+        w = t.matrix(key, i)  # a block-FP8 matrix stays in its rows (each row carries its scales: rows move exactly)
         return _head_rows(w, width, _rope_deinterleaved(width, rope)) if cfg.rope_interleave else w
 
     kv_a = rope_rows("kv_a_proj", rank + rope)

@@ -1,14 +1,22 @@
-"""GGUF block-quantized matrices kept in their file encoding (Q8_0, Q4_0) for :class:`freetoken.models.linear.Linear`.
+"""Block-quantized matrices kept in their file encoding for :class:`freetoken.models.linear.Linear`: GGUF Q8_0 / Q4_0,
+and block-FP8 (the non-expert matrices of DeepSeek-V3 / Kimi-K2 / GLM-4.5-FP8 / Qwen3-FP8 checkpoints).
 
-A row of K weights is K/32 blocks, each a little-endian float16 scale ``d`` followed by the quants:
+GGUF: a row of K weights is K/32 blocks, each a little-endian float16 scale ``d`` followed by the quants:
 
 - ``q8_0`` (34 bytes): 32 int8 ``q``; weight ``j`` is ``d * q[j]``.
 - ``q4_0`` (18 bytes): 16 bytes of nibbles; weight ``j < 16`` is the low nibble of byte ``j``, weight ``j + 16`` its
   high nibble; the value is ``d * (nibble - 8)`` (gguf-py's / llama.cpp's order, as :mod:`freetoken.formats.q4_0`).
 
-Every value is exact in float32 (an 11-bit significand times an integer of at most 8 bits), so :meth:`dequantize`
-equals ``gguf.quants.dequantize`` bit for bit. Whole rows are independent: stacking or permuting rows of the block
-array is exact (fused q/k/v, llama.cpp's Q/K row permutation).
+Every GGUF value is exact in float32 (an 11-bit significand times an integer of at most 8 bits), so
+:meth:`dequantize` equals ``gguf.quants.dequantize`` bit for bit.
+
+``fp8_block``: a row is its ceil(K/128) little-endian float32 scales, then its K e4m3fn codes; weight ``j`` is
+``e4m3(code j) * scale[j // 128]`` (rounded once to float32, as :mod:`freetoken.formats.fp8_block` decodes). An HF
+checkpoint has one scale per 128 x 128 tile (``weight_scale_inv``); :func:`from_hf_fp8` copies a tile's scales into
+each of its 128 rows (4 bytes per 128 weights, 3%), so that every row carries its own scales, as GGUF rows do.
+
+Whole rows are independent: stacking or permuting rows of the block array is exact (fused q/k/v, llama.cpp's Q/K row
+permutation, DeepSeek's rope row order).
 """
 
 from __future__ import annotations
@@ -17,30 +25,33 @@ from dataclasses import dataclass
 
 import numpy as np
 
-#: Weights per block.
+from freetoken.ops.dense import FP8_BLOCK, k_multiple, row_bytes
+
+#: Weights per GGUF block.
 BLOCK = 32
-#: Bytes per block of each kind (2-byte scale + quants).
+#: Bytes per GGUF block of each kind (2-byte scale + quants).
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
-KINDS = tuple(BLOCK_BYTES)
+KINDS = (*BLOCK_BYTES, "fp8_block")
 
 
 @dataclass(frozen=True)
 class QuantizedMatrix:
-    """A matrix [N, K] as GGUF blocks: ``blocks`` uint8 [N, K/32 * BLOCK_BYTES[kind]] (C-contiguous on the
-    host), ``kind`` "q8_0" or "q4_0"."""
+    """A matrix [N, K] as block rows: ``blocks`` uint8 [N, row_bytes(kind, K)] (C-contiguous on the host): GGUF
+    blocks (``kind`` "q8_0" or "q4_0", [N, K/32 * BLOCK_BYTES[kind]]) or FP8 rows ("fp8_block",
+    [N, K + 4 * ceil(K/128)])."""
 
     kind: str
     blocks: np.ndarray
     shape: tuple[int, int]
 
     def __post_init__(self):
-        if self.kind not in BLOCK_BYTES:
-            raise ValueError(f"unknown quantized kind {self.kind!r}; choose {' or '.join(KINDS)}")
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown quantized kind {self.kind!r}; choose {', '.join(KINDS)}")
         n, k = (int(d) for d in self.shape)
-        if k % BLOCK:
-            raise ValueError(f"{self.kind} rows must be whole blocks of {BLOCK}, got K={k}")
+        if k % k_multiple(self.kind):
+            raise ValueError(f"{self.kind} rows must be whole blocks of {k_multiple(self.kind)}, got K={k}")
         b = self.blocks
-        want = (n, k // BLOCK * BLOCK_BYTES[self.kind])
+        want = (n, row_bytes(self.kind, k))
         if b.dtype != np.uint8 or b.shape != want:
             raise ValueError(f"{self.kind} blocks of a [{n}, {k}] matrix must be uint8 {list(want)}, got "
                              f"{b.dtype} {list(b.shape)}")
@@ -61,8 +72,16 @@ class QuantizedMatrix:
 
 
 def dequantize_blocks(blocks: np.ndarray, kind: str, k: int) -> np.ndarray:
-    """uint8 block rows [N, K/32 * bytes] of ``kind`` -> float32 [N, K]."""
+    """uint8 block rows [N, row_bytes(kind, K)] of ``kind`` -> float32 [N, K]."""
     n = blocks.shape[0]
+    if kind == "fp8_block":
+        from freetoken.formats import _fp
+
+        nkb = -(-k // FP8_BLOCK)
+        b = np.ascontiguousarray(blocks)
+        s = b[:, :4 * nkb].copy().view("<f4").astype(np.float32)
+        with _fp.decode_errstate():
+            return _fp.e4m3_decode(b[:, 4 * nkb:]) * np.repeat(s, FP8_BLOCK, axis=1)[:, :k]
     blk = np.ascontiguousarray(blocks).reshape(n, k // BLOCK, BLOCK_BYTES[kind])
     d = np.ascontiguousarray(blk[..., :2]).view("<f2")[..., 0].astype(np.float32)[..., None]  # [N, K/32, 1]
     qs = blk[..., 2:]
@@ -81,3 +100,19 @@ def stack(mats: list[QuantizedMatrix]) -> QuantizedMatrix:
         raise ValueError("stacking needs one kind and one K")
     b = np.concatenate([m.blocks for m in mats], axis=0) if len(mats) > 1 else np.ascontiguousarray(mats[0].blocks)
     return QuantizedMatrix(kind, b, (b.shape[0], k))
+
+
+def from_hf_fp8(weight: np.ndarray, scale_inv: np.ndarray) -> QuantizedMatrix:
+    """An HF block-FP8 matrix (``weight`` [N, K] e4m3fn codes as uint8, ``scale_inv`` float32 [ceil(N/128),
+    ceil(K/128)]) as an ``fp8_block`` matrix: each row its tile row's scales, then its codes (no value changes)."""
+    w = np.ascontiguousarray(weight).view(np.uint8)
+    n, k = w.shape
+    nkb = -(-k // FP8_BLOCK)
+    s = np.ascontiguousarray(scale_inv, dtype="<f4")
+    if s.shape != (-(-n // FP8_BLOCK), nkb):
+        raise ValueError(f"scale_inv of a [{n}, {k}] matrix must be [{-(-n // FP8_BLOCK)}, {nkb}], got "
+                         f"{list(s.shape)}")
+    rows = np.empty((n, row_bytes("fp8_block", k)), np.uint8)
+    rows[:, :4 * nkb] = np.repeat(s, FP8_BLOCK, axis=0)[:n].view(np.uint8)
+    rows[:, 4 * nkb:] = w
+    return QuantizedMatrix("fp8_block", rows, (n, k))

@@ -3,7 +3,10 @@
 ``y[T, N] = x[T, K] @ W[N, K].T (+ bias)`` for a few tokens (decode: bound by reading the weights, each read once
 per call). ``W`` is held as bf16 (uint16 bits: the high halves of the float32 values), float16 or float32 and
 widened in registers; or as GGUF Q8_0 / Q4_0 blocks (uint8 [N, K/32 * block bytes], see
-:mod:`freetoken.models.qmatrix`), decoded per block in registers. Accumulation is float32.
+:mod:`freetoken.models.qmatrix`), decoded per block in registers; or as block-FP8 rows ("fp8_block": uint8
+[N, K + 4 * ceil(K/128)], each row its ceil(K/128) little-endian float32 scales, then its K e4m3fn codes; weight
+``j`` is ``e4m3(code j) * scale[j // 128]``), the non-expert matrices of DeepSeek-V3-style checkpoints kept at 1.03
+bytes per weight. Accumulation is float32.
 
 :func:`dense` is the op :class:`freetoken.models.linear.Linear` calls, for any T and on every device (the per-device
 dispatch lives there); :func:`dense_gemv` is the decode kernel (T <= :data:`MAX_TOKENS`).
@@ -21,10 +24,30 @@ MAX_TOKENS = DENSE_MAX_TOKENS
 _WARPS_PER_BLOCK = DENSE_WARPS  # FT_DENSE_WARPS in dense.cu: one warp per output row
 #: The weight dtype of each storage.
 STORAGE_DTYPES = {"bf16": np.dtype(np.uint16), "f16": np.dtype(np.float16), "f32": np.dtype(np.float32),
-                  "q8_0": np.dtype(np.uint8), "q4_0": np.dtype(np.uint8)}
-#: Bytes per block of 32 weights of the quantized storages.
+                  "q8_0": np.dtype(np.uint8), "q4_0": np.dtype(np.uint8), "fp8_block": np.dtype(np.uint8)}
+#: Bytes per block of 32 weights of the GGUF storages.
 QUANT_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
-_STORAGE_NAMES = "bf16, f16, f32, q8_0 or q4_0"
+#: The block-FP8 storage: weights per scale along a row, and the multiple of K its kernels take (16-byte chunks).
+FP8_BLOCK, FP8_K_MULTIPLE = 128, 16
+#: The storages held as uint8 rows of blocks (decoded in registers; :func:`dense_dequant` widens them).
+BLOCK_STORAGES = (*QUANT_BLOCK_BYTES, "fp8_block")
+_STORAGE_NAMES = "bf16, f16, f32, q8_0, q4_0 or fp8_block"
+
+
+def k_multiple(storage: str) -> int:
+    """The multiple of K a block storage's rows take (1 for the float storages)."""
+    return 32 if storage in QUANT_BLOCK_BYTES else FP8_K_MULTIPLE if storage == "fp8_block" else 1
+
+
+def _row_shape(storage: str) -> str:
+    return "K + 4 * ceil(K/128)" if storage == "fp8_block" else f"K/32 * {QUANT_BLOCK_BYTES[storage]}"
+
+
+def row_bytes(storage: str, k: int) -> int:
+    """Bytes of one stored row of K weights in a block storage (K a multiple of :func:`k_multiple`)."""
+    if storage == "fp8_block":
+        return k + 4 * (-(-k // FP8_BLOCK))
+    return k // 32 * QUANT_BLOCK_BYTES[storage]
 #: gpu/emu, more tokens than the GEMV kernel takes: weights widened to float32 per chunk of the product (a chunk is
 #: at least one row). Bounds the temporary float32 copy (32 MiB).
 CHUNK_ELEMENTS = 1 << 23
@@ -43,11 +66,11 @@ def _checked(dev, x, w, storage: str, bias):
     w = as_input(dev, w, "w", want, 2)
     k = x.shape[1]
     n, wk = w.shape
-    qbytes = QUANT_BLOCK_BYTES.get(storage)
-    if qbytes is not None:
-        if k % 32 or wk != k // 32 * qbytes:
+    if storage in BLOCK_STORAGES:
+        mult = k_multiple(storage)
+        if k % mult or wk != row_bytes(storage, k):
             raise ValueError(f"{storage} w has {wk} bytes per row but x has {k} columns (w must be "
-                             f"[N, K/32 * {qbytes}] for x [T, K], K a multiple of 32)")
+                             f"[N, {_row_shape(storage)}] for x [T, K], K a multiple of {mult})")
     elif wk != k:
         raise ValueError(f"w has {wk} columns but x has {k} (w must be [N, K] for x [T, K])")
     b = None
@@ -61,7 +84,7 @@ def _checked(dev, x, w, storage: str, bias):
 def _cpu_product(x, w, storage: str, b, y) -> None:
     """The cpu device's product: the Numba GEMV (few tokens) or register-tiled kernel, then the bias."""
     if x.shape[0]:
-        if storage in QUANT_BLOCK_BYTES:
+        if storage in BLOCK_STORAGES:
             from freetoken.cpu_kernels.qgemv import qmatmul_into
 
             qmatmul_into(x, w, storage, y)
@@ -80,8 +103,9 @@ def dense_gemv(x, w, storage: str, bias=None, out=None, device=None):
     ----------
     x : float32 array [T, K], 1 <= T <= 8 (T = 0 returns the empty output)
     w : array [N, K]: uint16 bf16 bits (storage "bf16"), float16 ("f16") or float32 ("f32"); or uint8 blocks
-        [N, K/32 * 34] ("q8_0") / [N, K/32 * 18] ("q4_0"), K a multiple of 32
-    storage : "bf16", "f16", "f32", "q8_0" or "q4_0"
+        [N, K/32 * 34] ("q8_0") / [N, K/32 * 18] ("q4_0"), K a multiple of 32; or uint8 block-FP8 rows
+        [N, K + 4 * ceil(K/128)] ("fp8_block"), K a multiple of 16
+    storage : "bf16", "f16", "f32", "q8_0", "q4_0" or "fp8_block"
     bias : float32 array [N], optional (added after the dot product)
     out : float32 array [T, N], optional
     device : Device or name, optional (default: auto)
@@ -121,10 +145,10 @@ def dense(x, w, storage: str, bias=None, *, out=None, device=None):
 
     Same arguments as :func:`dense_gemv`, with T unbounded. Dispatch: the cpu device runs the Numba kernels
     (:mod:`freetoken.cpu_kernels.gemv`: a GEMV up to a few tokens, a register-tiled product beyond;
-    :mod:`freetoken.cpu_kernels.qgemv` for GGUF blocks); gpu/emu run :func:`dense_gemv` up to :data:`MAX_TOKENS`
-    tokens and a chunked product on the device's array module beyond (cuBLAS on gpu, NumPy on emu): row chunks of
-    at most :data:`CHUNK_ELEMENTS` weights widened to float32 into one reused buffer (GGUF blocks decoded by
-    :func:`dense_dequant`) and multiplied; float32 matrices are multiplied whole.
+    :mod:`freetoken.cpu_kernels.qgemv` for GGUF blocks and FP8 rows); gpu/emu run :func:`dense_gemv` up to
+    :data:`MAX_TOKENS` tokens and a chunked product on the device's array module beyond (cuBLAS on gpu, NumPy on
+    emu): row chunks of at most :data:`CHUNK_ELEMENTS` weights widened to float32 into one reused buffer (block
+    storages decoded by :func:`dense_dequant`) and multiplied; float32 matrices are multiplied whole.
 
     Returns
     -------
@@ -162,7 +186,7 @@ def widen(w, storage: str, k: int, device=None):
     """The float32 matrix [N, K] of stored weights ``w`` on the device (a new array unless storage "f32")."""
     dev = resolve(device)
     if dev.kind == "cpu":
-        if storage in QUANT_BLOCK_BYTES:
+        if storage in BLOCK_STORAGES:
             from freetoken.cpu_kernels.qgemv import dequantize_rows
 
             return dequantize_rows(w, storage, k)
@@ -177,7 +201,7 @@ def widen(w, storage: str, k: int, device=None):
 def _widen_into(dev, w16, storage: str, k: int, out):
     """Stored 16-bit (or quantized block) rows ``w16`` as float32 in ``out`` (same rows, C-contiguous) on gpu/emu."""
     xp = dev.xp
-    if storage in QUANT_BLOCK_BYTES:
+    if storage in BLOCK_STORAGES:
         return dense_dequant(w16, storage, k, out=out, device=dev)
     if storage == "f16":
         xp.copyto(out, w16)
@@ -189,17 +213,18 @@ def _widen_into(dev, w16, storage: str, k: int, out):
 
 
 def dense_dequant(w, storage: str, k: int, out=None, device=None):
-    """GGUF blocks ``w`` (uint8 [N, K/32 * block bytes], storage "q8_0" or "q4_0") -> float32 [N, K] (exact).
+    """Block rows ``w`` (uint8 [N, row_bytes(storage, K)], storage "q8_0", "q4_0" or "fp8_block") -> float32 [N, K]:
+    GGUF blocks exactly (``d * q``), FP8 rows as ``e4m3 * scale`` rounded once to float32.
 
     ``out``: float32 [N, K] C-contiguous, optional (the chunked product passes a reused buffer)."""
     dev = resolve(device)
-    qbytes = QUANT_BLOCK_BYTES.get(storage)
-    if qbytes is None:
-        raise ValueError(f"unknown quantized storage {storage!r}; choose q8_0 or q4_0")
+    if storage not in BLOCK_STORAGES:
+        raise ValueError(f"unknown quantized storage {storage!r}; choose q8_0, q4_0 or fp8_block")
     w = as_input(dev, w, "w", np.uint8, 2)
     n, wk = w.shape
-    if k % 32 or wk != k // 32 * qbytes:
-        raise ValueError(f"{storage} w has {wk} bytes per row, not K/32 * {qbytes} for K={k}")
+    if k % k_multiple(storage) or wk != row_bytes(storage, k):
+        raise ValueError(f"{storage} w has {wk} bytes per row, not {_row_shape(storage)} for K={k} (K a multiple "
+                         f"of {k_multiple(storage)})")
     y = prepare_out(dev, out, (n, k), np.float32)
     if n == 0 or k == 0:
         return y
@@ -207,7 +232,7 @@ def dense_dequant(w, storage: str, k: int, out=None, device=None):
         from freetoken.cpu_kernels.qgemv import dequantize_rows
 
         return dequantize_rows(w, storage, k, out=y)
-    blocks = n * (k // 32)
+    blocks = n * (k // 32) if storage != "fp8_block" else n * (k // FP8_K_MULTIPLE)  # fp8: one thread per 16
     fn = cuda_kernel(dev, "dense.cu", f"dense_dequant_{storage}")
     fn((-(-blocks // 256),), (256,), (w, y, check_int32("N", n), check_int32("K", k)))
     return y

@@ -661,10 +661,10 @@ def warm_up(seeds: Seeds) -> None:
     for kind, path in (("safetensors", seeds.hf_dir), ("gguf", seeds.gguf), ("trace", seeds.trace)):
         load_input(kind, path)
     from freetoken import ops
-    from freetoken.ops.dense import QUANT_BLOCK_BYTES, STORAGE_DTYPES
+    from freetoken.ops.dense import BLOCK_STORAGES, STORAGE_DTYPES, row_bytes
 
     for storage, dtype in STORAGE_DTYPES.items():
-        width = QUANT_BLOCK_BYTES.get(storage, 32)  # one row of 32 weights: a block, or 32 values
+        width = row_bytes(storage, 32) if storage in BLOCK_STORAGES else 32  # rows of 32 weights
         w = np.zeros((8, width), dtype)
         for tokens in (1, 64):  # a decode GEMV and a prompt product
             ops.dense(np.zeros((tokens, 32), np.float32), w, storage, device="cpu")

@@ -8,7 +8,7 @@ import numpy as np
 
 from freetoken import ops
 from freetoken.testing.cases.base import KernelCase, poisoned
-from freetoken.testing.reference.dense import dense_reference, gguf_dequantized
+from freetoken.testing.reference.dense import blocks_dequantized, dense_reference
 
 # ---- dense.cu ---------------------------------------------------------------------------------------------
 # (N, K, bias) per shape: "sq" a square projection with a bias (qkv-like), "lm" an lm_head. The small shapes have
@@ -35,8 +35,8 @@ def _dense_matrix(storage: str, n: int, k: int):
 
 
 def _make_dense(storage: str, shape: str, t: int, op: str = "dense_gemv"):
-    """dense_gemv (or the dense op: any T) over one storage: bf16/f16/f32 matrices, or GGUF Q8_0/Q4_0 blocks (their
-    own shapes)."""
+    """dense_gemv (or the dense op: any T) over one storage: bf16/f16/f32 matrices, or GGUF Q8_0/Q4_0 blocks and
+    block-FP8 rows (their own shapes)."""
     quantized = storage in QUANT_KINDS
     shapes, matrix = (_QDENSE_SHAPES, _qdense_matrix) if quantized else (_DENSE_SHAPES, _dense_matrix)
 
@@ -63,18 +63,28 @@ def _make_dense(storage: str, shape: str, t: int, op: str = "dense_gemv"):
 
 
 
-# GGUF Q8_0 / Q4_0 weights (dense_gemv_q8_0 / dense_gemv_q4_0): K a multiple of 32; small N odd.
+# GGUF Q8_0 / Q4_0 weights (dense_gemv_q8_0 / dense_gemv_q4_0): K a multiple of 32; small N odd. Block-FP8 rows
+# (dense_gemv_fp8_block) take the same shapes: small "lm" K (96) is one partial 128-block, "sq" K (128) one whole
+# block (the 4-byte word path on a GPU), the large K (a multiple of 512) the 16-byte path.
 _QDENSE_SHAPES = {"small": {"sq": (37, 128, True), "lm": (301, 96, False)},
                   "large": {"sq": (4096, 4096, True), "lm": (151936, 2048, False)}}
-QUANT_KINDS = ("q8_0", "q4_0")
+QUANT_KINDS = ("q8_0", "q4_0", "fp8_block")
 
 
 def quantized_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random GGUF ``kind`` blocks of an [N, K] matrix (uint8 [N, K/32 * block bytes]): every quant byte random,
-    scales float16 of magnitude 0.005 .. 0.02 with random signs."""
+    """Random block rows of an [N, K] matrix in storage ``kind``. GGUF (uint8 [N, K/32 * block bytes]): every quant
+    byte random, scales float16 of magnitude 0.005 .. 0.02 with random signs. ``fp8_block`` (uint8
+    [N, K + 4 * ceil(K/128)]): every e4m3 code random but the two NaN codes, float32 scales of magnitude 0.002 .. 0.01
+    with random signs."""
     from freetoken.models.qmatrix import BLOCK_BYTES
 
     rng = np.random.default_rng(seed)
+    if kind == "fp8_block":
+        nkb = -(-k // 128)
+        codes = rng.integers(0, 256, (n, k), dtype=np.uint8)
+        codes[(codes & 0x7F) == 0x7F] ^= np.uint8(1)  # 0x7F / 0xFF (NaN) -> 0x7E / 0xFE (+-448)
+        s = (rng.uniform(0.002, 0.01, (n, nkb)) * rng.choice(np.array([-1.0, 1.0]), (n, nkb))).astype("<f4")
+        return np.concatenate([s.view(np.uint8), codes], axis=1)
     nb, bb = k // 32, BLOCK_BYTES[kind]
     blocks = rng.integers(0, 256, (n, nb, bb), dtype=np.uint8)
     d = rng.uniform(0.005, 0.02, (n, nb)) * rng.choice(np.array([-1.0, 1.0]), (n, nb))
@@ -85,7 +95,7 @@ def quantized_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
 @lru_cache(maxsize=2)
 def _qdense_matrix(kind: str, n: int, k: int):
     w = quantized_blocks(kind, n, k, seed=QUANT_KINDS.index(kind))
-    return w, gguf_dequantized(w, kind)
+    return w, blocks_dequantized(w, kind, k)
 
 
 DENSE_CASES = [_make_dense(s, shape, t) for s in ("bf16", "f16", "f32") for shape in ("sq", "lm") for t in (1, 4)]

@@ -1,4 +1,5 @@
-"""References of the dense ops (``ops.dense_gemv``, ``ops.dense``): the float64 product and GGUF block decoding."""
+"""References of the dense ops (``ops.dense_gemv``, ``ops.dense``): the float64 product, GGUF block decoding (by
+gguf-py) and block-FP8 row decoding (by ml_dtypes)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,22 @@ def gguf_dequantized(blocks: np.ndarray, kind: str) -> np.ndarray:
     from gguf.quants import GGMLQuantizationType, dequantize
 
     return np.asarray(dequantize(blocks, GGMLQuantizationType[kind.upper()]), dtype=np.float32)
+
+
+def fp8_rows_dequantized(rows: np.ndarray, k: int) -> np.ndarray:
+    """float32 values of block-FP8 rows (uint8 [N, K + 4 * ceil(K/128)]: the row's float32 scales, then its K e4m3fn
+    codes): ``float32(e4m3) * scale``, one float32 rounding, the e4m3 decode by ml_dtypes."""
+    import ml_dtypes
+
+    nkb = -(-k // 128)
+    rows = np.ascontiguousarray(rows)
+    scales = rows[:, :4 * nkb].copy().view("<f4").astype(np.float32)
+    codes = rows[:, 4 * nkb:4 * nkb + k].copy().view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return codes * np.repeat(scales, 128, axis=1)[:, :k]
+
+
+def blocks_dequantized(blocks: np.ndarray, kind: str, k: int) -> np.ndarray:
+    """float32 values of a block storage's rows: GGUF ``kind`` by gguf-py, ``fp8_block`` by
+    :func:`fp8_rows_dequantized`."""
+    return fp8_rows_dequantized(blocks, k) if kind == "fp8_block" else gguf_dequantized(blocks, kind)
