@@ -29,7 +29,7 @@ from freetoken.formats import MATRICES, RecordLayout
 from freetoken.loaders.errors import LoadError
 from freetoken.models.config import ModelConfig
 from freetoken.models.qmatrix import QuantizedMatrix, from_hf_fp8
-from freetoken.ops.dense import FP8_K_MULTIPLE
+from freetoken.ops.dense import FP8_K_MULTIPLE, row_bytes
 
 #: Per-layer canonical keys -> HF names relative to ``model.layers.N.`` (``{moe}``: ``mlp.`` or Mixtral's
 #: ``block_sparse_moe.``).
@@ -215,7 +215,7 @@ def check_hf_tensors(cfg: ModelConfig, sd, fp8_block: bool = False, kv_bytes: in
                                        f"is {info.dtype} (the checkpoint is not block-FP8; remove quantization_config "
                                        "or use the FP8 checkpoint)", name)
         if name not in expert_set:
-            dense += 4 * int(np.prod(want))
+            dense += _held_bytes(name, want, info.dtype == "F8_E4M3")
     _check_no_strays(cfg, w, sd, set(expected))
     from freetoken.loaders.memory import check_load_bytes
 
@@ -225,6 +225,14 @@ def check_hf_tensors(cfg: ModelConfig, sd, fp8_block: bool = False, kv_bytes: in
     if fmt == native:
         need["float32 experts of one layer while quantized"] = 0  # the stored bytes and scales move as they are
     return check_load_bytes(sd.path, need)
+
+
+def _held_bytes(name: str, shape: tuple[int, ...], fp8: bool) -> int:
+    """Host bytes the decoder holds for a non-expert tensor: block-FP8 matrices as fp8_block rows
+    (:meth:`HFWeights.get_matrix`; not kv_b_proj, whose absorbed halves are float32 products), the rest float32."""
+    if fp8 and len(shape) == 2 and shape[1] % FP8_K_MULTIPLE == 0 and not name.endswith("kv_b_proj.weight"):
+        return shape[0] * row_bytes("fp8_block", shape[1])
+    return 4 * int(np.prod(shape))
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
@@ -383,10 +391,9 @@ class HFWeights(Weights):
             key = "embed"
         name = self.name(key, layer)
         scale = self._scale_name(name)
-        w, s = np.asarray(self._get(name)), np.asarray(self._get(scale))
-        if w.dtype.itemsize != 1 or s.dtype != np.float32:
-            raise LoadError(self.where, f"a block-FP8 weight must be 1-byte e4m3 codes with float32 scales, got "
-                                        f"{w.dtype} and {s.dtype} ({scale})", name)
+        w, s = np.asarray(self._get(name)), np.asarray(self._get(scale), np.float32)  # bf16/f16 scales: exact
+        if w.dtype.itemsize != 1:
+            raise LoadError(self.where, f"a block-FP8 weight must be 1-byte e4m3 codes, got {w.dtype}", name)
         try:
             return from_hf_fp8(w.view(np.uint8), s)
         except ValueError as e:
