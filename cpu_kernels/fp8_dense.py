@@ -24,7 +24,7 @@ from freetoken.cpu_kernels.moe_fp8 import fp8_dot1, fp8_dot2, fp8_dot4
 from freetoken.cpu_kernels.moe_memory import addr
 from freetoken.cpu_kernels.widen import FASTMATH
 
-from freetoken.formats._fp import E4M3_TABLE
+from freetoken.formats.fp8_block import E4M3_VALUES
 
 __all__ = ["fp8_dequantize_rows", "fp8_matmul_into"]
 
@@ -118,7 +118,7 @@ def fp8_dequantize_rows(rows: np.ndarray, k: int, r0: int = 0, out: np.ndarray |
     if out is None:
         out = np.empty((rows.shape[0] - r0, k), np.float32)
     if out.shape[0]:
-        _fp8_dequant_kernel(rows, rows.view(np.float32), r0, E4M3_TABLE, out)
+        _fp8_dequant_kernel(rows, rows.view(np.float32), r0, E4M3_VALUES, out)
     return out
 
 
@@ -137,4 +137,4 @@ def fp8_matmul_into(x: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
     nthreads = nb.get_num_threads()
     sc = rows.view(np.float32)
     for t0 in range(0, t_count, panel):  # out rows of a panel are a C-contiguous block
-        _fp8_gemm_kernel(x[t0:t0 + panel], rows, sc, E4M3_TABLE, out[t0:t0 + panel], nthreads)
+        _fp8_gemm_kernel(x[t0:t0 + panel], rows, sc, E4M3_VALUES, out[t0:t0 + panel], nthreads)

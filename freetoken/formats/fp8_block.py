@@ -14,6 +14,9 @@ from freetoken.formats import _fp
 from freetoken.formats.base import BankSpec, ExpertFormat
 
 BLOCK = 128
+#: The float32 value of every e4m3fn code (0x7F and 0xFF are NaN): what the CPU kernels and the dense FP8 rows
+#: (:mod:`freetoken.models.qmatrix`) look codes up in.
+E4M3_VALUES = _fp.E4M3_TABLE
 
 
 def _nblocks(x: int) -> int:
