@@ -8,8 +8,8 @@ from importlib import import_module
 import ml_dtypes
 import numpy as np
 import pytest
-from freetoken.cpu_kernels import gemv as G
 from freetoken.cpu_kernels import fp8_dense, qgemv
+from freetoken.cpu_kernels import gemv as G
 
 from freetoken.device import get_device
 from freetoken.models.linear import Linear, exact_storage, to_storage
