@@ -344,14 +344,17 @@ def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, experts: s
         raise LoadError(src / "config.json", f"exporting {q.method} checkpoints is not supported")
     weights = HFWeights(cfg, sd.get, sd.has, fp8_block=q.method == "fp8_block", where=str(src), mxfp4=mxfp4)
     tok_fields = None
-    if (src / "tokenizer.json").is_file():
+    from freetoken.loaders.tiktoken_tokenizer import RANKS_FILE, is_tiktoken_dir
+
+    if (src / "tokenizer.json").is_file() or is_tiktoken_dir(src):
         from freetoken.loaders.gguf_tokenizer import gguf_tokenizer_fields
 
         tc = src / "tokenizer_config.json"
-        tok_fields = gguf_tokenizer_fields(src / "tokenizer.json", tc if tc.is_file() else None, config=sd.config)
+        source = src / ("tokenizer.json" if (src / "tokenizer.json").is_file() else RANKS_FILE)
+        tok_fields = gguf_tokenizer_fields(source, tc if tc.is_file() else None, config=sd.config)
     else:
-        warnings.warn(f"{src}: no tokenizer.json; the GGUF file gets no vocabulary (llama.cpp will not load it)",
-                      stacklevel=2)
+        warnings.warn(f"{src}: no tokenizer.json (nor tiktoken.model); the GGUF file gets no vocabulary (llama.cpp "
+                      "will not load it)", stacklevel=2)
     return write_gguf(cfg, weights, out, experts=experts, other=other, tokenizer=tok_fields,
                       name=_model_name(src, sd.config), progress=progress)
 

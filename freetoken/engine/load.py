@@ -35,8 +35,8 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
          progress: bool = False, cache_slots: int | None = None, moe_mode: str = "gpu",
          pcie_gbps: float | None = None, cpu_gbps: float | None = None, future_value: float = 0.0,
          prefetch: bool = False, cpu_activations: str = "auto", options: LoadOptions | None = None) -> Model:
-    """Load a model: an HF directory (``config.json`` + safetensors + ``tokenizer.json``; bf16/f16/f32 or block
-    FP8) or a GGUF file; None: the bundled model.
+    """Load a model: an HF directory (``config.json`` + safetensors + ``tokenizer.json``, or Kimi-K2's
+    ``tiktoken.model``; bf16/f16/f32 or block FP8) or a GGUF file; None: the bundled model.
 
     ``expert_format``: the :mod:`freetoken.formats` name the routed experts run in; default: as stored (bf16 for
     unquantized HF checkpoints, fp8_block for block-FP8 ones, q4_0/mxfp4 for such GGUF files). On gpu/emu the
@@ -88,6 +88,11 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(p / "tokenizer.json"))
+    else:
+        from freetoken.loaders.tiktoken_tokenizer import is_tiktoken_dir, tokenizer_from_tiktoken
+
+        if is_tiktoken_dir(p):  # Kimi-K2 ships tiktoken.model instead
+            tokenizer = tokenizer_from_tiktoken(p)
     chat_template = ChatTemplate.from_dir(p) if tokenizer is not None else None
     return Model(decoder, tokenizer, _eos_ids(sd.config, p, tokenizer), chat_template=chat_template,
                  weight_files=sd.files())

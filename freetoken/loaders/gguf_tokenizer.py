@@ -20,6 +20,9 @@ models they come from spells it:
 - ``"llama-bpe"`` (also ``"llama3"``, ``"llama-v3"``): the Llama 3 split regex (digits in groups of up to three),
   ``ignore_merges`` (a word that is a whole token is not merged up) and BOS added by default, as llama.cpp does.
 - ``"deepseek-v3"``: DeepSeek-V3 / R1's three isolated splits (digit groups, CJK / kana runs, the main regex).
+- ``"kimi-k2"``: Moonshot's split regex (:data:`freetoken.loaders.tiktoken_tokenizer.KIMI_K2_SPLIT`: Han runs,
+  cased words, digit groups of up to three) and ``ignore_merges``, as the tiktoken tokenizer Kimi-K2 ships encodes
+  (:mod:`freetoken.loaders.tiktoken_tokenizer` rebuilds that one from ``tiktoken.model``).
 
 Any other name is a :class:`LoadError` naming the pre-tokenizer and the file.
 
@@ -44,6 +47,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from freetoken.loaders.errors import LoadError
+from freetoken.loaders.tiktoken_tokenizer import KIMI_K2_SPLIT, RANKS_FILE, tokenizer_from_tiktoken
 
 # GGUF token types (gguf.TokenType / llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -92,6 +96,7 @@ _GPT2 = PreTokenizer()
 _QWEN2 = PreTokenizer((QWEN2_SPLIT,), nfc=True)
 _LLAMA3 = PreTokenizer((LLAMA3_SPLIT,), ignore_merges=True, add_bos=True)
 _DEEPSEEK_V3 = PreTokenizer(DEEPSEEK_V3_SPLITS)
+_KIMI_K2 = PreTokenizer((KIMI_K2_SPLIT,), ignore_merges=True)  # tiktoken looks a whole piece up first
 
 #: ``tokenizer.ggml.pre`` -> how it tokenizes. The first name of each is the one :func:`gguf_tokenizer_fields`
 #: writes (what llama.cpp's convert_hf_to_gguf.py writes for those models).
@@ -100,8 +105,9 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "qwen2": _QWEN2,
     "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3,
     "deepseek-v3": _DEEPSEEK_V3,
+    "kimi-k2": _KIMI_K2,
 }
-_WRITTEN_NAMES = ("gpt-2", "qwen2", "llama-bpe", "deepseek-v3")
+_WRITTEN_NAMES = ("gpt-2", "qwen2", "llama-bpe", "deepseek-v3", "kimi-k2")
 
 
 def _where(path) -> str:
@@ -377,11 +383,14 @@ def gguf_tokenizer_fields(tokenizer_json_path: str | os.PathLike,
     :data:`PRE_TOKENIZERS`, ...) is a :class:`LoadError` (a ``ValueError``) naming the file.
     """
     path = Path(tokenizer_json_path)
-    data = _read_json(path, "tokenizer.json")
-    try:
-        tok = Tokenizer.from_str(json.dumps(data))
-    except Exception as e:
-        raise LoadError(path, f"tokenizers cannot load it: {e}") from e
+    if path.name == RANKS_FILE:  # a tiktoken tokenizer (Kimi-K2): as freetoken rebuilds it
+        tok = tokenizer_from_tiktoken(path.parent)
+    else:
+        data = _read_json(path, "tokenizer.json")
+        try:
+            tok = Tokenizer.from_str(json.dumps(data))
+        except Exception as e:
+            raise LoadError(path, f"tokenizers cannot load it: {e}") from e
     canon = json.loads(tok.to_str())  # the library's own spelling, to compare with the profiles'
     m = canon.get("model") or {}
     if m.get("type") != "BPE":
