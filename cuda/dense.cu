@@ -43,6 +43,34 @@ __device__ __forceinline__ bool aligned16(const void* p) {
   return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull;
 }
 
+// The call's token count t (1..FT_DENSE_MAX_T; the host refuses others) as the compile-time NT of ROW(NT), a row
+// call: each count its own unrolled row code.
+#define FT_WITH_TOKENS(t, ROW)           \
+  switch (t) {                           \
+    case 1: ROW(1); break;               \
+    case 2: ROW(2); break;               \
+    case 3: ROW(3); break;               \
+    case 4: ROW(4); break;               \
+    case 5: ROW(5); break;               \
+    case 6: ROW(6); break;               \
+    case 7: ROW(7); break;               \
+    case FT_DENSE_MAX_T: ROW(FT_DENSE_MAX_T); break; \
+    default: break;                      \
+  }
+
+// The end of a warp's row: each token's lane sums added up, lane 0 adds the bias and writes the NT outputs.
+template <int NT>
+__device__ __forceinline__ void store_row(float (&acc)[NT], const float* __restrict__ bias, int has_bias,
+                                          float* __restrict__ y, int row, int n) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t) acc[t] = ft::warp_sum(acc[t]);
+  if ((threadIdx.x & 31) == 0) {
+    const float b = has_bias ? bias[row] : 0.0f;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) y[static_cast<size_t>(t) * n + row] = acc[t] + b;
+  }
+}
+
 // Per-storage weight access: the element type, the elements per 16-byte vector, one element and one vector
 // widened to float.
 struct Bf16W {
@@ -146,13 +174,7 @@ __device__ __forceinline__ void dense_row(const typename W::T* __restrict__ w, c
       for (int t = 0; t < NT; ++t) acc[t] = fmaf(v, x[static_cast<size_t>(t) * k + i], acc[t]);
     }
   }
-#pragma unroll
-  for (int t = 0; t < NT; ++t) acc[t] = ft::warp_sum(acc[t]);
-  if (lane == 0) {
-    const float b = has_bias ? bias[row] : 0.0f;
-#pragma unroll
-    for (int t = 0; t < NT; ++t) y[static_cast<size_t>(t) * n + row] = acc[t] + b;
-  }
+  store_row<NT>(acc, bias, has_bias, y, row, n);
 }
 
 template <class W>
@@ -162,17 +184,9 @@ __device__ __forceinline__ void dense_gemv(const typename W::T* __restrict__ w, 
   const int row = blockIdx.x * FT_DENSE_WARPS + (threadIdx.x >> 5);
   if (row >= n) return;  // the whole warp: no collective is left waiting
   const bool vec = k % W::kVec == 0 && aligned16(w) && aligned16(x);
-  switch (t) {
-    case 1: dense_row<W, 1>(w, x, bias, has_bias, y, row, n, k, vec); break;
-    case 2: dense_row<W, 2>(w, x, bias, has_bias, y, row, n, k, vec); break;
-    case 3: dense_row<W, 3>(w, x, bias, has_bias, y, row, n, k, vec); break;
-    case 4: dense_row<W, 4>(w, x, bias, has_bias, y, row, n, k, vec); break;
-    case 5: dense_row<W, 5>(w, x, bias, has_bias, y, row, n, k, vec); break;
-    case 6: dense_row<W, 6>(w, x, bias, has_bias, y, row, n, k, vec); break;
-    case 7: dense_row<W, 7>(w, x, bias, has_bias, y, row, n, k, vec); break;
-    case FT_DENSE_MAX_T: dense_row<W, FT_DENSE_MAX_T>(w, x, bias, has_bias, y, row, n, k, vec); break;
-    default: break;  // the host refuses T outside [1, FT_DENSE_MAX_T]
-  }
+#define FT_ROW(NT) dense_row<W, NT>(w, x, bias, has_bias, y, row, n, k, vec)
+  FT_WITH_TOKENS(t, FT_ROW)
+#undef FT_ROW
 }
 
 }  // namespace
@@ -275,30 +289,16 @@ __device__ __forceinline__ void qdense_row(const unsigned char* __restrict__ w, 
       acc[t] = fmaf(d, c, acc[t]);
     }
   }
-#pragma unroll
-  for (int t = 0; t < NT; ++t) acc[t] = ft::warp_sum(acc[t]);
-  if (lane == 0) {
-    const float bv = has_bias ? bias[row] : 0.0f;
-#pragma unroll
-    for (int t = 0; t < NT; ++t) y[static_cast<size_t>(t) * n + row] = acc[t] + bv;
-  }
+  store_row<NT>(acc, bias, has_bias, y, row, n);
 }
 
 template <class Q, bool kHalf>
 __device__ __forceinline__ void qdense_dispatch(const unsigned char* __restrict__ w, const float* __restrict__ x,
                                                 const float* __restrict__ bias, int has_bias,
                                                 float* __restrict__ y, int t, int row, int n, int k) {
-  switch (t) {
-    case 1: qdense_row<Q, 1, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
-    case 2: qdense_row<Q, 2, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
-    case 3: qdense_row<Q, 3, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
-    case 4: qdense_row<Q, 4, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
-    case 5: qdense_row<Q, 5, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
-    case 6: qdense_row<Q, 6, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
-    case 7: qdense_row<Q, 7, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
-    case FT_DENSE_MAX_T: qdense_row<Q, FT_DENSE_MAX_T, kHalf>(w, x, bias, has_bias, y, row, n, k); break;
-    default: break;  // the host refuses T outside [1, FT_DENSE_MAX_T]
-  }
+#define FT_ROW(NT) qdense_row<Q, NT, kHalf>(w, x, bias, has_bias, y, row, n, k)
+  FT_WITH_TOKENS(t, FT_ROW)
+#undef FT_ROW
 }
 
 template <class Q>
@@ -407,30 +407,16 @@ __device__ __forceinline__ void fp8dense_row(const unsigned char* __restrict__ w
       acc[t] = fmaf(s, c, acc[t]);
     }
   }
-#pragma unroll
-  for (int t = 0; t < NT; ++t) acc[t] = ft::warp_sum(acc[t]);
-  if (lane == 0) {
-    const float bv = has_bias ? bias[row] : 0.0f;
-#pragma unroll
-    for (int t = 0; t < NT; ++t) y[static_cast<size_t>(t) * n + row] = acc[t] + bv;
-  }
+  store_row<NT>(acc, bias, has_bias, y, row, n);
 }
 
 template <int kBytes>
 __device__ __forceinline__ void fp8dense_dispatch(const unsigned char* __restrict__ w, const float* __restrict__ x,
                                                   const float* __restrict__ bias, int has_bias,
                                                   float* __restrict__ y, int t, int row, int n, int k) {
-  switch (t) {
-    case 1: fp8dense_row<1, kBytes>(w, x, bias, has_bias, y, row, n, k); break;
-    case 2: fp8dense_row<2, kBytes>(w, x, bias, has_bias, y, row, n, k); break;
-    case 3: fp8dense_row<3, kBytes>(w, x, bias, has_bias, y, row, n, k); break;
-    case 4: fp8dense_row<4, kBytes>(w, x, bias, has_bias, y, row, n, k); break;
-    case 5: fp8dense_row<5, kBytes>(w, x, bias, has_bias, y, row, n, k); break;
-    case 6: fp8dense_row<6, kBytes>(w, x, bias, has_bias, y, row, n, k); break;
-    case 7: fp8dense_row<7, kBytes>(w, x, bias, has_bias, y, row, n, k); break;
-    case FT_DENSE_MAX_T: fp8dense_row<FT_DENSE_MAX_T, kBytes>(w, x, bias, has_bias, y, row, n, k); break;
-    default: break;  // the host refuses T outside [1, FT_DENSE_MAX_T]
-  }
+#define FT_ROW(NT) fp8dense_row<NT, kBytes>(w, x, bias, has_bias, y, row, n, k)
+  FT_WITH_TOKENS(t, FT_ROW)
+#undef FT_ROW
 }
 
 }  // namespace
