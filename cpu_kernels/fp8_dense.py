@@ -2,9 +2,10 @@
 :mod:`freetoken.ops.dense`: each row its ceil(K/128) float32 scales, then its K e4m3fn codes; K a multiple of 16).
 
 * Few tokens (T <= :data:`freetoken.cpu_kernels.gemv.GEMV_MAX_TOKENS`), :func:`_fp8_gemv_kernel`: a ``prange`` over
-  blocks of :data:`~freetoken.cpu_kernels.gemv.ROWS` output rows; each row read once per call through the fp8 row
-  dots of the expert forward (:mod:`freetoken.cpu_kernels.moe_fp8`: codes decoded 16 at a time with ``vcvtph2ps``,
-  16-lane partial sums per 128-block scaled lane by lane), 4 tokens per pass, then 2, then 1.
+  blocks of :data:`~freetoken.cpu_kernels.gemv.ROWS` output rows (grouped: each group of rows reads its own slice of
+  x, the per-head products of latent attention's absorbed ``kv_b_proj`` in one call); each row read once per call
+  through the fp8 row dots of the expert forward (:mod:`freetoken.cpu_kernels.moe_fp8`: codes decoded 16 at a time
+  with ``vcvtph2ps``, 16-lane partial sums per 128-block scaled lane by lane), 4 tokens per pass, then 2, then 1.
 * More tokens, :func:`_fp8_gemm_kernel`: tiles of 16 rows decoded once (table lookup times the scale, the same
   float32 values as :func:`freetoken.models.qmatrix.dequantize_blocks`) into a float32 buffer of the thread and
   multiplied by every token of an L2-resident panel of ``x`` with the float product's micro-kernel
@@ -26,7 +27,7 @@ from freetoken.cpu_kernels.widen import FASTMATH
 
 from freetoken.formats.fp8_block import E4M3_VALUES
 
-__all__ = ["fp8_dequantize_rows", "fp8_matmul_into"]
+__all__ = ["fp8_dequantize_rows", "fp8_grouped_into", "fp8_matmul_into"]
 
 #: Weights per scale along a row (FP8_BLOCK of freetoken.ops.dense).
 BLOCK = 128
@@ -34,29 +35,31 @@ _U64 = np.uint64
 
 
 @nb.njit(error_model="numpy", parallel=True, cache=True, boundscheck=False)
-def _fp8_gemv_kernel(x, rows, out):
-    """out[t, r] = row r . x[t] for every row and token; rows uint8 [N, K + 4 * ceil(K/128)]."""
-    t_count, k = x.shape
+def _fp8_gemv_kernel(x, rows, out, k, group_rows):
+    """out[t, r] = row r . x[t, g*K:(g+1)*K] with g = r // group_rows, for every row and token; rows uint8
+    [N, K + 4 * ceil(K/128)], x float32 [T, G*K] (G = N / group_rows; 1 for a plain product), out [T, N]."""
+    t_count = x.shape[0]
     n, rb = rows.shape
     scales = _U64(4 * ((k + BLOCK - 1) // BLOCK))
-    base, xa, kk = addr(rows), addr(x), _U64(k)
+    base, xa, kk, ts = addr(rows), addr(x), _U64(k), _U64(x.shape[1])  # ts: one token's x elements
     for blk in nb.prange((n + ROWS - 1) // ROWS):
         for r in range(blk * ROWS, min(blk * ROWS + ROWS, n)):
             s = base + _U64(r) * _U64(rb)
             w = s + scales
+            g = _U64(r // group_rows) * kk
             t = 0
             while t_count - t >= 4:
-                o = _U64(t) * kk
-                y0, y1, y2, y3 = fp8_dot4(w, s, xa, o, o + kk, o + _U64(2) * kk, o + _U64(3) * kk, kk)
+                o = _U64(t) * ts + g
+                y0, y1, y2, y3 = fp8_dot4(w, s, xa, o, o + ts, o + _U64(2) * ts, o + _U64(3) * ts, kk)
                 out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = y0, y1, y2, y3
                 t += 4
             if t_count - t >= 2:
-                o = _U64(t) * kk
-                y0, y1 = fp8_dot2(w, s, xa, o, o + kk, kk)
+                o = _U64(t) * ts + g
+                y0, y1 = fp8_dot2(w, s, xa, o, o + ts, kk)
                 out[t, r], out[t + 1, r] = y0, y1
                 t += 2
             if t < t_count:
-                out[t, r] = fp8_dot1(w, s, xa, _U64(t) * kk, kk)
+                out[t, r] = fp8_dot1(w, s, xa, _U64(t) * ts + g, kk)
 
 
 #: :func:`_fp8_gemv_kernel` without threads, for products below :data:`freetoken.cpu_kernels.gemv.SERIAL_MACS`.
@@ -112,6 +115,29 @@ def _aligned(rows: np.ndarray) -> np.ndarray:
     return rows
 
 
+def _gemv(x, rows, out, k, group_rows) -> None:
+    if rows.shape[0] * k * x.shape[0] < SERIAL_MACS:
+        _fp8_gemv_serial(x, rows, out, k, group_rows)
+    else:
+        _fp8_gemv_kernel(x, rows, out, k, group_rows)
+
+
+def fp8_grouped_into(x: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+    """``out[t, g] = x[t, g] @ decoded(rows[g*N:(g+1)*N]).T`` for every group g, with no shape checks (the caller's):
+    x float32 [T, G, K] (K a multiple of 16), rows uint8 [G*N, K + 4 * ceil(K/128)], out float32 [T, G, N], all
+    C-contiguous, T >= 1. Few tokens: one GEMV call for all groups; more: the tiled product per group."""
+    rows = _aligned(rows)
+    t_count, groups, k = x.shape
+    n = out.shape[2]
+    if t_count <= GEMV_MAX_TOKENS:
+        _gemv(x.reshape(t_count, groups * k), rows, out.reshape(t_count, groups * n), k, n)
+        return
+    part = np.empty((t_count, n), np.float32)
+    for g in range(groups):
+        fp8_matmul_into(np.ascontiguousarray(x[:, g]), rows[g * n:(g + 1) * n], part)
+        out[:, g] = part
+
+
 def fp8_dequantize_rows(rows: np.ndarray, k: int, r0: int = 0, out: np.ndarray | None = None) -> np.ndarray:
     """Rows ``r0 .. r0 + len(out)`` as float32 [rows, K] in ``out`` (default: all rows from r0, a new array)."""
     rows = _aligned(rows)
@@ -128,10 +154,7 @@ def fp8_matmul_into(x: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
     rows = _aligned(rows)
     t_count, k = x.shape
     if t_count <= GEMV_MAX_TOKENS:
-        if rows.shape[0] * k * t_count < SERIAL_MACS:
-            _fp8_gemv_serial(x, rows, out)
-        else:
-            _fp8_gemv_kernel(x, rows, out)
+        _gemv(x, rows, out, k, rows.shape[0])
         return
     panel = max(4, PANEL_BYTES // (4 * max(1, k)) // 4 * 4)
     nthreads = nb.get_num_threads()

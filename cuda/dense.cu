@@ -381,11 +381,11 @@ __device__ __forceinline__ float fp8_row_scale(const unsigned char* row, int b) 
                          (static_cast<unsigned>(__ldg(p + 2)) << 16) | (static_cast<unsigned>(__ldg(p + 3)) << 24));
 }
 
-// One warp: output row `row` for NT tokens.
+// One warp: output row `row` for NT tokens, whose x values are xg[t * xs + j] (xg: the row's group's first).
 template <int NT, int kBytes>
-__device__ __forceinline__ void fp8dense_row(const unsigned char* __restrict__ w, const float* __restrict__ x,
-                                             const float* __restrict__ bias, int has_bias, float* __restrict__ y,
-                                             int row, int n, int k) {
+__device__ __forceinline__ void fp8dense_row(const unsigned char* __restrict__ w, const float* __restrict__ xg,
+                                             size_t xs, const float* __restrict__ bias, int has_bias,
+                                             float* __restrict__ y, int row, int n, int k) {
   constexpr bool kWord = kBytes >= 4;
   const int lane = threadIdx.x & 31;
   const int nkb = (k + 127) / 128;
@@ -400,7 +400,7 @@ __device__ __forceinline__ void fp8dense_row(const unsigned char* __restrict__ w
     const float s = fp8_row_scale<kWord>(wr, j0 / 128);
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
-      const float* xt = x + static_cast<size_t>(t) * k + j0;
+      const float* xt = xg + static_cast<size_t>(t) * xs + j0;
       float c = 0.0f;
 #pragma unroll
       for (int i = 0; i < kBytes; ++i) c = fmaf(v[i], __ldg(xt + i), c);
@@ -411,12 +411,32 @@ __device__ __forceinline__ void fp8dense_row(const unsigned char* __restrict__ w
 }
 
 template <int kBytes>
-__device__ __forceinline__ void fp8dense_dispatch(const unsigned char* __restrict__ w, const float* __restrict__ x,
-                                                  const float* __restrict__ bias, int has_bias,
+__device__ __forceinline__ void fp8dense_dispatch(const unsigned char* __restrict__ w, const float* __restrict__ xg,
+                                                  size_t xs, const float* __restrict__ bias, int has_bias,
                                                   float* __restrict__ y, int t, int row, int n, int k) {
-#define FT_ROW(NT) fp8dense_row<NT, kBytes>(w, x, bias, has_bias, y, row, n, k)
+#define FT_ROW(NT) fp8dense_row<NT, kBytes>(w, xg, xs, bias, has_bias, y, row, n, k)
   FT_WITH_TOKENS(t, FT_ROW)
 #undef FT_ROW
+}
+
+// The warp's row of y [T, N] = x . W^T, each group of `group_rows` consecutive rows reading its own K values of x
+// [T, N / group_rows, K] (group_rows = N: a plain product, x [T, K]).
+__device__ __forceinline__ void fp8_gemv(const unsigned char* __restrict__ w, const float* __restrict__ x,
+                                         const float* __restrict__ bias, int has_bias, float* __restrict__ y, int t,
+                                         int n, int k, int group_rows) {
+  const int row = blockIdx.x * FT_DENSE_WARPS + (threadIdx.x >> 5);
+  if (row >= n) return;  // the whole warp: no collective is left waiting
+  const float* xg = x + static_cast<size_t>(row / group_rows) * k;
+  const size_t xs = static_cast<size_t>(n / group_rows) * k;
+  const unsigned long long base = reinterpret_cast<unsigned long long>(w);
+  const int nkb = (k + 127) / 128;
+  if (aligned16(w) && nkb % 4 == 0 && k % 16 == 0 && (k + 4 * nkb) % 16 == 0) {
+    fp8dense_dispatch<16>(w, xg, xs, bias, has_bias, y, t, row, n, k);
+  } else if ((base & 3ull) == 0ull) {
+    fp8dense_dispatch<4>(w, xg, xs, bias, has_bias, y, t, row, n, k);  // rows are whole words: K % 16 == 0
+  } else {
+    fp8dense_dispatch<1>(w, xg, xs, bias, has_bias, y, t, row, n, k);
+  }
 }
 
 }  // namespace
@@ -424,17 +444,15 @@ __device__ __forceinline__ void fp8dense_dispatch(const unsigned char* __restric
 extern "C" __global__ void __launch_bounds__(FT_DENSE_WARPS * 32) dense_gemv_fp8_block(
     const unsigned char* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias, int has_bias,
     float* __restrict__ y, int t, int n, int k) {
-  const int row = blockIdx.x * FT_DENSE_WARPS + (threadIdx.x >> 5);
-  if (row >= n) return;  // the whole warp: no collective is left waiting
-  const unsigned long long base = reinterpret_cast<unsigned long long>(w);
-  const int nkb = (k + 127) / 128;
-  if (aligned16(w) && nkb % 4 == 0 && k % 16 == 0 && (k + 4 * nkb) % 16 == 0) {
-    fp8dense_dispatch<16>(w, x, bias, has_bias, y, t, row, n, k);
-  } else if ((base & 3ull) == 0ull) {
-    fp8dense_dispatch<4>(w, x, bias, has_bias, y, t, row, n, k);  // rows are whole words: K % 16 == 0
-  } else {
-    fp8dense_dispatch<1>(w, x, bias, has_bias, y, t, row, n, k);
-  }
+  fp8_gemv(w, x, bias, has_bias, y, t, n, k, n);
+}
+
+// Grouped: y [T, G, N/G] from x [T, G, K] and W [N, K + 4 * ceil(K/128)], rows g * group_rows .. + group_rows
+// reading x's group g (the per-head products of latent attention's absorbed kv_b_proj in one launch). No bias.
+extern "C" __global__ void __launch_bounds__(FT_DENSE_WARPS * 32) dense_grouped_fp8_block(
+    const unsigned char* __restrict__ w, const float* __restrict__ x, float* __restrict__ y, int t, int n, int k,
+    int group_rows) {
+  fp8_gemv(w, x, x, 0, y, t, n, k, group_rows);
 }
 
 extern "C" __global__ void dense_dequant_fp8_block(const unsigned char* __restrict__ w, float* __restrict__ out,

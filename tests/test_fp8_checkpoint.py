@@ -126,6 +126,11 @@ def test_fp8_linears_stay_fp8(fp8_checkpoint):
     linears = {"o_proj": att.o_proj}
     if family == "deepseek_v3":
         linears.update(q_a_proj=att.q_a, q_b_proj=att.q_b, kv_a_proj_with_mqa=att.kv_a)
+        # kv_b_proj's absorbed halves: W_uk^T rows [H * R, nope] and W_uv rows [H * v, R], fp8 with their scales
+        h, nope, v, r = att.heads, att.nope, att.v_dim, att.rank
+        assert att.w_uk is None and att.w_uv_t is None
+        assert att.uk_rows.shape == (h * r, nope + 4 * -(-nope // 128))
+        assert att.uv_rows.shape == (h * v, r + 4 * -(-r // 128))
     else:
         linears["qkv"] = att.qkv
     for name, lin in linears.items():

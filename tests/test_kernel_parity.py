@@ -234,6 +234,16 @@ def test_dense_empty_and_errors(device):
                   "fp8_block", device=device)
     with pytest.raises(ValueError, match=r"fp8_block w has 64 bytes per row, not K \+ 4 \* ceil\(K/128\) for K=64"):
         dense_dequant(device.asarray(np.zeros((3, 64), np.uint8)), "fp8_block", 64, device=device)
+    x3 = device.asarray(np.ones((2, 3, 32), np.float32))
+    w8 = device.asarray(np.zeros((6, 36), np.uint8))
+    assert device.to_host(ops.dense_grouped(device.asarray(np.zeros((0, 3, 32), np.float32)), w8, "fp8_block",
+                                            device=device)).shape == (0, 3, 2)
+    with pytest.raises(ValueError, match="dense_grouped takes fp8_block rows, not 'bf16'"):
+        ops.dense_grouped(x3, w8, "bf16", device=device)
+    with pytest.raises(ValueError, match="w's 5 rows are not 3 groups"):
+        ops.dense_grouped(x3, device.asarray(np.zeros((5, 36), np.uint8)), "fp8_block", device=device)
+    with pytest.raises(ValueError, match="fp8_block w has 40 bytes per row but x has K=32"):
+        ops.dense_grouped(x3, device.asarray(np.zeros((6, 40), np.uint8)), "fp8_block", device=device)
     with pytest.raises(TypeError, match="w must be uint8 for storage 'q8_0'"):
         dense_gemv(xq, device.asarray(np.zeros((3, 68), np.uint16)), "q8_0", device=device)
     with pytest.raises(ValueError, match="unknown quantized storage 'bf16'"):

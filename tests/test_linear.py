@@ -375,3 +375,22 @@ def test_decoder_logits_match_the_numpy_path(family, storage, tmp_path, monkeypa
     _, want = run()
     assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
     np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_fp8_transposed_is_exact_or_refused():
+    """Rows of an HF block-FP8 matrix transposed into fp8_block rows: the same values when the rows start on a
+    128-row tile (DeepSeek's kv_b_proj heads), None when they straddle tiles of different scales."""
+    from freetoken.formats import fp8_block
+    from freetoken.models.qmatrix import fp8_transposed, from_hf_fp8
+
+    rng = np.random.default_rng(8)
+    w = rng.standard_normal((512, 400), dtype=np.float32) * rng.uniform(0.1, 10, (512, 1)).astype(np.float32)
+    banks = fp8_block.FORMAT.quantize(w[:, :384][None])  # K 384: three column tiles
+    q = from_hf_fp8(banks["w"][0], banks["s"][0])
+    full = q.dequantize()
+    for row0, rows in ((0, 128), (256, 256), (128, 48), (384, 128)):
+        t = fp8_transposed(q, row0, rows)
+        assert t.shape == (384, rows)
+        np.testing.assert_array_equal(t.dequantize(), full[row0:row0 + rows].T)
+    assert fp8_transposed(q, 64, 128) is None  # rows 64..191: two tiles' scales in one new block
+    assert fp8_transposed(q, 0, 40) is None  # K 40 is not a multiple of 16

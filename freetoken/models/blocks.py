@@ -28,6 +28,7 @@ import numpy as np
 from freetoken import ops
 from freetoken.models.experts import ExpertRunner
 from freetoken.models.linear import Linear
+from freetoken.models.qmatrix import QuantizedMatrix, fp8_transposed, stack
 from freetoken.models.scratch import Scratch
 
 
@@ -163,6 +164,19 @@ class Attention:
         return self.o_proj(a)
 
 
+def _absorbed_fp8(kv_b: QuantizedMatrix, heads: int, nope: int, v_dim: int):
+    """(W_uk^T rows [H*R, nope], W_uv rows [H*v, R]) of a block-FP8 ``kv_b_proj`` [H*(nope+v), R] as fp8_block
+    matrices with the stored codes and scales, or None (another storage, or heads not on scale tiles)."""
+    if kv_b.kind != "fp8_block":
+        return None
+    width = nope + v_dim
+    uk = [fp8_transposed(kv_b, hd * width, nope) for hd in range(heads)]
+    if any(m is None for m in uk):
+        return None
+    uv = kv_b.rows(np.concatenate([np.arange(hd * width + nope, (hd + 1) * width) for hd in range(heads)]))
+    return stack(uk), uv
+
+
 class LatentAttention:
     """DeepSeek-V3's multi-head latent attention over the paged latent cache, in the absorbed form.
 
@@ -172,9 +186,12 @@ class LatentAttention:
     (``q_lat = W_uk_h^T q_nope``, so ``q.k = [q_lat, q_rope] . [c, k_rope]``) and the output ``W_uv_h``
     (``o_h = W_uv_h sum_p a_p c_p``), so attention runs over the cached rows as they are
     (:func:`freetoken.ops.latent_attention`). The per-head products are batched matmuls of the device's array
-    module. ``q``: a plain ``q_proj``, or ``(q_a_proj, q_a_norm weight, q_b_proj)`` (the low-rank query)."""
+    module, or, when ``kv_b`` is a block-FP8 matrix whose heads start on 128-row tiles (DeepSeek-V2/V3's releases),
+    grouped fp8 GEMVs (:func:`freetoken.ops.dense_grouped`) over its codes and scales as stored: ``W_uk`` transposed
+    exactly (:func:`freetoken.models.qmatrix.fp8_transposed`), ``W_uv`` its rows. ``q``: a plain ``q_proj``, or
+    ``(q_a_proj, q_a_norm weight, q_b_proj)`` (the low-rank query)."""
 
-    def __init__(self, q, kv_a: Linear, kv_a_norm: np.ndarray, kv_b: np.ndarray, o_proj: Linear, heads: int,
+    def __init__(self, q, kv_a: Linear, kv_a_norm: np.ndarray, kv_b, o_proj: Linear, heads: int,
                  nope: int, rope: int, rank: int, v_dim: int, eps: float, scale: float, device,
                  scratch: Scratch | None = None):
         self.dev, self.xp = device, device.xp
@@ -188,16 +205,24 @@ class LatentAttention:
         self.kv_a_norm = device.asarray(np.ascontiguousarray(kv_a_norm, np.float32))
         self.heads, self.nope, self.rope, self.rank, self.v_dim = heads, nope, rope, rank, v_dim
         self.eps, self.scale = eps, float(scale)
-        w = np.asarray(kv_b, np.float32).reshape(heads, nope + v_dim, rank)
-        self.w_uk = device.asarray(np.ascontiguousarray(w[:, :nope]))  # [H, nope, R]
-        self.w_uv_t = device.asarray(np.ascontiguousarray(w[:, nope:].transpose(0, 2, 1)))  # [H, R, v]
+        self.uk_rows = self.uv_rows = self.w_uk = self.w_uv_t = None
+        fp8 = _absorbed_fp8(kv_b, heads, nope, v_dim) if isinstance(kv_b, QuantizedMatrix) else None
+        if fp8 is not None:
+            self.uk_rows, self.uv_rows = (device.asarray(np.ascontiguousarray(m.blocks)) for m in fp8)
+        else:
+            if isinstance(kv_b, QuantizedMatrix):
+                kv_b = kv_b.dequantize()
+            w = np.asarray(kv_b, np.float32).reshape(heads, nope + v_dim, rank)
+            self.w_uk = device.asarray(np.ascontiguousarray(w[:, :nope]))  # [H, nope, R]
+            self.w_uv_t = device.asarray(np.ascontiguousarray(w[:, nope:].transpose(0, 2, 1)))  # [H, R, v]
         self.scratch = scratch if scratch is not None else Scratch(device)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the block's weights (``kv_b_proj`` held as its two absorbed halves)."""
         mats = [self.kv_a, self.o_proj] + ([self.q_proj] if self.q_proj is not None else [self.q_a, self.q_b])
-        vecs = [self.kv_a_norm, self.w_uk, self.w_uv_t] + ([] if self.q_a_norm is None else [self.q_a_norm])
+        halves = [self.uk_rows, self.uv_rows] if self.uk_rows is not None else [self.w_uk, self.w_uv_t]
+        vecs = [self.kv_a_norm, *halves] + ([] if self.q_a_norm is None else [self.q_a_norm])
         return sum(m.nbytes for m in mats) + sum(int(v.nbytes) for v in vecs)
 
     def __call__(self, x, kv, start: int, cos, sin):
@@ -219,10 +244,17 @@ class LatentAttention:
         row[:, :rank], row[:, rank:] = c, qk_rope[:, h]
         ops.latent_store(row, kv.k, kv.k_scale, kv.block_table, start, device=dev, checked=True)
         q_cat = self.scratch.get("latent_q", (t, h, rank + rope))
-        q_cat[:, :, :rank] = xp.matmul(q[:, :, :nope].transpose(1, 0, 2), self.w_uk).transpose(1, 0, 2)
+        if self.uk_rows is not None:  # q_lat[t, h] = W_uk_h^T q_nope[t, h]: one grouped fp8 GEMV for all heads
+            q_cat[:, :, :rank] = ops.dense_grouped(xp.ascontiguousarray(q[:, :, :nope]), self.uk_rows, "fp8_block",
+                                                   device=dev)
+        else:
+            q_cat[:, :, :rank] = xp.matmul(q[:, :, :nope].transpose(1, 0, 2), self.w_uk).transpose(1, 0, 2)
         q_cat[:, :, rank:] = qk_rope[:, :h]
         a = ops.latent_attention(q_cat, kv.k, kv.k_scale, kv.block_table, start, rank, scale=self.scale,
                                  out=self.scratch.get("latent_att", (t, h * rank)), device=dev, checked=True)
+        if self.uv_rows is not None:
+            o = ops.dense_grouped(a.reshape(t, h, rank), self.uv_rows, "fp8_block", device=dev)  # [T, H, v]
+            return self.o_proj(o.reshape(t, h * self.v_dim))
         o = xp.matmul(a.reshape(t, h, rank).transpose(1, 0, 2), self.w_uv_t)  # [H, T, v]
         return self.o_proj(xp.ascontiguousarray(o.transpose(1, 0, 2)).reshape(t, h * self.v_dim))
 

@@ -99,7 +99,7 @@ def _latent_attention(cfg: ModelConfig, t: _Tensors, i: int, dev, scratch: Scrat
         q = (t.linear(("q_a_proj",), i), t.host("q_a_norm", i), Linear(rope_rows("q_b_proj", head), dev))
     else:
         q = Linear(rope_rows("q_proj", head), dev)
-    return LatentAttention(q, Linear(kv_a, dev), t.host("kv_a_norm", i), t.host("kv_b_proj", i),
+    return LatentAttention(q, Linear(kv_a, dev), t.host("kv_a_norm", i), t.matrix("kv_b_proj", i),
                            t.linear(("o_proj",), i), cfg.num_heads, cfg.qk_nope_dim, rope, rank, cfg.v_head_dim,
                            cfg.rms_eps, cfg.attention_scale, dev, scratch)
 

@@ -116,3 +116,28 @@ def from_hf_fp8(weight: np.ndarray, scale_inv: np.ndarray) -> QuantizedMatrix:
     rows[:, :4 * nkb] = np.repeat(s, FP8_BLOCK, axis=0)[:n].view(np.uint8)
     rows[:, 4 * nkb:] = w
     return QuantizedMatrix("fp8_block", rows, (n, k))
+
+
+def fp8_transposed(q: QuantizedMatrix, row0: int, rows: int) -> QuantizedMatrix | None:
+    """Rows ``row0 .. row0 + rows`` of an ``fp8_block`` matrix [N, K], transposed, as an ``fp8_block`` matrix
+    [K, rows] with the same codes and scales (no value changes), or None when that is not exact: a new row's
+    128-block of old rows must share one scale, as an HF 128 x 128 tile's rows do when ``row0`` and the block starts
+    are on tile boundaries (DeepSeek's ``kv_b_proj``: each head's rows start at a multiple of 128)."""
+    if q.kind != "fp8_block":
+        raise ValueError(f"fp8_transposed takes fp8_block matrices, got {q.kind}")
+    if rows % 16:
+        return None  # the new rows' K must be a multiple of 16 (the fp8 row kernels' chunk)
+    n, k = q.shape
+    nkb = -(-k // FP8_BLOCK)
+    part = np.ascontiguousarray(q.blocks[row0:row0 + rows])
+    scales = part[:, :4 * nkb].copy().view("<f4")  # [rows, nkb]: old row i's scale of its column block
+    codes = part[:, 4 * nkb:]  # [rows, K]
+    nb = -(-rows // FP8_BLOCK)
+    first = scales[::FP8_BLOCK]  # [nb, nkb]: each new 128-block's scale, if uniform
+    if not np.array_equal(np.repeat(first, FP8_BLOCK, axis=0)[:rows].view(np.uint32), scales.view(np.uint32)):
+        return None
+    new_scales = np.repeat(first.T, FP8_BLOCK, axis=0)[:k]  # [K, nb]: new row j = old column j, block b
+    out = np.empty((k, row_bytes("fp8_block", rows)), np.uint8)
+    out[:, :4 * nb] = np.ascontiguousarray(new_scales, dtype="<f4").view(np.uint8)
+    out[:, 4 * nb:] = codes.T
+    return QuantizedMatrix("fp8_block", out, (k, rows))

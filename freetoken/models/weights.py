@@ -215,7 +215,7 @@ def check_hf_tensors(cfg: ModelConfig, sd, fp8_block: bool = False, kv_bytes: in
                                        f"is {info.dtype} (the checkpoint is not block-FP8; remove quantization_config "
                                        "or use the FP8 checkpoint)", name)
         if name not in expert_set:
-            dense += _held_bytes(name, want, info.dtype == "F8_E4M3")
+            dense += _held_bytes(want, info.dtype == "F8_E4M3")
     _check_no_strays(cfg, w, sd, set(expected))
     from freetoken.loaders.memory import check_load_bytes
 
@@ -227,10 +227,11 @@ def check_hf_tensors(cfg: ModelConfig, sd, fp8_block: bool = False, kv_bytes: in
     return check_load_bytes(sd.path, need)
 
 
-def _held_bytes(name: str, shape: tuple[int, ...], fp8: bool) -> int:
+def _held_bytes(shape: tuple[int, ...], fp8: bool) -> int:
     """Host bytes the decoder holds for a non-expert tensor: block-FP8 matrices as fp8_block rows
-    (:meth:`HFWeights.get_matrix`; not kv_b_proj, whose absorbed halves are float32 products), the rest float32."""
-    if fp8 and len(shape) == 2 and shape[1] % FP8_K_MULTIPLE == 0 and not name.endswith("kv_b_proj.weight"):
+    (:meth:`HFWeights.get_matrix`; kv_b_proj's absorbed halves too, when its heads sit on scale tiles, which this
+    check takes as given), the rest float32."""
+    if fp8 and len(shape) == 2 and shape[1] % FP8_K_MULTIPLE == 0:
         return shape[0] * row_bytes("fp8_block", shape[1])
     return 4 * int(np.prod(shape))
 
@@ -529,6 +530,8 @@ class GGUFWeights(Weights):
         return key, self.name(key, layer)
 
     def quantized_kind(self, key: str, layer: int | None = None) -> str | None:
+        if key == "kv_b_proj" and not self.has(key, layer):
+            return None  # llama.cpp's split attn_k_b / attn_v_b: get() puts the float matrix back together
         key, name = self._stored(key, layer)
         info = self.gguf.info(name)
         if len(info.shape) != 2 or info.shape[1] % 32:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from freetoken.device import constants
 from freetoken.ops.cache import cache_admit, cache_borrow_layer, cache_copy
-from freetoken.ops.dense import dense, dense_gemv
+from freetoken.ops.dense import dense, dense_gemv, dense_grouped
 from freetoken.ops.histogram import histogram
 from freetoken.ops.latent_attention import latent_attention, latent_store
 from freetoken.ops.moe_experts import MoeWorkspace, moe_experts
@@ -74,6 +74,9 @@ OPS: dict[str, Op] = {op.name: op for op in (
        (_K + "gemv:matmul_into", _K + "qgemv:qmatmul_into", _K + "qgemv:dequantize_rows",
         _K + "fp8_dense:fp8_matmul_into", _K + "fp8_dense:fp8_dequantize_rows"),
        _R + "dense:dense_reference", _C + "dense"),
+    Op("dense_grouped", dense_grouped, ("dense.cu",), "freetoken.ops.dense",
+       (_K + "fp8_dense:fp8_grouped_into", _K + "fp8_dense:fp8_dequantize_rows"),
+       _R + "dense:dense_grouped_reference", _C + "dense"),
     Op("rms_norm", rms_norm, ("rms_norm.cu",), "freetoken.ops.rms_norm", (_K + "rms_norm:rms_norm_rows",),
        _R + "rms_norm:rms_norm_reference", _C + "rms_norm"),
     Op("add_rms_norm", add_rms_norm, ("rms_norm.cu",), "freetoken.ops.rms_norm",
@@ -101,6 +104,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
 )}
 
 __all__ = ["OPS", "MoeWorkspace", "Op", "add_rms_norm", "cache_admit",
-           "cache_borrow_layer", "cache_copy", "constants", "dense", "dense_gemv", "histogram", "moe_experts",
+           "cache_borrow_layer", "cache_copy", "constants", "dense", "dense_gemv", "dense_grouped", "histogram",
+           "moe_experts",
            "kv_store", "latent_attention", "latent_store", "paged_attention", "rms_norm", "rope", "rope_qkv_cache",
            "route_sigmoid_group_topk", "route_softmax_group_topk", "route_softmax_topk", "row_sum", "topk", "transpose"]

@@ -236,3 +236,61 @@ def dense_dequant(w, storage: str, k: int, out=None, device=None):
     fn = cuda_kernel(dev, "dense.cu", f"dense_dequant_{storage}")
     fn((-(-blocks // 256),), (256,), (w, y, check_int32("N", n), check_int32("K", k)))
     return y
+
+
+def dense_grouped(x, w, storage: str, *, out=None, device=None):
+    """Per-group products ``y[t, g] = x[t, g] @ widen(w[g*N:(g+1)*N]).T``: G matrices [N, K] stacked in ``w``, each
+    applied to its own slice of x, in one call (latent attention's absorbed ``kv_b_proj``: one matrix per head).
+
+    Parameters
+    ----------
+    x : float32 array [T, G, K]
+    w : uint8 block-FP8 rows [G*N, K + 4 * ceil(K/128)] (storage "fp8_block"; K a multiple of 16)
+    storage : "fp8_block" (the one storage with a grouped kernel; float matrices go through the array module's
+        batched matmul)
+    out : float32 array [T, G, N], optional
+    device : Device or name, optional (default: auto)
+
+    Dispatch: cpu, :func:`freetoken.cpu_kernels.fp8_dense.fp8_grouped_into`; gpu/emu, ``dense_grouped_fp8_block``
+    (one warp per row, every group in one launch) up to :data:`MAX_TOKENS` tokens, beyond that each chunk of
+    groups widened by :func:`dense_dequant` and multiplied as a batched matmul.
+
+    Returns
+    -------
+    float32 array [T, G, N] on the device (``out`` when given).
+    """
+    dev = resolve(device)
+    if storage != "fp8_block":
+        raise ValueError(f"dense_grouped takes fp8_block rows, not {storage!r}")
+    x = as_input(dev, x, "x", np.float32, 3)
+    t, groups, k = x.shape
+    w = as_input(dev, w, "w", np.uint8, 2)
+    rows, wk = w.shape
+    if k % FP8_K_MULTIPLE or wk != row_bytes(storage, k):
+        raise ValueError(f"fp8_block w has {wk} bytes per row but x has K={k} (w must be [G*N, "
+                         f"{_row_shape(storage)}], K a multiple of {FP8_K_MULTIPLE})")
+    if groups == 0 or rows % groups:
+        raise ValueError(f"w's {rows} rows are not {groups} groups of equal size (x has G={groups})")
+    n = rows // groups
+    y = prepare_out(dev, out, (t, groups, n), np.float32)
+    if t == 0 or n == 0:
+        return y
+    if dev.kind == "cpu":
+        from freetoken.cpu_kernels.fp8_dense import fp8_grouped_into
+
+        fp8_grouped_into(x, w, y)
+        return y
+    if t <= MAX_TOKENS:
+        fn = cuda_kernel(dev, "dense.cu", "dense_grouped_fp8_block")
+        fn((-(-rows // _WARPS_PER_BLOCK),), (32 * _WARPS_PER_BLOCK,),
+           (w, x, y, np.int32(t), check_int32("N", rows), check_int32("K", k), np.int32(n)))
+        return y
+    xp = dev.xp
+    per = max(1, CHUNK_ELEMENTS // max(1, n * k))  # groups per chunk: bounds the widened copy
+    buf = xp.empty((min(per, groups) * n, k), np.float32)
+    for g0 in range(0, groups, per):
+        g1 = min(groups, g0 + per)
+        wc = dense_dequant(w[g0 * n:g1 * n], storage, k, out=buf[:(g1 - g0) * n], device=dev)
+        y[:, g0:g1] = xp.matmul(x[:, g0:g1].transpose(1, 0, 2), wc.reshape(g1 - g0, n, k).transpose(0, 2, 1)
+                                ).transpose(1, 0, 2)
+    return y

@@ -8,7 +8,7 @@ import numpy as np
 
 from freetoken import ops
 from freetoken.testing.cases.base import KernelCase, poisoned
-from freetoken.testing.reference.dense import blocks_dequantized, dense_reference
+from freetoken.testing.reference.dense import blocks_dequantized, dense_grouped_reference, dense_reference
 
 # ---- dense.cu ---------------------------------------------------------------------------------------------
 # (N, K, bias) per shape: "sq" a square projection with a bias (qkv-like), "lm" an lm_head. The small shapes have
@@ -102,4 +102,32 @@ DENSE_CASES = [_make_dense(s, shape, t) for s in ("bf16", "f16", "f32") for shap
 QDENSE_CASES = [_make_dense(q, shape, t) for q in QUANT_KINDS for shape in ("sq", "lm") for t in (1, 4)]
 #: The dense op beyond the GEMV's 8 tokens (gpu/emu: the chunked product; cpu: the register-tiled kernel).
 DENSE_OP_CASES = [_make_dense(s, "sq", 13, op="dense") for s in ("bf16", "f16", "f32", *QUANT_KINDS)]
-CASES = DENSE_CASES + QDENSE_CASES + DENSE_OP_CASES
+# ---- dense_grouped (dense_grouped_fp8_block) ------------------------------------------------------------------
+# (G, N, K) per size: G groups (heads) of N rows over K values each. Small: K 160 (a partial 128-block: the word
+# path on a GPU), N odd; large: DeepSeek-V3's absorbed kv_b_proj halves (W_UK^T: 128 heads of [512, 128]).
+_GROUPED_SHAPES = {"small": {"k160": (3, 37, 160), "k512": (2, 24, 512)}, "large": {"k160": (128, 512, 128),
+                                                                                    "k512": (128, 128, 512)}}
+
+
+def _make_grouped(shape: str, t: int):
+    def make(rng, size):
+        g, n, k = _GROUPED_SHAPES[size][shape]
+        w, w32 = _qdense_matrix("fp8_block", g * n, k)
+        return {"w": w, "w32": w32, "x": rng.standard_normal((t, g, k), dtype=np.float32)}
+
+    def setup(dev, inp):
+        g, n = inp["x"].shape[1], inp["w"].shape[0] // inp["x"].shape[1]
+        return {"w": dev.asarray(inp["w"]), "x": dev.asarray(inp["x"]),
+                "out_y": poisoned(dev, (t, g, n), np.float32)}
+
+    def launch(dev, st):
+        ops.dense_grouped(st["x"], st["w"], "fp8_block", out=st["out_y"], device=dev)
+
+    return KernelCase(f"dense_grouped_fp8_block_{shape}_t{t}", "dense.cu", make, setup, launch,
+                      lambda inp: {"y": dense_grouped_reference(inp["x"], inp["w32"])}, rel_atol=1e-5,
+                      bytes_moved=lambda inp: inp["w"].nbytes,
+                      flops=lambda inp: 2 * inp["x"].shape[0] * inp["w32"].size, op="dense_grouped")
+
+
+GROUPED_CASES = [_make_grouped(shape, t) for shape in ("k160", "k512") for t in (1, 4, 13)]
+CASES = DENSE_CASES + QDENSE_CASES + DENSE_OP_CASES + GROUPED_CASES

@@ -16,6 +16,13 @@ def dense_reference(x: np.ndarray, w32: np.ndarray, bias: np.ndarray | None = No
     return out if bias is None else out + bias
 
 
+def dense_grouped_reference(x: np.ndarray, w32: np.ndarray) -> np.ndarray:
+    """``y[t, g] = x[t, g] @ w32[g*N:(g+1)*N].T`` in float64: x [T, G, K], w32 [G*N, K] -> [T, G, N]."""
+    t, groups, k = x.shape
+    w = w32.astype(np.float64).reshape(groups, -1, k)
+    return np.einsum("tgk,gnk->tgn", x.astype(np.float64), w)
+
+
 def gguf_dequantized(blocks: np.ndarray, kind: str) -> np.ndarray:
     """float32 values of GGUF blocks per gguf-py (the reference decoder)."""
     from gguf.quants import GGMLQuantizationType, dequantize
