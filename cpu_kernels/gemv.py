@@ -29,7 +29,7 @@ import numba as nb
 import numpy as np
 from freetoken.cpu_kernels.gemm_panel import PANEL_ROWS, TOKENS, panel_product, widen_panel
 from freetoken.cpu_kernels.lanes import F32, I32, I64, KINDS, V16F, fmuladd, lane_sums4, load_widened, row_ptr
-from freetoken.cpu_kernels.moe_memory import addr, typed_ptr
+from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, addr, declare_prefetch, typed_ptr
 from freetoken.cpu_kernels.rms_norm import rms_norm_rows
 from freetoken.cpu_kernels.rope import rope_rows
 from freetoken.cpu_kernels.routing import softmax_topk_rows
@@ -98,7 +98,10 @@ def _dot_rows8(typingctx, x, w, w_bytes, n16, out, sample):
     ``sample``'s type) and the float32 token ``x`` (``16 n16`` values at its address); ``out``: address of 8
     float32. Rows one after the other (the matrix read in memory order), each into two 16-lane sums (even and odd
     chunks: two FMA chains) added lane by lane; the 8 rows' lanes then added up 4 rows at a time in
-    :func:`~freetoken.cpu_kernels.lanes.lane_sums4`'s fixed order (no horizontal sum per row)."""
+    :func:`~freetoken.cpu_kernels.lanes.lane_sums4`'s fixed order (no horizontal sum per row). Every cache line
+    is prefetched ``PREFETCH_BYTES`` ahead of its load: one sequential stream per thread left the hardware
+    prefetchers short of DRAM's bandwidth (f16 1536x1024 matrices cycled through 144 MB, 2 threads, AVX-512 EPYC:
+    8.8-9.6 GB/s without, 17-20 GB/s with, numpy's one-thread sum 14-15 GB/s)."""
     if sample not in KINDS or not all(isinstance(a, types.Integer) for a in (x, w, w_bytes, n16, out)):
         return None
 
@@ -113,11 +116,20 @@ def _dot_rows8(typingctx, x, w, w_bytes, n16, out, sample):
         pairs = builder.udiv(n_, two)
         last = builder.sub(n_, ir.Constant(I64, 1))
         sums = []
+        prefetch = declare_prefetch(builder.module)
+        chunk_bytes = 64 if kind == "f32" else 32  # 16 stored values
         for i in range(LANE_ROWS):  # row after row: the matrix is read in memory order
-            rp = row_ptr(builder, kind, builder.add(w_, builder.mul(wb_, ir.Constant(I64, i))))
+            row_at = builder.add(w_, builder.mul(wb_, ir.Constant(I64, i)))
+            rp = row_ptr(builder, kind, row_at)
             even, odd = (cgutils.alloca_once_value(builder, zero) for _ in range(2))
             with cgutils.for_range(builder, pairs) as loop:
                 c0 = builder.mul(loop.index, two)
+                ahead = builder.add(row_at, builder.add(builder.mul(c0, ir.Constant(I64, chunk_bytes)),
+                                                        ir.Constant(I64, PREFETCH_BYTES)))
+                for line in range(0, 2 * chunk_bytes, 64):  # the cache lines of this pair's chunks, further on
+                    builder.call(prefetch, [typed_ptr(builder, builder.add(ahead, ir.Constant(I64, line)),
+                                                      ir.IntType(8)),
+                                            ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
                 for a, c in ((even, c0), (odd, builder.add(c0, ir.Constant(I64, 1)))):
                     xv = builder.load(builder.gep(xp, [c]), align=4)
                     builder.store(builder.call(fma, [load_widened(builder, kind, rp, c), xv, builder.load(a)]), a)
