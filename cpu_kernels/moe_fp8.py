@@ -74,8 +74,9 @@ def _codegen(ntok):
         with cgutils.for_range(builder, nkb) as loop:
             kb = loop.index
             base = builder.mul(kb, _c(BLOCK))
-            builder.call(prefetch, [builder.gep(wp, [builder.add(base, _c(PREFETCH_BYTES))]), _c(0, _I32),
-                                    _c(3, _I32), _c(1, _I32)])
+            for line in (0, 64):  # both cache lines of the block, PREFETCH_BYTES ahead
+                builder.call(prefetch, [builder.gep(wp, [builder.add(base, _c(PREFETCH_BYTES + line))]),
+                                        _c(0, _I32), _c(3, _I32), _c(1, _I32)])
             for pair in parts:
                 for p in pair:
                     builder.store(zero, p)
