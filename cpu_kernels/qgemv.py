@@ -12,6 +12,10 @@
   the float product's micro-kernel (:mod:`freetoken.cpu_kernels.gemm_panel`): no dequantized copy of the whole
   matrix, and the same sums as the float product of the decoded values.
 
+Each row's blocks are prefetched ``PREFETCH_BYTES`` ahead of their decode (1536 x 2048 matrices cycled through
+120 MB, one token, 2 threads, AVX-512 EPYC: Q8_0 7.3 -> 15.3 GB/s, Q4_0 4.4 -> 8.8 GB/s; Q4_0 is then bound by its
+decode arithmetic, 12.4 GB/s with the matrices in cache).
+
 Accumulation is float32. The block rows travel as two views of one buffer: ``int16`` (the float16 scales: every
 block starts at an even byte) and ``int8`` (the quants).
 """
@@ -23,6 +27,7 @@ import numpy as np
 from freetoken.cpu_kernels.fp8_dense import fp8_dequantize_rows, fp8_matmul_into
 from freetoken.cpu_kernels.gemm_panel import PANEL_ROWS, TOKENS, panel_product, widen_panel
 from freetoken.cpu_kernels.gemv import GEMV_MAX_TOKENS, PANEL_BYTES, ROWS, SERIAL_MACS
+from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, addr, prefetch
 from freetoken.cpu_kernels.widen import FASTMATH, _widen
 from llvmlite import ir
 from numba import types
@@ -58,8 +63,10 @@ def _qrow1(q8, s16, r, x, t, nblk, acc, q4):
     multiplied into 32 lane sums ``acc[0:32]`` (no per-block horizontal sum); the lanes are summed at the end."""
     for j in range(32):
         acc[j] = 0.0
+    ahead = addr(q8) + np.uint64(r * q8.shape[1] + PREFETCH_BYTES)
     if q4:
         for b in range(nblk):
+            prefetch(ahead + np.uint64(b * 18))
             d = _widen(s16[r, b * 9])
             o = b * 18 + 2
             xb = b * 32
@@ -69,6 +76,7 @@ def _qrow1(q8, s16, r, x, t, nblk, acc, q4):
                 acc[16 + j] += (d * _nibble(byte, True)) * x[t, xb + 16 + j]
     else:
         for b in range(nblk):
+            prefetch(ahead + np.uint64(b * 34))
             d = _widen(s16[r, b * 17])
             o = b * 34 + 2
             xb = b * 32
@@ -86,8 +94,10 @@ def _qrow4(q8, s16, r, x, t, nblk, acc, out, q4):
     ``acc[32 * u : 32 * u + 32]`` for token t + u)."""
     for j in range(128):
         acc[j] = 0.0
+    ahead = addr(q8) + np.uint64(r * q8.shape[1] + PREFETCH_BYTES)
     if q4:
         for b in range(nblk):
+            prefetch(ahead + np.uint64(b * 18))
             d = _widen(s16[r, b * 9])
             o = b * 18 + 2
             xb = b * 32
@@ -105,6 +115,7 @@ def _qrow4(q8, s16, r, x, t, nblk, acc, out, q4):
                 acc[112 + j] += hi * x[t + 3, xb + 16 + j]
     else:
         for b in range(nblk):
+            prefetch(ahead + np.uint64(b * 34))
             d = _widen(s16[r, b * 17])
             o = b * 34 + 2
             xb = b * 32
