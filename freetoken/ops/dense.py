@@ -32,6 +32,9 @@ FP8_BLOCK, FP8_K_MULTIPLE = 128, 16
 #: The storages held as uint8 rows of blocks (decoded in registers; :func:`dense_dequant` widens them).
 BLOCK_STORAGES = (*QUANT_BLOCK_BYTES, "fp8_block")
 _STORAGE_NAMES = "bf16, f16, f32, q8_0, q4_0 or fp8_block"
+#: gpu/emu, more tokens than the GEMV kernel takes: weights widened to float32 per chunk of the product (a chunk is
+#: at least one row). Bounds the temporary float32 copy (32 MiB).
+CHUNK_ELEMENTS = 1 << 23
 
 
 def k_multiple(storage: str) -> int:
@@ -48,9 +51,6 @@ def row_bytes(storage: str, k: int) -> int:
     if storage == "fp8_block":
         return k + 4 * (-(-k // FP8_BLOCK))
     return k // 32 * QUANT_BLOCK_BYTES[storage]
-#: gpu/emu, more tokens than the GEMV kernel takes: weights widened to float32 per chunk of the product (a chunk is
-#: at least one row). Bounds the temporary float32 copy (32 MiB).
-CHUNK_ELEMENTS = 1 << 23
 
 
 def _checked(dev, x, w, storage: str, bias):
@@ -232,7 +232,7 @@ def dense_dequant(w, storage: str, k: int, out=None, device=None):
         from freetoken.cpu_kernels.qgemv import dequantize_rows
 
         return dequantize_rows(w, storage, k, out=y)
-    blocks = n * (k // 32) if storage != "fp8_block" else n * (k // FP8_K_MULTIPLE)  # fp8: one thread per 16
+    blocks = n * (k // k_multiple(storage))  # one thread per GGUF block, or per 16 FP8 codes
     fn = cuda_kernel(dev, "dense.cu", f"dense_dequant_{storage}")
     fn((-(-blocks // 256),), (256,), (w, y, check_int32("N", n), check_int32("K", k)))
     return y
