@@ -71,17 +71,23 @@ class QuantizedMatrix:
         return dequantize_blocks(self.blocks, self.kind, self.shape[1])
 
 
+def _fp8_split(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``fp8_block`` rows [N, K + 4 * ceil(K/128)] -> (their scales float32 [N, ceil(K/128)], their codes uint8
+    [N, K], a view)."""
+    nkb = -(-k // FP8_BLOCK)
+    rows = np.ascontiguousarray(rows)
+    return rows[:, :4 * nkb].copy().view("<f4").astype(np.float32), rows[:, 4 * nkb:]
+
+
 def dequantize_blocks(blocks: np.ndarray, kind: str, k: int) -> np.ndarray:
     """uint8 block rows [N, row_bytes(kind, K)] of ``kind`` -> float32 [N, K]."""
     n = blocks.shape[0]
     if kind == "fp8_block":
         from freetoken.formats.fp8_block import E4M3_VALUES
 
-        nkb = -(-k // FP8_BLOCK)
-        b = np.ascontiguousarray(blocks)
-        s = b[:, :4 * nkb].copy().view("<f4").astype(np.float32)
+        scales, codes = _fp8_split(blocks, k)
         with np.errstate(over="ignore", invalid="ignore"):
-            return E4M3_VALUES[b[:, 4 * nkb:]] * np.repeat(s, FP8_BLOCK, axis=1)[:, :k]
+            return E4M3_VALUES[codes] * np.repeat(scales, FP8_BLOCK, axis=1)[:, :k]
     blk = np.ascontiguousarray(blocks).reshape(n, k // BLOCK, BLOCK_BYTES[kind])
     d = np.ascontiguousarray(blk[..., :2]).view("<f2")[..., 0].astype(np.float32)[..., None]  # [N, K/32, 1]
     qs = blk[..., 2:]
@@ -127,11 +133,8 @@ def fp8_transposed(q: QuantizedMatrix, row0: int, rows: int) -> QuantizedMatrix 
         raise ValueError(f"fp8_transposed takes fp8_block matrices, got {q.kind}")
     if rows % 16:
         return None  # the new rows' K must be a multiple of 16 (the fp8 row kernels' chunk)
-    n, k = q.shape
-    nkb = -(-k // FP8_BLOCK)
-    part = np.ascontiguousarray(q.blocks[row0:row0 + rows])
-    scales = part[:, :4 * nkb].copy().view("<f4")  # [rows, nkb]: old row i's scale of its column block
-    codes = part[:, 4 * nkb:]  # [rows, K]
+    k = q.shape[1]
+    scales, codes = _fp8_split(q.blocks[row0:row0 + rows], k)  # [rows, nkb]: old row i's scale of its column block
     nb = -(-rows // FP8_BLOCK)
     first = scales[::FP8_BLOCK]  # [nb, nkb]: each new 128-block's scale, if uniform
     if not np.array_equal(np.repeat(first, FP8_BLOCK, axis=0)[:rows].view(np.uint32), scales.view(np.uint32)):

@@ -373,25 +373,29 @@ class HFWeights(Weights):
             key = "embed"
         return self.tensor_f32(self.name(key, layer))
 
-    def quantized_kind(self, key: str, layer: int | None = None) -> str | None:
-        """"fp8_block" for a block-FP8 matrix whose K the fp8 dense kernels take (a multiple of 16), else None."""
-        if key == "lm_head" and self.cfg.tie_word_embeddings:
-            key = "embed"
-        name = self.name(key, layer)
-        if self._scale_name(name) is None:
-            return None
-        w = self._get(name)
-        return "fp8_block" if len(w.shape) == 2 and w.shape[1] % FP8_K_MULTIPLE == 0 else None
-
-    def get_matrix(self, key: str, layer: int | None = None) -> np.ndarray | QuantizedMatrix:
-        """A block-FP8 matrix stays in its codes and scales (:func:`freetoken.models.qmatrix.from_hf_fp8`: 1.03 bytes
-        per weight instead of 4 dequantized); anything else as :meth:`get`."""
-        if self.quantized_kind(key, layer) is None:
-            return self.get(key, layer)
+    def _fp8_matrix(self, key: str, layer: int | None) -> tuple[str, str] | None:
+        """(weight name, scale name) of ``key`` when it is a block-FP8 matrix whose K the fp8 dense kernels take (a
+        multiple of 16), else None."""
         if key == "lm_head" and self.cfg.tie_word_embeddings:
             key = "embed"
         name = self.name(key, layer)
         scale = self._scale_name(name)
+        if scale is None:
+            return None
+        shape = self._get(name).shape
+        return (name, scale) if len(shape) == 2 and shape[1] % FP8_K_MULTIPLE == 0 else None
+
+    def quantized_kind(self, key: str, layer: int | None = None) -> str | None:
+        """"fp8_block" for a block-FP8 matrix the fp8 dense kernels take (:meth:`_fp8_matrix`), else None."""
+        return "fp8_block" if self._fp8_matrix(key, layer) is not None else None
+
+    def get_matrix(self, key: str, layer: int | None = None) -> np.ndarray | QuantizedMatrix:
+        """A block-FP8 matrix stays in its codes and scales (:func:`freetoken.models.qmatrix.from_hf_fp8`: 1.03 bytes
+        per weight instead of 4 dequantized); anything else as :meth:`get`."""
+        names = self._fp8_matrix(key, layer)
+        if names is None:
+            return self.get(key, layer)
+        name, scale = names
         w, s = np.asarray(self._get(name)), np.asarray(self._get(scale), np.float32)  # bf16/f16 scales: exact
         if w.dtype.itemsize != 1:
             raise LoadError(self.where, f"a block-FP8 weight must be 1-byte e4m3 codes, got {w.dtype}", name)
