@@ -14,9 +14,8 @@ import pytest
 from test_gguf_tokenizer import EDGE_TEXTS, MODEL_DIR, _stdlib_texts
 
 from freetoken.loaders import LoadError
-from freetoken.loaders.gguf_tokenizer import gguf_tokenizer_fields, tokenizer_from_gguf
+from freetoken.loaders.gguf_tokenizer import KIMI_K2_SPLIT, gguf_tokenizer_fields, tokenizer_from_gguf
 from freetoken.loaders.tiktoken_tokenizer import (
-    KIMI_K2_SPLIT,
     SPECIAL_COUNT,
     byte_level_alphabet,
     read_ranks,

@@ -20,7 +20,7 @@ models they come from spells it:
 - ``"llama-bpe"`` (also ``"llama3"``, ``"llama-v3"``): the Llama 3 split regex (digits in groups of up to three),
   ``ignore_merges`` (a word that is a whole token is not merged up) and BOS added by default, as llama.cpp does.
 - ``"deepseek-v3"``: DeepSeek-V3 / R1's three isolated splits (digit groups, CJK / kana runs, the main regex).
-- ``"kimi-k2"``: Moonshot's split regex (:data:`freetoken.loaders.tiktoken_tokenizer.KIMI_K2_SPLIT`: Han runs,
+- ``"kimi-k2"``: Moonshot's split regex (:data:`KIMI_K2_SPLIT`: Han runs,
   cased words, digit groups of up to three) and ``ignore_merges``, as the tiktoken tokenizer Kimi-K2 ships encodes
   (:mod:`freetoken.loaders.tiktoken_tokenizer` rebuilds that one from ``tiktoken.model``).
 
@@ -47,7 +47,6 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from freetoken.loaders.errors import LoadError
-from freetoken.loaders.tiktoken_tokenizer import KIMI_K2_SPLIT, RANKS_FILE, tokenizer_from_tiktoken
 
 # GGUF token types (gguf.TokenType / llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -68,6 +67,21 @@ DEEPSEEK_V3_SPLITS = (
     "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
     "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
 )
+
+#: Moonshot's split regex (Kimi-K2's ``pat_str``): ``&&`` is a character-class intersection, which tiktoken's regex
+#: engine and Oniguruma (the tokenizers library's) both read.
+KIMI_K2_SPLIT = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
 
 
 @dataclass(frozen=True)
@@ -383,6 +397,8 @@ def gguf_tokenizer_fields(tokenizer_json_path: str | os.PathLike,
     :data:`PRE_TOKENIZERS`, ...) is a :class:`LoadError` (a ``ValueError``) naming the file.
     """
     path = Path(tokenizer_json_path)
+    from freetoken.loaders.tiktoken_tokenizer import RANKS_FILE, tokenizer_from_tiktoken  # it builds on this module
+
     if path.name == RANKS_FILE:  # a tiktoken tokenizer (Kimi-K2): as freetoken rebuilds it
         tok = tokenizer_from_tiktoken(path.parent)
     else:

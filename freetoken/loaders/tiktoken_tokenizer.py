@@ -5,7 +5,7 @@ which freetoken does not run.
 
 :func:`tokenizer_from_tiktoken` rebuilds it as a ``tokenizers.Tokenizer`` that encodes as tiktoken does:
 
-- the split regex is the model's (:data:`KIMI_K2_SPLIT`, Moonshot's ``pat_str``: Han runs, cased words with an
+- the split regex is the model's (``KIMI_K2_SPLIT``, Moonshot's ``pat_str``: Han runs, cased words with an
   optional contraction, digits in groups of up to three, punctuation runs, newlines, spaces), then byte-level;
 - byte-level BPE over the ranks. tiktoken merges the adjacent pair whose concatenation has the lowest rank; the
   merges here are, per token in rank order, the two parts tiktoken's own merging ends with when it is only allowed
@@ -15,8 +15,8 @@ which freetoken does not run.
   ``tokenizer_config.json`` or ``<|reserved_token_{id}|>``, are matched whole in the text (tiktoken's
   ``allowed_special="all"``, as Moonshot's tokenizer encodes) and skipped when decoding.
 
-The same tokenizer written to a GGUF file is llama.cpp's ``kimi-k2`` pre-tokenizer
-(:mod:`freetoken.loaders.gguf_tokenizer`).
+It is built as the GGUF fields of llama.cpp's ``kimi-k2`` vocabulary would be (:mod:`freetoken.loaders.gguf_tokenizer`,
+which holds the split regex, ``KIMI_K2_SPLIT``), so a GGUF file written from it reads back the same.
 """
 
 from __future__ import annotations
@@ -27,24 +27,11 @@ import json
 import os
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer
 
 from freetoken.loaders.errors import LoadError
+from freetoken.loaders.gguf_tokenizer import CONTROL, NORMAL, tokenizer_from_gguf
 
-#: Moonshot's split regex (Kimi-K2's ``pat_str``): ``&&`` is a character-class intersection, which tiktoken's regex
-#: engine and Oniguruma (the tokenizers library's) both read.
-KIMI_K2_SPLIT = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
 #: Special ids after the base vocabulary: Moonshot reserves 256 and two more.
 SPECIAL_COUNT = 256 + 2
 #: The file name of the ranks.
@@ -159,18 +146,10 @@ def tokenizer_from_tiktoken(path: str | os.PathLike) -> Tokenizer:
     def text(b: bytes) -> str:
         return "".join(alphabet[c] for c in b)
 
-    vocab = {text(t): r for t, r in ranks.items()}
-    merges = [(text(a), text(b)) for a, b in bpe_merges(ranks)]
-    tok = Tokenizer(models.BPE(vocab, merges, dropout=None, unk_token=None, fuse_unk=False, byte_fallback=False,
-                               ignore_merges=True))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(KIMI_K2_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
+    # the same fields a GGUF file holds for it ("kimi-k2"), so one builder makes both
+    tokens = [text(t) for t, _ in sorted(ranks.items(), key=lambda kv: kv[1])]
     specials = _special_names(config, len(ranks))
-    tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for _, name in sorted(specials.items())])
-    moved = [name for i, name in specials.items() if tok.token_to_id(name) != i]
-    if moved:
-        raise LoadError(cfg_path, f"special tokens did not get their ids (names repeated or also base tokens?): "
-                                  f"{moved[:5]}")
-    return tok
+    meta = {"model": "gpt2", "pre": "kimi-k2", "tokens": tokens + [specials[i] for i in sorted(specials)],
+            "token_types": [NORMAL] * len(tokens) + [CONTROL] * len(specials),
+            "merges": [f"{text(a)} {text(b)}" for a, b in bpe_merges(ranks)]}
+    return tokenizer_from_gguf(meta, cfg_path)
