@@ -112,7 +112,8 @@ def test_special_tokens_ids_and_decoding(kimi):
 def test_gguf_round_trip_is_kimi_k2(kimi, tmp_path):
     """The tokenizer written as GGUF fields is llama.cpp's "kimi-k2" pre-tokenizer and reads back the same."""
     root, ranks, enc = kimi
-    fields = gguf_tokenizer_fields(root / "tiktoken.model", root / "tokenizer_config.json")
+    fields = gguf_tokenizer_fields(root / "tiktoken.model", root / "tokenizer_config.json",
+                                   tokenizer=tokenizer_from_tiktoken(root))
     assert fields["pre"] == "kimi-k2" and len(fields["tokens"]) == len(ranks) + SPECIAL_COUNT
     assert fields["bos_token_id"] == len(ranks) and fields["eos_token_id"] == len(ranks) + 1
     _check_same(tokenizer_from_gguf(fields), enc, EDGE_TEXTS + KIMI_TEXTS + _stdlib_texts(100_000))

@@ -344,14 +344,16 @@ def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, experts: s
         raise LoadError(src / "config.json", f"exporting {q.method} checkpoints is not supported")
     weights = HFWeights(cfg, sd.get, sd.has, fp8_block=q.method == "fp8_block", where=str(src), mxfp4=mxfp4)
     tok_fields = None
-    from freetoken.loaders.tiktoken_tokenizer import RANKS_FILE, is_tiktoken_dir
+    from freetoken.loaders.gguf_tokenizer import gguf_tokenizer_fields
+    from freetoken.loaders.tiktoken_tokenizer import RANKS_FILE, is_tiktoken_dir, tokenizer_from_tiktoken
 
-    if (src / "tokenizer.json").is_file() or is_tiktoken_dir(src):
-        from freetoken.loaders.gguf_tokenizer import gguf_tokenizer_fields
-
-        tc = src / "tokenizer_config.json"
-        source = src / ("tokenizer.json" if (src / "tokenizer.json").is_file() else RANKS_FILE)
-        tok_fields = gguf_tokenizer_fields(source, tc if tc.is_file() else None, config=sd.config)
+    tc = src / "tokenizer_config.json"
+    tc = tc if tc.is_file() else None
+    if (src / "tokenizer.json").is_file():
+        tok_fields = gguf_tokenizer_fields(src / "tokenizer.json", tc, config=sd.config)
+    elif is_tiktoken_dir(src):  # Kimi-K2: tiktoken.model, rebuilt as freetoken loads it
+        tok_fields = gguf_tokenizer_fields(src / RANKS_FILE, tc, config=sd.config,
+                                           tokenizer=tokenizer_from_tiktoken(src))
     else:
         warnings.warn(f"{src}: no tokenizer.json (nor tiktoken.model); the GGUF file gets no vocabulary (llama.cpp "
                       "will not load it)", stacklevel=2)

@@ -381,7 +381,8 @@ def _read_json(path, what: str) -> dict:
 
 def gguf_tokenizer_fields(tokenizer_json_path: str | os.PathLike,
                           tokenizer_config_path: str | os.PathLike | None = None,
-                          config: dict | str | os.PathLike | None = None) -> dict[str, Any]:
+                          config: dict | str | os.PathLike | None = None,
+                          tokenizer: Tokenizer | None = None) -> dict[str, Any]:
     """What a GGUF stores for a Hugging Face byte-level BPE ``tokenizer.json``, in :meth:`GGUFFile.tokenizer_meta`'s
     key names: ``model`` ("gpt2"), ``pre`` (detected, see :data:`PRE_TOKENIZERS`), ``tokens`` (id order; ids no
     token has become ``[PAD<id>]``, as convert_hf_to_gguf.py writes them), ``token_types`` (1 normal, 3 control for
@@ -395,12 +396,13 @@ def gguf_tokenizer_fields(tokenizer_json_path: str | os.PathLike,
     ``*_token_id`` where the tokenizer config names none, ``vocab_size`` to pad the vocabulary up to the embedding
     rows. A tokenizer GGUF cannot describe (not BPE, byte fallback, a pre-tokenizer or normalizer not in
     :data:`PRE_TOKENIZERS`, ...) is a :class:`LoadError` (a ``ValueError``) naming the file.
+
+    ``tokenizer``: the tokenizer itself, when it was not read from a ``tokenizer.json`` (Kimi-K2's tiktoken files,
+    :mod:`freetoken.loaders.tiktoken_tokenizer`); ``tokenizer_json_path`` then names its file in errors.
     """
     path = Path(tokenizer_json_path)
-    from freetoken.loaders.tiktoken_tokenizer import RANKS_FILE, tokenizer_from_tiktoken  # it builds on this module
-
-    if path.name == RANKS_FILE:  # a tiktoken tokenizer (Kimi-K2): as freetoken rebuilds it
-        tok = tokenizer_from_tiktoken(path.parent)
+    if tokenizer is not None:
+        tok = tokenizer
     else:
         data = _read_json(path, "tokenizer.json")
         try:
