@@ -38,11 +38,13 @@ def activation_code(act: str) -> int:
     return ACTIVATIONS[act]
 
 #: Kernel-family format codes (the template argument of the expert kernels, cuda/moe_common.cuh).
-FORMAT_CODES = {"bf16": 0, "fp8_block": 1, "nvfp4": 2, "mxfp4": 3, "q4_0": 4}
+FORMAT_CODES = {"bf16": 0, "fp8_block": 1, "nvfp4": 2, "mxfp4": 3, "q4_0": 4, "q8_0": 5, "q4_k": 6, "q5_k": 7,
+                "q6_k": 8, "iq4_xs": 9}
 
-#: ft::ExpertBanks (cuda/moe_common.cuh): for gate, up, down the pointers w, s, g, b.
-EXPERT_BANKS = np.dtype([(f"{m}_{f}", np.uint64) for m in ("gate", "up", "down") for f in ("w", "s", "g", "b")],
-                        align=True)
+#: ft::ExpertBanks (cuda/moe_common.cuh): for gate, up, down the pointers w, s, g, b, then each bank's bytes from
+#: one slot to the next (a bank's slot rows may be longer than its record's: slots sized for the largest record).
+EXPERT_BANKS = np.dtype([(f"{m}_{f}{part}", np.uint64) for m in ("gate", "up", "down") for part in ("", "_stride")
+                         for f in ("w", "s", "g", "b")], align=True)
 #: ft::Plan (cuda/moe_common.cuh).
 PLAN = np.dtype([(n, np.uint64) for n in ("n_unique", "unique_slot", "unique_off", "pair_list", "n_tiles",
                                           "tile_unique", "tile_start")], align=True)
@@ -54,7 +56,8 @@ CACHE_MAX_PAIRS = 1024
 CACHE_MAX_BANKS = 16
 #: cache.cu's BankTable.
 BANK_TABLE = np.dtype([("src", np.uint64, CACHE_MAX_BANKS), ("dst", np.uint64, CACHE_MAX_BANKS),
-                       ("bytes", np.uint64, CACHE_MAX_BANKS), ("n", np.int32)], align=True)
+                       ("bytes", np.uint64, CACHE_MAX_BANKS), ("dst_stride", np.uint64, CACHE_MAX_BANKS),
+                       ("first", np.int64), ("n", np.int32)], align=True)
 #: Error codes of cache_admit (and its Numba twin).
 CACHE_ERR_ID_RANGE = 1
 CACHE_ERR_NO_VICTIM = 2

@@ -11,6 +11,7 @@ Shapes: every function works elementwise on any shape unless its docstring says 
 from __future__ import annotations
 
 from collections.abc import Callable
+from fractions import Fraction
 
 import ml_dtypes
 import numpy as np
@@ -173,19 +174,23 @@ def check_weights(fmt: ExpertFormat, w: np.ndarray, finite: bool = True) -> np.n
     return w
 
 
-def bank_dims(fmt: ExpertFormat, banks: dict[str, np.ndarray], k_per_column: int) -> tuple[int, int, int]:
-    """(E, N, K) of a bank dict, inferred from its "w" bank ([E, N, K / k_per_column]), after checking every bank."""
+def bank_dims(fmt: ExpertFormat, banks: dict[str, np.ndarray],
+              k_per_column: int | Fraction) -> tuple[int, int, int]:
+    """(E, N, K) of a bank dict, inferred from its "w" bank ([E, N, K / k_per_column]), after checking every bank.
+
+    ``k_per_column`` is a :class:`~fractions.Fraction` where a block's quants are not a whole number of bytes per
+    weight (GGUF Q5_K: 256 weights in 160 bytes)."""
     w = banks.get("w")
     if w is None:
         raise ValueError(f"{fmt.name} banks missing ['w'] (have {sorted(banks)})")
     if w.ndim != 3:
         raise ValueError(f"w: {fmt.name} wants a bank [E, N, ...] with the expert dimension, got {list(w.shape)}")
     n, k = w.shape[1], w.shape[2] * k_per_column
-    if k % fmt.k_multiple:
+    if k % fmt.k_multiple:  # also catches a fractional K
         raise ValueError(f"w: {fmt.name} bank of shape {list(w.shape)} means K = {k}, not a multiple of "
                          f"{fmt.k_multiple}")
-    e = fmt.check_banks(banks, n, k)
-    return e, n, k
+    e = fmt.check_banks(banks, n, int(k))
+    return e, n, int(k)
 
 
 def as_bits(a, what: str, bits: type, *aliases) -> np.ndarray:
@@ -226,22 +231,22 @@ def per_expert_f32(a, what: str, e: int) -> np.ndarray:
     return np.ascontiguousarray(a.reshape(e))
 
 
-#: Weights per GGUF block (Q4_0, MXFP4).
+#: Weights per GGUF block (Q4_0, MXFP4, Q8_0; the k-quants' super-blocks hold 256).
 GGUF_BLOCK = 32
 
 
-def gguf_blocks(raw, shape, block_bytes: int, what: str) -> np.ndarray:
-    """GGUF block bytes as uint8 [E, N, K/32, block_bytes]; ``raw`` is [E, N, K/32 * block_bytes] or, with
-    ``shape`` = (E, N, K) in NumPy order, any uint8 array of that many bytes."""
+def gguf_blocks(raw, shape, block_bytes: int, what: str, block: int = GGUF_BLOCK) -> np.ndarray:
+    """GGUF block bytes as uint8 [E, N, K/block, block_bytes]; ``raw`` is [E, N, K/block * block_bytes] or, with
+    ``shape`` = (E, N, K) in NumPy order, any uint8 array of that many bytes. ``block``: weights per block."""
     raw = as_bits(raw, "raw", np.uint8)
     if shape is not None:
         if len(shape) != 3:
             raise ValueError(f"shape: wants (E, N, K) in NumPy order, got {shape}")
         e, n, k = map(int, shape)
-        if k % GGUF_BLOCK or raw.size != e * n * (k // GGUF_BLOCK) * block_bytes:
+        if k % block or raw.size != e * n * (k // block) * block_bytes:
             raise ValueError(f"raw: {raw.size} bytes do not hold a {what} tensor of shape {shape_str(shape)}")
-        raw = raw.reshape(e, n, k // GGUF_BLOCK * block_bytes)
-    expect_ndim(raw, "raw", 3, f"[E, N, K/32 * {block_bytes}]")
+        raw = raw.reshape(e, n, k // block * block_bytes)
+    expect_ndim(raw, "raw", 3, f"[E, N, K/{block} * {block_bytes}]")
     if raw.shape[2] % block_bytes:
         raise ValueError(f"raw: rows of {raw.shape[2]} bytes are not whole {what} blocks of {block_bytes} bytes")
     return raw.reshape(raw.shape[0], raw.shape[1], -1, block_bytes)
