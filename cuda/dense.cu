@@ -13,15 +13,16 @@
 // Kernels (extern "C"): dense_gemv_bf16 (W as uint16 bf16 bits), dense_gemv_f16 (IEEE half), dense_gemv_f32;
 // parameters (w, x, bias, has_bias, y, T, N, K). bias is read only when has_bias != 0.
 //
-// GGUF block-quantized W (freetoken/models/qmatrix.py): dense_gemv_q8_0 (34-byte blocks: f16 d + 32 int8,
-// w = d * q) and dense_gemv_q4_0 (18-byte blocks: f16 d + 16 bytes, element j < 16 the low nibble of byte j,
-// j + 16 its high nibble, w = d * (q - 8)); W is uint8 [N, K/32 * block bytes], K a multiple of 32, same
-// parameters. One warp per row as above; lane l handles whole blocks l, l + 32, ... (a warp reads 32
-// consecutive blocks). Blocks are only 2-byte aligned in general: the quants are read as 16-bit words when W's
-// base is even, else byte by byte. Per block and token the integer quants are dotted with x (fmaf, fixed order)
-// and the sum is scaled by d once (fmaf into the lane's accumulator).
-// dense_dequant_q8_0 / dense_dequant_q4_0 (w, out, N, K): the float32 matrix [N, K] (exact), one thread per
-// block (the chunked product of T > FT_DENSE_MAX_T tokens).
+// GGUF block-quantized W, the file's blocks verbatim: dense_gemv_<storage> for q8_0 and q4_0 (blocks of 32
+// weights, 34 / 18 bytes), q4_k, q5_k, q6_k and iq4_xs (super-blocks of 256 weights, 144 / 176 / 210 / 136 bytes);
+// W is uint8 [N, K / block weights * block bytes], K a multiple of the block's weights, same parameters. The blocks
+// are decoded by cuda/kquant.cuh (the expert kernels' decoders; exact float32 values). One warp per row as above;
+// lane l decodes the row's 32-weight chunks l, l + 32, ... in registers and dots each with x per token (fmaf, fixed
+// order), adding the chunk's sum to its accumulator. Loads are as wide as the blocks' alignment allows when W's base
+// has it (16 bytes for Q4_K / Q5_K, 8 for IQ4_XS, 16-bit words for the 2-byte aligned 34-, 18- and 210-byte
+// blocks); an offset view whose base does not reads bytes.
+// dense_dequant_<storage> (w, out, N, K): the float32 matrix [N, K] (exact), one thread per 32-weight chunk (the
+// chunked product of T > FT_DENSE_MAX_T tokens).
 //
 // Block-FP8 rows (dense_gemv_fp8_block, same parameters; freetoken/models/qmatrix.py): W is uint8
 // [N, K + 4 * ceil(K/128)], each row its ceil(K/128) float32 scales, then its K e4m3fn codes; w[j] =
@@ -33,6 +34,7 @@
 #include <cuda_fp16.h>
 
 #include "common.cuh"
+#include "kquant.cuh"
 #include "numeric.cuh"
 
 // FT_DENSE_WARPS (warps = rows per block) and FT_DENSE_MAX_T (tokens per call) come from freetoken/ops/constants.py.
@@ -202,154 +204,122 @@ FT_DENSE_GEMV(bf16, Bf16W, unsigned short)
 FT_DENSE_GEMV(f16, F16W, unsigned short)
 FT_DENSE_GEMV(f32, F32W, float)
 
-// ---- GGUF Q8_0 / Q4_0 --------------------------------------------------------------------------------------
+// ---- GGUF blocks (kquant.cuh) ----------------------------------------------------------------------------------
 
 namespace {
 
-// Block access: bytes per block, and the 32 weights of a block (without d) as floats (element order).
-struct Q80 {
-  static constexpr int kBytes = 34;
-  template <bool kHalf>
-  __device__ static void quants(const unsigned char* qs, float* q) {
-    if (kHalf) {
-      const unsigned short* h = reinterpret_cast<const unsigned short*>(qs);
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const unsigned v = __ldg(h + i);
-        q[2 * i] = static_cast<float>(static_cast<signed char>(v & 0xFFu));
-        q[2 * i + 1] = static_cast<float>(static_cast<signed char>(v >> 8));
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < 32; ++i) q[i] = static_cast<float>(static_cast<signed char>(__ldg(qs + i)));
-    }
+// A whole GGUF block: its header and quants at their file offsets (kquant.cuh's format structs).
+template <class Q>
+struct Block {
+  static constexpr int kBytes = Q::kHeaderBytes + Q::kQuantBytes, kChunks = Q::kWeights / 32;
+  // The alignment every block, header and quant field keeps when W's base has it (Q4_K / Q5_K 16, IQ4_XS 8,
+  // Q8_0 / Q4_0 / Q6_K 2).
+  static constexpr int kAlign = ft::gguf::align_of(kBytes | Q::kHeaderOffset | Q::kQuantOffset);
+
+  // Chunk c (32 weights) of the block at blk, read with loads as wide as alignment A allows.
+  template <int A>
+  __device__ static void chunk(const unsigned char* blk, int c, float* out) {
+    Q::template chunk<A, A>(blk + Q::kHeaderOffset, blk + Q::kQuantOffset, c, out);
   }
 };
 
-struct Q40 {
-  static constexpr int kBytes = 18;
-  template <bool kHalf>
-  __device__ static void quants(const unsigned char* qs, float* q) {
-    if (kHalf) {
-      const unsigned short* h = reinterpret_cast<const unsigned short*>(qs);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const unsigned v = __ldg(h + i);
-        const int b0 = static_cast<int>(v & 0xFFu), b1 = static_cast<int>(v >> 8);
-        q[2 * i] = static_cast<float>((b0 & 15) - 8);
-        q[2 * i + 1] = static_cast<float>((b1 & 15) - 8);
-        q[2 * i + 16] = static_cast<float>((b0 >> 4) - 8);
-        q[2 * i + 17] = static_cast<float>((b1 >> 4) - 8);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int b = static_cast<int>(__ldg(qs + i));
-        q[i] = static_cast<float>((b & 15) - 8);
-        q[i + 16] = static_cast<float>((b >> 4) - 8);
-      }
-    }
-  }
-};
-
-// The block's scale d (little-endian f16 in its first two bytes).
-template <bool kHalf>
-__device__ __forceinline__ float block_scale(const unsigned char* blk) {
-  unsigned short bits;
-  if (kHalf) {
-    bits = __ldg(reinterpret_cast<const unsigned short*>(blk));
-  } else {
-    bits = static_cast<unsigned short>(__ldg(blk) | (static_cast<unsigned>(__ldg(blk + 1)) << 8));
-  }
-  return __half2float(__ushort_as_half(bits));
-}
-
-// One warp: output row `row` for NT tokens.
-template <class Q, int NT, bool kHalf>
-__device__ __forceinline__ void qdense_row(const unsigned char* __restrict__ w, const float* __restrict__ x,
-                                           const float* __restrict__ bias, int has_bias, float* __restrict__ y,
-                                           int row, int n, int k) {
+// One warp: output row `row` for NT tokens. Lane l decodes the row's 32-weight chunks l, l + 32, ... (a warp reads
+// 1024 consecutive weights per step: 32 blocks of 32 or 4 super-blocks of 256), dots each with x per token (fmaf,
+// fixed order) and adds the chunk's sum to its accumulator.
+template <class Q, int NT, int A>
+__device__ __forceinline__ void gguf_row(const unsigned char* __restrict__ w, const float* __restrict__ x,
+                                         const float* __restrict__ bias, int has_bias, float* __restrict__ y, int row,
+                                         int n, int k) {
+  using B = Block<Q>;
   const int lane = threadIdx.x & 31;
-  const int nblk = k / 32;
-  const unsigned char* wr = w + static_cast<size_t>(row) * nblk * Q::kBytes;
+  const int chunks = k / 32;
+  const unsigned char* wr = w + static_cast<size_t>(row) * (k / Q::kWeights) * B::kBytes;
   float acc[NT];
 #pragma unroll
   for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
-  for (int b = lane; b < nblk; b += 32) {
-    const unsigned char* blk = wr + static_cast<size_t>(b) * Q::kBytes;
-    const float d = block_scale<kHalf>(blk);
-    float q[32];
-    Q::template quants<kHalf>(blk + 2, q);
+  for (int c = lane; c < chunks; c += 32) {
+    float v[32];
+    B::template chunk<A>(wr + static_cast<size_t>(c / B::kChunks) * B::kBytes, c % B::kChunks, v);
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
-      const float* xt = x + static_cast<size_t>(t) * k + static_cast<size_t>(b) * 32;
-      float c = 0.0f;
+      const float* xt = x + static_cast<size_t>(t) * k + static_cast<size_t>(c) * 32;
+      float s = 0.0f;
 #pragma unroll
-      for (int j = 0; j < 32; ++j) c = fmaf(q[j], __ldg(xt + j), c);
-      acc[t] = fmaf(d, c, acc[t]);
+      for (int j = 0; j < 32; ++j) s = fmaf(v[j], __ldg(xt + j), s);
+      acc[t] += s;
     }
   }
   store_row<NT>(acc, bias, has_bias, y, row, n);
 }
 
-template <class Q, bool kHalf>
-__device__ __forceinline__ void qdense_dispatch(const unsigned char* __restrict__ w, const float* __restrict__ x,
-                                                const float* __restrict__ bias, int has_bias,
-                                                float* __restrict__ y, int t, int row, int n, int k) {
-#define FT_ROW(NT) qdense_row<Q, NT, kHalf>(w, x, bias, has_bias, y, row, n, k)
+template <class Q, int A>
+__device__ __forceinline__ void gguf_dispatch(const unsigned char* __restrict__ w, const float* __restrict__ x,
+                                              const float* __restrict__ bias, int has_bias, float* __restrict__ y,
+                                              int t, int row, int n, int k) {
+#define FT_ROW(NT) gguf_row<Q, NT, A>(w, x, bias, has_bias, y, row, n, k)
   FT_WITH_TOKENS(t, FT_ROW)
 #undef FT_ROW
 }
 
+// W's base aligned as the format's blocks are (any allocation): the widest loads; else (an offset view) bytes.
 template <class Q>
-__device__ __forceinline__ void qdense_gemv(const unsigned char* __restrict__ w, const float* __restrict__ x,
-                                            const float* __restrict__ bias, int has_bias, float* __restrict__ y,
-                                            int t, int n, int k) {
-  const int row = blockIdx.x * FT_DENSE_WARPS + (threadIdx.x >> 5);
-  if (row >= n) return;  // the whole warp: no collective is left waiting
-  if ((reinterpret_cast<unsigned long long>(w) & 1ull) == 0ull) {
-    qdense_dispatch<Q, true>(w, x, bias, has_bias, y, t, row, n, k);
-  } else {
-    qdense_dispatch<Q, false>(w, x, bias, has_bias, y, t, row, n, k);
-  }
+__device__ __forceinline__ bool gguf_aligned(const unsigned char* w) {
+  return (reinterpret_cast<unsigned long long>(w) % Block<Q>::kAlign) == 0ull;
 }
 
 template <class Q>
-__device__ __forceinline__ void qdense_dequant(const unsigned char* __restrict__ w, float* __restrict__ out, int n,
-                                               int k) {
-  const int nblk = k / 32;
-  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= static_cast<long long>(n) * nblk) return;
-  const unsigned char* blk = w + static_cast<size_t>(i) * Q::kBytes;
-  float q[32];
-  float d;
-  if ((reinterpret_cast<unsigned long long>(w) & 1ull) == 0ull) {
-    d = block_scale<true>(blk);
-    Q::template quants<true>(blk + 2, q);
+__device__ __forceinline__ void gguf_gemv(const unsigned char* __restrict__ w, const float* __restrict__ x,
+                                          const float* __restrict__ bias, int has_bias, float* __restrict__ y, int t,
+                                          int n, int k) {
+  const int row = blockIdx.x * FT_DENSE_WARPS + (threadIdx.x >> 5);
+  if (row >= n) return;  // the whole warp: no collective is left waiting
+  if (gguf_aligned<Q>(w)) {
+    gguf_dispatch<Q, Block<Q>::kAlign>(w, x, bias, has_bias, y, t, row, n, k);
   } else {
-    d = block_scale<false>(blk);
-    Q::template quants<false>(blk + 2, q);
+    gguf_dispatch<Q, 1>(w, x, bias, has_bias, y, t, row, n, k);
   }
-  float* o = out + static_cast<size_t>(i) * 32;  // block i of row i / nblk: rows are contiguous
+}
+
+// One thread per 32-weight chunk; rows are contiguous, so chunk i of the matrix is chunk i % kChunks of block
+// i / kChunks and goes to out[32 i ..].
+template <class Q>
+__device__ __forceinline__ void gguf_dequant(const unsigned char* __restrict__ w, float* __restrict__ out, int n,
+                                             int k) {
+  using B = Block<Q>;
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<long long>(n) * (k / 32)) return;
+  const unsigned char* blk = w + static_cast<size_t>(i / B::kChunks) * B::kBytes;
+  const int c = static_cast<int>(i % B::kChunks);
+  float v[32];
+  if (gguf_aligned<Q>(w)) {
+    B::template chunk<B::kAlign>(blk, c, v);
+  } else {
+    B::template chunk<1>(blk, c, v);
+  }
+  float* o = out + static_cast<size_t>(i) * 32;
 #pragma unroll
-  for (int j = 0; j < 32; ++j) o[j] = d * q[j];
+  for (int j = 0; j < 32; ++j) o[j] = v[j];
 }
 
 }  // namespace
 
-#define FT_QDENSE(NAME, Q)                                                                                      \
+#define FT_GGUF_DENSE(NAME, Q)                                                                                  \
   extern "C" __global__ void __launch_bounds__(FT_DENSE_WARPS * 32) dense_gemv_##NAME(                             \
       const unsigned char* __restrict__ w, const float* __restrict__ x, const float* __restrict__ bias,          \
       int has_bias, float* __restrict__ y, int t, int n, int k) {                                               \
-    qdense_gemv<Q>(w, x, bias, has_bias, y, t, n, k);                                                            \
+    gguf_gemv<Q>(w, x, bias, has_bias, y, t, n, k);                                                              \
   }                                                                                                              \
   extern "C" __global__ void dense_dequant_##NAME(const unsigned char* __restrict__ w, float* __restrict__ out,  \
                                                   int n, int k) {                                                \
-    qdense_dequant<Q>(w, out, n, k);                                                                             \
+    gguf_dequant<Q>(w, out, n, k);                                                                               \
   }
 
-FT_QDENSE(q8_0, Q80)
-FT_QDENSE(q4_0, Q40)
+FT_GGUF_DENSE(q8_0, ft::gguf::Q8_0)
+FT_GGUF_DENSE(q4_0, ft::gguf::Q4_0)
+FT_GGUF_DENSE(q4_k, ft::gguf::Q4_K)
+FT_GGUF_DENSE(q5_k, ft::gguf::Q5_K)
+FT_GGUF_DENSE(q6_k, ft::gguf::Q6_K)
+FT_GGUF_DENSE(iq4_xs, ft::gguf::IQ4_XS)
 
 // ---- block-FP8 rows ----------------------------------------------------------------------------------------
 

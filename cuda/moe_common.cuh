@@ -5,6 +5,7 @@
 // per-matrix global scale (nvfp4) is NOT applied per element: callers multiply the finished dot product.
 #pragma once
 #include "common.cuh"
+#include "kquant.cuh"
 #include "numeric.cuh"
 
 // Format codes FT_FMT_*, activation codes FT_ACT_* and the gpt-oss FT_GPT_OSS_LIMIT / FT_GPT_OSS_ALPHA come from
@@ -13,11 +14,14 @@
 namespace ft {
 
 // Bank pointers of one matrix for all slots (host-mapped or device memory). g and b may be null.
+// Slot x of a bank starts x * stride bytes after its base: a record's own bank size when the slot banks hold one
+// layout, more when they are sized for the largest of several (per-layer formats of a GGUF Q4_K_M file).
 struct MatBanks {
   const unsigned char* w;  // values
   const unsigned char* s;  // block scales
   const float* g;          // per-matrix global scale, one per slot (nvfp4)
   const float* b;          // bias [slots, N] (gpt-oss)
+  unsigned long long w_stride, s_stride, g_stride, b_stride;  // bytes from one slot to the next
 };
 
 struct ExpertBanks {
@@ -69,14 +73,12 @@ __device__ __forceinline__ void fp4x32(const uint4 q, float scale_lo, float scal
   }
 }
 
-// ---- per-format traits: bytes per slot of each bank, and the 32-element row-chunk decoder -----------------
+// ---- per-format traits: the 32-element row-chunk decoder (slots are found by the banks' strides, MatBanks) ----
 template <int F>
 struct Fmt;
 
 template <>
 struct Fmt<FT_FMT_BF16> {
-  __device__ static size_t w_bytes(int n, int k) { return static_cast<size_t>(n) * k * 2; }
-  __device__ static size_t s_bytes(int, int) { return 0; }
   __device__ static void load32(const unsigned char* w, const unsigned char*, int, int k, int row, int k0, float* out) {
     bf16x32(w + (static_cast<size_t>(row) * k + k0) * 2, out);
   }
@@ -84,8 +86,6 @@ struct Fmt<FT_FMT_BF16> {
 
 template <>
 struct Fmt<FT_FMT_FP8_BLOCK> {
-  __device__ static size_t w_bytes(int n, int k) { return static_cast<size_t>(n) * k; }
-  __device__ static size_t s_bytes(int n, int k) { return static_cast<size_t>((n + 127) / 128) * ((k + 127) / 128) * 4; }
   __device__ static void load32(const unsigned char* w, const unsigned char* s, int, int k, int row, int k0,
                                 float* out) {
     const float scale = reinterpret_cast<const float*>(s)[(row / 128) * ((k + 127) / 128) + k0 / 128];
@@ -102,8 +102,6 @@ struct Fmt<FT_FMT_FP8_BLOCK> {
 
 template <>
 struct Fmt<FT_FMT_NVFP4> {
-  __device__ static size_t w_bytes(int n, int k) { return static_cast<size_t>(n) * k / 2; }
-  __device__ static size_t s_bytes(int n, int k) { return static_cast<size_t>(n) * k / 16; }
   __device__ static void load32(const unsigned char* w, const unsigned char* s, int, int k, int row, int k0,
                                 float* out) {
     const unsigned char* sc = s + static_cast<size_t>(row) * (k / 16) + k0 / 16;
@@ -113,8 +111,6 @@ struct Fmt<FT_FMT_NVFP4> {
 
 template <>
 struct Fmt<FT_FMT_MXFP4> {
-  __device__ static size_t w_bytes(int n, int k) { return static_cast<size_t>(n) * k / 2; }
-  __device__ static size_t s_bytes(int n, int k) { return static_cast<size_t>(n) * k / 32; }
   __device__ static void load32(const unsigned char* w, const unsigned char* s, int, int k, int row, int k0,
                                 float* out) {
     const float scale = e8m0_to_float(s[static_cast<size_t>(row) * (k / 32) + k0 / 32]);
@@ -122,23 +118,32 @@ struct Fmt<FT_FMT_MXFP4> {
   }
 };
 
-template <>
-struct Fmt<FT_FMT_Q4_0> {
-  __device__ static size_t w_bytes(int n, int k) { return static_cast<size_t>(n) * k / 2; }
-  __device__ static size_t s_bytes(int n, int k) { return static_cast<size_t>(n) * k / 32 * 2; }
+// The GGUF block formats (kquant.cuh): each row is K / Q::kWeights blocks, block b's header bytes at b *
+// Q::kHeaderBytes of the row's s bank and its quants at b * Q::kQuantBytes of its w bank. Every block's quants are
+// 16-byte aligned, its header as aligned as the header size allows (Q4_K / Q5_K 16, IQ4_XS 8, Q6_K's 18 bytes and
+// Q8_0 / Q4_0's 2: 2): the bank bases are 16-byte aligned and a slot stride is the bank's size or a multiple of 16.
+template <class Q>
+struct GgufFmt {
   __device__ static void load32(const unsigned char* w, const unsigned char* s, int, int k, int row, int k0,
                                 float* out) {
-    const float d = f16_bits_to_float(reinterpret_cast<const unsigned short*>(s)[static_cast<size_t>(row) * (k / 32) + k0 / 32]);
-    const uint4 q = load16(w + static_cast<size_t>(row) * (k / 2) + k0 / 2);
-    const unsigned words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const unsigned byte = (words[j / 4] >> (8 * (j % 4))) & 0xFFu;
-      out[j] = (static_cast<int>(byte & 15u) - 8) * d;
-      out[j + 16] = (static_cast<int>(byte >> 4) - 8) * d;
-    }
+    const size_t blk = static_cast<size_t>(row) * (k / Q::kWeights) + k0 / Q::kWeights;
+    Q::template chunk<gguf::align_of(Q::kHeaderBytes), 16>(s + blk * Q::kHeaderBytes, w + blk * Q::kQuantBytes,
+                                                            (k0 % Q::kWeights) / 32, out);
   }
 };
+
+template <>
+struct Fmt<FT_FMT_Q4_0> : GgufFmt<gguf::Q4_0> {};
+template <>
+struct Fmt<FT_FMT_Q8_0> : GgufFmt<gguf::Q8_0> {};
+template <>
+struct Fmt<FT_FMT_Q4_K> : GgufFmt<gguf::Q4_K> {};
+template <>
+struct Fmt<FT_FMT_Q5_K> : GgufFmt<gguf::Q5_K> {};
+template <>
+struct Fmt<FT_FMT_Q6_K> : GgufFmt<gguf::Q6_K> {};
+template <>
+struct Fmt<FT_FMT_IQ4_XS> : GgufFmt<gguf::IQ4_XS> {};
 
 // One matrix of one slot: base pointers already offset to the slot.
 template <int F>
@@ -150,10 +155,11 @@ struct SlotMatrix {
   int n, k;
 
   __device__ SlotMatrix(const MatBanks& m, int slot, int n_, int k_) : n(n_), k(k_) {
-    w = m.w + Fmt<F>::w_bytes(n_, k_) * slot;
-    s = m.s ? m.s + Fmt<F>::s_bytes(n_, k_) * slot : nullptr;
-    g = m.g ? m.g[slot] : 1.0f;
-    b = m.b ? m.b + static_cast<size_t>(n_) * slot : nullptr;
+    w = m.w + m.w_stride * slot;
+    s = m.s ? m.s + m.s_stride * slot : nullptr;
+    g = m.g ? *reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(m.g) + m.g_stride * slot) : 1.0f;
+    b = m.b ? reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(m.b) + m.b_stride * slot)
+            : nullptr;
   }
   __device__ void load32(int row, int k0, float* out) const { Fmt<F>::load32(w, s, n, k, row, k0, out); }
   __device__ float bias(int row) const { return b ? b[row] : 0.0f; }
@@ -214,6 +220,18 @@ FT_CHECK_OFFSET(ExpertBanks, down.w, FT_EXPERT_BANKS_DOWN_W_OFFSET);
 FT_CHECK_OFFSET(ExpertBanks, down.s, FT_EXPERT_BANKS_DOWN_S_OFFSET);
 FT_CHECK_OFFSET(ExpertBanks, down.g, FT_EXPERT_BANKS_DOWN_G_OFFSET);
 FT_CHECK_OFFSET(ExpertBanks, down.b, FT_EXPERT_BANKS_DOWN_B_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, gate.w_stride, FT_EXPERT_BANKS_GATE_W_STRIDE_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, gate.s_stride, FT_EXPERT_BANKS_GATE_S_STRIDE_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, gate.g_stride, FT_EXPERT_BANKS_GATE_G_STRIDE_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, gate.b_stride, FT_EXPERT_BANKS_GATE_B_STRIDE_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, up.w_stride, FT_EXPERT_BANKS_UP_W_STRIDE_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, up.s_stride, FT_EXPERT_BANKS_UP_S_STRIDE_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, up.g_stride, FT_EXPERT_BANKS_UP_G_STRIDE_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, up.b_stride, FT_EXPERT_BANKS_UP_B_STRIDE_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, down.w_stride, FT_EXPERT_BANKS_DOWN_W_STRIDE_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, down.s_stride, FT_EXPERT_BANKS_DOWN_S_STRIDE_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, down.g_stride, FT_EXPERT_BANKS_DOWN_G_STRIDE_OFFSET);
+FT_CHECK_OFFSET(ExpertBanks, down.b_stride, FT_EXPERT_BANKS_DOWN_B_STRIDE_OFFSET);
 static_assert(sizeof(Plan) == FT_PLAN_SIZE, "Plan size differs from constants.PLAN");
 FT_CHECK_OFFSET(Plan, n_unique, FT_PLAN_N_UNIQUE_OFFSET);
 FT_CHECK_OFFSET(Plan, unique_slot, FT_PLAN_UNIQUE_SLOT_OFFSET);
@@ -248,9 +266,14 @@ FT_CHECK_OFFSET(Plan, tile_start, FT_PLAN_TILE_START_OFFSET);
   }
 
 // Every kernel family (ds_fp4 experts run the mxfp4 family).
-#define FT_MOE_KERNELS_ALL_FORMATS(MODE)    \
-  FT_MOE_KERNELS(MODE, bf16, FT_FMT_BF16)   \
-  FT_MOE_KERNELS(MODE, fp8_block, FT_FMT_FP8_BLOCK) \
-  FT_MOE_KERNELS(MODE, nvfp4, FT_FMT_NVFP4) \
-  FT_MOE_KERNELS(MODE, mxfp4, FT_FMT_MXFP4) \
-  FT_MOE_KERNELS(MODE, q4_0, FT_FMT_Q4_0)
+#define FT_MOE_KERNELS_ALL_FORMATS(MODE)              \
+  FT_MOE_KERNELS(MODE, bf16, FT_FMT_BF16)             \
+  FT_MOE_KERNELS(MODE, fp8_block, FT_FMT_FP8_BLOCK)   \
+  FT_MOE_KERNELS(MODE, nvfp4, FT_FMT_NVFP4)           \
+  FT_MOE_KERNELS(MODE, mxfp4, FT_FMT_MXFP4)           \
+  FT_MOE_KERNELS(MODE, q4_0, FT_FMT_Q4_0)             \
+  FT_MOE_KERNELS(MODE, q8_0, FT_FMT_Q8_0)             \
+  FT_MOE_KERNELS(MODE, q4_k, FT_FMT_Q4_K)             \
+  FT_MOE_KERNELS(MODE, q5_k, FT_FMT_Q5_K)             \
+  FT_MOE_KERNELS(MODE, q6_k, FT_FMT_Q6_K)             \
+  FT_MOE_KERNELS(MODE, iq4_xs, FT_FMT_IQ4_XS)

@@ -1,5 +1,7 @@
-"""Block-quantized matrices kept in their file encoding for :class:`freetoken.models.linear.Linear`: GGUF Q8_0 / Q4_0,
-and block-FP8 (the non-expert matrices of DeepSeek-V3 / Kimi-K2 / GLM-4.5-FP8 / Qwen3-FP8 checkpoints).
+"""Block-quantized matrices kept in their file encoding for :class:`freetoken.models.linear.Linear`: GGUF Q8_0 / Q4_0
+and the k-quants Q4_K / Q5_K / Q6_K / IQ4_XS (super-blocks of 256 weights, decoded as :mod:`freetoken.formats`'
+``q4_k`` ... ``iq4_xs`` define them), and block-FP8 (the non-expert matrices of DeepSeek-V3 / Kimi-K2 / GLM-4.5-FP8 /
+Qwen3-FP8 checkpoints).
 
 GGUF: a row of K weights is K/32 blocks, each a little-endian float16 scale ``d`` followed by the quants:
 
@@ -25,19 +27,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from freetoken.ops.dense import FP8_BLOCK, k_multiple, row_bytes
+from freetoken.ops.dense import FP8_BLOCK, GGUF_BLOCKS, k_multiple, row_bytes
 
-#: Weights per GGUF block.
+#: Weights per GGUF block of Q8_0 / Q4_0.
 BLOCK = 32
-#: Bytes per GGUF block of each kind (2-byte scale + quants).
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+#: Bytes per GGUF block of each kind (Q8_0 / Q4_0: a 2-byte scale + the quants, 32 weights; the k-quants: 256).
+BLOCK_BYTES = {kind: nbytes for kind, (_, nbytes) in GGUF_BLOCKS.items()}
 KINDS = (*BLOCK_BYTES, "fp8_block")
 
 
 @dataclass(frozen=True)
 class QuantizedMatrix:
     """A matrix [N, K] as block rows: ``blocks`` uint8 [N, row_bytes(kind, K)] (C-contiguous on the host): GGUF
-    blocks (``kind`` "q8_0" or "q4_0", [N, K/32 * BLOCK_BYTES[kind]]) or FP8 rows ("fp8_block",
+    blocks (``kind`` one of :data:`BLOCK_BYTES`, [N, K / block weights * BLOCK_BYTES[kind]]) or FP8 rows ("fp8_block",
     [N, K + 4 * ceil(K/128)])."""
 
     kind: str
@@ -88,6 +90,12 @@ def dequantize_blocks(blocks: np.ndarray, kind: str, k: int) -> np.ndarray:
         scales, codes = _fp8_split(blocks, k)
         with np.errstate(over="ignore", invalid="ignore"):
             return E4M3_VALUES[codes] * np.repeat(scales, FP8_BLOCK, axis=1)[:, :k]
+    if kind not in ("q8_0", "q4_0"):  # the k-quants: their expert format's codec (bank split = a byte move)
+        from freetoken import formats
+
+        fmt = formats.get(kind)
+        rows = np.ascontiguousarray(blocks).reshape(1, n, -1)
+        return fmt.dequantize(fmt.from_gguf(rows, (1, n, k)))[0]
     blk = np.ascontiguousarray(blocks).reshape(n, k // BLOCK, BLOCK_BYTES[kind])
     d = np.ascontiguousarray(blk[..., :2]).view("<f2")[..., 0].astype(np.float32)[..., None]  # [N, K/32, 1]
     qs = blk[..., 2:]

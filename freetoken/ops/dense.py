@@ -2,11 +2,12 @@
 
 ``y[T, N] = x[T, K] @ W[N, K].T (+ bias)`` for a few tokens (decode: bound by reading the weights, each read once
 per call). ``W`` is held as bf16 (uint16 bits: the high halves of the float32 values), float16 or float32 and
-widened in registers; or as GGUF Q8_0 / Q4_0 blocks (uint8 [N, K/32 * block bytes], see
-:mod:`freetoken.models.qmatrix`), decoded per block in registers; or as block-FP8 rows ("fp8_block": uint8
-[N, K + 4 * ceil(K/128)], each row its ceil(K/128) little-endian float32 scales, then its K e4m3fn codes; weight
-``j`` is ``e4m3(code j) * scale[j // 128]``), the non-expert matrices of DeepSeek-V3-style checkpoints kept at 1.03
-bytes per weight. Accumulation is float32.
+widened in registers; or as GGUF blocks, the file's bytes verbatim (uint8 [N, K / block weights * block bytes]:
+:data:`GGUF_BLOCKS`; Q8_0 / Q4_0 blocks of 32 weights, Q4_K / Q5_K / Q6_K / IQ4_XS super-blocks of 256, see
+:mod:`freetoken.models.qmatrix` and ``cuda/kquant.cuh``), decoded per 32 weights in registers; or as block-FP8
+rows ("fp8_block": uint8 [N, K + 4 * ceil(K/128)], each row its ceil(K/128) little-endian float32 scales, then its
+K e4m3fn codes; weight ``j`` is ``e4m3(code j) * scale[j // 128]``), the non-expert matrices of DeepSeek-V3-style
+checkpoints kept at 1.03 bytes per weight. Accumulation is float32.
 
 :func:`dense` is the op :class:`freetoken.models.linear.Linear` calls, for any T and on every device (the per-device
 dispatch lives there); :func:`dense_gemv` is the decode kernel (T <= :data:`MAX_TOKENS`).
@@ -22,16 +23,17 @@ from freetoken.ops._common import as_input, check_int32, cuda_kernel, into_out, 
 #: The most tokens one call takes (FT_DENSE_MAX_T in dense.cu).
 MAX_TOKENS = DENSE_MAX_TOKENS
 _WARPS_PER_BLOCK = DENSE_WARPS  # FT_DENSE_WARPS in dense.cu: one warp per output row
+#: The GGUF block storages: (weights, bytes) per block (a row of K weights is K / weights blocks).
+GGUF_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
+               "iq4_xs": (256, 136)}
 #: The weight dtype of each storage.
 STORAGE_DTYPES = {"bf16": np.dtype(np.uint16), "f16": np.dtype(np.float16), "f32": np.dtype(np.float32),
-                  "q8_0": np.dtype(np.uint8), "q4_0": np.dtype(np.uint8), "fp8_block": np.dtype(np.uint8)}
-#: Bytes per block of 32 weights of the GGUF storages.
-QUANT_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+                  **{g: np.dtype(np.uint8) for g in GGUF_BLOCKS}, "fp8_block": np.dtype(np.uint8)}
 #: The block-FP8 storage: weights per scale along a row, and the multiple of K its kernels take (16-byte chunks).
 FP8_BLOCK, FP8_K_MULTIPLE = 128, 16
 #: The storages held as uint8 rows of blocks (decoded in registers; :func:`dense_dequant` widens them).
-BLOCK_STORAGES = (*QUANT_BLOCK_BYTES, "fp8_block")
-_STORAGE_NAMES = "bf16, f16, f32, q8_0, q4_0 or fp8_block"
+BLOCK_STORAGES = (*GGUF_BLOCKS, "fp8_block")
+_STORAGE_NAMES = f"bf16, f16, f32, {', '.join(GGUF_BLOCKS)} or fp8_block"
 #: gpu/emu, more tokens than the GEMV kernel takes: weights widened to float32 per chunk of the product (a chunk is
 #: at least one row). Bounds the temporary float32 copy (32 MiB).
 CHUNK_ELEMENTS = 1 << 23
@@ -39,18 +41,24 @@ CHUNK_ELEMENTS = 1 << 23
 
 def k_multiple(storage: str) -> int:
     """The multiple of K a block storage's rows take (1 for the float storages)."""
-    return 32 if storage in QUANT_BLOCK_BYTES else FP8_K_MULTIPLE if storage == "fp8_block" else 1
+    if storage in GGUF_BLOCKS:
+        return GGUF_BLOCKS[storage][0]
+    return FP8_K_MULTIPLE if storage == "fp8_block" else 1
 
 
 def _row_shape(storage: str) -> str:
-    return "K + 4 * ceil(K/128)" if storage == "fp8_block" else f"K/32 * {QUANT_BLOCK_BYTES[storage]}"
+    if storage == "fp8_block":
+        return "K + 4 * ceil(K/128)"
+    weights, nbytes = GGUF_BLOCKS[storage]
+    return f"K/{weights} * {nbytes}"
 
 
 def row_bytes(storage: str, k: int) -> int:
     """Bytes of one stored row of K weights in a block storage (K a multiple of :func:`k_multiple`)."""
     if storage == "fp8_block":
         return k + 4 * (-(-k // FP8_BLOCK))
-    return k // 32 * QUANT_BLOCK_BYTES[storage]
+    weights, nbytes = GGUF_BLOCKS[storage]
+    return k // weights * nbytes
 
 
 def _checked(dev, x, w, storage: str, bias):
@@ -102,10 +110,11 @@ def dense_gemv(x, w, storage: str, bias=None, out=None, device=None):
     Parameters
     ----------
     x : float32 array [T, K], 1 <= T <= 8 (T = 0 returns the empty output)
-    w : array [N, K]: uint16 bf16 bits (storage "bf16"), float16 ("f16") or float32 ("f32"); or uint8 blocks
-        [N, K/32 * 34] ("q8_0") / [N, K/32 * 18] ("q4_0"), K a multiple of 32; or uint8 block-FP8 rows
-        [N, K + 4 * ceil(K/128)] ("fp8_block"), K a multiple of 16
-    storage : "bf16", "f16", "f32", "q8_0", "q4_0" or "fp8_block"
+    w : array [N, K]: uint16 bf16 bits (storage "bf16"), float16 ("f16") or float32 ("f32"); or uint8 GGUF blocks
+        [N, K/32 * 34] ("q8_0") / [N, K/32 * 18] ("q4_0"), K a multiple of 32, or [N, K/256 * 144] ("q4_k"),
+        [N, K/256 * 176] ("q5_k"), [N, K/256 * 210] ("q6_k"), [N, K/256 * 136] ("iq4_xs"), K a multiple of 256; or
+        uint8 block-FP8 rows [N, K + 4 * ceil(K/128)] ("fp8_block"), K a multiple of 16
+    storage : "bf16", "f16", "f32", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "iq4_xs" or "fp8_block"
     bias : float32 array [N], optional (added after the dot product)
     out : float32 array [T, N], optional
     device : Device or name, optional (default: auto)
@@ -213,13 +222,13 @@ def _widen_into(dev, w16, storage: str, k: int, out):
 
 
 def dense_dequant(w, storage: str, k: int, out=None, device=None):
-    """Block rows ``w`` (uint8 [N, row_bytes(storage, K)], storage "q8_0", "q4_0" or "fp8_block") -> float32 [N, K]:
-    GGUF blocks exactly (``d * q``), FP8 rows as ``e4m3 * scale`` rounded once to float32.
+    """Block rows ``w`` (uint8 [N, row_bytes(storage, K)], a storage of :data:`BLOCK_STORAGES`) -> float32 [N, K]:
+    GGUF blocks exactly (as ``gguf.quants.dequantize``), FP8 rows as ``e4m3 * scale`` rounded once to float32.
 
     ``out``: float32 [N, K] C-contiguous, optional (the chunked product passes a reused buffer)."""
     dev = resolve(device)
     if storage not in BLOCK_STORAGES:
-        raise ValueError(f"unknown quantized storage {storage!r}; choose q8_0, q4_0 or fp8_block")
+        raise ValueError(f"unknown quantized storage {storage!r}; choose {', '.join(BLOCK_STORAGES)}")
     w = as_input(dev, w, "w", np.uint8, 2)
     n, wk = w.shape
     if k % k_multiple(storage) or wk != row_bytes(storage, k):
@@ -232,9 +241,9 @@ def dense_dequant(w, storage: str, k: int, out=None, device=None):
         from freetoken.cpu_kernels.qgemv import dequantize_rows
 
         return dequantize_rows(w, storage, k, out=y)
-    blocks = n * (k // k_multiple(storage))  # one thread per GGUF block, or per 16 FP8 codes
+    threads = n * k // (FP8_K_MULTIPLE if storage == "fp8_block" else 32)  # per 16 FP8 codes / 32 GGUF weights
     fn = cuda_kernel(dev, "dense.cu", f"dense_dequant_{storage}")
-    fn((-(-blocks // 256),), (256,), (w, y, check_int32("N", n), check_int32("K", k)))
+    fn((-(-threads // 256),), (256,), (w, y, check_int32("N", n), check_int32("K", k)))
     return y
 
 

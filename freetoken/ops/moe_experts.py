@@ -34,7 +34,7 @@ __all__ = ["DECODE_MAX_TOKENS", "DECODE_ROWS", "EXPERT_BANKS", "KERNEL_FAMILY", 
 
 #: Kernel family of each format (ds_fp4 experts are OCP MXFP4 with row-major packing).
 KERNEL_FAMILY = {"bf16": "bf16", "fp8_block": "fp8_block", "nvfp4": "nvfp4", "mxfp4": "mxfp4", "ds_fp4": "mxfp4",
-                 "q4_0": "q4_0"}
+                 "q4_0": "q4_0", "q8_0": "q8_0", "q4_k": "q4_k", "q5_k": "q5_k", "q6_k": "q6_k", "iq4_xs": "iq4_xs"}
 
 
 
@@ -45,12 +45,17 @@ def _bank_struct(dev, layout: RecordLayout, banks: dict) -> np.void:
             arr = banks.get(f"{m}.{f}")
             if arr is None:
                 continue
-            ptr = dev.pointer_of(arr)
+            ptr = dev.pointer_of(arr, strided_rows=True)  # slot rows may be longer than the bank (kernels take strides)
             if ptr is None:
                 raise TypeError(f"bank {m}.{f} is not an array on the {dev.kind} device")
-            if f in ("w", "s") and ptr % 16:
-                raise ValueError(f"bank {m}.{f} must be 16-byte aligned for the kernels' vector loads")
-            rec[f"{m}_{f}"] = ptr
+            stride = int(arr.strides[0])  # bytes per slot: the record's bank, or a longer slot row
+            # values: 16-byte loads in every slot; scales: as aligned as their header size, which a slot stride of
+            # the bank's own size or of a multiple of 16 keeps (cuda/moe_common.cuh, GgufFmt)
+            if f in ("w", "s") and ptr % 16 or f == "w" and stride % 16 or \
+                    f == "s" and stride % 16 and stride != arr[0].nbytes:
+                raise ValueError(f"bank {m}.{f} must be 16-byte aligned (values: in every slot) for the kernels' "
+                                 "vector loads")
+            rec[f"{m}_{f}"], rec[f"{m}_{f}_stride"] = ptr, stride
     return rec[()]
 
 
@@ -125,7 +130,7 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
 
         x32 = np.asarray(x.view(np.uint16).astype(np.uint32) << 16).view(np.float32) if xk == "bf16" else x
         forward(layout.fmt.name, np.ascontiguousarray(x32), ids, weights, banks, layout.hidden, layout.inter, code, y,
-                prepared=prepared, activations=activations)
+                prepared=prepared, activations=activations, down_fmt_name=layout.format_of("down").name)
         return y
     if mode == "auto":
         mode = "decode" if tokens <= DECODE_MAX_TOKENS else "prefill"
@@ -149,7 +154,7 @@ def _prepared_cpu_banks(banks: dict, layout: RecordLayout):
             hit[2].banks.get(k) is v for k, v in banks.items()):
         return hit[2]
     layout.check(banks)
-    p = prepare(layout.fmt.name, banks, layout.hidden, layout.inter)
+    p = prepare(layout.fmt.name, banks, layout.hidden, layout.inter, layout.format_of("down").name)
     if len(_PREPARED) >= 1024:
         _PREPARED.clear()
     _PREPARED[id(banks)] = (banks, layout, p)
@@ -224,7 +229,9 @@ def _run_cuda(dev, x, xk, ids, weights, banks, layout, code, mode, slots, y, val
             raise ValueError(f"ids[{p // k}, {p % k}] = {bad_id} is not a slot (there are {slots})")
 
     plan, bank_struct = ws.plan, ws.bank_struct
-    fam = KERNEL_FAMILY[layout.fmt.name]
+    # gate/up and down are separate launches, so a record whose down matrix has its own format (Q4_K_M) runs each
+    # matrix's kernel family
+    fam, down_fam = KERNEL_FAMILY[layout.fmt.name], KERNEL_FAMILY[layout.format_of("down").name]
     src = f"moe_{mode}.cu"
     # FREETOKEN_NO_MMA=1 builds the prefill kernels with their plain fallback instead of tensor cores (to tell a
     # tensor-core fault from the rest of the kernel on a GPU; the emulator always runs the fallback).
@@ -236,7 +243,7 @@ def _run_cuda(dev, x, xk, ids, weights, banks, layout, code, mode, slots, y, val
     h_i32, i_i32 = check_int32("hidden", hidden), check_int32("inter", inter)
     cuda_kernel(dev, src, f"moe_{mode}_gate_up_{fam}_{xk}", opts)(
         (grid_x, -(-inter // rows)), (128,), (bank_struct, x, plan, i32(k), h_i32, i_i32, i32(code), h))
-    cuda_kernel(dev, src, f"moe_{mode}_down_{fam}", opts)(
+    cuda_kernel(dev, src, f"moe_{mode}_down_{down_fam}", opts)(
         (grid_x, -(-hidden // rows)), (128,), (bank_struct, h, plan, h_i32, i_i32, o))
     cuda_kernel(dev, "moe_plan.cu", "moe_combine")(
         (-(-(tokens * hidden) // 256),), (256,), (o, ids, weights, i32(tokens), i32(k), h_i32, np_slots, y))

@@ -661,13 +661,13 @@ def warm_up(seeds: Seeds) -> None:
     for kind, path in (("safetensors", seeds.hf_dir), ("gguf", seeds.gguf), ("trace", seeds.trace)):
         load_input(kind, path)
     from freetoken import ops
-    from freetoken.ops.dense import BLOCK_STORAGES, STORAGE_DTYPES, row_bytes
+    from freetoken.ops.dense import BLOCK_STORAGES, STORAGE_DTYPES, k_multiple, row_bytes
 
     for storage, dtype in STORAGE_DTYPES.items():
-        width = row_bytes(storage, 32) if storage in BLOCK_STORAGES else 32  # rows of 32 weights
-        w = np.zeros((8, width), dtype)
+        k = max(32, k_multiple(storage))  # rows of 32 weights, or of one k-quant super-block
+        w = np.zeros((8, row_bytes(storage, k) if storage in BLOCK_STORAGES else k), dtype)
         for tokens in (1, 64):  # a decode GEMV and a prompt product
-            ops.dense(np.zeros((tokens, 32), np.float32), w, storage, device="cpu")
+            ops.dense(np.zeros((tokens, k), np.float32), w, storage, device="cpu")
 
 
 # ---- a fork server: loads run in children of a fresh process ---------------------------------------------------

@@ -7,6 +7,7 @@ from functools import lru_cache
 import numpy as np
 
 from freetoken import ops
+from freetoken.ops.dense import GGUF_BLOCKS, k_multiple
 from freetoken.testing.cases.base import KernelCase, poisoned
 from freetoken.testing.reference.dense import blocks_dequantized, dense_grouped_reference, dense_reference
 
@@ -35,10 +36,12 @@ def _dense_matrix(storage: str, n: int, k: int):
 
 
 def _make_dense(storage: str, shape: str, t: int, op: str = "dense_gemv"):
-    """dense_gemv (or the dense op: any T) over one storage: bf16/f16/f32 matrices, or GGUF Q8_0/Q4_0 blocks and
-    block-FP8 rows (their own shapes)."""
+    """dense_gemv (or the dense op: any T) over one storage: bf16/f16/f32 matrices, or GGUF blocks and block-FP8
+    rows (their own shapes: K a multiple of 256 for the super-block storages)."""
     quantized = storage in QUANT_KINDS
     shapes, matrix = (_QDENSE_SHAPES, _qdense_matrix) if quantized else (_DENSE_SHAPES, _dense_matrix)
+    if k_multiple(storage) == QK_K:
+        shapes = _KQDENSE_SHAPES
 
     def make(rng, size):
         n, k, with_bias = shapes[size][shape]
@@ -65,19 +68,24 @@ def _make_dense(storage: str, shape: str, t: int, op: str = "dense_gemv"):
 
 # GGUF Q8_0 / Q4_0 weights (dense_gemv_q8_0 / dense_gemv_q4_0): K a multiple of 32; small N odd. Block-FP8 rows
 # (dense_gemv_fp8_block) take the same shapes: small "lm" K (96) is one partial 128-block, "sq" K (128) one whole
-# block (the 4-byte word path on a GPU), the large K (a multiple of 512) the 16-byte path.
+# block (the 4-byte word path on a GPU), the large K (a multiple of 512) the 16-byte path. The GGUF super-block
+# storages (Q4_K, Q5_K, Q6_K, IQ4_XS: K a multiple of 256) take their own small shapes: "lm" one super-block per row
+# (8 chunks: lanes 8..31 idle), "sq" two (a warp's 1024-weight step only partly filled), N odd.
 _QDENSE_SHAPES = {"small": {"sq": (37, 128, True), "lm": (301, 96, False)},
                   "large": {"sq": (4096, 4096, True), "lm": (151936, 2048, False)}}
-QUANT_KINDS = ("q8_0", "q4_0", "fp8_block")
+_KQDENSE_SHAPES = {"small": {"sq": (37, 512, True), "lm": (301, 256, False)}, "large": _QDENSE_SHAPES["large"]}
+QUANT_KINDS = ("q8_0", "q4_0", "fp8_block", "q4_k", "q5_k", "q6_k", "iq4_xs")
+#: Weights per GGUF super-block.
+QK_K = 256
+#: Byte offsets of the float16 fields of each GGUF block (d; Q4_K / Q5_K's dmin), which random blocks keep finite.
+_F16_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_xs": (0,)}
 
 
 def quantized_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random block rows of an [N, K] matrix in storage ``kind``. GGUF (uint8 [N, K/32 * block bytes]): every quant
-    byte random, scales float16 of magnitude 0.005 .. 0.02 with random signs. ``fp8_block`` (uint8
+    """Random block rows of an [N, K] matrix in storage ``kind``. GGUF (uint8 [N, row_bytes(kind, K)]): every byte
+    random but the float16 fields (d, dmin), of magnitude 0.005 .. 0.02 with random signs. ``fp8_block`` (uint8
     [N, K + 4 * ceil(K/128)]): every e4m3 code random but the two NaN codes, float32 scales of magnitude 0.002 .. 0.01
     with random signs."""
-    from freetoken.models.qmatrix import BLOCK_BYTES
-
     rng = np.random.default_rng(seed)
     if kind == "fp8_block":
         nkb = -(-k // 128)
@@ -85,10 +93,12 @@ def quantized_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
         codes[(codes & 0x7F) == 0x7F] ^= np.uint8(1)  # 0x7F / 0xFF (NaN) -> 0x7E / 0xFE (+-448)
         s = (rng.uniform(0.002, 0.01, (n, nkb)) * rng.choice(np.array([-1.0, 1.0]), (n, nkb))).astype("<f4")
         return np.concatenate([s.view(np.uint8), codes], axis=1)
-    nb, bb = k // 32, BLOCK_BYTES[kind]
+    weights, bb = GGUF_BLOCKS[kind]
+    nb = k // weights
     blocks = rng.integers(0, 256, (n, nb, bb), dtype=np.uint8)
-    d = rng.uniform(0.005, 0.02, (n, nb)) * rng.choice(np.array([-1.0, 1.0]), (n, nb))
-    blocks[..., :2] = d.astype("<f2")[..., None].view(np.uint8)
+    for off in _F16_FIELDS[kind]:
+        d = rng.uniform(0.005, 0.02, (n, nb)) * rng.choice(np.array([-1.0, 1.0]), (n, nb))
+        blocks[..., off:off + 2] = d.astype("<f2")[..., None].view(np.uint8)
     return blocks.reshape(n, nb * bb)
 
 

@@ -12,14 +12,33 @@ from freetoken.testing.cases.base import KernelCase, poisoned
 from freetoken.testing.compare import random_record
 from freetoken.testing.reference.moe_experts import moe_forward_reference, moe_prefill_reference
 
-
 # ---- moe_decode.cu / moe_prefill.cu (with moe_plan.cu) ----------------------------------------------------
+#: Records whose down matrix has its own format ("<gate/up>+<down>"): GGUF Q4_K_M files keep down in Q6_K; Q5_K
+#: gate/up with a Q8_0 down mixes block sizes (256 and 32) and header layouts in one record.
+MIXED_RECORDS = ("q4_k+q6_k", "q5_k+q8_0")
+
+
+def record_layout(name: str, size: str, bias: bool = False) -> tuple[RecordLayout, int]:
+    """The case layout of record ``name`` (a format, or "<gate/up format>+<down format>") and its expert count. Small
+    shapes: hidden 96, inter 160, 6 experts; formats of super-blocks (K a multiple of 256): hidden 256, inter 512, 5
+    experts. Large: Qwen3-30B-A3B's experts (hidden 2048, inter 768, 8 experts)."""
+    gate_up, _, down = name.partition("+")
+    fmt, down_fmt = formats.get(gate_up), formats.get(down) if down else None
+    if size == "large":
+        hidden, inter, experts = 2048, 768, 8
+    elif max(f.k_multiple for f in (fmt, down_fmt) if f) > 32:
+        hidden, inter, experts = 256, 512, 5
+    else:
+        hidden, inter, experts = 96, 160, 6
+    return RecordLayout(fmt, hidden, inter, bias, down_fmt=down_fmt), experts
+
+
 @lru_cache(maxsize=4)
-def _moe_record(fmt_name: str, size: str, bias: bool = False):
-    """A quantized record set shared by the decode and prefill cases of one format (quantizing is slow)."""
-    hidden, inter, experts = (96, 160, 6) if size == "small" else (2048, 768, 8)  # large: Qwen3-30B-A3B experts
-    layout = RecordLayout(formats.get(fmt_name), hidden, inter, bias)
-    return layout, random_record(layout, experts, seed=formats.NAMES.index(fmt_name), scale=0.05), experts
+def _moe_record(name: str, size: str, bias: bool = False):
+    """A quantized record set shared by the decode and prefill cases of one record layout (quantizing is slow)."""
+    layout, experts = record_layout(name, size, bias)
+    seed = formats.NAMES.index(name) if name in formats.NAMES else len(formats.NAMES) + MIXED_RECORDS.index(name)
+    return layout, random_record(layout, experts, seed=seed, scale=0.05), experts
 
 
 #: Tolerance (of max|y|) of the cpu int8 path against the reference with the same 8-bit rounding: the kernel rounds
@@ -27,15 +46,22 @@ def _moe_record(fmt_name: str, size: str, bias: bool = False):
 #: step (max|h| / 127 of its block) apart: ~|w| * weight * max|h| / 127 in an output, ~1e-4 of max|y| at the case
 #: sizes (a wrongly decoded weight: ~1e-2).
 Q8_REL_ATOL = 5e-4
+#: Tolerance (of max|y|) of the prefill kernels (bf16 x, weights and h, as the reference rounds them): the kernel's
+#: float32 h and the reference's float64 h may round to bf16 apart where h lies at a rounding boundary, one bf16 step
+#: (2^-8 |h|) in every output of that pair's token: up to ~2e-4 of max|y| at the small super-block shapes (seen:
+#: 1.7e-4 in one token of moe_prefill_q5_k on emu).
+PREFILL_REL_ATOL = 5e-4
 
 
-def _make_moe(fmt_name: str, mode: str, act: str = "swiglu", activations: str = "f32", prompt: bool = False):
-    """``act`` "gpt_oss": records with biases, and routes with the same expert twice in a row, cancelling weights
-    (+w and -w on one expert) and many tokens on one expert (token groups of 4, 2 and 1 in the cpu kernels).
-    ``activations`` "q8": the cpu device's int8 path (x and h in 8-bit blocks) against the reference with the same
-    rounding; "f32": the float path on every device. ``prompt``: 40 tokens of top-2 with skewed routing (experts
-    with tens of tokens take the cpu int8 path's panel micro-kernel with a partial token tile, the rarest ones its
-    row dots)."""
+def _make_moe(fmt_name: str, mode: str, act: str = "swiglu", activations: str = "f32", prompt: bool = False,
+              routes: int | None = None):
+    """``fmt_name``: a format, or a mixed record of :data:`MIXED_RECORDS`. ``act`` "gpt_oss": records with biases,
+    and routes with the same expert twice in a row, cancelling weights (+w and -w on one expert) and many tokens on
+    one expert (token groups of 4, 2 and 1 in the cpu kernels). ``activations`` "q8": the cpu device's int8 path (x
+    and h in 8-bit blocks) against the reference with the same rounding; "f32": the float path on every device.
+    ``prompt``: 40 tokens of top-2 with skewed routing (experts with tens of tokens take the cpu int8 path's panel
+    micro-kernel with a partial token tile, the rarest ones its row dots). ``routes``: the small shape's k (experts
+    per token; more than the experts: some drawn twice) instead of the default."""
     bias = act == "gpt_oss"
 
     def make(rng, size):
@@ -44,9 +70,10 @@ def _make_moe(fmt_name: str, mode: str, act: str = "swiglu", activations: str = 
             tokens, k = ((3, 2) if not bias else (17, 8)) if mode == "decode" else (40, 2)
             if prompt:
                 tokens, k = 40, 2
+            k = routes or k
         else:
             tokens, k = (1, 8) if mode == "decode" else (256, 8)
-        if bias:
+        if bias or k > experts:
             ids = rng.integers(0, experts, (tokens, k)).astype(np.int32)
         elif prompt:
             p = np.array([0.3, 0.3, 0.2, 0.1, 0.07, 0.03])[:experts]
@@ -86,8 +113,8 @@ def _make_moe(fmt_name: str, mode: str, act: str = "swiglu", activations: str = 
         return 6 * inp["ids"].size * inp["layout"].hidden * inp["layout"].inter
 
     name = (f"moe_{mode}_{fmt_name}" + ("_gpt_oss" if bias else "") + ("_q8" if activations == "q8" else "")
-            + ("_prompt" if prompt else ""))
-    rel_atol = (2e-6 if activations == "f32" else Q8_REL_ATOL) if mode == "decode" else 1e-4
+            + ("_prompt" if prompt else "") + (f"_k{routes}" if routes else ""))
+    rel_atol = (2e-6 if activations == "f32" else Q8_REL_ATOL) if mode == "decode" else PREFILL_REL_ATOL
     return KernelCase(name, f"moe_{mode}.cu", make, setup, launch, reference,
                       rtol=1e-5 if mode == "decode" else 1e-4, rel_atol=rel_atol, bytes_moved=bytes_moved,
                       flops=flops, cuda_only=mode == "prefill", cpu_only=activations == "q8", op="moe_experts")
@@ -100,4 +127,9 @@ GPT_OSS_CASES = [_make_moe(f, m, "gpt_oss") for m in ("decode", "prefill") for f
 Q8_CASES = [_make_moe(f, "decode", a, "q8") for f in ("q4_0", "mxfp4", "ds_fp4", "nvfp4")
             for a in ("swiglu", "gpt_oss")] + [_make_moe(f, "decode", "swiglu", "q8", prompt=True)
                                                for f in ("q4_0", "mxfp4", "ds_fp4", "nvfp4")]
-CASES = SWIGLU_CASES + GPT_OSS_CASES + Q8_CASES
+#: Mixed records (gate/up and down in different kernel families); they and the GGUF Q8_0 / K-quant formats also at
+#: 1 and 8 routes per token (the default cases: 2 for swiglu, 8 with biases for gpt_oss).
+MIXED_CASES = [_make_moe(r, m) for m in ("decode", "prefill") for r in MIXED_RECORDS]
+ROUTES_CASES = [_make_moe(f, m, routes=k) for m in ("decode", "prefill") for k in (1, 8)
+                for f in ("q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs", *MIXED_RECORDS)]
+CASES = SWIGLU_CASES + GPT_OSS_CASES + Q8_CASES + MIXED_CASES + ROUTES_CASES
