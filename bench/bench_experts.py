@@ -140,7 +140,8 @@ def busy_fraction(seconds: float = 0.5) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small E (fits in the caches): a smoke run")
-    parser.add_argument("--formats", default=",".join(formats.NAMES), help="comma-separated formats")
+    parser.add_argument("--formats", default=",".join(formats.NAMES),
+                        help="comma-separated formats; a mixed record as gate/up+down, e.g. q4_k+q6_k (Q4_K_M)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
     parser.add_argument("--tokens", default="1,16", help="comma-separated token counts T")
     parser.add_argument("--reps", type=int, default=0, help="timed calls per case (default: ~1 s of calls, 5-60)")
@@ -172,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                 for n, k in ((inter, hidden), (inter, hidden), (hidden, inter))]
         x_all = rng.standard_normal((max(int(t) for t in args.tokens.split(",")), hidden)).astype(np.float32)
         for fmt in args.formats.split(","):
-            layout = RecordLayout(formats.get(fmt), hidden, inter)
+            gate_up, _, down = fmt.partition("+")
+            layout = RecordLayout(formats.get(gate_up), hidden, inter, down_fmt=formats.get(down) if down else None)
             small = layout.quantize(*tmpl)
             banks = {name: np.ascontiguousarray(np.tile(a, (experts // 2,) + (1,) * (a.ndim - 1)))
                      for name, a in small.items()}
@@ -182,13 +184,15 @@ def main(argv: list[str] | None = None) -> int:
                 d = layout.dequantize(small)
                 deq = [np.ascontiguousarray(np.tile(d[m], (experts // 2, 1, 1))) for m in ("gate", "up", "down")]
                 del d
-            kinds = [a for a in args.activations.split(",") if a == "f32" or uses_q8(fmt, a)] or ["f32"]
+            kinds = [a for a in args.activations.split(",")
+                     if a == "f32" or any(uses_q8(f, a) for f in (gate_up, down) if f)] or ["f32"]
             for tokens, act in ((int(t), a) for t in args.tokens.split(",") for a in kinds):
                 x = np.ascontiguousarray(x_all[:tokens])
                 out = np.empty_like(x)
 
-                def kernel(ids, w, x=x, out=out, banks=banks, fmt=fmt, hidden=hidden, inter=inter, act=act):
-                    forward(fmt, x, ids, w, banks, hidden, inter, ACT_SWIGLU, out, activations=act)
+                def kernel(ids, w, x=x, out=out, banks=banks, fmt=gate_up, down=down or None, hidden=hidden,
+                           inter=inter, act=act):
+                    forward(fmt, x, ids, w, banks, hidden, inter, ACT_SWIGLU, out, activations=act, down_fmt_name=down)
 
                 kernel(*make_routes(rng, experts, tokens, 1)[0])  # compile / load from cache
                 t0 = time.perf_counter()

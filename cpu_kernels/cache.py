@@ -83,12 +83,12 @@ def cache_admit(ids, layer, experts, slot_for_id, id_of_slot, recency, pinned, c
 
 
 @nb.njit(error_model="numpy", cache=True)
-def cache_copy_bank(worklist, n_work, src, dst):
-    """Row ``worklist[2 i + 1]`` of ``src`` [records, bytes] into row ``worklist[2 i]`` of ``dst`` [slots, bytes]
-    (uint8) for i < n_work[0]: one bank of ``cache_copy``."""
+def cache_copy_bank(worklist, n_work, src, dst, first):
+    """Row ``worklist[2 i + 1] - first`` of ``src`` [records, bytes] into row ``worklist[2 i]`` of ``dst`` [slots,
+    bytes] (uint8) for i < n_work[0]: one bank of ``cache_copy``."""
     for i in range(n_work[0]):
         s, f = worklist[2 * i], worklist[2 * i + 1]
-        dst[s, :] = src[f, :]
+        dst[s, :] = src[f - first, :]
 
 
 @nb.njit(error_model="numpy", cache=True)

@@ -17,6 +17,8 @@ module, bottom up (each module's docstring has the measurements behind its desig
 * :mod:`~freetoken.cpu_kernels.moe_memory`: raw-memory intrinsics; the hot path passes addresses, not arrays;
 * :mod:`~freetoken.cpu_kernels.moe_nibble`: the nibble formats' (mxfp4/ds_fp4, nvfp4, q4_0) float row dots in LLVM
   vector IR;
+* :mod:`~freetoken.cpu_kernels.moe_kquant`: the GGUF block formats' (q8_0, q4_k, q5_k, q6_k, iq4_xs) float row dots
+  in LLVM vector IR (float path only: :func:`uses_q8` is False for them);
 * :mod:`~freetoken.cpu_kernels.moe_int8`: their int8 row dots (vpdpbusd / vpmaddubsw / portable, per
   :mod:`freetoken.device.simd`), with :mod:`~freetoken.cpu_kernels.q8_act` (8-bit activations) and
   :mod:`~freetoken.cpu_kernels.moe_rows_q8` (per-row dispatch);
@@ -31,7 +33,11 @@ The kernels are cached on disk by Numba; the cache directory is keyed by every k
 K order: for the nibble formats each group of 32 K elements is processed as its 16 low nibbles, then its 16 high
 nibbles ("block split"). For q4_0 that is the natural element order; for nvfp4/mxfp4/ds_fp4 (low nibble = even
 element) the token vectors are permuted the same way once per call (:func:`block_split_perm`), and the gate/up kernel
-writes ``h`` directly in the down matrix's order. bf16 and fp8_block use the natural order.
+writes ``h`` directly in the down matrix's order. bf16, fp8_block, q8_0 and the k-quants use the natural order.
+
+Mixed records (``RecordLayout.down_fmt``, e.g. GGUF Q4_K_M: gate/up q4_k, down q6_k): gate/up and down are separate
+kernels, each given its matrix's format code; x is permuted for the gate/up format, ``h`` written in the down
+format's order, and each kernel takes the int8 path where its own format has one.
 """
 
 from __future__ import annotations
@@ -76,10 +82,10 @@ SERIAL_MACS = 1 << 19
 
 
 @functools.cache
-def _layout(fmt_name: str, hidden: int, inter: int, bias: bool):
+def _layout(fmt_name: str, down_fmt_name: str, hidden: int, inter: int, bias: bool):
     from freetoken.formats import RecordLayout, get
 
-    layout = RecordLayout(get(fmt_name), hidden, inter, bias)
+    layout = RecordLayout(get(fmt_name), hidden, inter, bias, down_fmt=get(down_fmt_name))
     specs = tuple((s.name, np.dtype(s.dtype), tuple(s.shape)) for s in layout.bank_specs())
     return specs
 
@@ -126,29 +132,35 @@ def uses_q8(fmt_name: str, activations: str = "auto") -> bool:
 
 def forward(fmt_name: str, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, banks: dict, hidden: int,
             inter: int, act_code: int, out: np.ndarray, prepared: PreparedBanks | None = None,
-            activations: str = "auto") -> None:
+            activations: str = "auto", down_fmt_name: str | None = None) -> None:
     """Routed-expert forward on the CPU, reading the record banks in place.
 
     Parameters
     ----------
-    fmt_name : one of ``bf16, fp8_block, nvfp4, mxfp4, ds_fp4, q4_0``
+    fmt_name : the gate/up format, one of ``bf16, fp8_block, nvfp4, mxfp4, ds_fp4, q4_0, q8_0, q4_k, q5_k, q6_k,
+        iq4_xs``
     x : float32 [T, H], C-contiguous activations
     ids : int32 [T, k] indices into the leading dimension of every bank (experts or cache slots); repeats allowed
         (the same expert twice in a row counts twice)
     weights : float32 [T, k] routing weights (any sign, any sum)
     banks : record banks (``RecordLayout(fmt, hidden, inter, bias).quantize(...)``), leading dimension E; biases
         ``gate.b``/``up.b`` [E, I] and ``down.b`` [E, H] (float32) are applied when present
-    hidden, inter : H and I (multiples of 32)
+    hidden, inter : H and I (multiples of 32; of 256 for the k-quants)
     act_code : ``ACT_SWIGLU`` (0) or ``ACT_GPT_OSS`` (1)
     out : float32 [T, H], C-contiguous, overwritten with the weighted sum of the experts' outputs
     prepared : :func:`prepare` of these banks (skips re-validating them on every call)
     activations : "auto", "q8" or "f32": the 4-bit formats' token vectors (x and the intermediate h) quantized to
-        8-bit blocks for the int8 row dots, or float32 (:func:`uses_q8`)
+        8-bit blocks for the int8 row dots, or float32 (:func:`uses_q8`), per matrix format
+    down_fmt_name : the down matrix's format (a mixed record); None: ``fmt_name``. ``prepared`` must have been made
+        with the same formats
     """
     if act_code not in (ACT_SWIGLU, ACT_GPT_OSS):
         raise ValueError(f"act_code must be {ACT_SWIGLU} (swiglu) or {ACT_GPT_OSS} (gpt_oss), got {act_code}")
     act_code = int(act_code)  # plain ints and addresses: one compiled signature per kernel
-    p = prepared if prepared is not None else prepare(fmt_name, banks, hidden, inter)
+    down_fmt_name = fmt_name if down_fmt_name is None else down_fmt_name
+    p = prepared if prepared is not None else prepare(fmt_name, banks, hidden, inter, down_fmt_name)
+    if (FORMAT_CODES.get(fmt_name), FORMAT_CODES.get(down_fmt_name)) != (p.fmt, p.down_fmt):
+        raise ValueError(f"prepared: made for other formats than {fmt_name!r} / {down_fmt_name!r}")
     hidden, inter = p.hidden, p.inter
     _check_array("x", x, np.float32, ndim=2)
     t_count = x.shape[0]
@@ -166,25 +178,24 @@ def forward(fmt_name: str, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, 
         t, j = divmod(int(bad), ids.shape[1])
         raise ValueError(f"ids[{t}, {j}] = {int(ids[t, j])} is out of range: the banks hold {p.num_experts} experts")
 
-    q8 = uses_q8(fmt_name, activations)
-    split = p.fmt in SPLIT_FORMATS
-    xs = np.ascontiguousarray(x[:, _perm(hidden, True)]) if split else x
+    q8_gu, q8_down = uses_q8(fmt_name, activations), uses_q8(down_fmt_name, activations)
+    xs = np.ascontiguousarray(x[:, _perm(hidden, True)]) if p.fmt in SPLIT_FORMATS else x
     if not xs.flags.writeable:  # a read-only array is another Numba type: one compiled kernel for both
         xs = xs.copy()
     h = np.empty((pw.shape[0], inter), np.float32)
     threads = nb.get_num_threads()
     nthreads = 1 if pw.shape[0] * 3 * hidden * inter < SERIAL_MACS else threads
-    xq8 = q8_buffers(t_count, hidden) if q8 else NO_Q8  # filled by the kernels
-    hq8 = q8_buffers(pw.shape[0], inter) if q8 else NO_Q8
-    qoff = Q8_OFFSETS.get(p.fmt, 0)
+    xq8 = q8_buffers(t_count, hidden) if q8_gu else NO_Q8  # filled by the kernels
+    hq8 = q8_buffers(pw.shape[0], inter) if q8_down else NO_Q8
     if nthreads != threads:  # the parallel regions on the calling thread alone: no other thread to wait for
         nb.set_num_threads(nthreads)
     try:
         # p.banks, xs and the biases stay referenced here while the kernels read them through their addresses
-        _gate_up_kernel(p.fmt, p.gate, p.up, p.gb, p.ub, p.has_bias, act_code, uniq, poff, ptok, xs, q8, qoff, xq8,
-                        hidden, inter, _inverse_perm(inter, split), h, nthreads)
-        _down_kernel(p.fmt, p.down, p.db, p.has_bias, uniq, poff, ptok, pw, h, q8, qoff, hq8, hidden, inter, out,
-                     nthreads)
+        _gate_up_kernel(p.fmt, p.gate, p.up, p.gb, p.ub, p.has_bias, act_code, uniq, poff, ptok, xs, q8_gu,
+                        Q8_OFFSETS.get(p.fmt, 0), xq8, hidden, inter,
+                        _inverse_perm(inter, p.down_fmt in SPLIT_FORMATS), h, nthreads)
+        _down_kernel(p.down_fmt, p.down, p.db, p.has_bias, uniq, poff, ptok, pw, h, q8_down,
+                     Q8_OFFSETS.get(p.down_fmt, 0), hq8, hidden, inter, out, nthreads)
     finally:
         if nthreads != threads:
             nb.set_num_threads(threads)
@@ -193,7 +204,8 @@ def forward(fmt_name: str, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, 
 class PreparedBanks(NamedTuple):
     """Validated record banks with their kernel arguments (addresses), made once by :func:`prepare`."""
 
-    fmt: int
+    fmt: int  # gate/up's format code
+    down_fmt: int
     hidden: int
     inter: int
     has_bias: bool
@@ -207,20 +219,24 @@ class PreparedBanks(NamedTuple):
     banks: dict  # keeps the arrays alive while their addresses are used
 
 
-def prepare(fmt_name: str, banks: dict, hidden: int, inter: int) -> PreparedBanks:
-    """Check ``banks`` against the ``fmt_name`` record layout of ``hidden`` x ``inter`` once; the result can be
-    passed to :func:`forward` for every later call on the same (unmodified) banks."""
-    if fmt_name not in FORMAT_CODES:
-        raise ValueError(f"unknown expert format {fmt_name!r}; known: {', '.join(FORMAT_CODES)}")
+def prepare(fmt_name: str, banks: dict, hidden: int, inter: int, down_fmt_name: str | None = None) -> PreparedBanks:
+    """Check ``banks`` against the record layout of ``hidden`` x ``inter`` with gate/up in ``fmt_name`` and down in
+    ``down_fmt_name`` (None: ``fmt_name``) once; the result can be passed to :func:`forward` for every later call on
+    the same (unmodified) banks."""
+    down_fmt_name = fmt_name if down_fmt_name is None else down_fmt_name
+    for name in (fmt_name, down_fmt_name):
+        if name not in FORMAT_CODES:
+            raise ValueError(f"unknown expert format {name!r}; known: {', '.join(FORMAT_CODES)}")
     hidden, inter = int(hidden), int(inter)
     if hidden < 32 or inter < 32 or hidden % 32 or inter % 32:
         raise ValueError(f"hidden and inter must be positive multiples of 32, got {hidden} and {inter}")
     has_bias = "gate.b" in banks or "up.b" in banks or "down.b" in banks
     num_experts = None
-    for name, dtype, shape in _layout(fmt_name, hidden, inter, has_bias):
+    record = fmt_name if down_fmt_name == fmt_name else f"{fmt_name}+{down_fmt_name}"
+    for name, dtype, shape in _layout(fmt_name, down_fmt_name, hidden, inter, has_bias):
         a = banks.get(name)
         if a is None:
-            raise ValueError(f"banks: {fmt_name} record is missing {name!r} (have {sorted(banks)})")
+            raise ValueError(f"banks: {record} record is missing {name!r} (have {sorted(banks)})")
         if num_experts is None:
             num_experts = a.shape[0] if isinstance(a, np.ndarray) and a.ndim else 0
         _check_array(f"banks[{name!r}]", a, dtype, shape=(num_experts, *shape))
@@ -228,6 +244,6 @@ def prepare(fmt_name: str, banks: dict, hidden: int, inter: int) -> PreparedBank
         raise ValueError("banks: no experts")
     gate, up, down = (_matrix_args(banks, m) for m in ("gate", "up", "down"))
     gb, ub, db = (banks[f"{m}.b"].ctypes.data if has_bias else 0 for m in ("gate", "up", "down"))
-    return PreparedBanks(FORMAT_CODES[fmt_name], hidden, inter, has_bias, int(num_experts), gate, up, down,
-                         gb, ub, db, dict(banks))
+    return PreparedBanks(FORMAT_CODES[fmt_name], FORMAT_CODES[down_fmt_name], hidden, inter, has_bias,
+                         int(num_experts), gate, up, down, gb, ub, db, dict(banks))
 

@@ -27,6 +27,7 @@ from freetoken.cpu_kernels.moe_rows import (
     FMT_MXFP4,
     FMT_NVFP4,
     FMT_Q4_0,
+    FMT_Q8_0,
     row_dot1,
     row_dot1x2,
     row_dot2,
@@ -98,6 +99,14 @@ def group_pairs(ids, weights, num_experts):
         prev_key = key
     poff[u + 1] = p + 1
     return uniq[:u + 1], poff[:u + 2], ptok[:p + 1], pw[:p + 1], np.int64(-1)
+
+
+@nb.njit(error_model="numpy", inline="always")
+def _pairs_rows(fmt):
+    """Whether a single token dots two rows per call (``row_dot1x2``): the nibble and GGUF block formats, whose
+    decode leaves the per-row overhead (and the FMA chains of one row) worth sharing; bf16 and fp8 stream at full
+    speed row by row."""
+    return fmt == FMT_MXFP4 or fmt == FMT_NVFP4 or fmt == FMT_Q4_0 or fmt >= FMT_Q8_0
 
 
 @nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
@@ -203,7 +212,7 @@ def gate_up_kernel(fmt, gate, up, gb, ub, has_bias, act, uniq, poff, ptok, xs, q
     n_uniq = uniq.shape[0]
     nrb = (inter + ROWS_GATE_UP - 1) // ROWS_GATE_UP
     nitems = n_uniq * nrb
-    pair_rows = fmt == FMT_MXFP4 or fmt == FMT_NVFP4 or fmt == FMT_Q4_0  # two rows per call for a single token
+    pair_rows = _pairs_rows(fmt)
     max_pairs = 2  # >= 2: the two-row single-token path
     tiles = False
     for ui in range(n_uniq):
@@ -270,7 +279,7 @@ def down_kernel(fmt, down, db, has_bias, uniq, poff, ptok, pw, h, q8, qoff, hq8,
     ha = addr(h)
     n_uniq = uniq.shape[0]
     t_count = out.shape[0]
-    pair_rows = fmt == FMT_MXFP4 or fmt == FMT_NVFP4 or fmt == FMT_Q4_0  # two rows per call for a single token
+    pair_rows = _pairs_rows(fmt)
     max_pairs = 2  # >= 2: the two-row single-token path
     tiles = False
     for ui in range(n_uniq):

@@ -3,12 +3,12 @@
 Format codes and decode tables, the bf16 row dots in plain Numba (they vectorise as written), and the per-row
 dispatch over every format (``row_dot*``), which the gate/up and down kernels (:mod:`freetoken.cpu_kernels.moe_kernels`)
 inline. The nibble formats' dots are LLVM IR intrinsics (:mod:`freetoken.cpu_kernels.moe_nibble`), fp8_block's too
-(:mod:`freetoken.cpu_kernels.moe_fp8`); every access goes through raw addresses
-(:mod:`freetoken.cpu_kernels.moe_memory`).
+(:mod:`freetoken.cpu_kernels.moe_fp8`), and q8_0's and the k-quants' (:mod:`freetoken.cpu_kernels.moe_kquant`);
+every access goes through raw addresses (:mod:`freetoken.cpu_kernels.moe_memory`).
 
-K order: bf16 and fp8_block read the natural element order; the nibble formats read "block split" order (each group
-of 32 elements as its 16 low nibbles, then its 16 high nibbles), which for nvfp4/mxfp4/ds_fp4 (low nibble = even
-element) is :func:`block_split_perm` of the elements.
+K order: bf16, fp8_block and the GGUF block formats (q8_0, the k-quants) read the natural element order; the nibble
+formats read "block split" order (each group of 32 elements as its 16 low nibbles, then its 16 high nibbles), which
+for nvfp4/mxfp4/ds_fp4 (low nibble = even element) is :func:`block_split_perm` of the elements.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import ml_dtypes
 import numba as nb
 import numpy as np
 from freetoken.cpu_kernels.moe_fp8 import fp8_dot1, fp8_dot2, fp8_dot4
+from freetoken.cpu_kernels.moe_kquant import FMT_Q8_0, KQUANT_CODES, kq_dot1, kq_dot1x2, kq_dot2, kq_dot4
 from freetoken.cpu_kernels.moe_memory import addr, load_f32, load_u16
 from freetoken.cpu_kernels.moe_nibble import (
     mx_dot1,
@@ -33,14 +34,15 @@ from freetoken.cpu_kernels.moe_nibble import (
     q4_dot4,
 )
 
-# Format codes of the kernels (mxfp4 and ds_fp4 share banks and kernel).
+# Format codes of the kernels (mxfp4 and ds_fp4 share banks and kernel; the GGUF block formats' codes, FMT_Q8_0 and
+# up, come from freetoken.cpu_kernels.moe_kquant: every code >= FMT_Q8_0 is one of its formats).
 FMT_BF16 = 0
 FMT_FP8_BLOCK = 1
 FMT_NVFP4 = 2
 FMT_MXFP4 = 3
 FMT_Q4_0 = 4
 FORMAT_CODES = {"bf16": FMT_BF16, "fp8_block": FMT_FP8_BLOCK, "nvfp4": FMT_NVFP4, "mxfp4": FMT_MXFP4,
-                "ds_fp4": FMT_MXFP4, "q4_0": FMT_Q4_0}
+                "ds_fp4": FMT_MXFP4, "q4_0": FMT_Q4_0, **KQUANT_CODES}
 #: Formats whose K order is block split relative to the elements (token vectors and h permuted).
 SPLIT_FORMATS = (FMT_NVFP4, FMT_MXFP4)
 
@@ -155,6 +157,8 @@ def row_dot1(fmt, w, s, g, e, n, rows, k, x, o0):
     elif fmt == FMT_Q4_0:
         res = q4_dot1(w + row * nblk * _U64(16), s + row * nblk * _U64(2), addr(Q4_TABLE), addr(E8M0_TABLE),
                       _F32(1.0), x, o0, nblk)
+    elif fmt >= FMT_Q8_0:
+        res = kq_dot1(fmt, False, w, s, row, k, x, o0)
     elif fmt == FMT_BF16:
         res = _bf16_dot1(w, row * k, x, o0, k)
     else:
@@ -175,6 +179,8 @@ def row_dot2(fmt, w, s, g, e, n, rows, k, x, o0, o1):
     elif fmt == FMT_Q4_0:
         res = q4_dot2(w + row * nblk * _U64(16), s + row * nblk * _U64(2), addr(Q4_TABLE), addr(E8M0_TABLE),
                       _F32(1.0), x, o0, o1, nblk)
+    elif fmt >= FMT_Q8_0:
+        res = kq_dot2(fmt, False, w, s, row, k, x, o0, o1)
     elif fmt == FMT_BF16:
         res = _bf16_dot2(w, row * k, x, o0, o1, k)
     else:
@@ -195,6 +201,8 @@ def row_dot4(fmt, w, s, g, e, n, rows, k, x, o0, o1, o2, o3):
     elif fmt == FMT_Q4_0:
         res = q4_dot4(w + row * nblk * _U64(16), s + row * nblk * _U64(2), addr(Q4_TABLE), addr(E8M0_TABLE),
                       _F32(1.0), x, o0, o1, o2, o3, nblk)
+    elif fmt >= FMT_Q8_0:
+        res = kq_dot4(fmt, False, w, s, row, k, x, o0, o1, o2, o3)
     elif fmt == FMT_BF16:
         res = _bf16_dot4(w, row * k, x, o0, o1, o2, o3, k)
     else:
@@ -204,7 +212,7 @@ def row_dot4(fmt, w, s, g, e, n, rows, k, x, o0, o1, o2, o3):
 
 @nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def row_dot1x2(fmt, w, s, g, e, n, rows, k, x, o0):
-    """Rows n and n + 1 with one token vector: (dot_n, dot_n+1). Nibble formats only."""
+    """Rows n and n + 1 with one token vector: (dot_n, dot_n+1). Nibble and GGUF block formats only."""
     k, o0 = _U64(k), _U64(o0)
     row, nblk = _row(e, rows, n, k)
     if fmt == FMT_MXFP4:
@@ -216,6 +224,8 @@ def row_dot1x2(fmt, w, s, g, e, n, rows, k, x, o0):
     elif fmt == FMT_Q4_0:
         res = q4_dot1x2(w + row * nblk * _U64(16), s + row * nblk * _U64(2), addr(Q4_TABLE), addr(E8M0_TABLE),
                         _F32(1.0), x, o0, nblk)
-    else:  # unreachable: the kernels pair rows for the nibble formats only (bf16 already streams at full speed)
+    elif fmt >= FMT_Q8_0:
+        res = kq_dot1x2(fmt, False, w, s, row, k, x, o0)
+    else:  # unreachable: the kernels pair rows for these formats only (bf16 already streams at full speed)
         res = _F32(np.nan), _F32(np.nan)
     return res

@@ -1,5 +1,6 @@
 """Dense ``out[T, N] = x[T, K] @ W[N, K].T`` on the CPU with ``W`` in GGUF Q8_0 / Q4_0 blocks
-(:mod:`freetoken.models.qmatrix`): the quantized counterpart of :mod:`freetoken.cpu_kernels.gemv`.
+(:mod:`freetoken.models.qmatrix`) or GGUF k-quant super-blocks (Q4_K, Q5_K, Q6_K, IQ4_XS: the file's rows verbatim,
+uint8 [N, K/256 * 144 / 176 / 210 / 136]): the quantized counterpart of :mod:`freetoken.cpu_kernels.gemv`.
 
 * Few tokens (T <= :data:`freetoken.cpu_kernels.gemv.GEMV_MAX_TOKENS`), :func:`_qgemv_kernel`: a ``prange`` over
   blocks of output rows (tiny products on the calling thread); each row's blocks are read once per call (groups of
@@ -16,6 +17,11 @@ Each row's blocks are prefetched ``PREFETCH_BYTES`` ahead of their decode (1536 
 120 MB, one token, 2 threads, AVX-512 EPYC: Q8_0 7.3 -> 15.3 GB/s, Q4_0 4.4 -> 8.8 GB/s; Q4_0 is then bound by its
 decode arithmetic, 12.4 GB/s with the matrices in cache).
 
+The k-quants decode with the expert kernels' intrinsics (:mod:`freetoken.cpu_kernels.moe_kquant`: one decode of
+each format on the CPU, here addressing GGUF rows): few tokens, :func:`_kq_gemv_kernel` (each row's super-blocks
+decoded once in registers for up to 4 tokens, two rows per call for a single token); more tokens, the tiles of
+:func:`_qgemm_kernel` decoded by the same intrinsic into the thread's float32 buffer.
+
 Accumulation is float32. The block rows travel as two views of one buffer: ``int16`` (the float16 scales: every
 block starts at an even byte) and ``int8`` (the quants).
 """
@@ -27,17 +33,34 @@ import numpy as np
 from freetoken.cpu_kernels.fp8_dense import fp8_dequantize_rows, fp8_matmul_into
 from freetoken.cpu_kernels.gemm_panel import PANEL_ROWS, TOKENS, panel_product, widen_panel
 from freetoken.cpu_kernels.gemv import GEMV_MAX_TOKENS, PANEL_BYTES, ROWS, SERIAL_MACS
+from freetoken.cpu_kernels.moe_kquant import (
+    FMT_IQ4_XS,
+    FMT_Q4_K,
+    FMT_Q5_K,
+    FMT_Q6_K,
+    kq_decode,
+    kq_dot1,
+    kq_dot1x2,
+    kq_dot4,
+)
 from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, addr, prefetch
 from freetoken.cpu_kernels.widen import FASTMATH, _widen
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["QTILE_ROWS", "dequantize_rows", "qmatmul_into"]
+__all__ = ["KQUANT_BLOCK_BYTES", "QTILE_ROWS", "dequantize_rows", "qmatmul_into"]
 
 #: Block rows per tile of the many-token product (decoded once into a float32 buffer of the thread, then used
 #: by every token of the panel).
 QTILE_ROWS = PANEL_ROWS
+
+#: The k-quant storages: bytes per GGUF super-block of 256 weights.
+KQUANT_BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210, "iq4_xs": 136}
+# Kernel codes of the storages: q8_0 and q4_0 (32-weight blocks, decoded here), the k-quants (their expert format
+# codes, decoded by freetoken.cpu_kernels.moe_kquant).
+_Q8_0, _Q4_0 = 0, 1
+_KINDS = {"q8_0": _Q8_0, "q4_0": _Q4_0, "q4_k": FMT_Q4_K, "q5_k": FMT_Q5_K, "q6_k": FMT_Q6_K, "iq4_xs": FMT_IQ4_XS}
 
 _F32 = np.float32
 
@@ -154,10 +177,47 @@ def _qgemv_kernel(x, s16, q8, out, q4):
 _qgemv_serial = nb.njit(error_model="numpy", cache=True, boundscheck=False, fastmath=FASTMATH)(_qgemv_kernel.py_func)
 
 
+@nb.njit(error_model="numpy", parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
+def _kq_gemv_kernel(x, q8, out, kind):
+    """out[t, r] = the k-quant row r of ``q8`` (GGUF super-blocks) dotted with x[t]: a ``prange`` over blocks of
+    ``ROWS`` rows; 4 tokens per row read, then one at a time (a single token: two rows per read)."""
+    t_count, k = x.shape
+    n = q8.shape[0]
+    wa, xa = addr(q8), addr(x)
+    for blk in nb.prange((n + ROWS - 1) // ROWS):
+        r = blk * ROWS
+        r_end = min(r + ROWS, n)
+        while r < r_end:
+            if t_count == 1 and r + 1 < r_end:
+                out[0, r], out[0, r + 1] = kq_dot1x2(kind, True, wa, wa, r, k, xa, 0)
+                r += 2
+                continue
+            t = 0
+            while t_count - t >= 4:
+                a = kq_dot4(kind, True, wa, wa, r, k, xa, t * k, (t + 1) * k, (t + 2) * k, (t + 3) * k)
+                for u in range(4):
+                    out[t + u, r] = a[u]
+                t += 4
+            while t < t_count:
+                out[t, r] = kq_dot1(kind, True, wa, wa, r, k, xa, t * k)
+                t += 1
+            r += 1
+
+
+#: :func:`_kq_gemv_kernel` without threads, for products below :data:`freetoken.cpu_kernels.gemv.SERIAL_MACS`.
+_kq_gemv_serial = nb.njit(error_model="numpy", cache=True, boundscheck=False, fastmath=FASTMATH)(
+    _kq_gemv_kernel.py_func)
+
+
 @nb.njit(error_model="numpy", parallel=True, cache=True, boundscheck=False)
-def _dequant_kernel(s16, q8, r0, out, q4):
+def _dequant_kernel(s16, q8, r0, out, kind):
     """out[i] = the float32 weights of block row r0 + i (exact: d * q)."""
     rows, k = out.shape
+    if kind >= FMT_Q4_K:
+        for i in nb.prange(rows):
+            kq_decode(kind, True, addr(q8), addr(q8), r0 + i, k, addr(out[i]))
+        return
+    q4 = kind == _Q4_0
     bb = 18 if q4 else 34
     hw = bb // 2
     for i in nb.prange(rows):
@@ -176,9 +236,11 @@ def _dequant_kernel(s16, q8, r0, out, q4):
 
 
 @nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
-def _dequant_row(s16, q8, r, dst, i, nblk, q4):
-    """dst[i, :] = the float32 weights of block row r (exact: d * q)."""
-    if q4:
+def _dequant_row(s16, q8, r, dst, i, nblk, kind):
+    """dst[i, :] = the float32 weights of block row r (exact)."""
+    if kind >= FMT_Q4_K:
+        kq_decode(kind, True, addr(q8), addr(q8), r, dst.shape[1], addr(dst[i]))
+    elif kind == _Q4_0:
         for b in range(nblk):
             d = _widen(s16[r, b * 9])
             o = b * 18 + 2
@@ -195,7 +257,7 @@ def _dequant_row(s16, q8, r, dst, i, nblk, q4):
 
 
 @nb.njit(error_model="numpy", parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
-def _qgemm_kernel(x, s16, q8, out, q4, nthreads):
+def _qgemm_kernel(x, s16, q8, out, kind, nthreads):
     """out = x @ dequantize(blocks).T for many tokens: a ``prange`` over tiles of :data:`QTILE_ROWS` block rows;
     each tile is decoded once (exactly) into a float32 buffer of the thread, transposed into a panel and multiplied
     by every token of ``x`` (an L2-resident panel) with the float product's micro-kernel
@@ -214,7 +276,7 @@ def _qgemm_kernel(x, s16, q8, out, q4, nthreads):
             r0 = tile * QTILE_ROWS
             rows = min(QTILE_ROWS, n - r0)
             for i in range(rows):
-                _dequant_row(s16, q8, r0 + i, w, i, nblk, q4)
+                _dequant_row(s16, q8, r0 + i, w, i, nblk, kind)
             widen_panel(w, 0, panel)
             panel_product(x, panel, r0, rows, out, toks, acc)
 
@@ -228,37 +290,41 @@ def _views(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def dequantize_rows(blocks: np.ndarray, kind: str, k: int, r0: int = 0, out: np.ndarray | None = None) -> np.ndarray:
-    """Block rows ``r0 .. r0 + len(out)`` of ``kind`` ("q8_0" / "q4_0"; "fp8_block" rows go to
-    :mod:`freetoken.cpu_kernels.fp8_dense`) as float32 [rows, K] in ``out`` (default: all rows from r0, a new
-    array)."""
+    """Block rows ``r0 .. r0 + len(out)`` of ``kind`` ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "iq4_xs";
+    "fp8_block" rows go to :mod:`freetoken.cpu_kernels.fp8_dense`) as float32 [rows, K] in ``out`` (default: all
+    rows from r0, a new array; its rows C-contiguous)."""
     if kind == "fp8_block":
         return fp8_dequantize_rows(blocks, k, r0, out)
     s16, q8 = _views(blocks)
     if out is None:
         out = np.empty((blocks.shape[0] - r0, k), np.float32)
     if out.shape[0]:
-        _dequant_kernel(s16, q8, r0, out, kind == "q4_0")
+        _dequant_kernel(s16, q8, r0, out, _KINDS[kind])
     return out
 
 
 def qmatmul_into(x: np.ndarray, blocks: np.ndarray, kind: str, out: np.ndarray) -> None:
-    """``out = x @ dequantize(blocks).T`` with no shape checks (the caller's): x float32 [T, K] (K a multiple of 32),
-    blocks uint8 [N, K/32 * bytes] of ``kind``, out float32 [T, N], all C-contiguous, T >= 1 ("fp8_block" rows go
-    to :mod:`freetoken.cpu_kernels.fp8_dense`)."""
+    """``out = x @ dequantize(blocks).T`` with no shape checks (the caller's): x float32 [T, K] (K a multiple of 32;
+    of 256 for the k-quants), blocks uint8 [N, K/32 * bytes] of ``kind`` ("q8_0", "q4_0"; the k-quants "q4_k",
+    "q5_k", "q6_k", "iq4_xs": [N, K/256 * :data:`KQUANT_BLOCK_BYTES`]), out float32 [T, N], all C-contiguous, T >= 1
+    ("fp8_block" rows go to :mod:`freetoken.cpu_kernels.fp8_dense`)."""
     if kind == "fp8_block":
         fp8_matmul_into(x, blocks, out)
         return
-    q4 = kind == "q4_0"
+    code = _KINDS[kind]
     s16, q8 = _views(blocks)
     t_count, k = x.shape
     if t_count <= GEMV_MAX_TOKENS:
-        if blocks.shape[0] * k * t_count < SERIAL_MACS:
-            _qgemv_serial(x, s16, q8, out, q4)
+        serial = blocks.shape[0] * k * t_count < SERIAL_MACS
+        if code >= FMT_Q4_K:
+            (_kq_gemv_serial if serial else _kq_gemv_kernel)(x, q8, out, code)
+        elif serial:
+            _qgemv_serial(x, s16, q8, out, code == _Q4_0)
         else:
-            _qgemv_kernel(x, s16, q8, out, q4)
+            _qgemv_kernel(x, s16, q8, out, code == _Q4_0)
         return
     panel = max(4, PANEL_BYTES // (4 * max(1, k)) // 4 * 4)
     nthreads = nb.get_num_threads()
     for t0 in range(0, t_count, panel):  # out rows of a panel are a C-contiguous block
-        _qgemm_kernel(x[t0:t0 + panel], s16, q8, out[t0:t0 + panel], q4, nthreads)
+        _qgemm_kernel(x[t0:t0 + panel], s16, q8, out[t0:t0 + panel], code, nthreads)
 

@@ -196,7 +196,7 @@ def test_input_validation():
     with pytest.raises(ValueError, match="x: expected shape"):
         call(x=np.zeros((1, 96), np.float32))
     with pytest.raises(ValueError, match="unknown expert format"):
-        call(fmt_name="q8_0")
+        call(fmt_name="q3_k")
     with pytest.raises(ValueError, match="act_code"):
         call(act_code=5)
     with pytest.raises(ValueError, match="multiples of 32"):

@@ -79,7 +79,8 @@ def measure_cpu(layout: RecordLayout, top_k: int = 8, experts: int = 32, calls: 
     for c in range(calls + 2):
         ids = rng.choice(experts, k, replace=False).astype(np.int32)[None]
         t0 = time.perf_counter()
-        forward(layout.fmt.name, x, ids, w[:, :k], banks, layout.hidden, layout.inter, 0, out)
+        forward(layout.fmt.name, x, ids, w[:, :k], banks, layout.hidden, layout.inter, 0, out,
+                down_fmt_name=layout.format_of("down").name)
         if c >= 2:  # two warm-up calls (Numba compiles on the first)
             times.append(time.perf_counter() - t0)
     return k * layout.record_bytes / statistics.median(times) / 1e9

@@ -1,0 +1,263 @@
+"""The CPU kernels of the GGUF block formats (q8_0, q4_k, q5_k, q6_k, iq4_xs): the row dots of
+``cpu_kernels/moe_kquant.py`` through the expert forward (``cpu_kernels/moe_experts.py``) and the dense products
+(``cpu_kernels/qgemv.py``), against gguf-py's ``dequantize`` (the authority on the formats) on random GGUF bytes:
+every bit of the scales, mins and quants random, only the fp16 fields drawn finite (normal and subnormal). Mixed
+records (gate/up in one format, down in another: GGUF Q4_K_M) through ``ops.moe_experts``. The registry cases
+(tests/test_kernel_parity.py, moe_decode_*) check every format through the codecs' own quantizer.
+
+Tolerances as in tests/test_cpu_experts.py: float32 dot products against float64, ``2e-5 * max|ref|``; a wrongly
+decoded weight moves outputs by ~1e-2 of it. The decode itself is bit-exact (the scale products are exact in float32
+and q4_k/q5_k's ``d * sc * q - dmin * m`` rounds once, as gguf-py's does), so ``dequantize_rows`` is compared
+bit for bit.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numba
+import numpy as np
+import pytest
+from freetoken.cpu_kernels.moe_experts import ACT_GPT_OSS, ACT_SWIGLU, FORMAT_CODES, forward, prepare, uses_q8
+from freetoken.cpu_kernels.moe_kquant import KQUANT_CODES, kq_dot1, kq_dot1x2, kq_dot2, kq_dot4
+from freetoken.cpu_kernels.moe_memory import addr
+from freetoken.cpu_kernels.qgemv import KQUANT_BLOCK_BYTES, dequantize_rows, qmatmul_into
+
+from freetoken import formats, ops
+from freetoken.device.simd import simd_level
+from freetoken.formats import MATRICES, RecordLayout
+from freetoken.testing import assert_close, poison, random_record
+from freetoken.testing.reference.moe_experts import moe_forward_reference, q8_round_trip
+
+gguf_quants = pytest.importorskip("gguf.quants")
+from gguf import GGMLQuantizationType  # noqa: E402
+
+KINDS = ("q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs")
+#: weights per block, block bytes, byte offsets of the fp16 fields, magnitude of d (weights of order 0.01 to 0.1)
+BLOCKS = {"q8_0": (32, 34, (0,), 1e-3), "q4_k": (256, 144, (0, 2), 1e-4), "q5_k": (256, 176, (0, 2), 5e-5),
+          "q6_k": (256, 210, (208,), 2e-5), "iq4_xs": (256, 136, (0,), 2e-5)}
+
+
+def gguf_bytes(kind: str, shape: tuple, k: int, seed: int) -> np.ndarray:
+    """Random GGUF rows uint8 [*shape, K/block * block bytes] of ``kind``: random bytes, the fp16 fields replaced by
+    random-signed values of about the kind's magnitude (fp16 subnormals among them)."""
+    block, nbytes, halves, mag = BLOCKS[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (*shape, k // block, nbytes), dtype=np.uint8)
+    for off in halves:
+        d = rng.uniform(0.2, 1.0, raw.shape[:-1]) * mag * rng.choice([-1.0, 1.0], raw.shape[:-1])
+        raw[..., off:off + 2] = d.astype("<f2")[..., None].view(np.uint8)
+    return raw.reshape(*shape, -1)
+
+
+def gguf_dequantize(kind: str, raw: np.ndarray, k: int) -> np.ndarray:
+    """float32 [..., K] of GGUF rows, by gguf-py."""
+    out = gguf_quants.dequantize(raw, GGMLQuantizationType[kind.upper()])
+    return np.asarray(out, np.float32).reshape(*raw.shape[:-1], k)
+
+
+def gguf_record(layout: RecordLayout, experts: int, seed: int, bias: bool = False):
+    """Banks of ``experts`` random-byte records (``from_gguf`` of each matrix's format) and their float32 matrices
+    as gguf-py decodes them (the reference's ``deq``)."""
+    banks, deq = {}, {}
+    rng = np.random.default_rng(seed)
+    for i, m in enumerate(MATRICES):
+        fmt = layout.format_of(m)
+        n, k = layout.matrix_shape(m)
+        raw = gguf_bytes(fmt.name, (experts, n), k, seed * 3 + i)
+        banks.update({f"{m}.{b}": a for b, a in fmt.from_gguf(raw).items()})
+        deq[m] = gguf_dequantize(fmt.name, raw, k)
+        if bias:
+            deq[f"{m}.b"] = banks[f"{m}.b"] = rng.standard_normal((experts, n)).astype(np.float32)
+    return banks, deq
+
+
+def _routes(rng, tokens: int, k: int, experts: int):
+    ids = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]).astype(np.int32)
+    if tokens >= 2 and k >= 2:
+        ids[1, 1] = ids[1, 0]  # the same expert twice in one row
+    return ids, rng.random((tokens, k)).astype(np.float32)
+
+
+def _check_forward(layout, banks, deq, tokens, k, act, seed, down=None):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, layout.hidden)).astype(np.float32)
+    ids, weights = _routes(rng, tokens, k, banks["gate.w"].shape[0])
+    out = poison((tokens, layout.hidden), np.float32)
+    forward(layout.fmt.name, x, ids, weights, banks, layout.hidden, layout.inter,
+            ACT_SWIGLU if act == "swiglu" else ACT_GPT_OSS, out, activations="f32", down_fmt_name=down)
+    ref = moe_forward_reference(x, ids, weights, deq, act)
+    assert_close(out, ref, atol=2e-5 * float(np.abs(ref).max()), rtol=1e-5, name=f"{layout.name} T={tokens}")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_expert_forward_on_random_gguf_bytes(kind):
+    """Every token-group path of the kernels: T = 1 (two rows per call), 3 tokens over 4 experts (groups of 2 and
+    1), 9 tokens on 3 experts (groups of 4); gate/up over H = 512, down over I = 256 (two and one super-blocks; q8_0
+    also at H = 96, I = 160: odd block counts)."""
+    shapes = [(512, 256)] + ([(96, 160)] if kind == "q8_0" else [])
+    for hidden, inter in shapes:
+        layout = RecordLayout(formats.get(kind), hidden, inter)
+        banks, deq = gguf_record(layout, 5, seed=KINDS.index(kind))
+        for tokens, k in ((1, 4), (3, 4), (9, 3)):
+            _check_forward(layout, banks, deq, tokens, k, "swiglu", seed=tokens)
+    assert not uses_q8(kind, "q8") and not uses_q8(kind)  # the float path: no int8 dots for these formats
+
+
+@pytest.mark.parametrize("gate_up,down", [("q4_k", "q6_k"), ("q5_k", "q8_0"), ("iq4_xs", "q4_k"), ("mxfp4", "q6_k"),
+                                          ("q6_k", "nvfp4")])
+def test_mixed_records_forward(gate_up, down):
+    """Mixed records through the kernels' API, biases and gpt_oss; the e2m1 formats permute x (gate/up) or h (down)
+    on their side only."""
+    layout = RecordLayout(formats.get(gate_up), 512, 256, True, down_fmt=formats.get(down))
+    if all(layout.format_of(m).name in KINDS for m in MATRICES):
+        banks, deq = gguf_record(layout, 4, seed=7, bias=True)
+    else:
+        banks = random_record(layout, 4, seed=7)
+        deq = layout.dequantize(banks)
+    for tokens, k in ((1, 3), (6, 2)):
+        _check_forward(layout, banks, deq, tokens, k, "gpt_oss", seed=tokens, down=down)
+
+
+def test_mixed_record_q4_k_m_through_ops():
+    """GGUF Q4_K_M's experts (gate/up Q4_K, down Q6_K) through ``ops.moe_experts`` on the cpu device, against the
+    float64 reference on the codecs' dequantized weights."""
+    layout = RecordLayout(formats.get("q4_k"), 512, 256, down_fmt=formats.get("q6_k"))
+    assert layout.name == "q4_k+q6_k"
+    banks = random_record(layout, 6, seed=3)
+    deq = layout.dequantize(banks)
+    rng = np.random.default_rng(0)
+    for tokens in (1, 5):
+        x = rng.standard_normal((tokens, 512)).astype(np.float32)
+        ids, weights = _routes(rng, tokens, 4, 6)
+        y = ops.moe_experts(x, ids, weights, banks, layout, device="cpu")
+        ref = moe_forward_reference(x, ids, weights, deq, "swiglu")
+        assert_close(y, ref, atol=2e-5 * float(np.abs(ref).max()), rtol=1e-5, name=f"q4_k+q6_k T={tokens}")
+
+
+def test_mixed_record_int8_gate_up_float_down():
+    """A record whose gate/up format has int8 row dots and whose down format has none: with activations "q8" the
+    gate/up kernel reads x in 8-bit blocks, the down kernel float32 h (the reference: x rounded the same way, h
+    not)."""
+    layout = RecordLayout(formats.get("q4_0"), 512, 256, down_fmt=formats.get("q6_k"))
+    banks = random_record(layout, 4, seed=5)
+    deq = layout.dequantize(banks)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    ids, weights = _routes(rng, 3, 2, 4)
+    y = ops.moe_experts(x, ids, weights, banks, layout, device="cpu", activations="q8")
+    ref = moe_forward_reference(q8_round_trip(x), ids, weights, deq, "swiglu")
+    assert_close(y, ref, atol=2e-5 * float(np.abs(ref).max()), rtol=1e-5, name="q4_0+q6_k q8")
+
+
+def test_prepare_checks_each_matrix_against_its_format():
+    layout = RecordLayout(formats.get("q4_k"), 256, 256, down_fmt=formats.get("q6_k"))
+    banks = random_record(layout, 2, seed=1)
+    p = prepare("q4_k", banks, 256, 256, "q6_k")
+    assert (p.fmt, p.down_fmt) == (FORMAT_CODES["q4_k"], FORMAT_CODES["q6_k"])
+    with pytest.raises(ValueError, match=r"banks\['down.w'\]: expected shape \[2, 256, 128\]"):
+        prepare("q4_k", banks, 256, 256)  # down read as q4_k
+    with pytest.raises(ValueError, match="unknown expert format 'q3_k'"):
+        prepare("q4_k", banks, 256, 256, "q3_k")
+    with pytest.raises(ValueError, match="divisible by 256"):
+        prepare("q4_k", banks, 256, 96, "q6_k")
+    out = np.zeros((1, 256), np.float32)
+    args = (np.zeros((1, 256), np.float32), np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32), banks, 256,
+            256, ACT_SWIGLU, out)
+    with pytest.raises(ValueError, match="prepared: made for other formats"):
+        forward("q4_k", *args, prepared=p)  # down_fmt_name missing: q4_k
+    forward("q4_k", *args, prepared=p, down_fmt_name="q6_k")
+
+
+# ------------------------------------------------------------------------------------------------ dense products
+
+DENSE_KINDS = ("q4_k", "q5_k", "q6_k", "iq4_xs")
+
+
+@pytest.mark.parametrize("kind", DENSE_KINDS)
+def test_dense_products_on_random_gguf_rows(kind):
+    """``qmatmul_into`` over verbatim GGUF rows: the serial and threaded GEMV (T <= 4: groups of 4 tokens, single
+    tokens two rows at a time with an odd row count) and the tiled product (T = 13), against gguf-py's weights."""
+    for n, k, tokens in ((37, 512, (1, 2, 4)), (301, 1024, (1, 3)), (45, 768, (13,))):
+        raw = gguf_bytes(kind, (n,), k, seed=n)
+        assert raw.shape[1] == k // 256 * KQUANT_BLOCK_BYTES[kind]
+        w = gguf_dequantize(kind, raw, k).astype(np.float64)
+        for t in tokens:
+            x = np.random.default_rng(t).standard_normal((t, k)).astype(np.float32)
+            out = poison((t, n), np.float32)
+            qmatmul_into(x, raw, kind, out)
+            ref = x @ w.T
+            assert_close(out, ref, atol=2e-5 * float(np.abs(ref).max()), rtol=1e-5, name=f"{kind} N={n} T={t}")
+
+
+@pytest.mark.parametrize("kind", DENSE_KINDS)
+def test_dense_dequantize_rows_bit_exact(kind):
+    raw = gguf_bytes(kind, (9,), 512, seed=1)
+    want = gguf_dequantize(kind, raw, 512)
+    np.testing.assert_array_equal(dequantize_rows(raw, kind, 512), want)
+    out = poison((4, 512), np.float32)
+    dequantize_rows(raw, kind, 512, r0=3, out=out)
+    np.testing.assert_array_equal(out, want[3:7])
+
+
+# --------------------------------------------------------------------------------- row dots at every SIMD level
+
+@numba.njit
+def _row_dots(code, w, s, raw, x, out):
+    """out[0..8, r]: kq_dot1, kq_dot2, kq_dot4, kq_dot1x2 (rows r, r + 1; r even) over the banks, kq_dot1 over the
+    GGUF rows."""
+    n, k = raw.shape[0], x.shape[1]
+    wa, sa, ra, xa = addr(w), addr(s), addr(raw), addr(x)
+    for r in range(n):
+        out[0, r] = kq_dot1(code, False, wa, sa, r, k, xa, 0)
+        out[1, r], out[2, r] = kq_dot2(code, False, wa, sa, r, k, xa, k, 2 * k)
+        out[3, r], out[4, r], out[5, r], out[6, r] = kq_dot4(code, False, wa, sa, r, k, xa, 0, k, 2 * k, 3 * k)
+        if r % 2 == 0:
+            out[7, r], out[7, r + 1] = kq_dot1x2(code, False, wa, sa, r, k, xa, 3 * k)
+        out[8, r] = kq_dot1(code, True, ra, ra, r, k, xa, k)
+
+
+def check_row_dots():
+    """Every row-dot intrinsic of every format against gguf-py (the tokens of each slot as listed in
+    :func:`_row_dots`), and ``kq_decode`` bit for bit. q8_0 with 5 blocks (the odd tail of its two-block loop)."""
+    for kind in KINDS:
+        k = 160 if kind == "q8_0" else 512
+        raw = gguf_bytes(kind, (6,), k, seed=11)
+        banks = formats.get(kind).from_gguf(raw[None])
+        w, s = banks["w"][0], np.ascontiguousarray(banks["s"][0])
+        x = np.random.default_rng(3).standard_normal((4, k)).astype(np.float32)
+        out = np.full((9, 6), np.nan, np.float32)
+        _row_dots(KQUANT_CODES[kind], w, s, raw, x, out)
+        ref = x.astype(np.float64) @ gguf_dequantize(kind, raw, k).astype(np.float64).T
+        want = ref[[0, 1, 2, 0, 1, 2, 3, 3, 1]]
+        assert np.abs(out - want).max() <= 2e-5 * np.abs(want).max(), (kind, np.abs(out - want).max())
+        if kind != "q8_0":  # dense q8_0 rows have their own decode (qgemv)
+            np.testing.assert_array_equal(dequantize_rows(raw, kind, k), gguf_dequantize(kind, raw, k))
+
+
+def test_row_dots_this_level():
+    check_row_dots()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["avx2", "none"])
+def test_row_dots_other_levels(level, tmp_path):
+    """The same in a subprocess compiling for AVX2 only, and for AVX without AVX2/FMA (as tests/test_int8_dots.py
+    does for the int8 dots): the <16 x float> IR is split into narrower vectors, the table lookups lowered per
+    target."""
+    from test_int8_dots import _features_for
+
+    if simd_level() == level:
+        pytest.skip(f"{level} is this machine's level: test_row_dots_this_level ran it")
+    features = _features_for(level)
+    if features is None:
+        pytest.skip(f"this CPU cannot run code compiled for {level}")
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell" if level == "avx2" else "ivybridge",
+               NUMBA_CPU_FEATURES=features, FREETOKEN_CACHE_DIR=str(tmp_path), NUMBA_CACHE_DIR=str(tmp_path))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_kquant_cpu as t; "
+            "from freetoken.device.simd import simd_level; "
+            f"assert simd_level() == {level!r}, simd_level(); t.check_row_dots(); print('ok', simd_level())")
+    r = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0 and r.stdout.strip() == f"ok {level}", r.stdout + r.stderr[-3000:]
