@@ -140,12 +140,16 @@ extern "C" __global__ void __launch_bounds__(1024) cache_admit(
   }
 }
 
-// Source and destination of every bank: record r of bank b lives at src[b] + r * bytes[b] (host pool, flat id)
-// and at dst[b] + slot * bytes[b] (slot banks).
+// Source and destination of every bank: record r (a flat id) of bank b lives at src[b] + (r - first) * bytes[b]
+// (host pool: the rows of one layer, or of all layers from flat id `first` on) and goes to
+// dst[b] + slot * dst_stride[b] (slot banks: rows of the record's bank size, or longer when the slots are sized for
+// the largest of several layer layouts).
 struct BankTable {
   unsigned long long src[FT_CACHE_MAX_BANKS];
   unsigned long long dst[FT_CACHE_MAX_BANKS];
   unsigned long long bytes[FT_CACHE_MAX_BANKS];
+  unsigned long long dst_stride[FT_CACHE_MAX_BANKS];
+  long long first;
   int n;
 };
 // The layout freetoken/ops/constants.py BANK_TABLE packs.
@@ -153,6 +157,8 @@ static_assert(sizeof(BankTable) == FT_BANK_TABLE_SIZE, "BankTable size differs f
 FT_CHECK_OFFSET(BankTable, src, FT_BANK_TABLE_SRC_OFFSET);
 FT_CHECK_OFFSET(BankTable, dst, FT_BANK_TABLE_DST_OFFSET);
 FT_CHECK_OFFSET(BankTable, bytes, FT_BANK_TABLE_BYTES_OFFSET);
+FT_CHECK_OFFSET(BankTable, dst_stride, FT_BANK_TABLE_DST_STRIDE_OFFSET);
+FT_CHECK_OFFSET(BankTable, first, FT_BANK_TABLE_FIRST_OFFSET);
 FT_CHECK_OFFSET(BankTable, n, FT_BANK_TABLE_N_OFFSET);
 
 // Grid (max work items, banks): block (i, b) copies bank b of worklist entry i; 16-byte accesses when the row
@@ -161,8 +167,8 @@ extern "C" __global__ void cache_copy(const int* __restrict__ worklist, const in
   const int i = blockIdx.x, b = blockIdx.y;
   if (i >= *n_work || b >= t.n) return;
   const unsigned long long bytes = t.bytes[b];
-  const unsigned char* src = reinterpret_cast<const unsigned char*>(t.src[b]) + bytes * worklist[2 * i + 1];
-  unsigned char* dst = reinterpret_cast<unsigned char*>(t.dst[b]) + bytes * worklist[2 * i];
+  const unsigned char* src = reinterpret_cast<const unsigned char*>(t.src[b]) + bytes * (worklist[2 * i + 1] - t.first);
+  unsigned char* dst = reinterpret_cast<unsigned char*>(t.dst[b]) + t.dst_stride[b] * worklist[2 * i];
   const unsigned long long align = reinterpret_cast<unsigned long long>(src) | reinterpret_cast<unsigned long long>(dst) | bytes;
   if ((align & 15) == 0) {
     const uint4* s4 = reinterpret_cast<const uint4*>(src);

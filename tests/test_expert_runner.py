@@ -1,5 +1,6 @@
 """The expert runners without a model: random expert records, routed ids drawn per call, every mode's output equal
-to the routed-expert op over the layer's whole banks; counters, pinning, prefetch and its scoring."""
+to the routed-expert op over the layer's whole banks; counters, pinning, prefetch and its scoring. Every runner test
+runs on records of one layout and on layers of different layouts (one cache's slots hold them all)."""
 
 import numpy as np
 import pytest
@@ -14,10 +15,17 @@ from freetoken.testing import random_record
 LAYERS, EXPERTS, TOP_K, HIDDEN, INTER = 3, 8, 2, 64, 32
 
 
-@pytest.fixture(scope="module")
-def records():
-    layout = RecordLayout(formats.get("q4_0"), HIDDEN, INTER)
-    return layout, [random_record(layout, EXPERTS, seed=layer) for layer in range(LAYERS)]
+#: Per-layer record formats: (gate/up, down) of each layer. "mixed": as a GGUF Q4_K_M file has them, a down matrix
+#: in another format than gate/up in some layers, and layers of different record sizes sharing the slots.
+LAYER_FORMATS = {"uniform": [("q4_0", "q4_0")] * LAYERS,
+                 "mixed": [("q4_0", "mxfp4"), ("q4_0", "q4_0"), ("mxfp4", "bf16")]}
+
+
+@pytest.fixture(scope="module", params=sorted(LAYER_FORMATS))
+def records(request):
+    layouts = [RecordLayout(formats.get(up), HIDDEN, INTER, down_fmt=formats.get(down))
+               for up, down in LAYER_FORMATS[request.param]]
+    return layouts, [random_record(lay, EXPERTS, seed=layer) for layer, lay in enumerate(layouts)]
 
 
 def _calls(seed=0, steps=6, tokens=1):
@@ -33,23 +41,23 @@ def _calls(seed=0, steps=6, tokens=1):
 def _runner(device, records, **opts):
     """float32 activations on the CPU too (unless ``opts`` say otherwise): the op on gpu/emu reads float inputs, so a
     CPU share computing misses must as well for the outputs to agree to float rounding."""
-    layout, banks = records
+    layouts, banks = records
     opts.setdefault("cpu_activations", "f32")
-    runner = make_runner(device, layout, LAYERS, EXPERTS, TOP_K, ExpertOptions(max_decode_tokens=2, **opts))
+    runner = make_runner(device, layouts, LAYERS, EXPERTS, TOP_K, ExpertOptions(max_decode_tokens=2, **opts))
     for layer, b in enumerate(banks):
         runner.load_layer(layer, b)
     return runner
 
 
 def _check_against_op(device, runner, records, calls, rtol=1e-5):
-    layout, banks = records
+    layouts, banks = records
     host = [{k: device.asarray(v) for k, v in b.items()} for b in banks]
     for layer, h, ids, w in calls:
         runner.begin(h.shape[0])
         got = device.to_host(runner.run(layer, device.asarray(h), device.asarray(ids), device.asarray(w)))
         runner.end()
         want = device.to_host(ops.moe_experts(device.asarray(h), device.asarray(ids), device.asarray(w), host[layer],
-                                              layout, device=device, activations="f32"))
+                                              layouts[layer], device=device, activations="f32"))
         np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
 
 
@@ -85,16 +93,16 @@ def test_cached_runner_equals_the_op(cuda_device, records, mode):
 def test_a_prompt_streams_whole_layers(cuda_device, records):
     runner = _runner(cuda_device, records, cache_slots=16)
     calls = [c for c in _calls(tokens=5, steps=1)]  # 5 tokens x top-2 > 2 x 2 pairs: streamed
-    layout, banks = records
+    layouts, banks = records
     runner.begin(5)
     assert runner.streaming
     for layer, h, ids, w in calls:
         got = cuda_device.to_host(runner.run(layer, cuda_device.asarray(h), cuda_device.asarray(ids),
                                              cuda_device.asarray(w)))
-        want = ops.moe_experts(h, ids, w, banks[layer], layout, device="cpu")
+        want = ops.moe_experts(h, ids, w, banks[layer], layouts[layer], device="cpu")
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())  # bf16 prefill inputs
     runner.end()
-    assert runner.cache.prefill_bytes == LAYERS * EXPERTS * layout.record_bytes
+    assert runner.cache.prefill_bytes == EXPERTS * sum(lay.record_bytes for lay in layouts)
     assert [np.asarray(cuda_device.to_host(r)).tolist() for r in runner.last_routing] == \
         [ids.tolist() for _, _, ids, _ in calls]
 
@@ -176,3 +184,27 @@ def test_options_are_checked():
         ExpertOptions(pcie_gbps=float("nan"))
     with pytest.raises(ValueError, match="future_value"):
         ExpertOptions(future_value=-1.0)
+
+
+def test_layers_of_different_layouts_share_slots_of_the_largest(cuda_device, records):
+    """One slot array per bank, as long as the largest layer's bank: the slots cost the largest record, not the sum
+    of the layouts'; the host pool holds each layer's records exactly sized; every slot's bytes equal its host
+    record whichever layer's it is."""
+    layouts, _ = records
+    runner = _runner(cuda_device, records, cache_slots=16)
+    _check_against_op(cuda_device, runner, records, _calls(seed=2, tokens=2))
+    runner.cache.check_invariants()
+    largest = max(lay.record_bytes for lay in layouts)
+    assert runner.layout.record_bytes == largest
+    mem = runner.memory()
+    if len(set(layouts)) == 1:
+        assert mem["expert slots"] == 16 * sum(s.nbytes for s in layouts[0].bank_specs())
+    else:  # each bank name's slot row as long as its longest (16-byte rounded) over the layouts
+        longest: dict[str, int] = {}
+        for s in (s for lay in layouts for s in lay.bank_specs()):
+            longest[s.name] = max(longest.get(s.name, 0), -(-s.nbytes // 16) * 16)
+        assert mem["expert slots"] == 16 * sum(longest.values())
+    assert mem["expert banks (host pool)"] == EXPERTS * sum(s.nbytes for lay in layouts for s in lay.bank_specs())
+    if len(set(layouts)) > 1:
+        assert mem["expert slots"] < 16 * sum(lay.record_bytes for lay in set(layouts))
+    runner.close()

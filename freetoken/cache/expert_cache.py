@@ -63,14 +63,17 @@ class ExpertCache:
                    if prefill_overlap and 2 * e >= self.max_distinct
                    else f"one step can route {self.max_distinct} distinct experts")
             raise ValueError(f"{slots} slots cannot work: {why}; use at least {need}")
-        if len(pool.specs) > MAX_BANKS:
+        if max(len(lay.bank_specs()) for lay in pool.groups) > MAX_BANKS:
             raise ValueError(f"record layouts of more than {MAX_BANKS} banks are not supported")
         self.device, self.pool, self.slots = dev, pool, slots
         self.num_layers, self.num_experts = pool.num_layers, e
         self.max_active, self.prefill_overlap = max_active, prefill_overlap
         xp = dev.xp
-        self.slot_banks = {s.name: dev.zeros((slots, *s.shape), s.dtype) for s in pool.specs}
-        self.record_bytes = sum(s.nbytes for s in pool.specs)
+        self._group_slot_banks, self.slot_nbytes = _slot_banks(dev, pool.groups, slots)
+        #: The slot banks of layer 0's layout ([slots, ...] by bank name); :meth:`layer_slot_banks` gives any layer's.
+        self.slot_banks = self._group_slot_banks[pool.group_of(0)]
+        #: Bytes of the largest record (of one record when the layers share a layout).
+        self.record_bytes = max(lay.record_bytes for lay in pool.groups)
         self.slot_for_id = xp.empty(pool.num_records, np.int32)
         self.id_of_slot = xp.empty(slots, np.int32)
         self.recency = xp.empty(slots, np.int64)
@@ -84,7 +87,8 @@ class ExpertCache:
         self.prefill_worklists = [xp.empty(2 * e, np.int32) for _ in range(2)]
         self.prefill_n_work = [xp.empty(1, np.int32) for _ in range(2)]
         self.transfer = dev.stream()
-        self._copy_table = CopyTable(dev, [(pool.banks[s.name], self.slot_banks[s.name]) for s in pool.specs])
+        self._copy_tables = [self._layer_copy_table(layer) for layer in range(self.num_layers)]
+        self._worklist_layer = 0  # the layer of the last admission: its worklist's records
         self.reset()
 
     # ---- state ---------------------------------------------------------------------------------------------
@@ -106,7 +110,8 @@ class ExpertCache:
         total = int(hits.sum() + misses.sum())
         return {"hits": int(hits.sum()), "misses": int(misses.sum()),
                 "hit_rate": float(hits.sum() / total) if total else 0.0,
-                "bytes_copied": int(misses.sum()) * self.record_bytes, "prefill_bytes": self.prefill_bytes,
+                "bytes_copied": sum(int(m) * self.layer_record_bytes(i) for i, m in enumerate(misses)),
+                "prefill_bytes": self.prefill_bytes,
                 "per_layer": [{"layer": i, "hits": int(h), "misses": int(m)} for i, (h, m) in
                               enumerate(zip(hits, misses, strict=True))]}
 
@@ -133,13 +138,28 @@ class ExpertCache:
         cache_admit(ids, layer, self.num_experts, self.slot_for_id, self.id_of_slot, self.recency, self.pinned,
                     self.clock, self.worklist, self.n_work, self.hits, self.misses, self.err, count=count,
                     stream=stream, device=self.device)
+        self._worklist_layer = layer
 
     def copy_missing(self, stream=None) -> None:
         """Copy the records the last :meth:`admit` missed from the host pool into their slots."""
-        self._copy(self.worklist, self.n_work, self.max_active, stream)
+        self._copy(self.worklist, self.n_work, self.max_active, stream, self._worklist_layer)
 
-    def _copy(self, worklist, n_work, max_items: int, stream) -> None:
-        cache_copy(worklist, n_work, self._copy_table, max_items, stream=stream, device=self.device)
+    def _copy(self, worklist, n_work, max_items: int, stream, layer: int) -> None:
+        cache_copy(worklist, n_work, self._copy_tables[layer], max_items, stream=stream, device=self.device)
+
+    def _layer_copy_table(self, layer: int) -> CopyTable:
+        rows, first = self.pool.layer_rows(layer)
+        slot = self.layer_slot_banks(layer)
+        return CopyTable(self.device, [(rows[s.name], slot[s.name]) for s in self.pool.layouts[layer].bank_specs()],
+                         first)
+
+    def layer_slot_banks(self, layer: int) -> dict:
+        """The slot banks as MoE layer ``layer``'s record layout reads them: [slots, ...] by bank name (views of
+        slot rows sized for the largest layout when the layers differ)."""
+        return self._group_slot_banks[self.pool.group_of(layer)]
+
+    def layer_record_bytes(self, layer: int) -> int:
+        return self.pool.layouts[layer].record_bytes
 
     # ---- prefill ---------------------------------------------------------------------------------------------
     def _check_prefill(self, layer: int) -> int:
@@ -168,9 +188,9 @@ class ExpertCache:
         wl, nw = self.prefill_worklists[b], self.prefill_n_work[b]
         cache_borrow_layer(layer, first, self.num_experts, self.slot_for_id, self.id_of_slot, self.recency, wl, nw,
                            stream=self.transfer, device=self.device)
-        self._copy(wl, nw, self.num_experts, self.transfer)
+        self._copy(wl, nw, self.num_experts, self.transfer, layer)
         self._ready[b] = self.device.event().record(self.transfer)
-        self.prefill_bytes += self.num_experts * self.record_bytes
+        self.prefill_bytes += self.num_experts * self.layer_record_bytes(layer)
         return first
 
     def wait_layer(self, layer: int, stream=None) -> int:
@@ -214,7 +234,7 @@ class ExpertCache:
             self.pinned[slot:slot + 1] = 1
             self.recency[slot:slot + 1] = self.clock
             work = self.device.asarray(np.array([slot, f], np.int32))
-            self._copy(work, self.device.asarray(np.array([1], np.int32)), 1, None)
+            self._copy(work, self.device.asarray(np.array([1], np.int32)), 1, None, layer)
             self._pinned_slots.append(slot)
         self.device.synchronize()
 
@@ -238,10 +258,28 @@ class ExpertCache:
         for s in np.nonzero(pinned)[0]:
             if ios[s] < 0:
                 raise AssertionError(f"pinned slot {s} is empty")
-        owned = np.nonzero(ios >= 0)[0]
-        for name, bank in self.slot_banks.items():
-            dev_rows = dev.to_host(bank)
-            host = self.pool.host(name)
-            for s in owned:
-                if not np.array_equal(dev_rows[s].view(np.uint8), host[ios[s]].view(np.uint8)):
+        for s in np.nonzero(ios >= 0)[0]:
+            layer = int(ios[s]) // self.num_experts
+            for name, host in self.pool.record(int(ios[s])).items():
+                row = dev.to_host(self.layer_slot_banks(layer)[name][int(s)])
+                if not np.array_equal(np.ascontiguousarray(row).view(np.uint8), host.view(np.uint8)):
                     raise AssertionError(f"slot {s} bank {name}: bytes differ from host record {ios[s]}")
+
+
+def _slot_banks(dev, layouts, slots: int) -> tuple[list[dict], int]:
+    """(each layout's slot banks, [slots, ...] by bank name; the bytes they take). One layout: plain arrays of its
+    banks. Several (layers in different formats): one uint8 array per bank name with rows as long as the longest of
+    that bank over the layouts (rounded up to 16 bytes, so every slot's values stay 16-byte aligned), and each
+    layout's banks as typed views of its rows: a slot holds any layer's record, and the slots cost the largest
+    record, not the sum of them."""
+    if len(layouts) == 1:
+        banks = {s.name: dev.zeros((slots, *s.shape), s.dtype) for s in layouts[0].bank_specs()}
+        return [banks], sum(int(b.nbytes) for b in banks.values())
+    rows: dict[str, int] = {}
+    for lay in layouts:
+        for s in lay.bank_specs():
+            rows[s.name] = max(rows.get(s.name, 0), -(-s.nbytes // 16) * 16)
+    raw = {name: dev.zeros((slots, n), np.uint8) for name, n in rows.items()}
+    views = [{s.name: raw[s.name][:, :s.nbytes].view(s.dtype).reshape(slots, *s.shape) for s in lay.bank_specs()}
+             for lay in layouts]
+    return views, sum(int(r.nbytes) for r in raw.values())

@@ -13,6 +13,12 @@ import numpy as np
 from freetoken.paths import cuda_source
 
 
+def rows_contiguous(a) -> bool:
+    """Each row (index along the first axis) of ``a`` contiguous, rows any distance apart: a slot bank's view of
+    slot rows sized for a larger record."""
+    return a.ndim < 2 or a.shape[0] == 0 or a[0].flags.c_contiguous
+
+
 class PinnedArray:
     """Host memory a kernel can read: page-locked and device-mapped on gpu, plain on cpu/emu.
 

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from freetoken.device.base import Device, HostEvent, HostStream, PinnedArray
+from freetoken.device.base import Device, HostEvent, HostStream, PinnedArray, rows_contiguous
 
 
-def host_pointer(a) -> int | None:
+def host_pointer(a, strided_rows: bool = False) -> int | None:
     """The address of a host array (NumPy, PinnedArray, or anything DLPack/array-interface on the CPU); None if ``a``
-    is no array. Kernel arguments must be contiguous."""
+    is no array. Kernel arguments must be contiguous (``strided_rows``: or each row contiguous, for kernels that take
+    the row stride)."""
     if isinstance(a, PinnedArray):
         return a.device_ptr
     if isinstance(a, np.ndarray):
-        if not (a.flags.c_contiguous or a.flags.f_contiguous):
+        if not (a.flags.c_contiguous or a.flags.f_contiguous or strided_rows and rows_contiguous(a)):
             raise ValueError("kernel arguments must be contiguous arrays")
         return a.ctypes.data
     if hasattr(a, "__dlpack__") or hasattr(a, "__array_interface__"):
@@ -45,9 +46,10 @@ class HostDevice(Device):
     def from_dlpack(self, x):
         return np.from_dlpack(x)
 
-    def pointer_of(self, a) -> int | None:
-        """The address a kernel uses for ``a`` (NumPy array or PinnedArray), None for non-arrays."""
-        return host_pointer(a)
+    def pointer_of(self, a, strided_rows: bool = False) -> int | None:
+        """The address a kernel uses for ``a`` (NumPy array or PinnedArray), None for non-arrays; ``strided_rows``:
+        accept rows that are each contiguous but further apart (the kernel takes the stride)."""
+        return host_pointer(a, strided_rows)
 
     def stream(self) -> HostStream:
         return HostStream()

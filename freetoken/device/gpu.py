@@ -14,7 +14,7 @@ import numpy as np
 
 from freetoken.device import nvrtc
 from freetoken.device.args import normalize_dims, pack_args
-from freetoken.device.base import Device, PinnedArray
+from freetoken.device.base import Device, PinnedArray, rows_contiguous
 
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _STATIC_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in to dynamic shared memory
@@ -123,11 +123,11 @@ class GpuDevice(Device):
     def from_dlpack(self, x):
         return self.cupy.from_dlpack(x)
 
-    def pointer_of(self, a) -> int | None:
+    def pointer_of(self, a, strided_rows: bool = False) -> int | None:
         if isinstance(a, PinnedArray):
             return a.device_ptr
         if isinstance(a, self.cupy.ndarray):
-            if not (a.flags.c_contiguous or a.flags.f_contiguous):
+            if not (a.flags.c_contiguous or a.flags.f_contiguous or strided_rows and rows_contiguous(a)):
                 raise ValueError("kernel arguments must be contiguous arrays")
             return a.data.ptr
         if isinstance(a, np.ndarray):

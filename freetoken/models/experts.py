@@ -17,14 +17,16 @@ class ExpertRunner(ABC):
 
     A forward pass calls :meth:`begin` once with its token count, then :meth:`run` once per MoE layer in order, then
     :meth:`end`; a prompt run in chunks is one such pass per chunk, the first with ``first=True``, the next ones with
-    ``first=False`` (the same prompt goes on). ``layout`` is the record layout (expert format and shape) every
-    layer's experts are held in."""
+    ``first=False`` (the same prompt goes on). ``layouts[m]`` is the record layout (expert formats and shape) MoE
+    layer m's experts are held in: one for every layer, or per layer (a GGUF Q4_K_M file keeps some layers' down
+    matrices in Q6_K); ``layout`` is the one with the largest record."""
 
+    layouts: list[RecordLayout]
     layout: RecordLayout
 
     @abstractmethod
     def load_layer(self, layer: int, banks: dict) -> None:
-        """Take MoE layer ``layer``'s expert records (host banks ``[E, ...]`` per ``layout.bank_specs()``)."""
+        """Take MoE layer ``layer``'s expert records (host banks ``[E, ...]`` per ``layouts[layer].bank_specs()``)."""
 
     def begin(self, tokens: int, first: bool = True) -> None:  # noqa: B027 - runners without per-pass state
         """A forward pass of ``tokens`` tokens starts (a prompt, a chunk of one, or a decode step); ``first``: False

@@ -16,32 +16,46 @@ from freetoken.ops._common import check_int32, cuda_kernel, resolve
 
 class CopyTable:
     """Source and destination of every bank of a record: ``pairs`` of (host bank [records, ...], slot bank
-    [slots, ...]); a host bank may be a :class:`~freetoken.device.base.PinnedArray`. Built once per cache."""
+    [slots, ...]); a host bank may be a :class:`~freetoken.device.base.PinnedArray`. Host row 0 is the record of
+    flat id ``first`` (a layer's own rows when layers differ in layout). A slot bank may be a strided view (slots
+    sized for the largest of several layouts): its rows hold the record's bank bytes, ``strides[0]`` apart.
+    Built once per cache (per layer layout)."""
 
-    def __init__(self, dev, pairs):
+    def __init__(self, dev, pairs, first: int = 0):
         if len(pairs) > CACHE_MAX_BANKS:
             raise ValueError(f"record layouts of more than {CACHE_MAX_BANKS} banks are not supported")
-        self.dev = dev
+        self.dev, self.first = dev, int(first)
         self.pairs = list(pairs)
         table = np.zeros((), BANK_TABLE)
         self.row_bytes = []
         for i, (src, dst) in enumerate(self.pairs):
             row = int(src.nbytes // src.shape[0])
-            if int(dst.nbytes // dst.shape[0]) != row:
-                raise ValueError(f"bank {i}: host rows of {row} bytes, slot rows of {dst.nbytes // dst.shape[0]}")
+            if int(dst.nbytes // dst.shape[0]) != row or int(dst.strides[0]) < row:
+                raise ValueError(f"bank {i}: host rows of {row} bytes, slot rows of {dst.nbytes // dst.shape[0]} "
+                                 f"({dst.strides[0]} apart)")
             self.row_bytes.append(row)
             if dev.kind != "cpu":
                 table["src"][i] = src.device_ptr if hasattr(src, "device_ptr") else dev.pointer_of(src)
-                table["dst"][i] = dev.pointer_of(dst)
+                table["dst"][i] = dev.pointer_of(dst, strided_rows=True)
                 table["bytes"][i] = row
+                table["dst_stride"][i] = int(dst.strides[0])
+        table["first"] = self.first
         table["n"] = len(self.pairs)
         self.table = table[()]
 
     def byte_views(self):
-        """(src, dst) uint8 [rows, bytes] views of every bank (host devices)."""
+        """(src, dst) uint8 [rows, bytes] views of every bank (host devices; dst rows may be strided)."""
         for src, dst in self.pairs:
             host = src.host if hasattr(src, "host") else src
-            yield host.reshape(host.shape[0], -1).view(np.uint8), dst.reshape(dst.shape[0], -1).view(np.uint8)
+            yield _row_bytes_view(host), _row_bytes_view(dst)
+
+
+def _row_bytes_view(a: np.ndarray) -> np.ndarray:
+    """uint8 [rows, row bytes] over the same memory as ``a`` [rows, ...] (each row contiguous; rows may be strided)."""
+    rows = a.reshape(a.shape[0], -1)
+    if a.size and not np.shares_memory(rows, a):
+        raise ValueError("a bank's rows must each be contiguous")  # reshape copied: writes would be lost
+    return rows.view(np.uint8)
 
 
 def cache_admit(ids, layer: int, experts: int, slot_for_id, id_of_slot, recency, pinned, clock, worklist, n_work,
@@ -79,7 +93,7 @@ def cache_copy(worklist, n_work, table: CopyTable, max_items: int, *, stream=Non
         from freetoken.cpu_kernels.cache import cache_copy_bank
 
         for src, dst in table.byte_views():
-            cache_copy_bank(worklist, n_work, src, dst)
+            cache_copy_bank(worklist, n_work, src, dst, table.first)
         return
     if max_items <= 0 or not table.pairs:
         return

@@ -21,23 +21,25 @@ from freetoken.policy.split_policy import MissPolicy
 
 
 class MissSplitter:
-    """Per-call split of ``cache``'s misses for ``mode`` (``cpu`` or ``hybrid``), with counters of what it did."""
+    """Per-call split of ``cache``'s misses for ``mode`` (``cpu`` or ``hybrid``), with counters of what it did.
+    ``layouts``: the record layout of every layer (a list), or one for all: a layer's record size and format price
+    its fetch and its CPU share."""
 
-    def __init__(self, cache, layout, mode: str = "hybrid", oracle: BandwidthOracle | None = None,
+    def __init__(self, cache, layouts, mode: str = "hybrid", oracle: BandwidthOracle | None = None,
                  future_value: float | str | None = None, gpu_gbps: float = 900.0):
         if mode not in ("cpu", "hybrid"):
             raise ValueError(f"moe mode {mode!r}: the split runs for cpu or hybrid (gpu fetches every miss; auto "
                              "resolves to one of them)")
-        self.layout, self.mode = layout, mode
+        self.layouts = layouts if isinstance(layouts, list) else [layouts] * cache.num_layers
+        self.mode = mode
         self.oracle = oracle or BandwidthOracle()
         self.shadow = MissPolicy.for_cache(cache, future_value=future_value)
         self.gpu_gbps = gpu_gbps
-        self.fmt = layout.fmt.name
         self.stats = {"steps": 0, "hits": 0, "fetched": 0, "cpu": 0}
 
-    def costs(self) -> StepCosts:
-        o = self.oracle
-        return StepCosts.from_bandwidths(self.layout.record_bytes, o.pcie_gbps(), o.cpu_gbps(self.fmt),
+    def costs(self, layer: int = 0) -> StepCosts:
+        o, layout = self.oracle, self.layouts[layer]
+        return StepCosts.from_bandwidths(layout.record_bytes, o.pcie_gbps(), o.cpu_gbps(layout.fmt.name),
                                          gpu_gbps=self.gpu_gbps, cpu_handoff_s=o.handoff_seconds())
 
     def plan(self, layer: int, ids_host: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -47,7 +49,7 @@ class MissSplitter:
         if self.mode == "cpu":
             on_cpu = ~resident
         else:
-            on_cpu = ~self.shadow.split(layer, uniq, counts, self.costs())
+            on_cpu = ~self.shadow.split(layer, uniq, counts, self.costs(layer))
         st = self.stats
         st["steps"] += 1
         st["hits"] += int(resident.sum())

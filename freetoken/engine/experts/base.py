@@ -11,8 +11,14 @@ class RunnerBase(ExpertRunner):
     layer order; a prompt run in chunks: all of its chunks, concatenated per layer), for routing traces and
     hot-expert counts."""
 
-    def __init__(self, device, layout: RecordLayout, num_layers: int):
-        self.dev, self.layout, self.num_layers = device, layout, num_layers
+    def __init__(self, device, layouts: RecordLayout | list[RecordLayout], num_layers: int):
+        single = layouts if isinstance(layouts, RecordLayout) else None
+        layouts = [single] * num_layers if single else list(layouts)
+        if len(layouts) != num_layers:
+            raise ValueError(f"{len(layouts)} record layouts for {num_layers} MoE layers")
+        self.dev, self.layouts, self.num_layers = device, layouts, num_layers
+        # the largest record: what slot sizes and per-record cost estimates go by (None without MoE layers)
+        self.layout = single or max(layouts, key=lambda lay: lay.record_bytes, default=None)
         self._routing: list[list] = [[]]  # per chunk of the last pass: the ids of every MoE layer
 
     def begin(self, tokens: int, first: bool = True) -> None:
@@ -39,7 +45,11 @@ class RunnerBase(ExpertRunner):
 
     def summary(self) -> str:
         """One line on where the experts ran (the ``run`` command's stats line)."""
-        return f"experts: read in place from host memory ({self.layout.fmt.name})"
+        return f"experts: read in place from host memory ({self.formats_name()})"
+
+    def formats_name(self) -> str:
+        """The record formats, "q4_0" or, when layers differ, "q4_k+q6_k / q4_k" (each distinct layout once)."""
+        return " / ".join(dict.fromkeys(lay.name for lay in self.layouts)) or "none"
 
     def memory(self) -> dict[str, int]:
         """Bytes the runner holds, by what they are (the memory report of ``run`` and ``chat``)."""

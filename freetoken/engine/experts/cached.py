@@ -32,14 +32,15 @@ from freetoken.policy.runtime import make_oracle, resolve_mode
 class CachedExperts(RunnerBase):
     """The expert cache of ``num_layers`` MoE layers x ``num_experts`` experts run as ``opts`` says."""
 
-    def __init__(self, device, layout, num_layers: int, num_experts: int, top_k: int, opts: ExpertOptions):
-        super().__init__(device, layout, num_layers)
+    def __init__(self, device, layouts, num_layers: int, num_experts: int, top_k: int, opts: ExpertOptions):
+        super().__init__(device, layouts, num_layers)
         self.top_k, self.opts = top_k, opts
-        pool = HostPool(device, layout, num_layers, num_experts)  # filled layer by layer by load_layer
+        pool = HostPool(device, self.layouts, num_layers, num_experts)  # filled layer by layer by load_layer
         slots = opts.cache_slots or max(num_layers * num_experts, 2 * num_experts)
         self.cache = ExpertCache(pool, slots, max_active=min(1024, opts.max_decode_tokens * top_k))
-        # decode's plan and expert buffers, allocated once over the slot banks (see ops.moe_experts)
-        self.workspace = ops.MoeWorkspace(device, layout, self.cache.slot_banks, self.cache.max_active)
+        # decode's plan and expert buffers, allocated once over the slot banks (see ops.moe_experts), per layout
+        self.workspaces = [ops.MoeWorkspace(device, lay, self.cache.layer_slot_banks(pool.layouts.index(lay)),
+                                            self.cache.max_active) for lay in pool.groups]
         self.prefetch: NextLayerPrefetch | None = None
         self._prefetch_event = None
         self._pinned = 0
@@ -57,8 +58,8 @@ class CachedExperts(RunnerBase):
             self.cpu_share.close()
         self.split = self.cpu_share = None
         if self.mode != "gpu":
-            self.split = MissSplitter(self.cache, self.layout, self.mode, oracle, opts.future_value)
-            self.cpu_share = CpuShare(self.dev, self.layout, self.cache.pool, self.cache.max_active, oracle,
+            self.split = MissSplitter(self.cache, self.layouts, self.mode, oracle, opts.future_value)
+            self.cpu_share = CpuShare(self.dev, self.cache.pool, self.cache.max_active, oracle,
                                       opts.cpu_activations)
 
     def set_predictor(self, predict) -> None:
@@ -98,20 +99,21 @@ class CachedExperts(RunnerBase):
         if self.split is None:
             slots = ids.copy()  # admission rewrites in place; ``ids`` stays the routing record
             self._admit_and_copy(layer, slots, h)
-            return self._experts(h, slots, weights)
+            return self._experts(layer, h, slots, weights)
         return self._run_split(layer, h, ids, weights)
 
-    def _experts(self, h, slots, weights):
-        return ops.moe_experts(h, slots, weights, self.cache.slot_banks, self.layout, device=self.dev,
-                               validate=False, workspace=self.workspace)
+    def _experts(self, layer: int, h, slots, weights):
+        return ops.moe_experts(h, slots, weights, self.cache.layer_slot_banks(layer), self.layouts[layer],
+                               device=self.dev, validate=False,
+                               workspace=self.workspaces[self.cache.pool.group_of(layer)])
 
     def _run_streaming(self, layer: int, h, ids, weights):
         cache = self.cache
         if layer + 1 < cache.num_layers:
             self._prefill_layer(layer + 1)  # overlaps this layer's compute
         first = cache.wait_layer(layer)
-        y = ops.moe_experts(h, ids + np.int32(first), weights, cache.slot_banks, self.layout, device=self.dev,
-                            validate=False)
+        y = ops.moe_experts(h, ids + np.int32(first), weights, cache.layer_slot_banks(layer), self.layouts[layer],
+                            device=self.dev, validate=False)
         cache.release_layer(layer)
         return y
 
@@ -170,8 +172,9 @@ class CachedExperts(RunnerBase):
             slots, wg = substitute(ids_host, w_host, gpu_pair)
             slots_dev = dev.asarray(slots)
             fetched = int((~resident & ~on_cpu).sum())
-            timing = self._admit_and_copy(layer, slots_dev, h, fetched * self.layout.record_bytes, uniq[~on_cpu])
-            y = self._experts(h, slots_dev, dev.asarray(wg))
+            timing = self._admit_and_copy(layer, slots_dev, h, fetched * self.layouts[layer].record_bytes,
+                                          uniq[~on_cpu])
+            y = self._experts(layer, h, slots_dev, dev.asarray(wg))
         else:
             self.split.admitted(layer, uniq[:0])  # every expert on the CPU: the call still ends for the estimator
         if timing is not None:  # the copy's event-timed duration is the oracle's PCIe sample
@@ -187,7 +190,7 @@ class CachedExperts(RunnerBase):
     # ---- state, counters, report -----------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
         return {"expert banks (host pool)": int(self.cache.pool.nbytes),
-                "expert slots": sum(int(b.nbytes) for b in self.cache.slot_banks.values())}
+                "expert slots": int(self.cache.slot_nbytes)}
 
     def reset(self) -> None:
         self.dev.synchronize()
@@ -259,7 +262,7 @@ class CachedExperts(RunnerBase):
     def summary(self) -> str:
         rate, hits, misses = self.hit_stats()
         return (f"expert cache: {self.cache.slots} slots, hit rate {rate:.1%} ({hits} hits, {misses} misses, "
-                f"{self.layout.fmt.name})")
+                f"{self.formats_name()})")
 
     def report(self) -> str:
         parts = [f"moe mode {self.mode}"]

@@ -34,18 +34,17 @@ def substitute(ids: np.ndarray, w: np.ndarray, keep: np.ndarray) -> tuple[np.nda
 
 
 class CpuShare:
-    """Computes (token, expert) pairs on the CPU from ``pool`` (a :class:`freetoken.cache.HostPool`) for up to
-    ``max_rows`` tokens per call, reporting to ``oracle``."""
+    """Computes (token, expert) pairs on the CPU from ``pool`` (a :class:`freetoken.cache.HostPool`: each layer's
+    records in its layer's layout) for up to ``max_rows`` tokens per call, reporting to ``oracle``."""
 
-    def __init__(self, device, layout, pool, max_rows: int, oracle, activations: str = "auto"):
-        self.dev, self.layout, self.oracle = device, layout, oracle
-        self.fmt = layout.fmt.name
+    def __init__(self, device, pool, max_rows: int, oracle, activations: str = "auto"):
+        self.dev, self.pool, self.oracle = device, pool, oracle
         self.activations = activations
-        self.num_experts = pool.num_experts
-        self.host_banks = {name: pool.host(name) for name in pool.banks}  # [L * E, ...] views
+        self.host_banks = [pool.layer_banks(layer) for layer in range(pool.num_layers)]  # [E, ...] views
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freetoken-cpu-experts")
-        self._x_pinned = device.pinned_empty((max_rows, layout.hidden), np.float32)
-        self._y_pinned = device.pinned_empty((max_rows, layout.hidden), np.float32)
+        hidden = pool.layouts[0].hidden
+        self._x_pinned = device.pinned_empty((max_rows, hidden), np.float32)
+        self._y_pinned = device.pinned_empty((max_rows, hidden), np.float32)
         self._pending_handoff = None  # (activation seconds, merge start event, merge end event) of the last merge
         self._x_seconds = 0.0
 
@@ -60,18 +59,18 @@ class CpuShare:
         x = self.dev.to_host(h[self.dev.asarray(tokens)], out=self._x_pinned.host[: tokens.size])
         self._x_seconds = time.perf_counter() - t0
         ids_c, w_c = substitute(ids_host[tokens], w_host[tokens], cpu_pair[tokens])
-        flat = (ids_c + layer * self.num_experts).astype(np.int32)
-        nbytes = len(np.unique(ids_host[cpu_pair])) * self.layout.record_bytes
+        layout = self.pool.layouts[layer]
+        nbytes = len(np.unique(ids_host[cpu_pair])) * layout.record_bytes
 
         def work():
             from freetoken.cpu_kernels.moe_experts import forward
 
             out = self._y_pinned.host[: tokens.size]
             t0 = time.perf_counter()
-            forward(self.fmt, x, flat, w_c, self.host_banks, self.layout.hidden, self.layout.inter,
-                    activation_code(self.layout.act), out,
-                    activations=self.activations)
-            self.oracle.add_cpu(self.fmt, nbytes, time.perf_counter() - t0)
+            forward(layout.fmt.name, x, ids_c, w_c, self.host_banks[layer], layout.hidden, layout.inter,
+                    activation_code(layout.act), out, activations=self.activations,
+                    down_fmt_name=layout.format_of("down").name)
+            self.oracle.add_cpu(layout.fmt.name, nbytes, time.perf_counter() - t0)
             return tokens, out
 
         return self._worker.submit(work)

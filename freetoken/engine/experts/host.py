@@ -9,8 +9,8 @@ from freetoken.engine.experts.base import RunnerBase
 class HostExperts(RunnerBase):
     """The Numba expert kernels over each layer's host banks; nothing is copied or cached."""
 
-    def __init__(self, device, layout, num_layers: int, activations: str = "auto"):
-        super().__init__(device, layout, num_layers)
+    def __init__(self, device, layouts, num_layers: int, activations: str = "auto"):
+        super().__init__(device, layouts, num_layers)
         self.banks: list[dict | None] = [None] * num_layers
         self.activations = activations  # 4-bit formats: 8-bit (int8 dots) or float32 token vectors
 
@@ -23,5 +23,5 @@ class HostExperts(RunnerBase):
     def run(self, layer: int, h, ids, weights):
         self.record(ids)
         # the ids come from the model's top-k: in range by construction, so the kernel skips re-checking them
-        return ops.moe_experts(h, ids, weights, self.banks[layer], self.layout, device=self.dev, validate=False,
+        return ops.moe_experts(h, ids, weights, self.banks[layer], self.layouts[layer], device=self.dev, validate=False,
                                activations=self.activations)
