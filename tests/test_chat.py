@@ -322,7 +322,7 @@ class ScriptedDecoder:
         self.pool = KVPool(get_device("cpu"), 1, 1, 1, 16, "f32")
         self.kv = KVSequence(self.pool, self.pool.tokens)
         self.cfg, self.embed = SimpleNamespace(script=bytes(script)), np.zeros((256, 1), np.float32)
-        self.experts = SimpleNamespace(layout=SimpleNamespace(fmt=SimpleNamespace(name="none")), last_routing=[])
+        self.experts = SimpleNamespace(formats_name=lambda: "none", last_routing=[])
 
     @property
     def length(self):

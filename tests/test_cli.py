@@ -55,8 +55,9 @@ def test_run_prompt_file_context_and_memory_lines(tmp_path, capsys):
     assert "[cpu] context 256 tokens (--ctx); KV pool fp8" in lines[0] and "prefill chunk 8 tokens" in lines[0]
     memory = [line for line in lines if "] memory: " in line]
     assert len(memory) == 1 and re.search(r"weights [\d.]+ MiB, expert slots 0.0 MiB, KV pool [\d.]+ MiB \(fp8, "
-                                          r"\d+/256 tokens\), peak host RSS [\d.]+ GiB", memory[0]), memory
+                                          r"\d+/256 tokens\), peak host RSS [\d.]+ [GM]iB", memory[0]), memory
     assert any("memory breakdown: embedding (host)" in line and "expert banks (host)" in line for line in lines)
+    assert any("] weights by type: experts (host) bf16 " in line for line in lines)
     assert main(argv[:-2] + ["def add(a, b):"]) == 0
     err = capsys.readouterr().err
     assert "context 8192 tokens (the model's max_position_embeddings); KV pool bf16" in err
@@ -70,7 +71,8 @@ def test_chat_reports_context_and_memory(capsys, monkeypatch):
     assert main(["chat", "--device", "cpu", "--temperature", "0", "--max-tokens", "3", "--kv-memory", "1MiB"]) == 0
     err = capsys.readouterr().err.splitlines()
     assert "context 448 tokens (max_position_embeddings 8192 capped by the KV budget: --kv-memory 1.0 MiB)" in err[0]
-    assert "] memory: " in err[-1] and "(bf16, " in err[-1]
+    assert "] memory: " in err[-2] and "(bf16, " in err[-2]
+    assert "] weights by type: experts (host) bf16 " in err[-1] and "embedding (host) float32 " in err[-1]
 
 
 def test_console_script_runs():

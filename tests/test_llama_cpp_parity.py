@@ -14,6 +14,7 @@ import shutil
 
 import numpy as np
 import pytest
+from llama_oracle import llama_logits
 
 from freetoken.convert import export_gguf
 from freetoken.engine.load import DEFAULT_MODEL, load
@@ -33,28 +34,9 @@ def _ours(path, tokens):
     return np.concatenate(out), model
 
 
-def _theirs(path, tokens, monkeypatch=None):
-    """llama.cpp's logits. With ``monkeypatch``, its weight repacking (the CPU backend's extra buffer types) is off:
-    llama-cpp-python 0.3.36 on an AVX-512 (znver5) machine aborts in its scheduler (``GGML_ASSERT(*cur_backend_id !=
-    -1)``, ggml-backend.cpp) on the deepseek2 graph with repacked Q4_0 experts, and kills the test process; the
-    values it computes do not depend on the layout it keeps the weights in."""
-    if monkeypatch is not None:
-        defaults = llama_cpp.llama_cpp.llama_model_default_params
-
-        def no_repack():
-            params = defaults()
-            params.use_extra_bufts = False
-            return params
-
-        monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", no_repack)
-    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=64, n_threads=2, verbose=False)
-    llm.eval(tokens.tolist())
-    return np.array(llm.scores[: len(tokens)], np.float32), llm
-
-
-def _compare(path, tokens, monkeypatch=None):
+def _compare(path, tokens):
     ours, _ = _ours(path, tokens)
-    theirs, _ = _theirs(path, tokens, monkeypatch)
+    theirs, _ = llama_logits(path, tokens)
     per_token = ((ours - theirs) ** 2).sum(-1) / (theirs**2).sum(-1)
     # a router near-tie that Q8_0 activations flip moves one token's logits a lot; every other token stays close
     assert (per_token < 2e-4).mean() >= 0.9, per_token
@@ -71,7 +53,7 @@ LLAMA_CPP_SHAPES = {"qwen3_moe": dict(mlp_only_layers=[]), "olmoe": dict(num_key
 @pytest.mark.parametrize("family", ["qwen3_moe", *(pytest.param(f, marks=pytest.mark.slow)
                                                    for f in ("qwen2_moe", "mixtral", "olmoe", "glm4_moe",
                                                              "gpt_oss", "deepseek_v3", "deepseek_v2"))])
-def test_tiny_families_match_llama_cpp(family, tmp_path, monkeypatch):
+def test_tiny_families_match_llama_cpp(family, tmp_path):
     need("torch")
     need("transformers")
     from tiny_models import GGUF_OVERRIDES, LLAMA_CPP_OVERRIDES, make_checkpoint
@@ -82,7 +64,7 @@ def test_tiny_families_match_llama_cpp(family, tmp_path, monkeypatch):
         shutil.copy(DEFAULT_MODEL / name, tmp_path / "hf" / name)
     export_gguf(tmp_path / "hf", tmp_path / "m.gguf", experts="q4_0", other="f16")
     tokens = np.random.default_rng(3).integers(2, 4096, PROMPT + STEPS)
-    nmse, top1 = _compare(tmp_path / "m.gguf", tokens, monkeypatch if family.startswith("deepseek") else None)
+    nmse, top1 = _compare(tmp_path / "m.gguf", tokens)
     assert nmse < 1e-3 and top1 >= 0.9, (nmse, top1)
 
 
@@ -93,7 +75,7 @@ def test_bundled_model_matches_llama_cpp(tmp_path):
     model = load(tmp_path / "default.gguf", device="cpu")
     tokens = np.asarray(model.encode(text)[: PROMPT + STEPS])
     assert tokens.size == PROMPT + STEPS
-    _, llm = _theirs(tmp_path / "default.gguf", tokens)
+    _, llm = llama_logits(tmp_path / "default.gguf", tokens)
     assert llm.tokenize(text.encode(), add_bos=False, special=False)[: tokens.size] == tokens.tolist()
     nmse, top1 = _compare(tmp_path / "default.gguf", tokens)
     assert nmse < 1e-4 and top1 == 1.0, (nmse, top1)

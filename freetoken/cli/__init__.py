@@ -33,7 +33,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from freetoken.cli.args import check_text, check_writable, context_kwargs, read_prompt_file
     from freetoken.cli.policy import apply_pinning, policy_kwargs
     from freetoken.engine.load import load
-    from freetoken.engine.memory_report import breakdown_line, memory_line
+    from freetoken.engine.memory_report import breakdown_line, memory_line, types_line
     from freetoken.engine.sampling import SamplingParams
 
     if (args.prompt is None) == (args.prompt_file is None):
@@ -87,6 +87,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         rec.save(args.record_trace)
         print(f"routing trace: {rec.num_steps} decode steps -> {args.record_trace}", file=sys.stderr)
     print(f"[{kind}] {memory_line(model)}", file=sys.stderr)
+    print(f"[{kind}] {types_line(model)}", file=sys.stderr)
     if args.verbose:
         print(f"[{kind}] {breakdown_line(model)}", file=sys.stderr)
     return 0

@@ -85,10 +85,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _report_memory(model, verbose: bool) -> None:
-    from freetoken.engine.memory_report import breakdown_line, memory_line
+    from freetoken.engine.memory_report import breakdown_line, memory_line, types_line
 
     kind = model.decoder.dev.kind
     print(f"[{kind}] {memory_line(model)}", file=sys.stderr)
+    print(f"[{kind}] {types_line(model)}", file=sys.stderr)
     if verbose:
         print(f"[{kind}] {breakdown_line(model)}", file=sys.stderr)
 

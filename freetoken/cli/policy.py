@@ -132,7 +132,7 @@ def _model_record(path: str) -> tuple[str, int, int]:
         cfg = from_gguf(gf)
         first = next(i for i in range(cfg.num_layers) if cfg.is_moe(i))
         try:
-            fmt = gf.expert_format(first)
+            fmt = gf.expert_formats(first)[0]  # gate/up's (a Q4_K_M file's down may differ in some layers)
         except Exception:
             fmt = "bf16"
         return fmt, cfg.hidden, cfg.moe_inter

@@ -9,15 +9,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from freetoken import formats
 from freetoken.engine.context import plan_context
 from freetoken.engine.experts import make_runner
 from freetoken.engine.options import ExpertOptions, LoadOptions
-from freetoken.formats import RecordLayout
 from freetoken.models import MoeDecoder
 from freetoken.models.config import ModelConfig
 from freetoken.models.kv import KVPool
-from freetoken.models.weights import HFWeights, Weights
+from freetoken.models.weights import HFWeights, Weights, expert_layouts
 
 
 def build_decoder(cfg: ModelConfig, weights: Weights | Callable[[str], np.ndarray], device,
@@ -37,9 +35,8 @@ def build_decoder(cfg: ModelConfig, weights: Weights | Callable[[str], np.ndarra
         raise TypeError("pass expert options inside options.experts, or as keywords without options")
     if not isinstance(weights, Weights):
         weights = HFWeights(cfg, weights)
-    fmt = options.expert_format or weights.native_expert_format or "bf16"
-    layout = RecordLayout(formats.get(fmt), cfg.hidden, cfg.moe_inter, cfg.expert_bias, cfg.expert_act)
-    runner = make_runner(device, layout, sum(cfg.moe_layers), cfg.num_experts, cfg.top_k, options.experts)
+    layouts = expert_layouts(cfg, weights, options.expert_format)
+    runner = make_runner(device, layouts, sum(cfg.moe_layers), cfg.num_experts, cfg.top_k, options.experts)
     decoder = MoeDecoder(cfg, weights, device, runner, progress=options.progress)
     plan = plan_context(cfg, device, options)
     pool = KVPool(device, cfg.num_layers, cfg.kv_cache_heads, cfg.kv_cache_dim, plan.num_blocks, plan.kind,

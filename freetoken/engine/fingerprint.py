@@ -42,9 +42,13 @@ def model_fingerprint(cfg, embed: np.ndarray, expert_format: str, files: Iterabl
     fields = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(vars(cfg))
     h.update(json.dumps(fields, sort_keys=True, default=repr).encode())
     h.update(f"experts:{expert_format};".encode())
-    table = np.ascontiguousarray(embed)
-    h.update(f"embed:{table.dtype}:{table.shape};".encode())
-    h.update(table.view(np.uint8).reshape(-1))
+    if hasattr(embed, "fingerprint_bytes"):  # a table kept in its file's blocks: its stored bytes
+        h.update(f"embed:{embed.matrix.kind}:{embed.shape};".encode())
+        h.update(embed.fingerprint_bytes())
+    else:
+        table = np.ascontiguousarray(embed)
+        h.update(f"embed:{table.dtype}:{table.shape};".encode())
+        h.update(table.view(np.uint8).reshape(-1))
     for f in sorted(Path(p) for p in files):
         _file_digest(h, f)
     return h.hexdigest()

@@ -83,7 +83,7 @@ class Model:
             from freetoken.engine.fingerprint import model_fingerprint
 
             self._fingerprint = model_fingerprint(self.decoder.cfg, self.decoder.embed,
-                                                  self.experts.layout.fmt.name, self.weight_files)
+                                                  self.experts.formats_name(), self.weight_files)
         return self._fingerprint
 
     @property

@@ -34,7 +34,8 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
          kv_dtype: str = "bf16", kv_memory: int | None = None, prefill_chunk: int | None = None,
          progress: bool = False, cache_slots: int | None = None, moe_mode: str = "gpu",
          pcie_gbps: float | None = None, cpu_gbps: float | None = None, future_value: float = 0.0,
-         prefetch: bool = False, cpu_activations: str = "auto", options: LoadOptions | None = None) -> Model:
+         prefetch: bool = False, cpu_activations: str = "auto", allow_widen: bool = False,
+         options: LoadOptions | None = None) -> Model:
     """Load a model: an HF directory (``config.json`` + safetensors + ``tokenizer.json``, or Kimi-K2's
     ``tiktoken.model``; bf16/f16/f32 or block FP8) or a GGUF file; None: the bundled model.
 
@@ -52,13 +53,14 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
     choice); ``pcie_gbps`` / ``cpu_gbps`` pin the oracle's figures; ``future_value``: seconds a fetched expert
     is worth beyond its step; ``prefetch``: copy the next layer's predicted experts while a layer computes.
     ``cpu_activations``: 4-bit experts on the CPU with 8-bit activations and int8 dots ("q8") or float32 ("f32");
-    "auto": q8 where the CPU has AVX2 or AVX-512 VNNI.
+    "auto": q8 where the CPU has AVX2 or AVX-512 VNNI. ``allow_widen``: a GGUF file's non-expert matrices in a block
+    type no dense storage keeps (Q5_0, Q3_K, ...) are widened to float32 instead of refused.
 
     ``options``: all of the above as one :class:`freetoken.engine.options.LoadOptions` (then the keywords are not
     used). Every kernel is compiled (or loaded from the on-disk caches) before this returns."""
     if options is None:
         options = LoadOptions(expert_format=expert_format, ctx=ctx, kv_dtype=kv_dtype, kv_memory=kv_memory,
-                              prefill_chunk=prefill_chunk, progress=progress,
+                              prefill_chunk=prefill_chunk, progress=progress, allow_widen=allow_widen,
                               experts=ExpertOptions(mode=moe_mode, cache_slots=cache_slots, pcie_gbps=pcie_gbps,
                                                     cpu_gbps=cpu_gbps, future_value=future_value,
                                                     prefetch=prefetch, cpu_activations=cpu_activations))

@@ -22,10 +22,12 @@ from freetoken.models.weights import (
     GGUF_LAYER_NAMES,
     GGUF_V_B,
     GGUFWeights,
+    expert_layouts,
     global_shapes,
     layer_shapes,
     load_bytes,
 )
+from freetoken.ops.dense import k_multiple
 
 
 def _expected_shapes(cfg: ModelConfig, w: GGUFWeights) -> dict[str, tuple[int, ...]]:
@@ -76,11 +78,12 @@ def _dequantizable() -> frozenset:
 
 
 def check_tensors(gf: GGUFFile, cfg: ModelConfig, w: GGUFWeights, kv_bytes: int = 0,
-                  expert_format: str | None = None) -> int:
+                  expert_format: str | None = None, allow_widen: bool = False) -> int:
     """LoadError for the first missing, misshapen or mistyped tensor of any layer, for a tensor of a kind the
     decoder reads that the config leaves unread (a layer beyond ``block_count``, q/k norms or biases in some
-    layers only, a shared expert...), and for a load whose host memory is not available. (Byte ranges, alignment
-    and overlaps were checked when the file was opened.) Returns the bytes the load allocates."""
+    layers only, a shared expert...), for a matrix in a block type no storage keeps (unless ``allow_widen``: then
+    widened to float32) and for a load whose host memory is not available. (Byte ranges, alignment and overlaps
+    were checked when the file was opened.) Returns the bytes the load allocates."""
     expected = _expected_shapes(cfg, w)
     experts = {n for i in range(cfg.num_layers) if cfg.is_moe(i) for n in w.gguf.expert_names(i).values()}
     experts |= {_bias(n) for n in experts} & set(expected)
@@ -95,7 +98,16 @@ def check_tensors(gf: GGUFFile, cfg: ModelConfig, w: GGUFWeights, kv_bytes: int 
             kinds = "F32/F16/BF16" if vector else "a float or block-quantized type gguf-py decodes"
             raise LoadError(gf.path, f"stored as {got.type}, expected {kinds}", name)
         if name not in experts:
-            kept = got.type in ("Q8_0", "Q4_0") and len(got.shape) == 2 and got.shape[1] % 32 == 0
+            kind = GGUFWeights.QUANTIZED.get(got.type)
+            kept = kind is not None and len(got.shape) == 2 and got.shape[1] % k_multiple(kind) == 0
+            # llama.cpp's split MLA halves (attn_k_b / attn_v_b, [H, ., R]) are read as float32 by design (the decoder
+            # puts kv_b back together from them): a known widening, not refused
+            split_mla = name.endswith((GGUF_K_B, GGUF_V_B))
+            if not kept and not vector and not split_mla and t not in _FLOAT_TYPES and not allow_widen:
+                raise LoadError(gf.path, f"stored as {got.type}, a block type no matrix is kept in (kept: "
+                                         f"{', '.join(GGUFWeights.QUANTIZED)} and floats); widening it to float32 "
+                                         f"would take {4 * math.prod(want):,} bytes for the file's "
+                                         f"{gf.tensor_nbytes(name):,}: pass --allow-widen to load it so", name)
             dense += gf.tensor_nbytes(name) if kept else 4 * math.prod(want)
     # every layer alike: nothing of a kind the decoder reads may sit where the config leaves it unread
     known = {}
@@ -121,11 +133,31 @@ def check_tensors(gf: GGUFFile, cfg: ModelConfig, w: GGUFWeights, kv_bytes: int 
                                      f"{cfg.qk_norm}, qkv_bias {cfg.qkv_bias}, shared expert "
                                      f"{cfg.shared_inter or 'none'}, layer {layer} "
                                      f"{'MoE' if cfg.is_moe(layer) else 'dense'})", name)
-    fmt = expert_format or w.native_expert_format or "bf16"
-    need = load_bytes(cfg, dense, fmt, kv_bytes)
-    if fmt == w.native_expert_format:
-        need["float32 experts of one layer while quantized"] = 0
+    if expert_format is None:
+        _check_expert_types(gf, cfg, w)
+    layouts = expert_layouts(cfg, w, expert_format)
+    need = load_bytes(cfg, dense, expert_format, kv_bytes, layouts=layouts)
+    if expert_format is None and all(w.native_expert_formats(i) for i in range(cfg.num_layers) if cfg.is_moe(i)):
+        need["float32 experts of one layer while quantized"] = 0  # every layer's experts move as stored
     return check_load_bytes(gf.path, need)
+
+
+def _check_expert_types(gf: GGUFFile, cfg: ModelConfig, w: GGUFWeights) -> None:
+    """Experts are kept in their stored format (:data:`freetoken.loaders.gguf_file.EXPERT_FORMATS`) or, when stored as
+    floats, held as bf16; a block type no expert format keeps (Q2_K, Q3_K, IQ2_XXS, ...) would have to be widened
+    to bf16, several times the file's size in host memory: refused, naming the tensor and its type."""
+    from freetoken.loaders.gguf_file import EXPERT_FORMATS
+
+    for i in range(cfg.num_layers):
+        if not cfg.is_moe(i):
+            continue
+        for name in w.gguf.expert_names(i).values():
+            t = _T[gf.info(name).type]
+            if t not in EXPERT_FORMATS and t not in _FLOAT_TYPES:
+                kept = ", ".join(x.name for x in EXPERT_FORMATS)
+                raise LoadError(gf.path, f"expert tensor stored as {t.name}: freetoken keeps experts in {kept} (or "
+                                         "floats, as bf16); widening it to bf16 would take several times the file's "
+                                         "size in host memory", name)
 
 
 def load_gguf(path: Path, device, options):
@@ -136,7 +168,8 @@ def load_gguf(path: Path, device, options):
     weights = GGUFWeights(cfg, gf)
     from freetoken.engine.context import kv_load_bytes
 
-    check_tensors(gf, cfg, weights, kv_load_bytes(cfg, device.kind, options), options.expert_format)
+    check_tensors(gf, cfg, weights, kv_load_bytes(cfg, device.kind, options), options.expert_format,
+                  options.allow_widen)
     meta = gf.tokenizer_meta() if gf.has_meta("tokenizer.ggml.model") else None
     tokenizer = None
     if meta is not None:

@@ -1,5 +1,6 @@
-"""What a loaded model holds in memory, for the last line of ``freetoken run`` and ``chat``: weights, expert slots,
-the KV pool and the process's peak host memory (``resource.getrusage``: the peak resident set size)."""
+"""What a loaded model holds in memory, for the last lines of ``freetoken run`` and ``chat``: weights, expert slots,
+the KV pool and the process's peak host memory (``resource.getrusage``: the peak resident set size), and the weights
+by the type they are held in (a GGUF Q4_K_M file: q4_k and q6_k experts, q4_k / q5_k / q6_k / q8_0 projections)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,57 @@ def memory_line(model) -> str:
 def breakdown_line(model) -> str:
     """``--verbose``: every part of :func:`memory_breakdown`."""
     return "memory breakdown: " + ", ".join(f"{k} {gib(v)}" for k, v in memory_breakdown(model).items())
+
+
+def _linears(obj, seen: set[int]):
+    """Every :class:`freetoken.models.linear.Linear` reachable from ``obj`` through the model's own objects (the
+    expert runner and the weight source are not walked: they are not the decoder's dense weights)."""
+    from freetoken.models.linear import Linear
+
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, Linear):
+        yield from (obj,) if obj._parts is None else (p for p in obj._parts if id(p) not in seen)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _linears(o, seen)
+    elif type(obj).__module__.startswith("freetoken.models.") and hasattr(obj, "__dict__"):
+        for name, v in vars(obj).items():
+            if name not in ("experts", "weights", "dev", "xp"):
+                yield from _linears(v, seen)
+
+
+def bytes_by_type(model) -> dict[str, dict[str, int]]:
+    """{"experts (host)": {format: bytes}, "dense (device)": {storage: bytes}, "embedding (host)": {type: bytes}}:
+    the routed experts' banks per matrix format (biases as f32), the non-expert matrices (and their biases) by the
+    storage the kernels read, the embedding table as held."""
+    dec, experts = model.decoder, model.experts
+    out: dict[str, dict[str, int]] = {"experts (host)": {}, "dense (device)": {}, "embedding (host)": {}}
+
+    def add(group: str, kind: str, n: int) -> None:
+        if n:
+            out[group][kind] = out[group].get(kind, 0) + int(n)
+
+    e = dec.cfg.num_experts
+    for layout in experts.layouts:
+        for spec in layout.bank_specs():
+            matrix, bank = spec.name.split(".")
+            add("experts (host)", "f32" if bank == "b" else layout.format_of(matrix).name, e * spec.nbytes)
+    emb = dec.embed
+    emb_array = emb.matrix.blocks if hasattr(emb, "matrix") else emb
+    for lin in _linears(dec, set()):
+        if lin._w is not emb_array:  # a tied head on the cpu device reads the embedding table itself
+            add("dense (device)", lin.storage, int(lin._w.nbytes))
+        if lin.bias is not None:
+            add("dense (device)", "f32", int(lin.bias.nbytes))
+    add("embedding (host)", emb.matrix.kind if hasattr(emb, "matrix") else str(emb.dtype), emb.nbytes)
+    return {k: v for k, v in out.items() if v}
+
+
+def types_line(model) -> str:
+    """One line of :func:`bytes_by_type`: "weights by type: experts (host) q4_k 1.2 GiB, q6_k 310 MiB; ..."."""
+    groups = bytes_by_type(model)
+    return "weights by type: " + "; ".join(
+        f"{group} " + ", ".join(f"{k} {gib(v)}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        for group, kinds in groups.items())

@@ -73,7 +73,8 @@ class LoadOptions:
     :func:`freetoken.engine.context.plan_context`). ``ctx``: the longest sequence (prompt and generated tokens)
     the model runs (None: the model's ``max_position_embeddings``, capped by the pool). ``prefill_chunk``: prompt
     tokens per forward pass (None: sized from the model's activations). ``progress``: progress lines on stderr while
-    loading and preparing kernels."""
+    loading and preparing kernels. ``allow_widen``: a GGUF file's non-expert matrices in a block type no dense storage
+    keeps are widened to float32 instead of refused."""
 
     expert_format: str | None = None
     kv_dtype: str = "bf16"
@@ -81,6 +82,7 @@ class LoadOptions:
     ctx: int | None = None
     prefill_chunk: int | None = None
     progress: bool = False
+    allow_widen: bool = False
     experts: ExpertOptions = field(default_factory=ExpertOptions)
 
     def __post_init__(self):

@@ -34,7 +34,8 @@ PLAIN_TYPES: dict[GGMLQuantizationType, np.dtype] = {
     _T.I64: np.dtype("<i8"),
 }
 #: ggml types of expert tensors that :meth:`GGUFFile.expert_banks` converts, and the format they become.
-EXPERT_FORMATS = {_T.Q4_0: "q4_0", _T.MXFP4: "mxfp4"}
+EXPERT_FORMATS = {_T.Q4_0: "q4_0", _T.MXFP4: "mxfp4", _T.Q8_0: "q8_0", _T.Q4_K: "q4_k", _T.Q5_K: "q5_k",
+                  _T.Q6_K: "q6_k", _T.IQ4_XS: "iq4_xs"}
 
 #: Fixed 4-byte magic, 4-byte version, 8-byte tensor count, 8-byte kv count.
 _MIN_HEADER = 24
@@ -442,31 +443,40 @@ class GGUFFile:
         """{"gate": "blk.N.ffn_gate_exps.weight", "up": ..., "down": ...}."""
         return {m: f"blk.{layer}.ffn_{m}_exps.weight" for m in MATRICES}
 
-    def expert_format(self, layer: int) -> str:
-        """The :mod:`freetoken.formats` name :meth:`expert_banks` produces for ``layer``."""
+    def expert_formats(self, layer: int) -> tuple[str, str]:
+        """The :mod:`freetoken.formats` names :meth:`expert_banks` produces for ``layer``: (gate/up, down). They may
+        differ (llama.cpp's Q4_K_M keeps ``ffn_down_exps`` in Q6_K in some layers); gate and up must agree."""
         types = {}
         for m, name in self.expert_names(layer).items():
             t = types[m] = self._tensor(name).tensor_type
             if t not in EXPERT_FORMATS:
                 raise LoadError(self.path, f"expert tensor is {GGMLQuantizationType(t).name}; expert banks are "
                                            f"made from {'/'.join(x.name for x in EXPERT_FORMATS)} only", name)
-        if len(set(types.values())) != 1:
+        if types["gate"] != types["up"]:
             got = ", ".join(f"{m} {GGMLQuantizationType(t).name}" for m, t in types.items())
-            raise LoadError(self.path, f"layer {layer}: expert tensors mix types ({got})")
-        return EXPERT_FORMATS[types["gate"]]
+            raise LoadError(self.path, f"layer {layer}: gate and up expert tensors differ in type ({got}); an expert "
+                                       "record keeps gate and up in one format")
+        return EXPERT_FORMATS[types["gate"]], EXPERT_FORMATS[types["down"]]
+
+    def expert_format(self, layer: int) -> str:
+        """The record's formats of ``layer`` as one name: "q4_0", or "q4_k+q6_k" when down differs from gate/up
+        (:attr:`freetoken.formats.RecordLayout.name`)."""
+        up, down = self.expert_formats(layer)
+        return up if up == down else f"{up}+{down}"
 
     def expert_banks(self, layer: int) -> dict[str, np.ndarray]:
         """Routed experts of ``layer`` as record banks ``{"gate.w", "gate.s", "up.w", ..., "down.s"}`` (plus
         float32 ``"<m>.b"`` when the file has ``blk.N.ffn_<m>_exps.bias``), bytes moved only.
 
         gate and up are [E, F, D] (F = expert FFN width, D = embedding), down is [E, D, F], exactly the record
-        layout's gate [I, H], up [I, H], down [H, I]. Q4_0 -> ``q4_0`` banks, MXFP4 -> ``mxfp4`` banks.
+        layout's gate [I, H], up [I, H], down [H, I]. Each ggml type becomes the banks of its format in
+        :data:`EXPERT_FORMATS` (Q4_0 -> ``q4_0``, Q4_K -> ``q4_k``, MXFP4 -> ``mxfp4``, ...), per matrix.
         """
-        from freetoken.formats import mxfp4, q4_0
+        import importlib
 
         names = self.expert_names(layer)
-        fmt = self.expert_format(layer)
-        convert = {"q4_0": q4_0.from_gguf, "mxfp4": mxfp4.from_gguf}[fmt]
+        up_fmt, down_fmt = self.expert_formats(layer)
+        fmts = {"gate": up_fmt, "up": up_fmt, "down": down_fmt}
         shapes = {m: self._np_shape(self._tensors[n]) for m, n in names.items()}
         gate = shapes["gate"]
         if len(gate) != 3:
@@ -481,9 +491,9 @@ class GGUFFile:
         for m in MATRICES:
             raw, _, _ = self.get_raw(names[m])
             try:
-                banks = convert(raw)
+                banks = importlib.import_module(f"freetoken.formats.{fmts[m]}").from_gguf(raw)
             except ValueError as err:
-                raise LoadError(self.path, f"cannot convert to {fmt} banks: {err}", names[m]) from err
+                raise LoadError(self.path, f"cannot convert to {fmts[m]} banks: {err}", names[m]) from err
             out.update({f"{m}.{k}": v for k, v in banks.items()})
             bias = names[m].removesuffix(".weight") + ".bias"
             if bias in self._tensors:

@@ -29,6 +29,7 @@ from freetoken.models.blocks import (
     SoftmaxTopKRouter,
 )
 from freetoken.models.config import ModelConfig
+from freetoken.models.embedding import BlockEmbedding
 from freetoken.models.experts import ExpertRunner
 from freetoken.models.kv import KVPool, KVSequence
 from freetoken.models.linear import Linear
@@ -143,7 +144,7 @@ def _mlp(cfg: ModelConfig, t: _Tensors, i: int, dev, experts: ExpertRunner, moe_
     if cfg.shared_inter:
         inp = ("shared_gate", "shared_up", "shared_sigmoid") if cfg.shared_gated else ("shared_gate", "shared_up")
         shared = SharedExpert(t.linear(inp, i), t.linear(("shared_down",), i), dev, gated=cfg.shared_gated)
-    experts.load_layer(moe_index, t.weights.expert_banks(i, experts.layout))
+    experts.load_layer(moe_index, t.weights.expert_banks(i, experts.layouts[moe_index]))
     return MoeMLP(router, experts, moe_index, shared, dev)
 
 
@@ -170,11 +171,14 @@ class MoeDecoder:
             weights = HFWeights(cfg, weights)
         self.weights = weights
         t = _Tensors(weights, device)
-        self.embed = t.host("embed")  # gathered on the host
+        # gathered on the host: in its stored blocks when the file has it in a block type Linear runs (rows
+        # dequantized per lookup), else float32
+        stored = weights.get_matrix("embed") if weights.quantized_kind("embed") else None
+        self.embed = BlockEmbedding(stored) if stored is not None else t.host("embed")
         self.norm = t.vector("norm")
-        # tied: the embedding itself (in its GGUF blocks when quantized)
+        # tied: the embedding itself (the same blocks when quantized)
         if cfg.tie_word_embeddings:
-            head = weights.get_matrix("embed") if weights.quantized_kind("embed") else self.embed
+            head = stored if stored is not None else self.embed
         else:
             head = t.matrix("lm_head")
         self.lm_head = Linear(head, device)

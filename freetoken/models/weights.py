@@ -29,7 +29,7 @@ from freetoken.formats import MATRICES, RecordLayout
 from freetoken.loaders.errors import LoadError
 from freetoken.models.config import ModelConfig
 from freetoken.models.qmatrix import QuantizedMatrix, from_hf_fp8
-from freetoken.ops.dense import FP8_K_MULTIPLE, row_bytes
+from freetoken.ops.dense import FP8_K_MULTIPLE, k_multiple, row_bytes
 
 #: Per-layer canonical keys -> HF names relative to ``model.layers.N.`` (``{moe}``: ``mlp.`` or Mixtral's
 #: ``block_sparse_moe.``).
@@ -146,20 +146,24 @@ def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def load_bytes(cfg: ModelConfig, dense_bytes: int, expert_format: str, kv_bytes: int = 0) -> dict[str, int]:
+def load_bytes(cfg: ModelConfig, dense_bytes: int, expert_format: str | None, kv_bytes: int = 0,
+               layouts: list[RecordLayout] | None = None) -> dict[str, int]:
     """What a load allocates on the host, by kind: ``dense_bytes`` (the non-expert weights as the decoder holds
-    them), the expert banks in ``expert_format``, one layer's float32 expert matrices while they are quantized
-    (callers zero this entry when the experts move as stored), the KV pool (``kv_bytes``: what the caller knows of
-    it before the load)."""
+    them), the expert banks (of ``layouts``, one per MoE layer, when given; else every layer in ``expert_format``),
+    one layer's float32 expert matrices while they are quantized (callers zero this entry when the experts move as
+    stored), the KV pool (``kv_bytes``: what the caller knows of it before the load)."""
     from freetoken import formats
 
     moe = sum(cfg.moe_layers)
     e, h, i = cfg.num_experts, cfg.hidden, cfg.moe_inter
-    try:
-        record = RecordLayout(formats.get(expert_format or "bf16"), h, i).record_bytes
-    except (ValueError, KeyError):
-        record = 3 * h * i * 4
-    return {"non-expert weights": dense_bytes, "expert banks": moe * e * record,
+    if layouts is not None:
+        banks = e * sum(lay.record_bytes for lay in layouts)
+    else:
+        try:
+            banks = moe * e * RecordLayout(formats.get(expert_format or "bf16"), h, i).record_bytes
+        except (ValueError, KeyError):
+            banks = moe * e * 3 * h * i * 4
+    return {"non-expert weights": dense_bytes, "expert banks": banks,
             "float32 experts of one layer while quantized": 3 * e * h * i * 4 if moe else 0,
             "KV pool": int(kv_bytes)}
 
@@ -312,8 +316,31 @@ class Weights:
         """The :class:`QuantizedMatrix` kind :meth:`get_matrix` returns for ``key``, or None (a float array)."""
         return None
 
+    def native_expert_formats(self, layer: int) -> tuple[str, str] | None:
+        """The formats MoE layer ``layer``'s experts are stored in, (gate/up, down), or None when they are stored
+        as floats (or in a type no format keeps) and need quantizing."""
+        f = self.native_expert_format
+        return None if f is None else (f, f)
+
     def expert_banks(self, layer: int, layout: RecordLayout) -> dict[str, np.ndarray]:
         raise NotImplementedError
+
+
+def expert_layouts(cfg: ModelConfig, weights: Weights, expert_format: str | None = None) -> list[RecordLayout]:
+    """The record layout of every MoE layer, in order: ``expert_format`` (quantized from the stored values) for all
+    layers when given, else each layer's stored formats (a GGUF Q4_K_M file: q4_k gate/up, q6_k or q4_k down
+    depending on the layer), else bf16."""
+    from freetoken import formats
+
+    out = []
+    for i in range(cfg.num_layers):
+        if not cfg.is_moe(i):
+            continue
+        native = None if expert_format else weights.native_expert_formats(i)
+        up, down = native or (expert_format or "bf16",) * 2
+        out.append(RecordLayout(formats.get(up), cfg.hidden, cfg.moe_inter, cfg.expert_bias, cfg.expert_act,
+                                down_fmt=formats.get(down)))
+    return out
 
 
 class HFWeights(Weights):
@@ -496,12 +523,11 @@ class GGUFWeights(Weights):
     def __init__(self, cfg: ModelConfig, gguf):
         self.cfg, self.gguf = cfg, gguf
         first_moe = next((i for i in range(cfg.num_layers) if cfg.is_moe(i)), None)
-        self.native_expert_format = None
+        self.native_expert_format = None  # the first MoE layer's record formats ("q4_k+q6_k"), for reports
         if first_moe is not None:
-            try:
-                self.native_expert_format = gguf.expert_format(first_moe)
-            except LoadError:
-                self.native_expert_format = None  # f16/bf16/q8_0... experts: decoded and quantized on load
+            formats = self.native_expert_formats(first_moe)
+            self.native_expert_format = None if formats is None else \
+                formats[0] if formats[0] == formats[1] else "+".join(formats)
 
     def name(self, key: str, layer: int | None = None) -> str:
         return _GGUF_GLOBAL[key] if layer is None else f"blk.{layer}." + gguf_layer_name(self.gguf.arch, key)
@@ -526,7 +552,7 @@ class GGUFWeights(Weights):
         return w
 
     #: ggml type -> QuantizedMatrix kind of the matrices kept quantized.
-    _QUANTIZED = {"Q8_0": "q8_0", "Q4_0": "q4_0"}
+    QUANTIZED = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "IQ4_XS": "iq4_xs"}
 
     def _stored(self, key: str, layer: int | None) -> tuple[str, str]:
         if key == "lm_head" and not self.has("lm_head"):
@@ -538,9 +564,10 @@ class GGUFWeights(Weights):
             return None  # llama.cpp's split attn_k_b / attn_v_b: get() puts the float matrix back together
         key, name = self._stored(key, layer)
         info = self.gguf.info(name)
-        if len(info.shape) != 2 or info.shape[1] % 32:
+        kind = self.QUANTIZED.get(info.type)
+        if kind is None or len(info.shape) != 2 or info.shape[1] % k_multiple(kind):
             return None  # vectors (shared_sigmoid) and partial blocks: float32
-        return self._QUANTIZED.get(info.type)
+        return kind
 
     def get_matrix(self, key: str, layer: int | None = None) -> np.ndarray | QuantizedMatrix:
         kind = self.quantized_kind(key, layer)
@@ -554,10 +581,15 @@ class GGUFWeights(Weights):
             blocks = np.ascontiguousarray(llama_unpermute(blocks, heads))  # whole rows move: exact on block rows
         return QuantizedMatrix(kind, blocks, shape)
 
+    def native_expert_formats(self, layer: int) -> tuple[str, str] | None:
+        try:
+            return self.gguf.expert_formats(layer)
+        except LoadError:
+            return None  # f16/bf16/unsupported experts: decoded and quantized on load
+
     def expert_banks(self, layer: int, layout: RecordLayout) -> dict[str, np.ndarray]:
-        fmt = layout.fmt.name
         names = self.gguf.expert_names(layer)
-        if fmt == self.native_expert_format and self.gguf.expert_format(layer) == fmt:
+        if (layout.fmt.name, layout.format_of("down").name) == self.native_expert_formats(layer):
             banks = self.gguf.expert_banks(layer)
             if layout.bias != any(k.endswith(".b") for k in banks):
                 raise LoadError(self.gguf.path, f"layer {layer}: expert biases do not match the record layout",
