@@ -134,16 +134,17 @@ def test_bank_specs_match_base_table(name):
     assert got == {b: (np.dtype(d), s) for b, (d, s) in EXPECTED_SPECS[name].items()}
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", formats.NAMES)
 def test_quantize_output_matches_specs(name):
     fmt = formats.get(name)
-    banks = fmt.quantize(gaussian((3, N, K)))
-    specs = fmt.bank_specs(N, K)
+    k = K if K % fmt.k_multiple == 0 else 2 * fmt.k_multiple  # the k-quants' super-blocks: K = 512
+    banks = fmt.quantize(gaussian((3, N, k)))
+    specs = fmt.bank_specs(N, k)
     assert sorted(banks) == sorted(s.name for s in specs)
     for s in specs:
         assert banks[s.name].dtype == s.dtype and banks[s.name].shape == (3,) + s.shape, s.name
-    assert fmt.check_banks(banks, N, K) == 3
-    assert fmt.dequantize(banks).shape == (3, N, K)
+    assert fmt.check_banks(banks, N, k) == 3
+    assert fmt.dequantize(banks).shape == (3, N, k)
 
 
 @pytest.mark.parametrize("bias", [False, True])
