@@ -58,11 +58,23 @@ def _freetoken_runner(path, prompt, steps):
     return run, model
 
 
-def _llama_runner(path, prompt, steps, threads):
+def _llama_runner(path, prompt, steps, threads, repack: bool = True):
     import llama_cpp
 
-    llm = llama_cpp.Llama(str(path), n_ctx=len(prompt) + steps + 8, n_batch=len(prompt), n_threads=threads,
-                          n_threads_batch=threads, logits_all=True, verbose=False)
+    lib = llama_cpp.llama_cpp
+    defaults = lib.llama_model_default_params
+    if not repack:  # llama-cpp-python 0.3.36 crashes on AVX-512 machines with repacked k-quant weights
+        def no_repack():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        lib.llama_model_default_params = no_repack
+    try:
+        llm = llama_cpp.Llama(str(path), n_ctx=len(prompt) + steps + 8, n_batch=len(prompt), n_threads=threads,
+                              n_threads_batch=threads, logits_all=True, verbose=False)
+    finally:
+        lib.llama_model_default_params = defaults
 
     def run():
         llm.reset()
@@ -106,6 +118,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp even where it is installed")
     ap.add_argument("--no-default", action="store_true", help="only the synthetic models")
+    ap.add_argument("--llama-no-repack", action="store_true",
+                    help="llama.cpp without its weight repacking (use_extra_bufts off): llama-cpp-python 0.3.36 "
+                         "crashes on AVX-512 machines on repacked k-quant files (slower llama.cpp: say so with the "
+                         "figures)")
     ap.add_argument("--profile", action="store_true",
                     help="also print freetoken's time split (experts / dense / attention / other) per model")
     args = ap.parse_args(argv)
@@ -151,11 +167,12 @@ def main(argv=None) -> int:
     splits = []
     for name, path, gguf in rows:
         ft_run, model = _freetoken_runner(path, prompt, args.decode_tokens)
-        llama_run = _llama_runner(path, prompt, args.decode_tokens, args.threads) if gguf and have_llama else None
+        llama_run = _llama_runner(path, prompt, args.decode_tokens, args.threads,
+                                  not args.llama_no_repack) if gguf and have_llama else None
         ft, ll = _paired(ft_run, llama_run, args.reps)
         cfg = model.config
-        name = name or f"synthetic {cfg.num_layers}L/h{cfg.hidden}/{cfg.num_experts}E (q4_0)"
-        step_bytes = sum(cfg.moe_layers) * cfg.top_k * model.experts.layout.record_bytes
+        name = name or f"synthetic {cfg.num_layers}L/h{cfg.hidden}/{cfg.num_experts}E ({model.experts.formats_name()})"
+        step_bytes = cfg.top_k * sum(lay.record_bytes for lay in model.experts.layouts)
         roof = bw * 1e9 / step_bytes
         ft_pf = len(prompt) / statistics.median(t[0] for t in ft)
         ft_dc = args.decode_tokens / statistics.median(t[1] for t in ft)
