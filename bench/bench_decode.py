@@ -25,6 +25,7 @@ dense projections, attention and the rest (:mod:`profile_split`, timed in a sepa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -61,20 +62,12 @@ def _freetoken_runner(path, prompt, steps):
 def _llama_runner(path, prompt, steps, threads, repack: bool = True):
     import llama_cpp
 
-    lib = llama_cpp.llama_cpp
-    defaults = lib.llama_model_default_params
-    if not repack:  # llama-cpp-python 0.3.36 crashes on AVX-512 machines with repacked k-quant weights
-        def no_repack():
-            params = defaults()
-            params.use_extra_bufts = False
-            return params
+    from freetoken.testing.oracles import llama_cpp_without_repacking
 
-        lib.llama_model_default_params = no_repack
-    try:
+    # llama-cpp-python 0.3.36 crashes on AVX-512 machines with repacked k-quant weights
+    with llama_cpp_without_repacking() if not repack else contextlib.nullcontext():
         llm = llama_cpp.Llama(str(path), n_ctx=len(prompt) + steps + 8, n_batch=len(prompt), n_threads=threads,
                               n_threads_batch=threads, logits_all=True, verbose=False)
-    finally:
-        lib.llama_model_default_params = defaults
 
     def run():
         llm.reset()

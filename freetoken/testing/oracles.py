@@ -9,6 +9,7 @@ only for modules whose every test needs the oracle.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 
@@ -51,3 +52,26 @@ def _missing(reason: str):
     if in_ci():
         pytest.fail(f"{reason}; CI needs every oracle (bash scripts/setup --test-oracles --llama-cpp)", pytrace=False)
     pytest.skip(reason, allow_module_level=True)
+
+
+@contextlib.contextmanager
+def llama_cpp_without_repacking():
+    """Inside: ``llama_cpp.Llama`` loads models with llama.cpp's weight repacking off (the CPU backend's extra buffer
+    types). llama-cpp-python 0.3.36 on AVX-512 machines aborts in its scheduler (``GGML_ASSERT(*cur_backend_id !=
+    -1)``) on the deepseek2 graph with repacked Q4_0 experts and crashes (SIGSEGV) on Q4_K_M files with repacked
+    k-quants; the values it computes do not depend on the layout it keeps the weights in."""
+    import llama_cpp
+
+    lib = llama_cpp.llama_cpp
+    defaults = lib.llama_model_default_params
+
+    def no_repack():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    lib.llama_model_default_params = no_repack
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = defaults
