@@ -69,9 +69,10 @@ class ExpertCache:
         self.num_layers, self.num_experts = pool.num_layers, e
         self.max_active, self.prefill_overlap = max_active, prefill_overlap
         xp = dev.xp
-        self._group_slot_banks, self.slot_nbytes = _slot_banks(dev, pool.groups, slots)
+        #: The slot banks as each of ``pool.groups``' layouts reads them ([slots, ...] by bank name).
+        self.group_slot_banks, self.slot_nbytes = _slot_banks(dev, pool.groups, slots)
         #: The slot banks of layer 0's layout ([slots, ...] by bank name); :meth:`layer_slot_banks` gives any layer's.
-        self.slot_banks = self._group_slot_banks[pool.group_of(0)]
+        self.slot_banks = self.group_slot_banks[pool.group_of(0)]
         #: Bytes of the largest record (of one record when the layers share a layout).
         self.record_bytes = max(lay.record_bytes for lay in pool.groups)
         self.slot_for_id = xp.empty(pool.num_records, np.int32)
@@ -156,7 +157,7 @@ class ExpertCache:
     def layer_slot_banks(self, layer: int) -> dict:
         """The slot banks as MoE layer ``layer``'s record layout reads them: [slots, ...] by bank name (views of
         slot rows sized for the largest layout when the layers differ)."""
-        return self._group_slot_banks[self.pool.group_of(layer)]
+        return self.group_slot_banks[self.pool.group_of(layer)]
 
     def layer_record_bytes(self, layer: int) -> int:
         return self.pool.layouts[layer].record_bytes

@@ -27,7 +27,6 @@ from freetoken.models.weights import (
     layer_shapes,
     load_bytes,
 )
-from freetoken.ops.dense import k_multiple
 
 
 def _expected_shapes(cfg: ModelConfig, w: GGUFWeights) -> dict[str, tuple[int, ...]]:
@@ -98,8 +97,7 @@ def check_tensors(gf: GGUFFile, cfg: ModelConfig, w: GGUFWeights, kv_bytes: int 
             kinds = "F32/F16/BF16" if vector else "a float or block-quantized type gguf-py decodes"
             raise LoadError(gf.path, f"stored as {got.type}, expected {kinds}", name)
         if name not in experts:
-            kind = GGUFWeights.QUANTIZED.get(got.type)
-            kept = kind is not None and len(got.shape) == 2 and got.shape[1] % k_multiple(kind) == 0
+            kept = GGUFWeights.kept_kind(got) is not None
             # llama.cpp's split MLA halves (attn_k_b / attn_v_b, [H, ., R]) are read as float32 by design (the decoder
             # puts kv_b back together from them): a known widening, not refused
             split_mla = name.endswith((GGUF_K_B, GGUF_V_B))

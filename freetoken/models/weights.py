@@ -562,11 +562,15 @@ class GGUFWeights(Weights):
     def quantized_kind(self, key: str, layer: int | None = None) -> str | None:
         if key == "kv_b_proj" and not self.has(key, layer):
             return None  # llama.cpp's split attn_k_b / attn_v_b: get() puts the float matrix back together
-        key, name = self._stored(key, layer)
-        info = self.gguf.info(name)
-        kind = self.QUANTIZED.get(info.type)
+        return self.kept_kind(self.gguf.info(self._stored(key, layer)[1]))
+
+    @classmethod
+    def kept_kind(cls, info) -> str | None:
+        """The :class:`QuantizedMatrix` kind a tensor (a ``GGUFTensorInfo``) is kept in, or None when it is read as
+        float32: another type, a vector (shared_sigmoid), or rows that are not whole blocks."""
+        kind = cls.QUANTIZED.get(info.type)
         if kind is None or len(info.shape) != 2 or info.shape[1] % k_multiple(kind):
-            return None  # vectors (shared_sigmoid) and partial blocks: float32
+            return None
         return kind
 
     def get_matrix(self, key: str, layer: int | None = None) -> np.ndarray | QuantizedMatrix:

@@ -39,8 +39,8 @@ class CachedExperts(RunnerBase):
         slots = opts.cache_slots or max(num_layers * num_experts, 2 * num_experts)
         self.cache = ExpertCache(pool, slots, max_active=min(1024, opts.max_decode_tokens * top_k))
         # decode's plan and expert buffers, allocated once over the slot banks (see ops.moe_experts), per layout
-        self.workspaces = [ops.MoeWorkspace(device, lay, self.cache.layer_slot_banks(pool.layouts.index(lay)),
-                                            self.cache.max_active) for lay in pool.groups]
+        self.workspaces = [ops.MoeWorkspace(device, lay, banks, self.cache.max_active)
+                           for lay, banks in zip(pool.groups, self.cache.group_slot_banks, strict=True)]
         self.prefetch: NextLayerPrefetch | None = None
         self._prefetch_event = None
         self._pinned = 0
