@@ -91,6 +91,20 @@ NORM_THREADS = 256
 #: Warps (rows) per block of route_softmax_topk_f32 (FT_ROUTE_WARPS).
 ROUTE_WARPS = 4
 
+# ---- Gated DeltaNet (cuda/linear_attention.cu, freetoken.ops.linear_attention) ---------------------------------
+#: The largest key/value head dim (FT_LINEAR_MAX_HEAD_DIM: gated_delta_rule_f32 holds a block's state columns,
+#: that many rows of FT_LINEAR_COLUMNS floats, in static shared memory) and the most taps of the short convolution
+#: (FT_LINEAR_CONV_MAX_TAPS) the ops take (Qwen3-Next / Qwen3.5: 128 and 4).
+LINEAR_MAX_HEAD_DIM = 256
+LINEAR_CONV_MAX_TAPS = 8
+#: Channels (one thread each) per block of short_conv_f32 (FT_LINEAR_CONV_THREADS).
+LINEAR_CONV_THREADS = 128
+#: Value columns (one thread each) per block of gated_delta_rule_f32 (FT_LINEAR_COLUMNS).
+LINEAR_COLUMNS = 32
+#: ``l2norm``'s epsilon on q and k inside the gated delta rule: ``x * rsqrt(sum(x^2) + eps)`` (fla's and
+#: transformers' value; FT_LINEAR_L2NORM_EPS).
+LINEAR_L2NORM_EPS = 1e-6
+
 
 def _struct_defines(prefix: str, dtype: np.dtype) -> dict[str, str]:
     out = {f"{prefix}_SIZE": str(dtype.itemsize)}
@@ -129,6 +143,11 @@ CUDA_DEFINES: dict[str, str] = {
     "FT_LATENT_MAX_DIM": str(LATENT_MAX_DIM),
     "FT_NORM_THREADS": str(NORM_THREADS),
     "FT_ROUTE_WARPS": str(ROUTE_WARPS),
+    "FT_LINEAR_MAX_HEAD_DIM": str(LINEAR_MAX_HEAD_DIM),
+    "FT_LINEAR_CONV_MAX_TAPS": str(LINEAR_CONV_MAX_TAPS),
+    "FT_LINEAR_CONV_THREADS": str(LINEAR_CONV_THREADS),
+    "FT_LINEAR_COLUMNS": str(LINEAR_COLUMNS),
+    "FT_LINEAR_L2NORM_EPS": _float(LINEAR_L2NORM_EPS),
     **_struct_defines("FT_EXPERT_BANKS", EXPERT_BANKS),
     **_struct_defines("FT_PLAN", PLAN),
     **_struct_defines("FT_BANK_TABLE", BANK_TABLE),

@@ -17,6 +17,7 @@ from freetoken.ops.cache import cache_admit, cache_borrow_layer, cache_copy
 from freetoken.ops.dense import dense, dense_gemv, dense_grouped
 from freetoken.ops.histogram import histogram
 from freetoken.ops.latent_attention import latent_attention, latent_store
+from freetoken.ops.linear_attention import gated_delta_rule, short_conv
 from freetoken.ops.moe_experts import MoeWorkspace, moe_experts
 from freetoken.ops.paged_attention import kv_store, paged_attention
 from freetoken.ops.reduce import row_sum
@@ -67,6 +68,12 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("latent_attention", latent_attention, ("latent_attention.cu", "paged_attention.cu"),
        "freetoken.ops.latent_attention", (_K + "latent_attention:latent_attention_rows",),
        _R + "latent_attention:latent_attention_reference", _C + "latent_attention"),
+    Op("short_conv", short_conv, ("linear_attention.cu",), "freetoken.ops.linear_attention",
+       (_K + "linear_attention:short_conv_rows",), _R + "linear_attention:short_conv_reference",
+       _C + "linear_attention"),
+    Op("gated_delta_rule", gated_delta_rule, ("linear_attention.cu",), "freetoken.ops.linear_attention",
+       (_K + "linear_attention:gated_delta_rule_rows",), _R + "linear_attention:gated_delta_rule_reference",
+       _C + "linear_attention"),
     Op("dense_gemv", dense_gemv, ("dense.cu",), "freetoken.ops.dense",
        (_K + "gemv:matmul_into", _K + "qgemv:qmatmul_into", _K + "fp8_dense:fp8_matmul_into"),
        _R + "dense:dense_reference", _C + "dense"),
@@ -104,7 +111,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
 )}
 
 __all__ = ["OPS", "MoeWorkspace", "Op", "add_rms_norm", "cache_admit",
-           "cache_borrow_layer", "cache_copy", "constants", "dense", "dense_gemv", "dense_grouped", "histogram",
-           "moe_experts",
+           "cache_borrow_layer", "cache_copy", "constants", "dense", "dense_gemv", "dense_grouped",
+           "gated_delta_rule", "histogram", "moe_experts",
            "kv_store", "latent_attention", "latent_store", "paged_attention", "rms_norm", "rope", "rope_qkv_cache",
-           "route_sigmoid_group_topk", "route_softmax_group_topk", "route_softmax_topk", "row_sum", "topk", "transpose"]
+           "route_sigmoid_group_topk", "route_softmax_group_topk", "route_softmax_topk", "row_sum", "short_conv",
+           "topk", "transpose"]

@@ -10,7 +10,7 @@ from importlib import import_module
 from freetoken.testing.cases.base import KernelCase, poisoned
 
 MODULES = ("reduce", "topk", "histogram", "transpose", "dense", "rms_norm", "rope", "routing",
-           "moe_experts", "cache", "paged_attention", "latent_attention")
+           "moe_experts", "cache", "paged_attention", "latent_attention", "linear_attention")
 
 
 def _ordered() -> list[KernelCase]:

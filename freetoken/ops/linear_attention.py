@@ -1,0 +1,147 @@
+"""Gated DeltaNet's two sequence ops (Qwen3-Next, Qwen3.5/3.6-MoE linear-attention layers):
+
+* :func:`short_conv`: the causal depthwise convolution over the projected q|k|v channels with its rolling state,
+  followed by SiLU;
+* :func:`gated_delta_rule`: the gated delta rule over a per-head recurrent state ``S [Dk, Dv]``.
+
+Both update their state in place, so decode (T = 1) and prefill (T > 1, or a chunk of a long prompt) are the same
+call: a sequence's layer state is what these ops read and write, nothing else.
+
+The cpu device runs the Numba kernels :func:`freetoken.cpu_kernels.linear_attention.short_conv_rows` and
+:func:`~freetoken.cpu_kernels.linear_attention.gated_delta_rule_rows`; gpu/emu run ``short_conv_f32`` and
+``gated_delta_rule_f32`` (``cuda/linear_attention.cu``). Both take K <= ``LINEAR_CONV_MAX_TAPS`` taps and head dims
+Dk, Dv <= ``LINEAR_MAX_HEAD_DIM`` (:mod:`freetoken.device.constants`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from freetoken.device.constants import (
+    LINEAR_COLUMNS,
+    LINEAR_CONV_MAX_TAPS,
+    LINEAR_CONV_THREADS,
+    LINEAR_L2NORM_EPS,
+    LINEAR_MAX_HEAD_DIM,
+)
+from freetoken.ops._common import as_input, check_int32, cuda_kernel, prepare_out, resolve
+
+#: ``l2norm``'s epsilon inside the rule: ``x * rsqrt(sum(x^2) + eps)`` (fla's and transformers' value).
+L2NORM_EPS = LINEAR_L2NORM_EPS
+
+
+def short_conv(x, weight, state, *, out=None, device=None, checked: bool = False):
+    """Causal depthwise convolution of K taps with SiLU, continuing a sequence: ``out[t, c] = silu(sum_j weight[c, j]
+    * u[t + j, c])`` where ``u = concat(state, x)`` (the K - 1 inputs before ``x`` first), then ``state`` becomes the
+    last K - 1 rows of ``u``.
+
+    Parameters
+    ----------
+    x : float32 [T, C]: the layer's projected q|k|v channels, T >= 1
+    weight : float32 [C, K]: HF ``conv1d.weight`` [C, 1, K] without its middle axis (tap K - 1 meets the newest input)
+    state : float32 [K - 1, C], C-contiguous, updated in place: the K - 1 inputs before ``x``, oldest first (zeros at
+        the start of a sequence)
+    out : float32 [T, C], C-contiguous, optional
+    checked : the caller vouches for every argument (float32, C-contiguous, the shapes above, ``out`` given)
+
+    Returns
+    -------
+    float32 [T, C] on the device.
+    """
+    if checked:
+        _run_conv(device, x, weight, state, out)
+        return out
+    dev = resolve(device)
+    x = as_input(dev, x, "x", np.float32, 2)
+    weight = as_input(dev, weight, "weight", np.float32, 2)
+    st = dev.as_array(state)
+    t, c = x.shape
+    if t < 1:
+        raise ValueError("x must have at least one row")
+    if weight.shape[0] != c or not 2 <= weight.shape[1] <= LINEAR_CONV_MAX_TAPS:
+        raise ValueError(f"weight must be [C={c}, 2 <= K <= {LINEAR_CONV_MAX_TAPS}], got {tuple(weight.shape)}")
+    want = (weight.shape[1] - 1, c)
+    if st.dtype != np.float32 or tuple(st.shape) != want or not st.flags.c_contiguous:
+        raise ValueError(f"state must be float32 {want}, C-contiguous, got {st.dtype} {tuple(st.shape)}")
+    y = prepare_out(dev, out, (t, c), np.float32)
+    check_int32("T", t)
+    check_int32("C", c)
+    _run_conv(dev, x, weight, st, y)
+    return y
+
+
+def _run_conv(dev, x, weight, state, out) -> None:
+    if dev.kind == "cpu":
+        from freetoken.cpu_kernels.linear_attention import short_conv_rows
+
+        short_conv_rows(x, weight, state, out)
+        return
+    t, c = x.shape
+    cuda_kernel(dev, "linear_attention.cu", "short_conv_f32")(
+        (-(-c // LINEAR_CONV_THREADS),), (LINEAR_CONV_THREADS,),
+        (x, weight, state, out, np.int32(t), np.int32(c), np.int32(weight.shape[1])))
+
+
+def gated_delta_rule(qkv, g, beta, state, k_heads: int, *, out=None, device=None, checked: bool = False):
+    """The gated delta rule over T tokens, continuing from ``state``.
+
+    For value head h (key head ``kh = h // (Hv / Hk)``) and each token t in order, with ``q = l2norm(q_t,kh) /
+    sqrt(Dk)`` and ``k = l2norm(k_t,kh)`` (``x * rsqrt(sum(x^2) + 1e-6)``)::
+
+        S = exp(g[t, h]) * S
+        S = S + k (beta[t, h] * (v[t, h] - k^T S))      # outer product: [Dk] x [Dv]
+        out[t, h] = q^T S
+
+    Parameters
+    ----------
+    qkv : float32 [T, 2 Hk Dk + Hv Dv]: the short convolution's output, q heads, then k heads, then v heads
+    g : float32 [T, Hv]: log decay (<= 0)
+    beta : float32 [T, Hv]: the write strength (in (0, 1))
+    state : float32 [Hv, Dk, Dv], C-contiguous, updated in place (zeros at the start of a sequence)
+    k_heads : Hk, a divisor of Hv
+    out : float32 [T, Hv, Dv], C-contiguous, optional
+    checked : the caller vouches for every argument
+
+    Returns
+    -------
+    float32 [T, Hv, Dv] on the device.
+    """
+    if checked:
+        _run_rule(device, qkv, g, beta, state, int(k_heads), out)
+        return out
+    dev = resolve(device)
+    qkv = as_input(dev, qkv, "qkv", np.float32, 2)
+    g = as_input(dev, g, "g", np.float32, 2)
+    beta = as_input(dev, beta, "beta", np.float32, 2)
+    st = dev.as_array(state)
+    if st.dtype != np.float32 or st.ndim != 3 or not st.flags.c_contiguous:
+        raise ValueError(f"state must be float32 [Hv, Dk, Dv], C-contiguous, got {st.dtype} {tuple(st.shape)}")
+    hv, dk, dv = st.shape
+    if not (1 <= dk <= LINEAR_MAX_HEAD_DIM and 1 <= dv <= LINEAR_MAX_HEAD_DIM):
+        raise ValueError(f"head dims Dk={dk}, Dv={dv} must be 1 .. {LINEAR_MAX_HEAD_DIM}")
+    k_heads = int(k_heads)
+    if k_heads < 1 or hv % k_heads:
+        raise ValueError(f"k_heads {k_heads} must divide the {hv} value heads")
+    t = qkv.shape[0]
+    if t < 1 or qkv.shape[1] != 2 * k_heads * dk + hv * dv:
+        raise ValueError(f"qkv must be [T >= 1, 2*{k_heads}*{dk} + {hv}*{dv}], got {tuple(qkv.shape)}")
+    for name, a in (("g", g), ("beta", beta)):
+        if tuple(a.shape) != (t, hv):
+            raise ValueError(f"{name} must be [{t}, {hv}], got {tuple(a.shape)}")
+    y = prepare_out(dev, out, (t, hv, dv), np.float32)
+    check_int32("T", t)
+    _run_rule(dev, qkv, g, beta, st, k_heads, y)
+    return y
+
+
+def _run_rule(dev, qkv, g, beta, state, k_heads, out) -> None:
+    if dev.kind == "cpu":
+        from freetoken.cpu_kernels.linear_attention import gated_delta_rule_rows
+
+        gated_delta_rule_rows(qkv, g, beta, state, k_heads, out)
+        return
+    hv, dk, dv = state.shape
+    cuda_kernel(dev, "linear_attention.cu", "gated_delta_rule_f32")(
+        (hv, -(-dv // LINEAR_COLUMNS)), (LINEAR_COLUMNS,),
+        (qkv, g, beta, state, out, np.int32(qkv.shape[0]), np.int32(k_heads), np.int32(hv), np.int32(dk),
+         np.int32(dv)))
