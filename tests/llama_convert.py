@@ -30,13 +30,14 @@ def converter_dir() -> Path:
     return CONVERTER_DIR
 
 
-def convert(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
-    """``model_dir`` converted by llama.cpp's converter to ``out``; a failure raises with the converter's output."""
+def convert(model_dir: Path, out: Path, outtype: str = "f32", args: tuple[str, ...] = ()) -> Path:
+    """``model_dir`` converted by llama.cpp's converter to ``out`` (``args``: more of its options); a failure raises
+    with the converter's output."""
     root = converter_dir()
     env = dict(os.environ)
     env.pop("NO_LOCAL_GGUF", None)  # the converter puts its own gguf-py first unless this is set
     r = subprocess.run([sys.executable, __file__, str(root), str(model_dir), "--outfile", str(out),
-                        "--outtype", outtype], capture_output=True, text=True, env=env, timeout=600)
+                        "--outtype", outtype, *args], capture_output=True, text=True, env=env, timeout=600)
     if r.returncode != 0 or not out.is_file():
         raise RuntimeError(f"convert_hf_to_gguf.py failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return out

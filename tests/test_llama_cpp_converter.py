@@ -26,7 +26,15 @@ CASES = {
     # gating and llama.cpp takes a deepseek2 file for DeepSeek-V2's softmax router (freetoken refuses such a file)
     "deepseek_v3": (dict(scoring_func="sigmoid"), ()),
     "deepseek_v2": (dict(topk_method="greedy", n_group=None, topk_group=None), ()),
+    # the converter's qwen3next maps no dense MLP tensors (llama.cpp's has none): every layer MoE. The linear layers'
+    # fused in_proj_qkvz is regrouped into attn_qkv + attn_gate, A_log stored as -exp(A_log), the norms as 1 + w
+    "qwen3_next": (dict(mlp_only_layers=[]), ()),
+    # value heads stored in llama.cpp's tiled order (2 key heads, 4 value heads), value head dim 24 != key head dim
+    "qwen3_5_moe": (dict(), ()),
 }
+#: More converter options per family: the Qwen3-Next / Qwen3.5 converters export the checkpoint's multi-token-
+#: prediction block and assert that there is one unless told --no-mtp (the tiny checkpoints have none).
+CONVERTER_ARGS = {"qwen3_next": ("--no-mtp",), "qwen3_5_moe": ("--no-mtp",)}
 
 
 def _tokenizer(dst, extra: tuple[str, ...]) -> int:
@@ -53,7 +61,7 @@ def test_llama_cpp_converter_file_matches_the_hf_directory(family, tmp_path):
     hf.mkdir()
     vocab = _tokenizer(hf, extra)
     make_checkpoint(family, hf, vocab_size=vocab, **overrides)
-    gguf_path = convert(hf, tmp_path / "m.gguf", "f32")
+    gguf_path = convert(hf, tmp_path / "m.gguf", "f32", CONVERTER_ARGS.get(family, ()))
 
     tokens = np.random.default_rng(5).integers(2, vocab, 24)
     logits = {}

@@ -43,6 +43,20 @@ FAMILIES = {
                          n_shared_experts=2, n_group=4, topk_group=2, topk_method="group_limited_greedy",
                          routed_scaling_factor=1.5, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
                          qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=0)),
+    # Qwen3-Next: Gated DeltaNet layers (fused qkvz / ba projections, GQA 2 key heads -> 4 value heads) and a gated
+    # full-attention layer (partial rotary, zero-centred norms), a dense layer among the MoE ones, a gated shared
+    # expert
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(num_hidden_layers=4, head_dim=16, num_experts=8, moe_intermediate_size=32,
+                        intermediate_size=96, shared_expert_intermediate_size=48, norm_topk_prob=True,
+                        mlp_only_layers=[2], linear_num_key_heads=2, linear_num_value_heads=4,
+                        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])),
+    # Qwen3.5-MoE (its text model): separate in_proj_qkv / z / b / a, three linear layers per full one
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                    dict(num_hidden_layers=4, head_dim=16, num_experts=8, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4)),
 }
 
 

@@ -6,12 +6,12 @@ import argparse
 import sys
 
 CONVERT_DESCRIPTION = """\
-Write an HF MoE checkpoint (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5, gpt-oss, DeepSeek-V2/V3; bf16/f16/f32,
-block-FP8 or gpt-oss MXFP4 safetensors) as a GGUF file with llama.cpp's architecture, tensor names and metadata
-(qwen3moe, qwen2moe, llama, olmoe, glm4moe, gpt-oss, deepseek2) and the tokenizer embedded. Routed experts are
-quantized to --experts (default q4_0); embeddings, attention, shared experts and dense MLPs to --other (default
-f16); norms, biases and routers stay f32. Multi-token-prediction layers are left out. The file appears only when
-complete.
+Write an HF MoE checkpoint (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5, gpt-oss, DeepSeek-V2/V3, Qwen3-Next,
+Qwen3.5-MoE; bf16/f16/f32, block-FP8 or gpt-oss MXFP4 safetensors) as a GGUF file with llama.cpp's architecture,
+tensor names and metadata (qwen3moe, qwen2moe, llama, olmoe, glm4moe, gpt-oss, deepseek2, qwen3next, qwen35moe) and
+the tokenizer embedded. Routed experts are quantized to --experts (default q4_0); embeddings, attention (linear
+attention's projections too), shared experts and dense MLPs to --other (default f16); norms, biases and routers stay
+f32. Multi-token-prediction layers are left out. The file appears only when complete.
 
 Example: freetoken convert path/to/Qwen3-30B-A3B qwen3-30b-a3b-q4_0.gguf
 """

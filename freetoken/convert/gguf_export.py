@@ -8,6 +8,22 @@ temporary name and renamed only when complete: a failed export leaves nothing be
 Tensor names and metadata keys are llama.cpp's (``token_embd``, ``blk.N.attn_q``, ``blk.N.ffn_gate_exps``,
 ``{arch}.expert_count``...); ``llama``-architecture (Mixtral) Q/K rows are permuted as llama.cpp's converter does.
 Expert quantization is :mod:`freetoken.formats.q4_0` (byte-identical to gguf-py's Q4_0 quantizer).
+
+Qwen3-Next (``qwen3next``) and Qwen3.5-MoE (``qwen35moe``) are written as llama.cpp's converter writes them
+(``Qwen3NextModel`` / ``Qwen3_5MoeTextModel`` in its ``conversion/qwen.py``; the tensor layouts are listed in
+:mod:`freetoken.models.weights`): the linear layers' ``attn_qkv``, ``attn_gate``, ``ssm_ba`` (qwen3next: [b, a] rows
+per key head) or ``ssm_beta`` / ``ssm_alpha``, ``ssm_conv1d`` [C, K], ``ssm_dt.bias``, ``ssm_a`` = -exp(A_log)
+(computed in float64 and rounded once, as the decoder computes it, so a freetoken load is exact; the converter's
+float32 exp can differ by an ulp), ``ssm_norm``, ``ssm_out``, with qwen35moe's value heads in llama.cpp's tiled order;
+``attn_q`` with its gate rows as HF stores it; the zero-centred norms as ``1 + w``; ``ffn_gate_inp_shexp`` [1, hidden];
+the MLP norm as ``post_attention_norm``. Metadata: ``{arch}.ssm.conv_kernel`` / ``state_size`` (key head dim) /
+``group_count`` (key heads) / ``time_step_rank`` (value heads) / ``inner_size`` (value heads x value head dim),
+``{arch}.attention.recurrent_layers`` (per layer: linear or not), ``{arch}.full_attention_interval`` (the interval
+that gives those layers, else 4: the converter copies the config's, default 4, the same for the released models),
+``{arch}.rope.dimension_count`` (the rotated dims), and for qwen35moe ``{arch}.rope.dimension_sections`` (the
+checkpoint's ``mrope_section`` padded to 4, else [11, 11, 10, 0], as the converter writes it; for text every section
+sees the same position, so freetoken reads none of it). The multi-token-prediction block is not exported (as the
+converter's ``--no-mtp``).
 """
 
 from __future__ import annotations
@@ -23,13 +39,21 @@ import numpy as np
 
 from freetoken.formats import MATRICES
 from freetoken.loaders.errors import LoadError
-from freetoken.models.config import ModelConfig
-from freetoken.models.weights import HFWeights, gguf_layer_name, llama_permute
+from freetoken.models.config import HYBRID_FAMILIES, ModelConfig
+from freetoken.models.weights import (
+    GGUF_TILED_V_ARCH,
+    HFWeights,
+    gguf_layer_name,
+    llama_permute,
+    tiled_v_order,
+)
 
 #: freetoken family -> GGUF architecture.
 ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
          "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss", "deepseek_v3": "deepseek2",
-         "deepseek_v2": "deepseek2"}
+         "deepseek_v2": "deepseek2", "qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe"}
+#: qwen35moe's ``{arch}.rope.dimension_sections`` when the checkpoint names no ``mrope_section`` (the converter's).
+QWEN35_ROPE_SECTIONS = (11, 11, 10, 0)
 #: Types a non-expert matrix can be written in (norms, biases and routers always stay F32).
 OTHER_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 EXPERT_TYPES = ("q4_0", "q8_0", "f16", "bf16", "f32")
@@ -92,7 +116,8 @@ def build_plan(cfg: ModelConfig, w, other: str, experts: str) -> _Plan:
     for i in range(cfg.num_layers):
         b = f"blk.{i}."
         hd = cfg.head_dim
-        proj = {"q_proj": (cfg.num_heads * hd, cfg.hidden), "k_proj": (cfg.num_kv_heads * hd, cfg.hidden),
+        q_rows = cfg.num_heads * hd * (2 if cfg.attn_output_gate else 1)  # Qwen3-Next / 3.5: the gate rows too
+        proj = {"q_proj": (q_rows, cfg.hidden), "k_proj": (cfg.num_kv_heads * hd, cfg.hidden),
                 "v_proj": (cfg.num_kv_heads * hd, cfg.hidden), "o_proj": (cfg.hidden, cfg.num_heads * hd)}
         gguf_name = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
 
@@ -103,19 +128,23 @@ def build_plan(cfg: ModelConfig, w, other: str, experts: str) -> _Plan:
             return t
 
         p.add(b + "attn_norm.weight", vec("attn_norm", i), "f32", (cfg.hidden,))
+        linear = cfg.is_linear(i)
         if cfg.mla:
             _latent_attention_plan(p, cfg, w, i, other)
             proj = {}
+        if linear:
+            _linear_attention_plan(p, cfg, w, i, other, arch)
+            proj = {}
         for key, shape in proj.items():
             p.add(b + gguf_name[key] + ".weight", (lambda key=key, f=fetch: f(key)), _matrix_type(other, shape), shape)
-        if cfg.qkv_bias:
+        if cfg.qkv_bias and not linear:
             for x in "qkv":
                 p.add(b + f"attn_{x}.bias", (lambda x=x, f=fetch: f(f"{x}_bias")), "f32", (proj[f"{x}_proj"][0],))
         if cfg.o_bias:
             p.add(b + "attn_output.bias", vec("o_bias", i), "f32", (cfg.hidden,))
         if cfg.attention_sinks:
             p.add(b + "attn_sinks.weight", vec("attn_sinks", i), "f32", (cfg.num_heads,))
-        if cfg.qk_norm != "none":
+        if cfg.qk_norm != "none" and not linear:
             n_q = hd if cfg.qk_norm == "head" else cfg.num_heads * hd
             n_k = hd if cfg.qk_norm == "head" else cfg.num_kv_heads * hd
             p.add(b + "attn_q_norm.weight", vec("q_norm", i), "f32", (n_q,))
@@ -141,7 +170,9 @@ def build_plan(cfg: ModelConfig, w, other: str, experts: str) -> _Plan:
                 for mat, shape in (("gate", (s, h)), ("up", (s, h)), ("down", (h, s))):
                     p.add(b + f"ffn_{mat}_shexp.weight", lambda mat=mat, i=i: w.get(f"shared_{mat}", i),
                           _matrix_type(other, shape), shape)
-                if cfg.shared_gated:
+                if cfg.shared_gated and cfg.family in HYBRID_FAMILIES:  # the converter keeps HF's [1, hidden]
+                    p.add(b + "ffn_gate_inp_shexp.weight", lambda i=i: w.get("shared_sigmoid", i), "f32", (1, h))
+                elif cfg.shared_gated:
                     p.add(b + "ffn_gate_inp_shexp.weight", vec("shared_sigmoid", i), "f32", (h,))
         else:
             d, h = cfg.dense_inter, cfg.hidden
@@ -153,6 +184,45 @@ def build_plan(cfg: ModelConfig, w, other: str, experts: str) -> _Plan:
         p.add("output.weight", lambda: w.get("lm_head"), _matrix_type(other, (cfg.hidden,)),
               (cfg.vocab_size, cfg.hidden))
     return p
+
+
+def _linear_attention_plan(p: _Plan, cfg: ModelConfig, w, i: int, other: str, arch: str) -> None:
+    """A Gated DeltaNet layer's tensors, as llama.cpp's converter writes them (the module docstring): qwen3next's b
+    and a rows fused per key head into ``ssm_ba``, qwen35moe's value heads in tiled order."""
+    b, h = f"blk.{i}.", cfg.hidden
+    hk, hv, dv = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_v_dim
+    qk, c = 2 * hk * cfg.linear_k_dim, cfg.linear_conv_dim
+    tiled = arch == GGUF_TILED_V_ARCH and hk != hv
+
+    def heads(t, width, skip=0):
+        """``t``'s value heads (rows of ``width`` after the first ``skip``) in the file's order."""
+        t = np.asarray(t)
+        if not tiled:
+            return t
+        return np.ascontiguousarray(t[np.concatenate([np.arange(skip), skip + tiled_v_order(hk, hv, width)])])
+
+    def ba():
+        r = hv // hk
+        fused = np.stack([w.get(k, i).reshape(hk, r, h) for k in ("lin_b", "lin_a")], axis=1)  # [Hk, 2, r, H]
+        return np.ascontiguousarray(fused.reshape(2 * hv, h))
+
+    def out():
+        t = w.get("lin_out", i)
+        return np.ascontiguousarray(t[:, tiled_v_order(hk, hv, dv)]) if tiled else t
+
+    p.add(b + "ssm_a", lambda: heads(w.get("lin_ssm_a", i).reshape(-1), 1), "f32", (hv,))
+    p.add(b + "ssm_conv1d.weight", lambda: heads(w.get("lin_conv", i).reshape(c, -1), dv, qk), "f32",
+          (c, cfg.linear_conv))
+    p.add(b + "ssm_dt.bias", lambda: heads(w.get("lin_dt_bias", i).reshape(-1), 1), "f32", (hv,))
+    mats = [("ssm_ba", ba, (2 * hv, h))] if arch == "qwen3next" else \
+        [("ssm_alpha", lambda: heads(w.get("lin_a", i), 1), (hv, h)),
+         ("ssm_beta", lambda: heads(w.get("lin_b", i), 1), (hv, h))]
+    mats += [("attn_qkv", lambda: heads(w.get("lin_qkv", i), dv, qk), (c, h)),
+             ("attn_gate", lambda: heads(w.get("lin_z", i), dv), (hv * dv, h))]
+    for name, fn, shape in mats:
+        p.add(b + name + ".weight", fn, _matrix_type(other, shape), shape)
+    p.add(b + "ssm_norm.weight", lambda: w.get("lin_norm", i).reshape(-1), "f32", (dv,))
+    p.add(b + "ssm_out.weight", out, _matrix_type(other, (h, hv * dv)), (h, hv * dv))
 
 
 def _interleave_rope(t: np.ndarray, heads: int, width: int, rope: int) -> np.ndarray:
@@ -195,7 +265,57 @@ def _latent_attention_plan(p: _Plan, cfg: ModelConfig, w, i: int, other: str) ->
         p.add(b + name + ".weight", fn, _matrix_type(other, shape), shape)
 
 
-def _write_metadata(writer, cfg: ModelConfig, name: str, experts: str) -> None:
+def _write_hybrid_metadata(writer, cfg: ModelConfig, rope_sections) -> None:
+    """Qwen3-Next's / Qwen3.5-MoE's keys, as llama.cpp's converter writes them (the module docstring)."""
+    arch = ARCHS[cfg.family]
+    writer.add_ssm_conv_kernel(cfg.linear_conv)
+    writer.add_ssm_state_size(cfg.linear_k_dim)
+    writer.add_ssm_group_count(cfg.linear_k_heads)
+    writer.add_ssm_time_step_rank(cfg.linear_v_heads)
+    writer.add_ssm_inner_size(cfg.linear_v_dim * cfg.linear_v_heads)
+    linear = [cfg.is_linear(i) for i in range(cfg.num_layers)]
+    writer.add_array(f"{arch}.attention.recurrent_layers", linear)  # gguf-py's add_recurrent_layers, newer ones
+    # the interval that gives these layers (llama.cpp reads it only without the array above), else transformers' 4
+    every = next((n for n in range(1, cfg.num_layers + 1)
+                  if linear == [(j + 1) % n != 0 for j in range(cfg.num_layers)]), 4)
+    writer.add_full_attention_interval(every)
+    writer.add_rope_dimension_count(cfg.rope_dim)
+    if arch == "qwen35moe":
+        sections = list(rope_sections or QWEN35_ROPE_SECTIONS)
+        writer.add_rope_dimension_sections((sections + [0] * 4)[:4])
+
+
+def hf_rope_sections(config: dict) -> list[int] | None:
+    """An HF config's ``mrope_section`` (Qwen3.5's, in ``rope_parameters`` or ``rope_scaling``, of the
+    ``text_config`` when there is one), or None."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = text.get(key) or config.get(key)
+        if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
+            return [int(x) for x in rope["mrope_section"]]
+    return None
+
+
+def llama_cpp_notes(cfg: ModelConfig, rope_sections: list[int] | None = None) -> list[str]:
+    """What of a model written in its llama.cpp architecture llama.cpp itself will not load or run."""
+    notes = []
+    arch = ARCHS[cfg.family]
+    if cfg.family in HYBRID_FAMILIES and not all(cfg.moe_layers):
+        notes.append(f"llama.cpp's {arch} has no dense MLP layers (mlp_only_layers): llama.cpp will not load this "
+                     "file (freetoken does)")
+    if cfg.family in HYBRID_FAMILIES and cfg.linear_v_dim != cfg.linear_k_dim and "linear_attention" in \
+            cfg.layer_types:
+        notes.append(f"llama.cpp's {arch} sizes the linear-attention value heads by the key head dim "
+                     f"({arch}.ssm.state_size): it will not load a model whose linear_value_head_dim "
+                     f"({cfg.linear_v_dim}) differs from linear_key_head_dim ({cfg.linear_k_dim}) (freetoken does)")
+    sections = list(rope_sections or QWEN35_ROPE_SECTIONS)
+    if arch == "qwen35moe" and sum(sections) > cfg.head_dim:
+        notes.append(f"llama.cpp's multi-section RoPE needs the sections {sections} (mrope_section) to sum to at most "
+                     f"the head dim {cfg.head_dim}: llama.cpp aborts on this file (freetoken runs it)")
+    return notes
+
+
+def _write_metadata(writer, cfg: ModelConfig, name: str, experts: str, rope_sections=None) -> None:
     from gguf import LlamaFileType
 
     writer.add_name(name)
@@ -250,6 +370,8 @@ def _write_metadata(writer, cfg: ModelConfig, name: str, experts: str) -> None:
         writer.add_expert_group_used_count(cfg.topk_group)
         if not cfg.mla:
             writer.add_rope_dimension_count(cfg.rope_dim)
+    if cfg.family in HYBRID_FAMILIES:
+        _write_hybrid_metadata(writer, cfg, rope_sections)
     if cfg.family == "gpt_oss":
         # the window, and which layers have it (a per-layer array: llama.cpp reads it before its every-2nd default)
         writer.add_sliding_window(max(cfg.sliding_windows))
@@ -358,17 +480,22 @@ def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, experts: s
         warnings.warn(f"{src}: no tokenizer.json (nor tiktoken.model); the GGUF file gets no vocabulary (llama.cpp "
                       "will not load it)", stacklevel=2)
     return write_gguf(cfg, weights, out, experts=experts, other=other, tokenizer=tok_fields,
-                      name=_model_name(src, sd.config), progress=progress)
+                      name=_model_name(src, sd.config), progress=progress, rope_sections=hf_rope_sections(sd.config))
 
 
 def write_gguf(cfg: ModelConfig, weights, out: str | os.PathLike, experts: str = "q4_0", other: str = "f16",
-               tokenizer: dict | None = None, name: str = "freetoken export", progress: bool = False) -> Path:
+               tokenizer: dict | None = None, name: str = "freetoken export", progress: bool = False,
+               rope_sections: list[int] | None = None) -> Path:
     """Write a model given as a config and a weight source (``get`` / ``expert_stack``, see :func:`build_plan`)
-    as a GGUF file; ``tokenizer``: :func:`freetoken.loaders.gguf_tokenizer.gguf_tokenizer_fields` output."""
+    as a GGUF file; ``tokenizer``: :func:`freetoken.loaders.gguf_tokenizer.gguf_tokenizer_fields` output;
+    ``rope_sections``: Qwen3.5's ``mrope_section`` (:func:`hf_rope_sections`; None: the converter's default). A model
+    llama.cpp will not load (:func:`llama_cpp_notes`) is written all the same, with a warning."""
     import gguf
 
     out = Path(out)
     plan = build_plan(cfg, weights, other, experts)
+    for note in llama_cpp_notes(cfg, rope_sections):
+        warnings.warn(f"{out}: {note}", stacklevel=2)
     for tname, _, type_name, shape in plan.items:
         if _matrix_type(type_name, shape) != type_name:
             raise ValueError(f"{tname}: rows of {shape[-1]} are not whole {type_name} blocks")
@@ -380,7 +507,7 @@ def write_gguf(cfg: ModelConfig, weights, out: str | os.PathLike, experts: str =
     restore = _sigterm_as_exit()
     try:
         writer = gguf.GGUFWriter(tmp, ARCHS[cfg.family])
-        _write_metadata(writer, cfg, name, experts)
+        _write_metadata(writer, cfg, name, experts, rope_sections)
         if tokenizer is not None:
             from freetoken.loaders.gguf_tokenizer import write_tokenizer
 

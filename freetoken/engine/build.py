@@ -39,7 +39,7 @@ def build_decoder(cfg: ModelConfig, weights: Weights | Callable[[str], np.ndarra
     runner = make_runner(device, layouts, sum(cfg.moe_layers), cfg.num_experts, cfg.top_k, options.experts)
     decoder = MoeDecoder(cfg, weights, device, runner, progress=options.progress)
     plan = plan_context(cfg, device, options)
-    pool = KVPool(device, cfg.num_layers, cfg.kv_cache_heads, cfg.kv_cache_dim, plan.num_blocks, plan.kind,
+    pool = KVPool(device, len(cfg.kv_layers), cfg.kv_cache_heads, cfg.kv_cache_dim, plan.num_blocks, plan.kind,
                   values=cfg.kv_cache_values)
     decoder.set_context(pool, plan.ctx, plan.prefill_chunk)
     decoder.context_plan = plan

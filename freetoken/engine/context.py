@@ -55,7 +55,9 @@ def activation_bytes_per_token(cfg: ModelConfig) -> int:
     """An upper estimate of the float32 activations one prompt token carries through a layer at once: the residual
     stream and its norms, q/k/v and the attention output, the MLP's widest intermediate (gate and up of the routed
     experts of one token, or the dense/shared MLP), the router logits."""
-    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    qkv = (cfg.num_heads * (2 if cfg.attn_output_gate else 1) + 2 * cfg.num_kv_heads) * cfg.head_dim
+    # a Gated DeltaNet layer's projections: q|k|v channels, z, b and a
+    qkv = max(qkv, cfg.linear_conv_dim + cfg.linear_v_heads * (cfg.linear_v_dim + 2))
     mlp = max(cfg.dense_inter, cfg.top_k * cfg.moe_inter, cfg.shared_inter)
     return 4 * (8 * cfg.hidden + 2 * qkv + cfg.num_heads * cfg.head_dim + 3 * mlp + cfg.num_experts)
 
@@ -100,7 +102,7 @@ def plan_context(cfg: ModelConfig, device, options: LoadOptions) -> ContextPlan:
     """The context and KV pool of ``cfg`` on ``device`` as ``options`` ask (see the module doc); ValueError naming
     the flag when they cannot be met."""
     kind = options.kv_dtype
-    block = kv_block_bytes(cfg.num_layers, cfg.kv_cache_heads, cfg.kv_cache_dim, kind, values=cfg.kv_cache_values)
+    block = kv_block_bytes(len(cfg.kv_layers), cfg.kv_cache_heads, cfg.kv_cache_dim, kind, values=cfg.kv_cache_values)
     want = options.ctx or cfg.max_position
     want_blocks = -(-want // KV_BLOCK_TOKENS)
     budget, source = _budget(cfg, device, options, want_blocks * block)
@@ -140,6 +142,6 @@ def kv_load_bytes(cfg: ModelConfig, device_kind: str, options: LoadOptions) -> i
     if options.kv_memory is not None:
         return options.kv_memory
     if options.ctx is not None:
-        return options.ctx * kv_token_bytes(cfg.num_layers, cfg.kv_cache_heads, cfg.kv_cache_dim, options.kv_dtype,
+        return options.ctx * kv_token_bytes(len(cfg.kv_layers), cfg.kv_cache_heads, cfg.kv_cache_dim, options.kv_dtype,
                                             values=cfg.kv_cache_values)
     return 0

@@ -41,6 +41,11 @@ class GenerationStats:
         return max(self.generated_tokens - 1, 0) / self.decode_seconds if self.decode_seconds else 0.0
 
 
+#: Why a model with linear-attention layers makes and takes no anchors (yet): an anchor holds KV blocks, not the
+#: layers' recurrent states; prefix reuse of such a model resumes from the decoder's own state snapshots.
+NO_RECURRENT_ANCHORS = "anchors of models with linear-attention layers are not supported yet (their recurrent " \
+    "state is not saved with the KV blocks)"
+
 #: Default of :attr:`Model.restore_residency`: off, as measured (bench/bench_anchor_residency.py, bundled model on
 #: emu, 48 of 96 expert records in slots, 24 decode tokens after a side request): re-admitting the anchor's 48
 #: resident records copied 25 and saved 6 misses of the resumed decode, 69 records copied in all against 50 without.
@@ -120,6 +125,8 @@ class Model:
     def anchor(self, length: int | None = None, label: str | None = None):
         """An anchor of the decoder's first ``length`` tokens (default all it holds), for :meth:`rollback` or a
         later prompt's ``anchor=``."""
+        if self._recurrent:
+            raise ValueError(NO_RECURRENT_ANCHORS)
         n = self.decoder.length if length is None else int(length)
         if n < 1 or n > self.decoder.length or len(self.cached_ids) < n:
             raise ValueError(f"an anchor of {n} tokens: the decoder holds {self.decoder.length}")
@@ -129,6 +136,8 @@ class Model:
         """Make the decoder's sequence the anchor's tokens again (verified, see
         :meth:`freetoken.engine.anchors.AnchorStore.restore`); returns their number. ValueError when the anchor is
         refused."""
+        if self._recurrent:
+            raise ValueError(NO_RECURRENT_ANCHORS)
         a = self.anchors.get(anchor) if isinstance(anchor, str) else anchor
         if a is None:
             raise ValueError(f"no anchor {anchor!r}")
@@ -142,6 +151,26 @@ class Model:
         self.cached_ids = a.tokens.tolist()
         return n
 
+    @property
+    def _recurrent(self) -> bool:
+        """Whether the decoder has linear-attention layers, whose state the prefix cache and anchors do not hold."""
+        return bool(getattr(self.decoder, "recurrent", False))
+
+    def _reuse_recurrent(self, ids: Sequence[int], anchor, st: GenerationStats) -> int:
+        """:meth:`_reuse` for a decoder with linear-attention layers: the longest prefix of ``ids`` that the decoder's
+        own sequence shares and that it can resume at (its current length or a state snapshot,
+        :meth:`freetoken.models.decoder.MoeDecoder.resume_points`)."""
+        if anchor is not None:
+            st.anchor_refused = NO_RECURRENT_ANCHORS
+        limit = min(len(ids) - 1, self.decoder.length, len(self.cached_ids))
+        same = 0
+        while same < limit and self.cached_ids[same] == ids[same]:
+            same += 1
+        keep = max(p for p in self.decoder.resume_points() if p <= same)
+        if keep:
+            self.decoder.length = keep
+        return keep
+
     def _retire(self) -> None:
         """Put the decoder's current sequence into the prefix cache (before it is replaced)."""
         n = self.decoder.length
@@ -150,6 +179,8 @@ class Model:
 
     def _reuse(self, ids: Sequence[int], anchor, boundaries: Sequence[int], st: GenerationStats) -> int:
         """Put the longest reusable prefix of ``ids`` into the decoder's sequence; returns its length."""
+        if self._recurrent:
+            return self._reuse_recurrent(ids, anchor, st)
         self._retire()
         limit = len(ids) - 1  # the last prompt token is always fed again, for its logits
         blocks, n = self.prefix_cache.match(ids, limit)
@@ -247,13 +278,21 @@ class Model:
         st.prompt_tokens, st.cached_tokens = len(ids) - keep, keep
         self.cached_ids = ids[:keep]
         t0 = time.perf_counter()
-        logits = self.decoder.forward(np.asarray(ids[keep:], np.int64), last_only=True)[-1]
+        marks = sorted({int(b) for b in boundaries if 0 < int(b) <= len(ids)})
+        if self._recurrent:  # the prompt in pieces that end at its message boundaries, the states kept at each
+            cut = keep
+            for b in (b for b in marks if keep + 1 < b < len(ids)):
+                self.decoder.forward(np.asarray(ids[cut:b], np.int64), last_only=True)
+                cut = b
+            logits = self.decoder.forward(np.asarray(ids[cut:], np.int64), last_only=True)[-1]
+        else:
+            logits = self.decoder.forward(np.asarray(ids[keep:], np.int64), last_only=True)[-1]
         st.prefill_seconds = time.perf_counter() - t0
         self.cached_ids = list(ids)
-        if reuse_cache:  # the prompt's full blocks, for requests that share it while this one runs on
+        if reuse_cache and not self._recurrent:  # the prompt's full blocks, for requests that share it meanwhile
             bs = self.decoder.pool.block_size
             self.prefix_cache.insert(ids, self.decoder.kv.blocks, len(ids) // bs * bs)
-        for b in sorted({int(b) for b in boundaries if 0 < int(b) <= len(ids)}):
+        for b in marks if not self._recurrent else ():
             st.anchors_made.append(self.anchors.create(self.decoder.kv, ids, b, residency=self._residency()).id)
         if record_routing:
             st.prefill_routing = [np.asarray(self.decoder.dev.to_host(r)) for r in self.experts.last_routing]

@@ -22,6 +22,8 @@ def memory_breakdown(model) -> dict[str, int]:
     out = dict(dec.weight_bytes())
     out.update(model.experts.memory())
     out["KV pool"] = int(dec.pool.nbytes) if dec.pool is not None else 0
+    if getattr(dec, "recurrent", False):  # the linear-attention layers' states, live and kept as snapshots
+        out["linear-attention states"] = dec.state_bytes() * (1 + dec.kept_snapshots)
     return out
 
 
@@ -30,11 +32,13 @@ def memory_line(model) -> str:
     context), peak host RSS."""
     parts = memory_breakdown(model)
     slots = parts.get("expert slots", 0)
-    weights = sum(v for k, v in parts.items() if k not in ("expert slots", "KV pool"))
+    states = parts.get("linear-attention states")
+    weights = sum(v for k, v in parts.items() if k not in ("expert slots", "KV pool", "linear-attention states"))
     dec = model.decoder
     kind = dec.pool.kind if dec.pool is not None else "-"
+    extra = "" if states is None else f", linear-attention states {gib(states)}"
     return (f"memory: weights {gib(weights)}, expert slots {gib(slots)}, KV pool {gib(parts['KV pool'])} ({kind}, "
-            f"{dec.length}/{dec.ctx} tokens), peak host RSS {gib(peak_rss_bytes())}")
+            f"{dec.length}/{dec.ctx} tokens){extra}, peak host RSS {gib(peak_rss_bytes())}")
 
 
 def breakdown_line(model) -> str:

@@ -3,7 +3,9 @@
 * attention: a fused q/k/v projection, a q/k treatment (:class:`PlainQK`, Qwen3's per-head norms :class:`HeadNormQK`,
   OLMoE's whole-projection norms :class:`ProjectionNormQK`), RoPE, the append to the paged KV cache, causal GQA over
   it (with the layer's sliding window and sinks), the output projection; :class:`LatentAttention` (DeepSeek-V3's
-  multi-head latent attention over a latent cache, absorbed);
+  multi-head latent attention over a latent cache, absorbed); an optional sigmoid output gate (Qwen3-Next / Qwen3.5);
+* :class:`GatedDeltaNet`: Qwen3-Next's / Qwen3.5's linear attention, a short convolution and the gated delta rule over
+  a per-sequence :class:`LinearState`, in the place of attention;
 * routers: :class:`SoftmaxTopKRouter` (softmax over the experts, top-k, optional renormalisation),
   :class:`SigmoidGroupRouter` (DeepSeek-V3 / GLM-4.5: sigmoid scores, a selection bias, group-limited top-k, a
   routed scaling factor), :class:`SoftmaxGroupRouter` (DeepSeek-V2: softmax, group-limited or plain greedy top-k,
@@ -124,19 +126,21 @@ class Attention:
     (host float32) or None."""
 
     def __init__(self, qkv: Linear, qk, o_proj: Linear, device, scratch: Scratch | None = None, window: int = 0,
-                 sinks: np.ndarray | None = None):
+                 sinks: np.ndarray | None = None, out_gate: Linear | None = None):
         self.qkv, self.qk, self.o_proj, self.dev = qkv, qk, o_proj, device
         self.heads = qk.heads
         self.scratch = scratch if scratch is not None else Scratch(device)
         self.window = int(window)
         self.sinks = None if sinks is None else device.asarray(np.ascontiguousarray(sinks, np.float32).reshape(-1))
+        self.out_gate = out_gate
 
     @property
     def nbytes(self) -> int:
         """Bytes of the block's weights."""
         qk = self.qk
         extra = (getattr(qk, "weight", None), getattr(qk, "q_norm", None), getattr(qk, "k_norm", None), self.sinks)
-        return self.qkv.nbytes + self.o_proj.nbytes + sum(int(w.nbytes) for w in extra if w is not None)
+        gate = self.out_gate.nbytes if self.out_gate is not None else 0
+        return self.qkv.nbytes + self.o_proj.nbytes + gate + sum(int(w.nbytes) for w in extra if w is not None)
 
     def __call__(self, x, kv, start: int, cos, sin):
         """``x [T, hidden]`` at positions ``start ..`` with ``cos``/``sin`` their RoPE rows; appends the T keys and
@@ -161,7 +165,85 @@ class Attention:
         a = ops.paged_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, kv.block_table, start, window=self.window,
                                 sinks=self.sinks, out=self.scratch.get("att", (t, self.heads * dim)),
                                 device=dev, checked=True)
+        if self.out_gate is not None:  # Qwen3-Next / Qwen3.5: every output value scaled by sigmoid(gate . x)
+            sigmoid_gate(dev.xp, a, self.out_gate(x))
         return self.o_proj(a)
+
+
+class LinearState:
+    """One sequence's state in a Gated DeltaNet layer: the short convolution's last K - 1 inputs ``conv`` [K - 1, C]
+    and the recurrent state ``rec`` [Hv, Dk, Dv] (device float32, zeros at the start of a sequence)."""
+
+    def __init__(self, device, taps: int, channels: int, v_heads: int, k_dim: int, v_dim: int):
+        self.conv = device.zeros((taps - 1, channels), np.float32)
+        self.rec = device.zeros((v_heads, k_dim, v_dim), np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.conv.nbytes) + int(self.rec.nbytes)
+
+    def reset(self) -> None:
+        self.conv.fill(0)
+        self.rec.fill(0)
+
+    def copy_from(self, other: LinearState) -> None:
+        self.conv[...] = other.conv
+        self.rec[...] = other.rec
+
+
+class GatedDeltaNet:
+    """Qwen3-Next's / Qwen3.5's linear attention: the input projections (q|k|v channels, the output gate z, the
+    write strength b and the decay input a, as one matrix), the short causal convolution with SiLU over q|k|v
+    (:func:`freetoken.ops.short_conv`), the gated delta rule over a per-head recurrent state
+    (:func:`freetoken.ops.gated_delta_rule`, q and k L2-normalised inside) with ``beta = sigmoid(b)`` and decay
+    ``g = ssm_a * softplus(a + dt_bias)`` (``ssm_a = -exp(A_log)``, the weights' ``lin_ssm_a``), a per-head RMSNorm
+    gated by ``silu(z)``, the output projection.
+
+    Called as an attention block, with the layer's :class:`LinearState` in place of its KV rows: the state carries
+    the sequence, so positions (RoPE) play no part."""
+
+    def __init__(self, inp: Linear, conv_w: np.ndarray, ssm_a: np.ndarray, dt_bias: np.ndarray, norm_w: np.ndarray,
+                 out: Linear, k_heads: int, v_heads: int, k_dim: int, v_dim: int, eps: float, device,
+                 scratch: Scratch | None = None):
+        self.inp, self.out, self.dev = inp, out, device
+        self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.eps = k_heads, v_heads, k_dim, v_dim, eps
+        self.channels = 2 * k_heads * k_dim + v_heads * v_dim
+        self.conv_w = device.asarray(np.ascontiguousarray(np.asarray(conv_w, np.float32).reshape(self.channels, -1)))
+        self.taps = int(self.conv_w.shape[1])
+        self.neg_a = device.asarray(np.ascontiguousarray(ssm_a, np.float32).reshape(-1))  # -exp(A_log)
+        self.dt_bias = device.asarray(np.ascontiguousarray(dt_bias, np.float32).reshape(-1))
+        self.norm_w = device.asarray(np.ascontiguousarray(norm_w, np.float32).reshape(-1))
+        self.scratch = scratch if scratch is not None else Scratch(device)
+
+    @property
+    def nbytes(self) -> int:
+        vecs = (self.conv_w, self.neg_a, self.dt_bias, self.norm_w)
+        return self.inp.nbytes + self.out.nbytes + sum(int(v.nbytes) for v in vecs)
+
+    def new_state(self) -> LinearState:
+        return LinearState(self.dev, self.taps, self.channels, self.v_heads, self.k_dim, self.v_dim)
+
+    def __call__(self, x, state: LinearState, start: int, cos, sin):
+        t, dev, xp = x.shape[0], self.dev, self.dev.xp
+        c, hv, dv = self.channels, self.v_heads, self.v_dim
+        proj = self.inp(x)  # [T, C + Hv*Dv + 2 Hv]: q|k|v, z, b, a
+        qkv = ops.short_conv(xp.ascontiguousarray(proj[:, :c]), self.conv_w, state.conv,
+                             out=self.scratch.get("lin_qkv", (t, c)), device=dev, checked=True)
+        b = proj[:, c + hv * dv:c + hv * dv + hv]
+        a = proj[:, c + hv * dv + hv:]
+        beta = xp.negative(b)  # sigmoid(b), in one new contiguous array
+        xp.exp(beta, out=beta)
+        beta += 1.0
+        xp.reciprocal(beta, out=beta)
+        g = xp.logaddexp(np.float32(0.0), a + self.dt_bias)  # softplus(a + dt_bias): a new contiguous array
+        g *= self.neg_a
+        o = ops.gated_delta_rule(qkv, g, beta, state.rec, self.k_heads,
+                                 out=self.scratch.get("lin_o", (t, hv, dv)), device=dev, checked=True)
+        o = ops.rms_norm(o, self.norm_w, self.eps, out=self.scratch.get("lin_n", (t, hv, dv)), device=dev,
+                         checked=True)
+        z = proj[:, c:c + hv * dv].reshape(t, hv, dv)
+        y = silu_mul(xp, z, o)  # silu(z) * norm(o), a new [T, Hv, Dv] array
+        return self.out(y.reshape(t, hv * dv))
 
 
 def _absorbed_fp8(kv_b: QuantizedMatrix, heads: int, nope: int, v_dim: int):

@@ -1,15 +1,18 @@
 """Model configuration of the supported MoE families, parsed from an HF ``config.json`` or a GGUF file's metadata.
 
-One decoder serves Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5 (glm4_moe), gpt-oss and DeepSeek-V2/V3 (with
-Kimi-K2's model_type); their differences are flags here: q/k norms (per head for Qwen3 and GLM's ``use_qk_norm``, over
-the whole projection for OLMoE), qkv biases (Qwen2, GLM's and gpt-oss' ``attention_bias``), an output bias and sinks
-(gpt-oss), sliding windows per layer (gpt-oss' ``layer_types``), multi-head latent attention (DeepSeek's
-``kv_lora_rank``...), a shared expert (Qwen2's with a sigmoid gate; GLM's and DeepSeek's ``n_shared_experts``
-without one), the router (softmax top-k, with a logit bias for gpt-oss; DeepSeek-V3's sigmoid scores with a
-selection bias, expert groups and a routed scaling factor, which GLM has too; DeepSeek-V2's softmax with group-limited
-greedy top-k), top-k renormalisation (always for Mixtral and gpt-oss, ``norm_topk_prob`` otherwise), partial rotary
-(GLM's ``partial_rotary_factor``), experts with biases and the clamped SwiGLU (gpt-oss), and which layers are MoE
-(``decoder_sparse_step`` / ``mlp_only_layers``, ``first_k_dense_replace``).
+One decoder serves Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5 (glm4_moe), gpt-oss, Qwen3-Next, Qwen3.5-MoE and
+DeepSeek-V2/V3 (with Kimi-K2's model_type); their differences are flags here: q/k norms (per head for Qwen3 and
+GLM's ``use_qk_norm``, over the whole projection for OLMoE), qkv biases (Qwen2, GLM's and gpt-oss'
+``attention_bias``), an output bias and sinks (gpt-oss), sliding windows per layer (gpt-oss' ``layer_types``),
+multi-head latent attention (DeepSeek's ``kv_lora_rank``...), a shared expert (Qwen2's with a sigmoid gate; GLM's
+and DeepSeek's ``n_shared_experts`` without one), the router (softmax top-k, with a logit bias for gpt-oss;
+DeepSeek-V3's sigmoid scores with a selection bias, expert groups and a routed scaling factor, which GLM has too;
+DeepSeek-V2's softmax with group-limited greedy top-k), top-k renormalisation (always for Mixtral and gpt-oss,
+``norm_topk_prob`` otherwise), partial rotary (GLM's ``partial_rotary_factor``), experts with biases and the clamped
+SwiGLU (gpt-oss), and which layers are MoE (``decoder_sparse_step`` / ``mlp_only_layers``,
+``first_k_dense_replace``). Qwen3-Next and Qwen3.5-MoE mix Gated DeltaNet linear-attention layers with full
+attention (``layer_types``), gate the attention output with rows the q projection carries, rotate a quarter of each
+head and store their norms zero-centred.
 """
 
 from __future__ import annotations
@@ -35,7 +38,12 @@ from freetoken.models.fields import (
 #: model_type -> family name used by freetoken.
 FAMILIES = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "olmoe": "olmoe",
             "glm4_moe": "glm4_moe", "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3",
-            "deepseek_v2": "deepseek_v2"}
+            "deepseek_v2": "deepseek_v2", "qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_5_moe",
+            "qwen3_5_moe_text": "qwen3_5_moe"}
+#: Families whose layers mix Gated DeltaNet linear attention with gated full attention (``layer_types``).
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe")
+#: Layer kinds of ``ModelConfig.layer_types``.
+LAYER_TYPES = ("full_attention", "linear_attention")
 
 #: Router blocks (freetoken.models.blocks): softmax over the experts then top-k, or DeepSeek-V3's sigmoid scores with
 #: a selection bias and group-limited top-k (freetoken.ops.route_sigmoid_group_topk).
@@ -106,6 +114,18 @@ class ModelConfig:
     qk_rope_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    #: Qwen3-Next / Qwen3.5-MoE: each layer's token mixer (:data:`LAYER_TYPES`; empty: every layer full attention),
+    #: the Gated DeltaNet dims of the linear layers (key/value heads and head dims, the short convolution's taps),
+    #: a sigmoid output gate carried by the q projection (``attn_output_gate``), and RMSNorm weights stored
+    #: zero-centred (``norm_offset``: the norm multiplies by ``1 + w``; folded into the weights at load).
+    layer_types: tuple[str, ...] = ()
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv: int = 0
+    attn_output_gate: bool = False
+    norm_offset: bool = False
 
     @property
     def mla(self) -> bool:
@@ -176,6 +196,23 @@ class ModelConfig:
             bad(f"{self.rotary_dim} rotary dimensions of a head of {self.head_dim} (an even number in [2, head_dim])")
         if self.router not in ROUTERS:
             bad(f"router {self.router!r} (one of {', '.join(ROUTERS)})")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+                bad(f"layer_types must list {self.num_layers} of {', '.join(LAYER_TYPES)}")
+            if not self.kv_layers:
+                bad("layer_types: at least one full_attention layer")
+            if "linear_attention" in self.layer_types:
+                from freetoken.device.constants import LINEAR_CONV_MAX_TAPS, LINEAR_MAX_HEAD_DIM
+
+                dims = (self.linear_k_heads, self.linear_v_heads, self.linear_k_dim, self.linear_v_dim)
+                if min(dims) < 1 or self.linear_v_heads % self.linear_k_heads:
+                    bad(f"linear attention: {self.linear_v_heads} value heads must be a multiple of "
+                        f"{self.linear_k_heads} key heads (both >= 1), head dims >= 1")
+                if max(self.linear_k_dim, self.linear_v_dim) > LINEAR_MAX_HEAD_DIM:
+                    bad(f"linear attention head dims {self.linear_k_dim}/{self.linear_v_dim}: at most "
+                        f"{LINEAR_MAX_HEAD_DIM}")
+                if not 2 <= self.linear_conv <= LINEAR_CONV_MAX_TAPS:
+                    bad(f"linear_conv_kernel_dim {self.linear_conv}: 2 .. {LINEAR_CONV_MAX_TAPS}")
         if self.router in ("sigmoid_group", "softmax_group") and self.num_experts:
             from freetoken.ops.routing import check_groups
 
@@ -201,6 +238,20 @@ class ModelConfig:
 
     def is_moe(self, layer: int) -> bool:
         return self.moe_layers[layer]
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether layer ``layer`` mixes tokens with Gated DeltaNet (a recurrent state) instead of attention."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep keys and values in the KV pool (every layer but the linear-attention ones)."""
+        return tuple(i for i in range(self.num_layers) if not self.is_linear(i))
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a linear layer's short convolution: its q, k and v heads."""
+        return 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
 
     def window(self, layer: int) -> int:
         """Layer ``layer``'s sliding window (0: none)."""
@@ -246,11 +297,20 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
     value and what was expected) before anything is allocated. ``where``: the file, for messages."""
     if not isinstance(cfg, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(cfg).__name__}")
-    f = Fields(cfg.get, where)
     mt = cfg.get("model_type")
+    if mt == "qwen3_5_moe" and isinstance(cfg.get("text_config"), dict):
+        # the released checkpoints are image-text models: the language model's fields sit in text_config (the
+        # vision tower's weights are not read)
+        text = dict(cfg["text_config"])
+        for key in ("tie_word_embeddings", "eos_token_id"):
+            if key not in text and key in cfg:
+                text[key] = cfg[key]
+        cfg, where, mt = {**text, "model_type": mt}, f"{where} text_config", mt
+    f = Fields(cfg.get, where)
     if not isinstance(mt, str) or mt not in FAMILIES:
         raise ConfigError(f"{where}: unsupported model_type {mt!r}; freetoken runs {', '.join(FAMILIES)}")
     family = FAMILIES[mt]
+    hybrid = family in HYBRID_FAMILIES
     hidden = f.int("hidden_size", hi=MAX_HIDDEN)
     layers = f.int("num_hidden_layers", hi=MAX_LAYERS)
     heads = f.int("num_attention_heads", hi=MAX_HEADS)
@@ -278,6 +338,8 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
         dense_inter = f.int("intermediate_size", default=0, lo=0, hi=MAX_INTERMEDIATE)
         # transformers' default: True for GLM and DeepSeek-V3 only
         norm_topk = f.bool("norm_topk_prob", v3_moe is not None and family != "deepseek_v2")
+        if family == "qwen3_5_moe":  # its router always renormalises the top-k (no config field)
+            norm_topk = True
     if v3_moe:
         first_dense = f.int("first_k_dense_replace", default=v3_moe["first_dense"], lo=0, hi=layers)
         moe_layers = tuple(i >= first_dense for i in range(layers))
@@ -289,16 +351,17 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
     if cfg.get("sliding_window") and f.bool("use_sliding_window", False):
         raise ConfigError(f"{where}: sliding-window attention is not supported yet")
     shared = 0
-    if family == "qwen2_moe":
+    if family in ("qwen2_moe", "qwen3_next", "qwen3_5_moe"):
         shared = f.int("shared_expert_intermediate_size", default=0, lo=0, hi=MAX_INTERMEDIATE)
     elif v3_moe:
         shared = moe_inter * f.int("n_shared_experts", default=2 if family == "deepseek_v2" else 1, lo=0,
                                    hi=64)  # transformers' defaults
     rotary_dim = 0
-    if glm:
-        # transformers' Glm4MoeConfig defaults the factor to 0.5 when a config names none (as GLM-4.5's own code)
+    if glm or hybrid:
+        # transformers' Glm4MoeConfig defaults the factor to 0.5 when a config names none (as GLM-4.5's own code),
+        # Qwen3-Next's and Qwen3.5's configs to 0.25
         factor = (f.dict("rope_parameters") or {}).get("partial_rotary_factor",
-                                                       cfg.get("partial_rotary_factor", 0.5))
+                                                       cfg.get("partial_rotary_factor", 0.25 if hybrid else 0.5))
         pf = Fields(lambda _: factor, where).float("partial_rotary_factor", hi=1.0)
         rotary_dim = int(head_dim * pf)  # transformers' rounding
         if rotary_dim < 2:
@@ -335,7 +398,9 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
                       mtp_layers=f.int("num_nextn_predict_layers", default=0, lo=0, hi=MAX_LAYERS))
     if oss:
         groups.update(_gpt_oss_fields(f, layers))
-    qk_norm = {"qwen3_moe": "head", "olmoe": "full"}.get(family, "none")
+    if hybrid:
+        groups.update(_hybrid_fields(f, layers))
+    qk_norm = {"qwen3_moe": "head", "olmoe": "full", "qwen3_next": "head", "qwen3_5_moe": "head"}.get(family, "none")
     if glm:
         qk_norm = "head" if f.bool("use_qk_norm", False) else "none"
     return _checked(where, lambda: ModelConfig(
@@ -361,6 +426,26 @@ def _mla_fields(f: Fields) -> dict:
                 qk_rope_dim=f.int("qk_rope_head_dim", hi=MAX_HEAD_DIM),
                 v_head_dim=f.int("v_head_dim", hi=MAX_HEAD_DIM),
                 rope_interleave=f.bool("rope_interleave", True))
+
+
+def _hybrid_fields(f: Fields, layers: int) -> dict:
+    """Qwen3-Next's / Qwen3.5-MoE's layer kinds and Gated DeltaNet dims (transformers' defaults: every 4th layer full
+    attention, ``full_attention_interval``), the gated attention output and the zero-centred norms."""
+    types = f.get("layer_types")
+    if types is None:
+        every = f.int("full_attention_interval", default=4, hi=MAX_LAYERS)
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
+        f.fail("layer_types", types, f"a list of {layers} of {', '.join(LAYER_TYPES)}")
+    if f.bool("attention_bias", False):
+        f.fail("attention_bias", True, "false (biases on a gated q projection are not supported)")
+    return dict(layer_types=tuple(types),
+                linear_k_heads=f.int("linear_num_key_heads", hi=MAX_HEADS),
+                linear_v_heads=f.int("linear_num_value_heads", hi=MAX_HEADS),
+                linear_k_dim=f.int("linear_key_head_dim", hi=MAX_HEAD_DIM),
+                linear_v_dim=f.int("linear_value_head_dim", hi=MAX_HEAD_DIM),
+                linear_conv=f.int("linear_conv_kernel_dim", default=4, hi=64),
+                attn_output_gate=True, norm_offset=True)
 
 
 #: What every gpt-oss model has, whatever file it comes from.
@@ -399,11 +484,13 @@ def _checked(where: str, make) -> ModelConfig:
 
 #: GGUF ``general.architecture`` -> family (``llama`` with experts is Mixtral's layout in llama.cpp).
 GGUF_FAMILIES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "olmoe": "olmoe",
-                 "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v3"}
+                 "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v3", "qwen3next": "qwen3_next",
+                 "qwen35moe": "qwen3_5_moe"}
 #: Whether llama.cpp renormalises the top-k router weights of each family when ``{arch}.expert_weights_norm`` is
 #: absent (it hard-codes this per architecture; glm4moe reads the key, default false).
 _GGUF_NORM_TOPK = {"qwen3_moe": True, "qwen2_moe": False, "mixtral": True, "olmoe": False, "glm4_moe": False,
-                   "gpt_oss": True, "deepseek_v3": False, "deepseek_v2": False}
+                   "gpt_oss": True, "deepseek_v3": False, "deepseek_v2": False, "qwen3_next": True,
+                   "qwen3_5_moe": True}
 #: llama.cpp's ``{arch}.expert_gating_func`` values (enum llama_expert_gating_func_type).
 _GATING_NONE, _GATING_SOFTMAX, _GATING_SIGMOID = 0, 1, 2
 
@@ -446,6 +533,58 @@ def _gguf_gpt_oss(gf, m: Fields, arch: str, layers: int) -> dict:
     return dict(sliding_windows=tuple(window if swa[i] else 0 for i in range(layers)), **_GPT_OSS)
 
 
+def _gguf_hybrid(gf, m: Fields, arch: str, layers: int, blocks: int) -> dict:
+    """Qwen3-Next's / Qwen3.5-MoE's fields of a GGUF file, as llama.cpp reads them and its converter writes them.
+
+    Which layers are Gated DeltaNet: ``{arch}.attention.recurrent_layers`` (one flag per block, the MTP blocks
+    included; the converter writes it from the config's ``layer_types``), else every
+    ``{arch}.full_attention_interval``-th layer (default 4) is full attention and the rest linear; each layer's
+    tensors must agree (a linear layer has ``ssm_a``, a full one ``attn_q``). The linear layers' dims:
+    ``ssm.group_count`` key heads, ``ssm.time_step_rank`` value heads, ``ssm.state_size`` the key head dim,
+    ``ssm.inner_size`` value heads x value head dim, ``ssm.conv_kernel`` the convolution's taps. What every such
+    model has: the sigmoid output gate in ``attn_q`` and zero-centred norms (stored as ``1 + w``, read as stored).
+    Refused by name: qwen3next's older fused ``ssm_in`` and a fused ``attn_qkv`` in a full-attention layer."""
+    where = str(gf.path)
+    key = f"{arch}.attention.recurrent_layers"
+    rec = gf.meta(key, None)
+    if rec is not None:
+        flags = [bool(x) for x in np.asarray(rec).reshape(-1)]
+        if len(flags) == 1:  # one value for every block (llama.cpp's key-or-array)
+            flags *= blocks
+        if len(flags) != blocks:
+            raise ConfigError(f"{where}: {key} has {len(flags)} entries for {blocks} blocks ({arch}.block_count)")
+        source = key
+    else:
+        every = m.int(f"{arch}.full_attention_interval", default=4, hi=MAX_LAYERS)
+        flags = [(i + 1) % every != 0 for i in range(blocks)]
+        source = f"{arch}.full_attention_interval {every}"
+    types = tuple("linear_attention" if flags[i] else "full_attention" for i in range(layers))
+    for i, t in enumerate(types):
+        linear = t == "linear_attention"
+        if linear and gf.has(f"blk.{i}.ssm_in.weight") and not gf.has(f"blk.{i}.attn_qkv.weight"):
+            raise ConfigError(f"{where}: blk.{i}.ssm_in.weight: the fused q|k|v|z projection of older qwen3next "
+                              "conversions is not supported; re-convert with a current convert_hf_to_gguf.py "
+                              "(attn_qkv + attn_gate)")
+        if linear != gf.has(f"blk.{i}.ssm_a"):
+            kind = "linear-attention (Gated DeltaNet)" if linear else "full-attention"
+            raise ConfigError(f"{where}: {source} makes layer {i} a {kind} layer, but the file "
+                              f"{'lacks' if linear else 'has'} blk.{i}.ssm_a")
+        if not linear and gf.has(f"blk.{i}.attn_qkv.weight") and not gf.has(f"blk.{i}.attn_q.weight"):
+            raise ConfigError(f"{where}: blk.{i}.attn_qkv.weight: a fused q|k|v projection in a full-attention layer "
+                              "is not supported (attn_q, attn_k and attn_v, as the converter writes them by default)")
+    dims = dict(linear_k_heads=0, linear_v_heads=0, linear_k_dim=0, linear_v_dim=0, linear_conv=0)
+    if "linear_attention" in types:
+        v_heads = m.int(f"{arch}.ssm.time_step_rank", hi=MAX_HEADS)
+        inner = m.int(f"{arch}.ssm.inner_size", hi=MAX_HEADS * MAX_HEAD_DIM)
+        if inner % v_heads:
+            raise ConfigError(f"{where}: {arch}.ssm.inner_size {inner} is not a whole number of value heads "
+                              f"({arch}.ssm.time_step_rank {v_heads})")
+        dims = dict(linear_k_heads=m.int(f"{arch}.ssm.group_count", hi=MAX_HEADS), linear_v_heads=v_heads,
+                    linear_k_dim=m.int(f"{arch}.ssm.state_size", hi=MAX_HEAD_DIM), linear_v_dim=inner // v_heads,
+                    linear_conv=m.int(f"{arch}.ssm.conv_kernel", hi=64))
+    return dict(layer_types=types, attn_output_gate=True, norm_offset=True, **dims)
+
+
 def from_gguf(gf) -> ModelConfig:
     """The config of a :class:`freetoken.loaders.GGUFFile` from its ``{arch}.*`` metadata and tensor shapes;
     :class:`ConfigError` (naming the file) for architectures, layouts and RoPE variants the decoder lacks."""
@@ -477,10 +616,18 @@ def from_gguf(gf) -> ModelConfig:
     if experts == 0:
         raise ConfigError(f"{where}: {gf.arch} model without experts ({gf.arch}.expert_count); freetoken runs "
                           "MoE models")
+    hybrid = _gguf_hybrid(gf, m, arch, layers, blocks) if family in HYBRID_FAMILIES else {}
+    # the layers with attention (q/k/v projections, their norms and biases): all but the linear-attention ones
+    attn_layers = [i for i in range(layers) if hybrid.get("layer_types", ("full_attention",) * layers)[i]
+                   == "full_attention"]
     moe_layers = tuple(gf.has(f"blk.{i}.ffn_gate_inp.weight") for i in range(layers))
     first = next((i for i, m in enumerate(moe_layers) if m), None)
     if first is None:
         raise ConfigError(f"{where}: no layer has a router (blk.N.ffn_gate_inp.weight)")
+    if gf.has(f"blk.{first}.ffn_gate_up_exps.weight"):
+        raise ConfigError(f"{where}: blk.{first}.ffn_gate_up_exps.weight: experts with gate and up fused in one tensor "
+                          "(the converter's --fuse-gate-up-exps) are not supported; convert without it "
+                          "(ffn_gate_exps + ffn_up_exps)")
     if not gf.has(f"blk.{first}.ffn_gate_exps.weight"):
         raise ConfigError(f"{where}: experts stored per expert (blk.{first}.ffn_gate.0.weight, old llama.cpp "
                           "files) are not supported; re-convert with a current converter (merged *_exps tensors)")
@@ -492,7 +639,7 @@ def from_gguf(gf) -> ModelConfig:
     dense = next((i for i, m in enumerate(moe_layers) if not m), None)
     dense_inter = gf.info(f"blk.{dense}.ffn_gate.weight").shape[0] if dense is not None else 0
     for group in (("attn_q_norm.weight", "attn_k_norm.weight"), ("attn_q.bias", "attn_k.bias", "attn_v.bias")):
-        _same_in_every_layer(gf, where, range(layers), group)
+        _same_in_every_layer(gf, where, attn_layers, group)
     moe_ids = [i for i, x in enumerate(moe_layers) if x]
     _same_in_every_layer(gf, where, moe_ids, ("ffn_gate_shexp.weight", "ffn_up_shexp.weight",
                                               "ffn_down_shexp.weight"))
@@ -500,9 +647,9 @@ def from_gguf(gf) -> ModelConfig:
     shared_inter = 0
     shared_gated = gf.has(f"blk.{first}.ffn_gate_inp_shexp.weight")
     if gf.has(f"blk.{first}.ffn_gate_shexp.weight"):
-        if family not in ("qwen2_moe", "glm4_moe", "deepseek_v3", "deepseek_v2"):
+        if family not in ("qwen2_moe", "glm4_moe", "deepseek_v3", "deepseek_v2", *HYBRID_FAMILIES):
             raise ConfigError(f"{where}: shared experts in a {gf.arch} model are not supported")
-        if shared_gated != (family == "qwen2_moe"):
+        if shared_gated != (family in ("qwen2_moe", *HYBRID_FAMILIES)):
             raise ConfigError(f"{where}: a {gf.arch} shared expert {'with' if shared_gated else 'without'} a "
                               f"sigmoid gate (blk.{first}.ffn_gate_inp_shexp.weight) is not supported")
         shared_inter = gf.info(f"blk.{first}.ffn_gate_shexp.weight").shape[0]
@@ -546,6 +693,9 @@ def from_gguf(gf) -> ModelConfig:
         router = _gguf_gpt_oss(gf, m, arch, layers)
     elif scale != 1.0:
         raise ConfigError(f"{where}: expert_weights_scale {scale} is not supported")
+    elif family in HYBRID_FAMILIES:
+        # Qwen3-Next's / Qwen3.5's MTP block(s) after the decoder's (nextn): not run, as for DeepSeek-V3
+        router = dict(mtp_layers=mtp)
     elif mtp:
         raise ConfigError(f"{where}: {arch}.nextn_predict_layers {mtp}: multi-token-prediction layers in a "
                           f"{arch} model are not supported")
@@ -567,14 +717,19 @@ def from_gguf(gf) -> ModelConfig:
     else:
         head_dim = m.int(f"{arch}.attention.key_length", default=hidden // heads, hi=MAX_HEAD_DIM)
         rotary_dim = m.int(f"{arch}.rope.dimension_count", default=head_dim, lo=2, hi=head_dim)
-    if rotary_dim != head_dim and family != "glm4_moe":
+    if rotary_dim != head_dim and family not in ("glm4_moe", *HYBRID_FAMILIES):
         raise ConfigError(f"{where}: {arch}.rope.dimension_count {rotary_dim} of a head of {head_dim}: partial rotary "
                           f"in a {arch} model is not supported")
     vocab = m.int(f"{arch}.vocab_size", default=0, lo=0, hi=MAX_VOCAB) or \
         m.whole("token_embd.weight rows", gf.info("token_embd.weight").shape[0], 1, MAX_VOCAB)
     qk_norm = "none"
-    if gf.has("blk.0.attn_q_norm.weight"):  # then every layer has both norms (checked above)
+    a0 = attn_layers[0] if attn_layers else 0
+    if gf.has(f"blk.{a0}.attn_q_norm.weight"):  # then every attention layer has both norms (checked above)
         qk_norm = "full" if family == "olmoe" else "head"
+    qkv_bias = gf.has(f"blk.{a0}.attn_q.bias")
+    if family in HYBRID_FAMILIES and (qk_norm != "head" or qkv_bias):
+        raise ConfigError(f"{where}: a {arch} model's attention has q/k norms (blk.{a0}.attn_q_norm.weight) and no "
+                          f"biases; this file {'has biases (attn_q.bias)' if qkv_bias else 'lacks the norms'}")
     return _checked(where, lambda: ModelConfig(
         family=family, vocab_size=vocab, hidden=hidden, num_layers=layers, num_heads=heads, num_kv_heads=int(kv),
         head_dim=head_dim, rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
@@ -585,7 +740,7 @@ def from_gguf(gf) -> ModelConfig:
         rms_eps=m.float(f"{arch}.attention.layer_norm_rms_epsilon", default=1e-6, hi=0.5),
         rope_theta=m.float(f"{arch}.rope.freq_base", default=1e4),
         rope_scaling=rope_scaling,
-        qk_norm=qk_norm, qkv_bias=gf.has("blk.0.attn_q.bias"), shared_inter=int(shared_inter),
+        qk_norm=qk_norm, qkv_bias=qkv_bias, shared_inter=int(shared_inter),
         moe_layers=moe_layers, tie_word_embeddings=not gf.has("output.weight"),
-        max_position=m.int(f"{arch}.context_length", default=32768, hi=MAX_POSITIONS), **router, **mla,
+        max_position=m.int(f"{arch}.context_length", default=32768, hi=MAX_POSITIONS), **router, **mla, **hybrid,
     ))

@@ -1,5 +1,10 @@
-"""The MoE decoder of the Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5, gpt-oss and DeepSeek-V2/V3 families:
-embedding, layers, final norm, LM head.
+"""The MoE decoder of the Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5, gpt-oss, DeepSeek-V2/V3, Qwen3-Next and
+Qwen3.5-MoE families: embedding, layers, final norm, LM head.
+
+A layer's token mixer is attention over the paged KV cache, or (Qwen3-Next / Qwen3.5) Gated DeltaNet over a
+recurrent state: the pool holds KV rows for the attention layers only, and the decoder holds the linear layers'
+states (:class:`freetoken.models.blocks.LinearState`) with snapshots of them at the end of each prompt, since a
+recurrent state cannot be cut back to an earlier length the way a KV cache can (:meth:`MoeDecoder.resume_points`).
 
 Each layer's blocks (:mod:`freetoken.models.blocks`) are picked from the config once, here, at load time; a forward
 pass then reads top to bottom (:meth:`MoeDecoder.forward`). Dense projections are :class:`Linear` matrices held in
@@ -9,6 +14,7 @@ is given (whether they are cached on a GPU, split with the CPU or read in place 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
@@ -18,8 +24,10 @@ from freetoken.models.blocks import (
     Attention,
     DecoderLayer,
     DenseMLP,
+    GatedDeltaNet,
     HeadNormQK,
     LatentAttention,
+    LinearState,
     MoeMLP,
     PlainQK,
     ProjectionNormQK,
@@ -105,10 +113,35 @@ def _latent_attention(cfg: ModelConfig, t: _Tensors, i: int, dev, scratch: Scrat
                            cfg.rms_eps, cfg.attention_scale, dev, scratch)
 
 
+def _linear_attention(cfg: ModelConfig, t: _Tensors, i: int, dev, scratch: Scratch) -> GatedDeltaNet:
+    return GatedDeltaNet(t.linear(("lin_qkv", "lin_z", "lin_b", "lin_a"), i), t.host("lin_conv", i),
+                         t.host("lin_ssm_a", i), t.host("lin_dt_bias", i), t.host("lin_norm", i),
+                         t.linear(("lin_out",), i), cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim,
+                         cfg.linear_v_dim, cfg.rms_eps, dev, scratch)
+
+
+def _gated_query(cfg: ModelConfig, t: _Tensors, i: int):
+    """(query rows, output-gate rows) of a q projection that carries the gate (Qwen3-Next / Qwen3.5: each head's
+    ``head_dim`` query rows followed by its ``head_dim`` gate rows); the query rows in RoPE's order."""
+    w, d = t.matrix("q_proj", i), cfg.head_dim
+    base = np.arange(cfg.num_heads)[:, None] * 2 * d
+    q_rows, g_rows = (base + np.arange(d)[None, :]).reshape(-1), (base + d + np.arange(d)[None, :]).reshape(-1)
+    q, g = (w.rows(r) if isinstance(w, QuantizedMatrix) else np.ascontiguousarray(w[r]) for r in (q_rows, g_rows))
+    return _rotary_rows(cfg, q), g
+
+
 def _attention(cfg: ModelConfig, t: _Tensors, i: int, dev, scratch: Scratch) -> Attention:
+    if cfg.is_linear(i):
+        return _linear_attention(cfg, t, i, dev, scratch)
     if cfg.mla:
         return _latent_attention(cfg, t, i, dev, scratch)
-    if cfg.rope_dim < cfg.head_dim:
+    out_gate = None
+    if cfg.attn_output_gate:
+        q, g = _gated_query(cfg, t, i)
+        out_gate = Linear(g, dev)
+        mats = [q, _rotary_rows(cfg, t.matrix("k_proj", i)), t.matrix("v_proj", i)]
+        qkv = Linear.concat(mats, dev)
+    elif cfg.rope_dim < cfg.head_dim:
         mats = [_rotary_rows(cfg, t.matrix(k, i)) for k in ("q_proj", "k_proj")] + [t.matrix("v_proj", i)]
         biases = [_rotary_rows(cfg, t.host(k, i)) for k in ("q_bias", "k_bias")] + [t.host("v_bias", i)] \
             if cfg.qkv_bias else None
@@ -125,7 +158,7 @@ def _attention(cfg: ModelConfig, t: _Tensors, i: int, dev, scratch: Scratch) -> 
         qk = PlainQK(*shape)
     sinks = t.host("attn_sinks", i) if cfg.attention_sinks else None
     o_proj = t.linear(("o_proj",), i, ("o_bias",) if cfg.o_bias else None)
-    return Attention(qkv, qk, o_proj, dev, scratch, window=cfg.window(i), sinks=sinks)
+    return Attention(qkv, qk, o_proj, dev, scratch, window=cfg.window(i), sinks=sinks, out_gate=out_gate)
 
 
 def _mlp(cfg: ModelConfig, t: _Tensors, i: int, dev, experts: ExpertRunner, moe_index: int):
@@ -150,6 +183,10 @@ def _mlp(cfg: ModelConfig, t: _Tensors, i: int, dev, experts: ExpertRunner, moe_
 
 #: Prompt tokens per forward chunk unless the decoder is told otherwise (:meth:`MoeDecoder.set_context`).
 DEFAULT_PREFILL_CHUNK = 1024
+#: Snapshots of the linear-attention states a decoder keeps by default (:meth:`MoeDecoder.snapshot`): one is taken
+#: at the end of every prompt and at the message boundaries generation is given, so the last few turns of a
+#: conversation can be resumed. Qwen3.5-35B-A3B's 30 linear layers hold 63 MiB of state per snapshot.
+MAX_STATE_SNAPSHOTS = 4
 
 
 class ContextExceeded(ValueError):
@@ -197,12 +234,19 @@ class MoeDecoder:
         self.pool: KVPool | None = None
         self.kv: KVSequence | None = None
         self.prefill_chunk = DEFAULT_PREFILL_CHUNK
+        # Gated DeltaNet layers carry the sequence in a state instead of KV rows: the live one, and copies of it at
+        # earlier lengths (snapshots) to resume from, since a recurrent state cannot be cut back like a KV cache
+        self.states = [layer.attention.new_state() if isinstance(layer.attention, GatedDeltaNet) else None
+                       for layer in self.layers]
+        self.recurrent = any(st is not None for st in self.states)
+        self._snapshots: OrderedDict[int, list[LinearState | None]] = OrderedDict()
+        self.max_snapshots = MAX_STATE_SNAPSHOTS
 
     def set_context(self, pool: KVPool, ctx: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
         """Hold the sequence in ``pool`` (made for this model's layers and kv heads), up to ``ctx`` tokens, and run
         prompts in forward chunks of ``prefill_chunk`` tokens. Forgets the current sequence."""
         cfg = self.cfg
-        want = (cfg.num_layers, cfg.kv_cache_heads, cfg.kv_cache_dim, cfg.kv_cache_values)
+        want = (len(cfg.kv_layers), cfg.kv_cache_heads, cfg.kv_cache_dim, cfg.kv_cache_values)
         if (pool.num_layers, pool.kv_heads, pool.head_dim, pool.values) != want:
             raise ValueError(f"a KV pool of {pool.num_layers} layers x {pool.kv_heads} heads x {pool.head_dim} "
                              f"(values: {pool.values}) does not fit this model ({want[0]} x {want[1]} x {want[2]}, "
@@ -213,8 +257,13 @@ class MoeDecoder:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if self.kv is not None:
             self.kv.reset()
+        self._reset_states()
         self.pool, self.kv = pool, KVSequence(pool, ctx)
-        self._layer_kv = [self.kv.layer(i) for i in range(cfg.num_layers)]  # views; the block table updates in place
+        # what each layer's token mixer reads and writes: its KV rows in the pool (views; the block table updates in
+        # place), or a linear-attention layer's state
+        slot = {layer: j for j, layer in enumerate(cfg.kv_layers)}
+        self._layer_kv = [self.states[i] if self.states[i] is not None else self.kv.layer(slot[i])
+                          for i in range(cfg.num_layers)]
         self.prefill_chunk = int(prefill_chunk)
         if cfg.mla:  # the rope part of a latent-attention head is rotated whole
             self.rope_cos, self.rope_sin = rope_tables(self.xp, np.arange(ctx), cfg.qk_rope_dim, cfg.rope_theta,
@@ -240,12 +289,69 @@ class MoeDecoder:
 
     @length.setter
     def length(self, n: int) -> None:
-        """Roll the sequence back to its first ``n`` tokens (their blocks stay, the rest go back to the pool)."""
-        self._sequence().truncate(int(n))
+        """Roll the sequence back to its first ``n`` tokens (their blocks stay, the rest go back to the pool). With
+        linear-attention layers ``n`` must be the current length, 0, or a length in :meth:`resume_points`
+        (ValueError otherwise)."""
+        n = int(n)
+        kv = self._sequence()
+        if self.recurrent and n not in (0, kv.length):
+            snap = self._snapshots.get(n)
+            if snap is None:
+                raise ValueError(f"the linear-attention layers' state at {n} tokens is not kept (resumable lengths: "
+                                 f"{self.resume_points()})")
+            for st, saved in zip(self.states, snap, strict=True):
+                if st is not None:
+                    st.copy_from(saved)
+        elif self.recurrent and n == 0:
+            self._reset_states(keep_snapshots=True)
+        kv.truncate(n)
+
+    def resume_points(self) -> list[int]:
+        """The lengths the sequence can be rolled back to without recomputing: any for a pure-attention model (this
+        returns the current length), else 0, the snapshots' lengths and the current length."""
+        if not self.recurrent:
+            return [self.length]
+        return sorted({0, self.length, *self._snapshots})
+
+    def snapshot(self) -> None:
+        """Keep a copy of the linear-attention states at the current length (up to :attr:`max_snapshots`, the
+        oldest dropped first); nothing for a pure-attention model. Each costs :meth:`state_bytes`."""
+        n = self.length
+        if not self.recurrent or n == 0 or self.max_snapshots < 1:
+            return
+        if n in self._snapshots:
+            self._snapshots.move_to_end(n)
+            snap = self._snapshots[n]
+        else:
+            while len(self._snapshots) >= self.max_snapshots:
+                self._snapshots.popitem(last=False)
+            snap = [None if st is None else self.layers[i].attention.new_state() for i, st in enumerate(self.states)]
+            self._snapshots[n] = snap
+        for st, saved in zip(self.states, snap, strict=True):
+            if st is not None:
+                saved.copy_from(st)
+
+    @property
+    def kept_snapshots(self) -> int:
+        """How many snapshots of the linear-attention states the decoder holds now."""
+        return len(self._snapshots)
+
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's linear-attention states (the live ones; each snapshot costs as much)."""
+        return sum(st.nbytes for st in self.states if st is not None)
+
+    def _reset_states(self, keep_snapshots: bool = False) -> None:
+        for st in self.states:
+            if st is not None:
+                st.reset()
+        if not keep_snapshots:
+            self._snapshots.clear()
 
     def reset(self) -> None:
+        """Forget the sequence (its KV blocks, the linear-attention states and their snapshots)."""
         if self.kv is not None:
             self.kv.reset()
+        self._reset_states()
 
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of the non-expert weights: the embedding table on the host, the rest on the device."""
@@ -305,4 +411,6 @@ class MoeDecoder:
                                  checked=True)
                 # the lm_head's output is a new array (on the cpu device to_host returns it as is): no second copy
                 logits.append(self.dev.to_host(self.lm_head(h)).astype(np.float32, copy=False))
+        if n > 1:  # the end of a prompt: where a later prompt that repeats this one resumes
+            self.snapshot()
         return logits[0] if len(logits) == 1 else np.concatenate(logits)

@@ -17,6 +17,28 @@ Experts in any other storage are decoded to float32 and quantized into the reque
 ``get_matrix`` serves the decoder's dense projections: GGUF Q8_0 / Q4_0 matrices as
 :class:`freetoken.models.qmatrix.QuantizedMatrix` (their file blocks, never dequantized; llama Q/K rows un-permuted
 as whole block rows), every other tensor as ``get`` returns it.
+
+Qwen3-Next (``qwen3next``) and Qwen3.5-MoE (``qwen35moe``) files, as llama.cpp's converter (``Qwen3NextModel``,
+``_LinearAttentionVReorderBase``, ``Qwen3_5MoeTextModel`` in its ``conversion/qwen.py``) writes them, and what
+:class:`GGUFWeights` undoes to give the values :class:`HFWeights` gives:
+
+- Gated DeltaNet layers: ``attn_qkv`` (q heads, k heads, v heads: Qwen3.5's ``in_proj_qkv``; for Qwen3-Next the
+  converter regroups ``in_proj_qkvz``'s per-key-head [q, k, v, z] rows into this and ``attn_gate``), ``attn_gate``
+  (z), ``ssm_ba`` (Qwen3-Next: ``in_proj_ba`` as stored, [b, a] rows per key head) or ``ssm_beta`` / ``ssm_alpha``
+  (Qwen3.5's ``in_proj_b`` / ``in_proj_a``), ``ssm_conv1d`` (conv1d.weight squeezed to [C, K]), ``ssm_dt.bias``
+  (dt_bias), ``ssm_a`` (no ``.weight``: ``-exp(A_log)``, not A_log), ``ssm_norm`` (the gated norm, as stored),
+  ``ssm_out`` (out_proj). Older qwen3next files hold one ``ssm_in`` (in_proj_qkvz as stored); they are refused.
+- qwen35moe only, when there are fewer key heads than value heads: every value-head axis is put in "tiled" order
+  (value head ``v`` of key head ``k``, at ``k * r + v`` in HF's grouped order, moves to ``v * Hk + k``; r = Hv / Hk)
+  for llama.cpp's broadcast: the v rows of ``attn_qkv`` and the v channels of ``ssm_conv1d``, the rows of
+  ``attn_gate`` (per head of Dv), ``ssm_beta``, ``ssm_alpha``, ``ssm_dt``, ``ssm_a``, and the columns of ``ssm_out``.
+  Read back in grouped order here (rows move whole, so quantized rows stay quantized; ``ssm_out``'s columns move in
+  whole blocks only when Dv is a multiple of the block, else that matrix is read as float32).
+- Full-attention layers: ``attn_q`` is HF's q_proj as stored (each head's query rows, then its output-gate rows),
+  ``attn_k``, ``attn_v``, ``attn_output``, ``attn_q_norm`` / ``attn_k_norm``; no row permutation (NeoX-style RoPE).
+- The RMSNorms HF stores zero-centred (``input_layernorm``, ``post_attention_layernorm`` -> ``post_attention_norm``,
+  q/k norms, the final norm; :data:`OFFSET_NORMS`) are written as ``1 + w``: the effective weights HFWeights returns.
+- The shared expert's sigmoid gate ``ffn_gate_inp_shexp`` is [1, hidden] as HF stores it.
 """
 
 from __future__ import annotations
@@ -47,13 +69,25 @@ _HF_LAYER = {
     **{f"shared_{w}": f"mlp.shared_expert.{w}_proj.weight" for w in ("gate", "up", "down")},
     "shared_sigmoid": "mlp.shared_expert_gate.weight",
     **{f"mlp_{w}": f"mlp.{w}_proj.weight" for w in ("gate", "up", "down")},
+    # Gated DeltaNet (Qwen3.5-MoE's names; Qwen3-Next fuses qkv+z and b+a, see _HF_LAYER_FAMILY)
+    "lin_qkv": "linear_attn.in_proj_qkv.weight", "lin_z": "linear_attn.in_proj_z.weight",
+    "lin_b": "linear_attn.in_proj_b.weight", "lin_a": "linear_attn.in_proj_a.weight",
+    "lin_conv": "linear_attn.conv1d.weight", "lin_dt_bias": "linear_attn.dt_bias", "lin_ssm_a": "linear_attn.A_log",
+    "lin_norm": "linear_attn.norm.weight", "lin_out": "linear_attn.out_proj.weight",
 }
+#: Qwen3-Next's fused Gated DeltaNet input projections: per key head, [q, k, v, z] and [b, a] rows (the value-head
+#: parts of each key head's group together), which :meth:`HFWeights.get` splits into Qwen3.5's four.
+_QWEN3_NEXT_FUSED = {"lin_qkvz": "linear_attn.in_proj_qkvz.weight", "lin_ba": "linear_attn.in_proj_ba.weight"}
+#: Norm weights stored zero-centred by the hybrid families (``ModelConfig.norm_offset``: the model multiplies by
+#: ``1 + w``); the gated norm of the linear layers (``lin_norm``) is not one of them.
+OFFSET_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "norm")
 #: Per-family names that differ from :data:`_HF_LAYER`'s.
 _HF_LAYER_FAMILY = {
     "glm4_moe": {f"shared_{w}": f"mlp.shared_experts.{w}_proj.weight" for w in ("gate", "up", "down")},
     "gpt_oss": {"router": "mlp.router.weight", "router_logit_bias": "mlp.router.bias"},
     "deepseek_v3": {f"shared_{w}": f"mlp.shared_experts.{w}_proj.weight" for w in ("gate", "up", "down")},
     "deepseek_v2": {f"shared_{w}": f"mlp.shared_experts.{w}_proj.weight" for w in ("gate", "up", "down")},
+    "qwen3_next": _QWEN3_NEXT_FUSED,
 }
 #: gpt-oss' routed experts: fused tensors per layer (relative to ``model.layers.N.mlp.experts.``): ``gate_up_proj``
 #: [E, H, 2I] (gate and up interleaved along the last axis: gate at even, up at odd indices) and ``down_proj``
@@ -75,11 +109,21 @@ _GGUF_LAYER = {
     # [H, v, R] (llama.cpp's converter; older files have the whole attn_kv_b)
     "q_a_proj": "attn_q_a.weight", "q_a_norm": "attn_q_a_norm.weight", "q_b_proj": "attn_q_b.weight",
     "kv_a_proj": "attn_kv_a_mqa.weight", "kv_a_norm": "attn_kv_a_norm.weight", "kv_b_proj": "attn_kv_b.weight",
+    # Gated DeltaNet (qwen3next / qwen35moe; see the module docstring): lin_a_log is stored as -exp(A_log), lin_ba
+    # is qwen3next's fused [b, a] projection (lin_b and lin_a are read out of it)
+    "lin_qkv": "attn_qkv.weight", "lin_z": "attn_gate.weight", "lin_b": "ssm_beta.weight",
+    "lin_a": "ssm_alpha.weight", "lin_ba": "ssm_ba.weight", "lin_conv": "ssm_conv1d.weight",
+    "lin_dt_bias": "ssm_dt.bias", "lin_ssm_a": "ssm_a", "lin_norm": "ssm_norm.weight", "lin_out": "ssm_out.weight",
 }
 #: Per-architecture GGUF names that differ from :data:`_GGUF_LAYER`'s: llama.cpp's glm4moe calls the norm before the
 #: MLP ``post_attention_norm`` (its converter maps HF's ``post_attention_layernorm`` there for this architecture).
 _GGUF_LAYER_ARCH = {"glm4moe": {"mlp_norm": "post_attention_norm.weight"},
-                    "gpt-oss": {"mlp_norm": "post_attention_norm.weight"}}
+                    "gpt-oss": {"mlp_norm": "post_attention_norm.weight"},
+                    "qwen3next": {"mlp_norm": "post_attention_norm.weight"},
+                    "qwen35moe": {"mlp_norm": "post_attention_norm.weight"}}
+#: GGUF architectures of the hybrid families, and the one whose value heads the converter stores in tiled order.
+GGUF_HYBRID_ARCHS = ("qwen3next", "qwen35moe")
+GGUF_TILED_V_ARCH = "qwen35moe"
 #: The halves deepseek2 files store ``kv_b_proj`` as (relative to ``blk.N.``).
 GGUF_K_B, GGUF_V_B = "attn_k_b.weight", "attn_v_b.weight"
 _GGUF_GLOBAL = {"embed": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
@@ -107,13 +151,18 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
                      q_b_proj=(cfg.num_heads * hd, cfg.q_lora_rank))
         else:
             s["q_proj"] = (cfg.num_heads * hd, h)
+    elif cfg.is_linear(i):
+        s = {"attn_norm": (h,), "mlp_norm": (h,), **linear_shapes(cfg)}
     else:
-        s = {"attn_norm": (h,), "mlp_norm": (h,), "q_proj": (cfg.num_heads * hd, h),
+        q_rows = cfg.num_heads * hd * (2 if cfg.attn_output_gate else 1)  # the output gate's rows interleaved per head
+        s = {"attn_norm": (h,), "mlp_norm": (h,), "q_proj": (q_rows, h),
              "k_proj": (cfg.num_kv_heads * hd, h), "v_proj": (cfg.num_kv_heads * hd, h),
              "o_proj": (h, cfg.num_heads * hd)}
-    if cfg.qkv_bias:
+    if cfg.qkv_bias and not cfg.is_linear(i):
         s.update(q_bias=(cfg.num_heads * hd,), k_bias=(cfg.num_kv_heads * hd,), v_bias=(cfg.num_kv_heads * hd,))
-    if cfg.qk_norm == "head":
+    if cfg.is_linear(i):
+        pass
+    elif cfg.qk_norm == "head":
         s.update(q_norm=(hd,), k_norm=(hd,))
     elif cfg.qk_norm == "full":
         s.update(q_norm=(cfg.num_heads * hd,), k_norm=(cfg.num_kv_heads * hd,))
@@ -136,6 +185,46 @@ def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
         d = cfg.dense_inter
         s.update(mlp_gate=(d, h), mlp_up=(d, h), mlp_down=(h, d))
     return s
+
+
+def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of a Gated DeltaNet layer's tensors: the canonical keys, except Qwen3-Next's b and a projections, which
+    both of its sources store fused (``lin_ba``: [b, a] rows per key head). Its HF checkpoints fuse q|k|v with z too
+    (``lin_qkvz``: :func:`hf_layer_shapes`); llama.cpp's converter splits that into ``lin_qkv`` and ``lin_z``."""
+    h, hv = cfg.hidden, cfg.linear_v_heads
+    kd, vd = cfg.linear_k_heads * cfg.linear_k_dim, hv * cfg.linear_v_dim
+    s = {"lin_qkv": (2 * kd + vd, h), "lin_z": (vd, h), "lin_conv": (cfg.linear_conv_dim, 1, cfg.linear_conv),
+         "lin_dt_bias": (hv,), "lin_ssm_a": (hv,), "lin_norm": (cfg.linear_v_dim,), "lin_out": (h, vd)}
+    if cfg.family == "qwen3_next":
+        s["lin_ba"] = (2 * hv, h)
+    else:
+        s.update(lin_b=(hv, h), lin_a=(hv, h))
+    return s
+
+
+def hf_layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """:func:`layer_shapes` as an HF checkpoint stores layer ``i``: a Qwen3-Next linear layer's q|k|v and z
+    projections are one ``in_proj_qkvz`` (``lin_qkvz``, rows grouped per key head)."""
+    s = layer_shapes(cfg, i)
+    if cfg.family == "qwen3_next" and cfg.is_linear(i):
+        qkv, z = s.pop("lin_qkv"), s.pop("lin_z")
+        s["lin_qkvz"] = (qkv[0] + z[0], cfg.hidden)
+    return s
+
+
+def split_qwen3_next(cfg: ModelConfig, key: str, fused: np.ndarray) -> np.ndarray:
+    """Qwen3.5's ``lin_qkv`` / ``lin_z`` / ``lin_b`` / ``lin_a`` rows out of Qwen3-Next's fused ``in_proj_qkvz`` /
+    ``in_proj_ba`` (grouped per key head: [q, k, v of the group's value heads, z of them] and [b, a])."""
+    hk, dk, dv = cfg.linear_k_heads, cfg.linear_k_dim, cfg.linear_v_dim
+    r = cfg.linear_v_heads // hk
+    if key in ("lin_b", "lin_a"):
+        g = fused.reshape(hk, 2 * r, -1)
+        return np.ascontiguousarray((g[:, :r] if key == "lin_b" else g[:, r:]).reshape(hk * r, -1))
+    g = fused.reshape(hk, 2 * dk + 2 * r * dv, -1)
+    if key == "lin_z":
+        return np.ascontiguousarray(g[:, 2 * dk + r * dv:].reshape(hk * r * dv, -1))
+    q, k, v = g[:, :dk], g[:, dk:2 * dk], g[:, 2 * dk:2 * dk + r * dv]
+    return np.ascontiguousarray(np.concatenate([a.reshape(-1, g.shape[-1]) for a in (q, k, v)]))
 
 
 def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -184,7 +273,7 @@ def check_hf_tensors(cfg: ModelConfig, sd, fp8_block: bool = False, kv_bytes: in
     expected: dict[str, tuple[int, ...]] = {w.name(k): v for k, v in global_shapes(cfg).items()}
     experts: list[str] = []
     for i in range(cfg.num_layers):
-        expected.update({w.name(k, i): v for k, v in layer_shapes(cfg, i).items()})
+        expected.update({w.name(k, i): v for k, v in hf_layer_shapes(cfg, i).items()})
         if cfg.is_moe(i):
             shapes = w.expert_tensor_shapes(i)
             expected.update(shapes)
@@ -240,7 +329,7 @@ def _held_bytes(shape: tuple[int, ...], fp8: bool) -> int:
     return 4 * int(np.prod(shape))
 
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+_LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 
 
@@ -249,7 +338,7 @@ def _check_no_strays(cfg: ModelConfig, w: HFWeights, sd, expected: set[str]) -> 
     config.json and the weights disagree: the tensor would be ignored silently)."""
     known = {}
     for i in range(cfg.num_layers):
-        for key in _HF_LAYER:
+        for key in (*_HF_LAYER, *_QWEN3_NEXT_FUSED):
             known[w.name(key, i)] = key
     for name in sd.names():
         if name in expected:
@@ -290,6 +379,26 @@ def llama_unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     """Inverse of :func:`llama_permute`."""
     half = w.shape[0] // heads // 2
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tiled_v_order(k_heads: int, v_heads: int, width: int) -> np.ndarray:
+    """Index of the rows (heads of ``width``) of an HF value-head axis, in HF's grouped order (value head ``v`` of key
+    head ``k`` at ``k * r + v``), that puts them in llama.cpp's tiled order (``v * k_heads + k``):
+    ``tiled = grouped[tiled_v_order(...)]`` (what the converter does for qwen35moe)."""
+    heads = np.arange(v_heads).reshape(k_heads, v_heads // k_heads).T.reshape(-1)
+    return (heads[:, None] * width + np.arange(width)[None, :]).reshape(-1)
+
+
+def grouped_v_order(k_heads: int, v_heads: int, width: int) -> np.ndarray:
+    """The inverse of :func:`tiled_v_order`: ``grouped = tiled[grouped_v_order(...)]``."""
+    heads = np.arange(v_heads).reshape(v_heads // k_heads, k_heads).T.reshape(-1)
+    return (heads[:, None] * width + np.arange(width)[None, :]).reshape(-1)
+
+
+def ssm_a_from_a_log(a_log: np.ndarray) -> np.ndarray:
+    """The canonical ``lin_ssm_a`` of an HF ``A_log``, and what llama.cpp's converter stores as ``ssm_a``:
+    ``-exp(A_log)`` (float64, rounded once to float32)."""
+    return (-np.exp(np.asarray(a_log, np.float64))).astype(np.float32)
 
 
 class Weights:
@@ -353,13 +462,18 @@ class HFWeights(Weights):
         self.cfg, self._get, self._fp8, self.where = cfg, get_tensor, fp8_block, where
         self._has, self._mxfp4 = has_tensor, mxfp4
         self.native_expert_format = "fp8_block" if fp8_block else "mxfp4" if mxfp4 else None
+        # Qwen3.5's image-text checkpoints keep the language model under model.language_model. (the vision tower,
+        # model.visual.*, and the multi-token-prediction layers, mtp.*, are never read)
+        self._model = "model.language_model." if cfg.family == "qwen3_5_moe" and \
+            self._exists("model.language_model.embed_tokens.weight") else "model."
 
     def name(self, key: str, layer: int | None = None) -> str:
         if layer is None:
-            return _HF_GLOBAL[key]
+            name = _HF_GLOBAL[key]
+            return self._model + name.removeprefix("model.") if name.startswith("model.") else name
         moe = "block_sparse_moe." if self.cfg.family == "mixtral" else "mlp."
-        name = _HF_LAYER_FAMILY.get(self.cfg.family, {}).get(key) or _HF_LAYER[key]
-        return f"model.layers.{layer}." + name.format(moe=moe)
+        name = _HF_LAYER_FAMILY.get(self.cfg.family, {}).get(key) or _HF_LAYER.get(key) or _QWEN3_NEXT_FUSED[key]
+        return f"{self._model}layers.{layer}." + name.format(moe=moe)
 
     def _exists(self, name: str) -> bool:
         if self._has is not None:
@@ -369,9 +483,6 @@ class HFWeights(Weights):
         except (KeyError, LoadError):
             return False
         return True
-
-    def has(self, key: str, layer: int | None = None) -> bool:
-        return self._exists(self.name(key, layer))
 
     def _scale_name(self, name: str) -> str | None:
         if not self._fp8 or not name.endswith(".weight"):
@@ -398,7 +509,20 @@ class HFWeights(Weights):
     def get(self, key: str, layer: int | None = None) -> np.ndarray:
         if key == "lm_head" and self.cfg.tie_word_embeddings:
             key = "embed"
-        return self.tensor_f32(self.name(key, layer))
+        if self.cfg.family == "qwen3_next" and key in ("lin_qkv", "lin_z", "lin_b", "lin_a"):
+            fused = "lin_ba" if key in ("lin_b", "lin_a") else "lin_qkvz"
+            return split_qwen3_next(self.cfg, key, self.tensor_f32(self.name(fused, layer)))
+        w = self.tensor_f32(self.name(key, layer))
+        if key == "lin_ssm_a":  # stored as A_log; the decay rate the model uses is -exp(A_log)
+            return ssm_a_from_a_log(w)
+        if self.cfg.norm_offset and key in OFFSET_NORMS:
+            w = w + np.float32(1.0)  # zero-centred storage: the model's norm multiplies by 1 + w
+        return w
+
+    def has(self, key: str, layer: int | None = None) -> bool:
+        if self.cfg.family == "qwen3_next" and key in ("lin_qkv", "lin_z", "lin_b", "lin_a"):
+            return self._exists(self.name("lin_ba" if key in ("lin_b", "lin_a") else "lin_qkvz", layer))
+        return self._exists(self.name(key, layer))
 
     def _fp8_matrix(self, key: str, layer: int | None) -> tuple[str, str] | None:
         """(weight name, scale name) of ``key`` when it is a block-FP8 matrix whose K the fp8 dense kernels take (a
@@ -432,7 +556,13 @@ class HFWeights(Weights):
             raise LoadError(self.where, str(e), scale) from None
 
     def _expert_prefix(self, layer: int) -> str:
-        return f"model.layers.{layer}.{'block_sparse_moe' if self.cfg.family == 'mixtral' else 'mlp'}.experts."
+        return f"{self._model}layers.{layer}.{'block_sparse_moe' if self.cfg.family == 'mixtral' else 'mlp'}.experts."
+
+    def _fused_experts(self, layer: int) -> bool:
+        """Whether ``layer``'s experts are stored as one ``gate_up_proj`` [E, 2I, H] (gate rows, then up rows) and one
+        ``down_proj`` [E, H, I] (Qwen3.5's releases), not per expert."""
+        return self.cfg.family in ("qwen3_next", "qwen3_5_moe") and \
+            self._exists(self._expert_prefix(layer) + "gate_up_proj")
 
     def _expert_names(self, layer: int) -> dict[str, list[str]]:
         prefix = self._expert_prefix(layer)
@@ -452,6 +582,9 @@ class HFWeights(Weights):
                         prefix + "down_proj_bias": (e, h)}
             shapes = ((e, h, 2 * i), (e, 2 * i), (e, i, h), (e, h))
             return {prefix + n: s for n, s in zip(GPT_OSS_EXPERTS, shapes, strict=True)}
+        if self._fused_experts(layer):
+            prefix = self._expert_prefix(layer)
+            return {prefix + "gate_up_proj": (e, 2 * i, h), prefix + "down_proj": (e, h, i)}
         names = self._expert_names(layer)
         return {**dict.fromkeys(names["gate"], (i, h)), **dict.fromkeys(names["up"], (i, h)),
                 **dict.fromkeys(names["down"], (h, i))}
@@ -469,6 +602,13 @@ class HFWeights(Weights):
             gate_up = self.tensor_f32(prefix + "gate_up_proj")  # [E, H, 2I], gate and up interleaved
             first = 0 if matrix == "gate" else 1
             return np.ascontiguousarray(gate_up[:, :, first::2].transpose(0, 2, 1))
+        if self._fused_experts(layer):
+            prefix = self._expert_prefix(layer)
+            if matrix == "down":
+                return self.tensor_f32(prefix + "down_proj")
+            gate_up = self.tensor_f32(prefix + "gate_up_proj")
+            half = gate_up.shape[1] // 2
+            return np.ascontiguousarray(gate_up[:, :half] if matrix == "gate" else gate_up[:, half:])
         return np.stack([self.tensor_f32(n) for n in self._expert_names(layer)[matrix]])
 
     def _mxfp4_banks(self, layer: int) -> dict[str, dict[str, np.ndarray]]:
@@ -530,39 +670,83 @@ class GGUFWeights(Weights):
                 formats[0] if formats[0] == formats[1] else "+".join(formats)
 
     def name(self, key: str, layer: int | None = None) -> str:
+        table = _GGUF_GLOBAL if layer is None else _GGUF_LAYER
+        if key not in table:
+            raise LoadError(self.gguf.path, f"weight key {key!r} has no GGUF tensor name"
+                                            f"{'' if layer is None else f' (layer {layer})'}")
         return _GGUF_GLOBAL[key] if layer is None else f"blk.{layer}." + gguf_layer_name(self.gguf.arch, key)
 
     def has(self, key: str, layer: int | None = None) -> bool:
-        return self.gguf.has(self.name(key, layer))
+        if key not in (_GGUF_GLOBAL if layer is None else _GGUF_LAYER):
+            return False
+        stored = key if key == "lm_head" else self._source(key, layer)[0]  # lm_head: whether output.weight is there
+        return self.gguf.has(self.name(stored, layer))
+
+    def _source(self, key: str, layer: int | None) -> tuple[str, np.ndarray | None, np.ndarray | None]:
+        """(the key of the tensor ``key`` is read from, the rows of it that give ``key``'s rows in HF's order or
+        None, the same for its columns): tied embeddings, qwen3next's fused ``ssm_ba``, qwen35moe's tiled value
+        heads (the module docstring)."""
+        cfg = self.cfg
+        if key == "lm_head" and not self.gguf.has(_GGUF_GLOBAL["lm_head"]):
+            return "embed", None, None  # tied embeddings: llama.cpp files simply omit output.weight
+        if layer is None or not key.startswith("lin_"):
+            return key, None, None
+        hk, hv, dv = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_v_dim
+        if self.gguf.arch == "qwen3next" and key in ("lin_b", "lin_a"):
+            r = hv // hk  # ssm_ba: per key head, its r value heads' b rows then their a rows
+            first = 0 if key == "lin_b" else r
+            return "lin_ba", (np.arange(hk)[:, None] * 2 * r + first + np.arange(r)[None, :]).reshape(-1), None
+        if self.gguf.arch != GGUF_TILED_V_ARCH or hk == hv:
+            return key, None, None
+        if key in ("lin_qkv", "lin_conv"):
+            qk = 2 * hk * cfg.linear_k_dim
+            return key, np.concatenate([np.arange(qk), qk + grouped_v_order(hk, hv, dv)]), None
+        if key == "lin_z":
+            return key, grouped_v_order(hk, hv, dv), None
+        if key in ("lin_b", "lin_a", "lin_dt_bias", "lin_ssm_a"):
+            return key, grouped_v_order(hk, hv, 1), None
+        if key == "lin_out":
+            return key, None, grouped_v_order(hk, hv, dv)
+        return key, None, None
 
     def get(self, key: str, layer: int | None = None) -> np.ndarray:
-        if key == "lm_head" and not self.has("lm_head"):
-            key = "embed"  # tied embeddings: llama.cpp files simply omit output.weight
         if key == "kv_b_proj" and not self.has(key, layer):  # the split halves: back to HF's [H * (nope + v), R]
             k_b = self.gguf.get_f32(f"blk.{layer}.{GGUF_K_B}")  # [H, R, nope]
             v_b = self.gguf.get_f32(f"blk.{layer}.{GGUF_V_B}")  # [H, v, R]
             kv = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)
             return np.ascontiguousarray(kv.reshape(-1, kv.shape[-1]))
-        w = self.gguf.get_f32(self.name(key, layer))
+        stored, rows, cols = self._source(key, layer)
+        name = self.name(stored, layer)
+        w = self.gguf.get_f32(name)
+        if key in ("lin_ssm_a", "lin_dt_bias"):
+            w = w.reshape(-1)  # [Hv] (a [1, Hv] tensor is the same numbers)
+        if key == "lin_ssm_a" and not np.all(w <= 0):  # the decay is exp(ssm_a * softplus(..)): a rate in (0, 1]
+            raise LoadError(self.gguf.path, f"expected -exp(A_log) (values <= 0), got {w[~(w <= 0)][:4].tolist()}",
+                            name)
+        if rows is not None:
+            w = w[rows]
+        if cols is not None:
+            w = w[:, cols]
+        if key == "lin_conv":
+            w = w.reshape(w.shape[0], 1, -1)  # stored squeezed [C, K]; HF's conv1d.weight is [C, 1, K]
         if key == "shared_sigmoid":
-            w = w.reshape(1, -1)  # stored as a vector [hidden]; the decoder wants HF's [1, hidden]
+            w = w.reshape(1, -1)  # stored as a vector [hidden] by some converters; the decoder wants HF's [1, hidden]
         if self.gguf.arch == "llama" and key in ("q_proj", "k_proj", "q_bias", "k_bias"):
             heads = self.cfg.num_heads if key[0] == "q" else self.cfg.num_kv_heads
             w = llama_unpermute(w, heads)
-        return w
+        return np.ascontiguousarray(w)
 
     #: ggml type -> QuantizedMatrix kind of the matrices kept quantized.
     QUANTIZED = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "IQ4_XS": "iq4_xs"}
 
-    def _stored(self, key: str, layer: int | None) -> tuple[str, str]:
-        if key == "lm_head" and not self.has("lm_head"):
-            key = "embed"
-        return key, self.name(key, layer)
-
     def quantized_kind(self, key: str, layer: int | None = None) -> str | None:
         if key == "kv_b_proj" and not self.has(key, layer):
             return None  # llama.cpp's split attn_k_b / attn_v_b: get() puts the float matrix back together
-        return self.kept_kind(self.gguf.info(self._stored(key, layer)[1]))
+        stored, _, cols = self._source(key, layer)
+        kind = self.kept_kind(self.gguf.info(self.name(stored, layer)))
+        if kind is not None and cols is not None and self.cfg.linear_v_dim % k_multiple(kind):
+            return None  # qwen35moe's ssm_out: heads of Dv columns are not whole blocks, so they are read as float32
+        return kind
 
     @classmethod
     def kept_kind(cls, info) -> str | None:
@@ -577,12 +761,22 @@ class GGUFWeights(Weights):
         kind = self.quantized_kind(key, layer)
         if kind is None:
             return self.get(key, layer)
-        key, name = self._stored(key, layer)
-        raw, _, shape = self.gguf.get_raw(name)
+        stored, rows, cols = self._source(key, layer)
+        raw, _, shape = self.gguf.get_raw(self.name(stored, layer))
         blocks = np.array(raw)  # a host copy of the file's bytes (as get_f32 makes one)
         if self.gguf.arch == "llama" and key in ("q_proj", "k_proj"):
             heads = self.cfg.num_heads if key[0] == "q" else self.cfg.num_kv_heads
             blocks = np.ascontiguousarray(llama_unpermute(blocks, heads))  # whole rows move: exact on block rows
+        if rows is not None:  # whole rows move: exact
+            blocks = np.ascontiguousarray(blocks[rows])
+            shape = (len(rows), shape[1])
+        if cols is not None:  # heads of whole blocks move within each row (quantized_kind checked): exact
+            per = k_multiple(kind)
+            heads = cols.reshape(-1, self.cfg.linear_v_dim)[:, 0] // self.cfg.linear_v_dim
+            bph = self.cfg.linear_v_dim // per  # blocks per head
+            order = (heads[:, None] * bph + np.arange(bph)[None, :]).reshape(-1)
+            n = blocks.shape[0]
+            blocks = np.ascontiguousarray(blocks.reshape(n, shape[1] // per, -1)[:, order].reshape(n, -1))
         return QuantizedMatrix(kind, blocks, shape)
 
     def native_expert_formats(self, layer: int) -> tuple[str, str] | None:

@@ -1,0 +1,232 @@
+"""Qwen3-Next and Qwen3.5-MoE: Gated DeltaNet linear-attention layers mixed with gated full attention.
+
+Against transformers with the experts rounded to bf16 in the oracle too, so that the only differences left are
+float32 rounding: prompts longer than one prefill chunk, decode through the recurrent state, a small expert cache
+on emu. Then what a recurrent state changes for the engine: a chunked prompt equals the token-by-token recurrence,
+resuming from a state snapshot equals recomputing, rollback is refused where no state was kept, anchors are refused,
+and the checkpoint layouts the releases use (fused experts, the image-text wrapper) load.
+"""
+
+import json
+
+import numpy as np
+import pytest
+from tiny_models import FAMILIES, make_checkpoint
+
+from freetoken.engine.build import build_decoder
+from freetoken.engine.generate import NO_RECURRENT_ANCHORS, Model
+from freetoken.engine.options import ExpertOptions, LoadOptions
+from freetoken.engine.sampling import SamplingParams
+from freetoken.models import from_hf
+from freetoken.testing.oracles import need
+
+HYBRID = ("qwen3_next", "qwen3_5_moe")
+PROMPT, STEPS = 20, 8
+
+
+def _nmse(got, want):
+    return float(((got - want) ** 2).sum() / (want**2).sum())
+
+
+@pytest.fixture(scope="module", params=HYBRID)
+def hybrid(request, tmp_path_factory):
+    """(family, checkpoint dir, tokens, transformers' logits with bf16-rounded experts, HF safetensors dict)."""
+    torch = need("torch")
+    from safetensors.numpy import load_file
+
+    path = tmp_path_factory.mktemp(request.param)
+    model = make_checkpoint(request.param, path)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name:  # what the bf16 expert banks hold: the oracle computes with the same values
+                p.copy_(p.to(torch.bfloat16).float())
+        tokens = torch.randint(0, 128, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(1))
+        want = model(tokens).logits[0].float().numpy()
+    return request.param, path, tokens[0].numpy(), want, load_file(str(path / "model.safetensors"))
+
+
+def _decoder(hybrid, device, **options):
+    family, path, _, _, tensors = hybrid
+    cfg = from_hf(json.loads((path / "config.json").read_text()))
+    assert cfg.family == family and {"linear_attention", "full_attention"} <= set(cfg.layer_types)
+    return build_decoder(cfg, lambda name: tensors[name], device, LoadOptions(ctx=64, kv_dtype="f32", **options))
+
+
+def test_matches_transformers(hybrid, device):
+    """A prompt in chunks of 7 (the states carry across chunks), then decode steps; on emu 18 expert slots for 8
+    experts x 4 layers, so experts are copied in and evicted."""
+    _, _, tokens, want, _ = hybrid
+    experts = ExpertOptions(cache_slots=18) if device.kind == "emu" else ExpertOptions()
+    dec = _decoder(hybrid, device, prefill_chunk=7, experts=experts)
+    got = np.concatenate([dec.forward(tokens[:PROMPT])] +
+                         [dec.forward(tokens[PROMPT + t:PROMPT + t + 1]) for t in range(STEPS)])
+    prompt, decode = _nmse(got[:PROMPT], want[:PROMPT]), _nmse(got[PROMPT:], want[PROMPT:])
+    # measured on cpu: 4e-12 / 4e-12 (float32 rounding only); emu's tensor-core prefill takes bf16 inputs
+    bound = 1e-9 if device.kind == "cpu" else 5e-5
+    assert prompt < bound and decode < bound, (prompt, decode)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_chunked_prompt_equals_token_by_token(hybrid, device):
+    _, _, tokens, _, _ = hybrid
+    dec = _decoder(hybrid, device)
+    whole = dec.forward(tokens)
+    dec.reset()
+    steps = np.concatenate([dec.forward(tokens[i:i + 1]) for i in range(len(tokens))])
+    if device.kind == "cpu":
+        np.testing.assert_allclose(steps, whole, rtol=0, atol=2e-4 * float(np.abs(whole).max()))
+    else:  # emu's prompt path rounds the dense and expert inputs to bf16 for the tensor cores, decode does not
+        assert _nmse(steps, whole) < 5e-5
+
+
+def test_resume_from_snapshot_equals_recompute(hybrid, device):
+    """A second prompt that extends the first resumes from the state kept at the first prompt's end (not from the
+    longer sequence decode left behind, which the new prompt does not repeat), and its tokens equal a fresh run."""
+    _, _, tokens, _, _ = hybrid
+    greedy = SamplingParams(temperature=0)
+    model = Model(_decoder(hybrid, device))
+    first = tokens[:12].tolist()
+    list(model.generate(first, max_tokens=5, sampling=greedy, reuse_cache=True))
+    second = first + [int(t) for t in tokens[12:20]]  # not the generated tokens: the decode states do not apply
+    got = list(model.generate(second, max_tokens=6, sampling=greedy, reuse_cache=True))
+    assert model.stats.cached_tokens == len(first) and model.stats.prompt_tokens == len(second) - len(first)
+    fresh = Model(_decoder(hybrid, device))
+    assert got == list(fresh.generate(second, max_tokens=6, sampling=greedy))
+    # the same prompt again: everything but its last token resumes (the snapshot at the prompt's end is one token
+    # too long, so the state at the first prompt's end serves)
+    again = list(model.generate(second, max_tokens=6, sampling=greedy, reuse_cache=True))
+    assert again == got and model.stats.cached_tokens == len(first)
+
+
+def test_message_boundaries_keep_states(hybrid):
+    """generate(boundaries=...) keeps the states at each boundary, so a later prompt that shares only the first
+    message resumes there."""
+    from freetoken.device import get_device
+
+    _, _, tokens, _, _ = hybrid
+    greedy = SamplingParams(temperature=0)
+    model = Model(_decoder(hybrid, get_device("cpu")))
+    ids = tokens[:24].tolist()
+    list(model.generate(ids, max_tokens=2, sampling=greedy, reuse_cache=True, boundaries=[10, 18]))
+    assert {10, 18, 24} <= set(model.decoder.resume_points())
+    other = ids[:10] + [(t + 1) % 128 for t in ids[10:16]]
+    got = list(model.generate(other, max_tokens=4, sampling=greedy, reuse_cache=True))
+    assert model.stats.cached_tokens == 10
+    assert got == list(Model(_decoder(hybrid, get_device("cpu"))).generate(other, max_tokens=4, sampling=greedy))
+
+
+def test_rollback_needs_a_kept_state(hybrid):
+    from freetoken.device import get_device
+
+    _, _, tokens, _, _ = hybrid
+    dec = _decoder(hybrid, get_device("cpu"))
+    dec.forward(tokens[:10])
+    dec.forward(tokens[10:11])
+    assert dec.resume_points() == [0, 10, 11]
+    with pytest.raises(ValueError, match="state at 5 tokens is not kept"):
+        dec.length = 5
+    dec.length = 10
+    assert dec.length == 10 and dec.kv.length == 10
+    dec.length = 0
+    assert dec.length == 0 and not np.asarray(dec.states[0].rec).any()
+
+
+def test_anchors_are_refused(hybrid):
+    from freetoken.device import get_device
+
+    _, _, tokens, _, _ = hybrid
+    model = Model(_decoder(hybrid, get_device("cpu")))
+    list(model.generate(tokens[:8].tolist(), max_tokens=1, sampling=SamplingParams(temperature=0)))
+    with pytest.raises(ValueError, match="linear-attention"):
+        model.anchor()
+    list(model.generate(tokens[:8].tolist(), max_tokens=1, anchor="x" * 64))
+    assert model.stats.anchor_refused == NO_RECURRENT_ANCHORS
+
+
+def test_state_bytes(hybrid):
+    from freetoken.device import get_device
+
+    family, _, _, _, _ = hybrid
+    dec = _decoder(hybrid, get_device("cpu"))
+    cfg = dec.cfg
+    per_layer = 4 * ((cfg.linear_conv - 1) * cfg.linear_conv_dim
+                     + cfg.linear_v_heads * cfg.linear_k_dim * cfg.linear_v_dim)
+    linear = cfg.layer_types.count("linear_attention")
+    assert dec.state_bytes() == linear * per_layer
+    assert dec.pool.num_layers == cfg.num_layers - linear  # KV rows for the full-attention layers only
+    from freetoken.engine.memory_report import memory_breakdown, memory_line
+
+    model = Model(dec)
+    list(model.generate(list(range(5, 17)), max_tokens=2, sampling=SamplingParams(temperature=0)))
+    assert dec.kept_snapshots == 1  # the prompt's end
+    assert memory_breakdown(model)["linear-attention states"] == 2 * linear * per_layer
+    assert ", linear-attention states " in memory_line(model)
+
+
+def _release_layout(src, dst, tensors):
+    """The tiny Qwen3.5 checkpoint as the releases store it: the image-text wrapper's config (text_config), the
+    language model under model.language_model., experts fused into gate_up_proj / down_proj, a vision tower and
+    multi-token-prediction tensors that are never read."""
+    from safetensors.numpy import save_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    text = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")}
+    text["model_type"] = "qwen3_5_moe_text"
+    wrapper = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+               "text_config": text, "vision_config": {"depth": 1}, "tie_word_embeddings": False}
+    dst.mkdir()
+    (dst / "config.json").write_text(json.dumps(wrapper))
+    out = {}
+    e = cfg["num_experts"]
+    for name, t in tensors.items():
+        if ".mlp.experts." in name:
+            continue
+        out[name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name] = t
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}.mlp.experts."
+        gate = np.stack([tensors[f"{p}{j}.gate_proj.weight"] for j in range(e)])
+        up = np.stack([tensors[f"{p}{j}.up_proj.weight"] for j in range(e)])
+        q = f"model.language_model.layers.{i}.mlp.experts."
+        out[q + "gate_up_proj"] = np.ascontiguousarray(np.concatenate([gate, up], axis=1))
+        out[q + "down_proj"] = np.stack([tensors[f"{p}{j}.down_proj.weight"] for j in range(e)])
+    out["model.visual.blocks.0.attn.qkv.weight"] = np.zeros((6, 2), np.float32)
+    out["mtp.layers.0.mlp.gate.weight"] = np.zeros((2, 2), np.float32)
+    save_file(out, str(dst / "model.safetensors"))
+
+
+def test_release_layout_loads(tmp_path):
+    from freetoken.engine.load import load
+
+    need("torch")
+    src = tmp_path / "hf"
+    make_checkpoint("qwen3_5_moe", src)
+    from safetensors.numpy import load_file
+
+    _release_layout(src, tmp_path / "release", load_file(str(src / "model.safetensors")))
+    tokens = np.arange(3, 19)
+    want = load(src, device="cpu").logits(tokens)
+    got = load(tmp_path / "release", device="cpu").logits(tokens)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_hybrid_config_refusals():
+    from freetoken.models import ConfigError
+
+    base = dict(model_type="qwen3_5_moe_text", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                vocab_size=128, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=16)
+    assert from_hf(base).layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    with pytest.raises(ConfigError, match="linear_num_value_heads"):
+        from_hf({**base, "linear_num_value_heads": 0})
+    with pytest.raises(ConfigError, match="multiple of 3 key heads"):
+        from_hf({**base, "linear_num_key_heads": 3})
+    with pytest.raises(ConfigError, match="layer_types"):
+        from_hf({**base, "layer_types": ["linear_attention"] * 3})
+    with pytest.raises(ConfigError, match="at least one full_attention"):
+        from_hf({**base, "layer_types": ["linear_attention"] * 4})
+    with pytest.raises(ConfigError, match="linear attention head dims 512"):
+        from_hf({**base, "linear_key_head_dim": 512})
+    with pytest.raises(ConfigError, match="attention_bias"):
+        from_hf({**base, "attention_bias": True})
+    assert set(HYBRID) <= set(FAMILIES)
