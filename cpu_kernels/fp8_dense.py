@@ -23,6 +23,7 @@ from freetoken.cpu_kernels.gemm_panel import PANEL_ROWS, TOKENS, panel_product, 
 from freetoken.cpu_kernels.gemv import GEMV_MAX_TOKENS, PANEL_BYTES, ROWS, SERIAL_MACS
 from freetoken.cpu_kernels.moe_fp8 import fp8_dot1, fp8_dot2, fp8_dot4
 from freetoken.cpu_kernels.moe_memory import addr
+from freetoken.cpu_kernels.serial_copy import serial_copy
 from freetoken.cpu_kernels.widen import FASTMATH
 
 from freetoken.formats.fp8_block import E4M3_VALUES
@@ -63,7 +64,7 @@ def _fp8_gemv_kernel(x, rows, out, k, group_rows):
 
 
 #: :func:`_fp8_gemv_kernel` without threads, for products below :data:`freetoken.cpu_kernels.gemv.SERIAL_MACS`.
-_fp8_gemv_serial = nb.njit(error_model="numpy", cache=True, boundscheck=False)(_fp8_gemv_kernel.py_func)
+_fp8_gemv_serial = serial_copy(_fp8_gemv_kernel)
 
 
 @nb.njit(error_model="numpy", inline="always", fastmath=FASTMATH)

@@ -33,6 +33,7 @@ from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, addr, declare_prefe
 from freetoken.cpu_kernels.rms_norm import rms_norm_rows
 from freetoken.cpu_kernels.rope import rope_rows
 from freetoken.cpu_kernels.routing import softmax_topk_rows
+from freetoken.cpu_kernels.serial_copy import serial_copy
 from freetoken.cpu_kernels.widen import FASTMATH, _widen
 from llvmlite import ir
 from numba import types
@@ -169,7 +170,7 @@ def _gemv16_kernel(x, w, out):
 
 
 #: :func:`_gemv16_kernel` on the calling thread.
-_gemv16_serial = nb.njit(error_model="numpy", cache=True, boundscheck=False, fastmath=FASTMATH)(_gemv16_kernel.py_func)
+_gemv16_serial = serial_copy(_gemv16_kernel)
 
 
 @nb.njit(error_model="numpy", parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
@@ -183,7 +184,7 @@ def _gemv_kernel(x, w, out):
 
 
 #: :func:`_gemv_kernel` compiled without threads (``prange`` runs as ``range``): the same loops, the same sums.
-_gemv_serial = nb.njit(error_model="numpy", cache=True, boundscheck=False, fastmath=FASTMATH)(_gemv_kernel.py_func)
+_gemv_serial = serial_copy(_gemv_kernel)
 
 
 @nb.njit(error_model="numpy", parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)

@@ -44,6 +44,7 @@ from freetoken.cpu_kernels.moe_kquant import (
     kq_dot4,
 )
 from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, addr, prefetch
+from freetoken.cpu_kernels.serial_copy import serial_copy
 from freetoken.cpu_kernels.widen import FASTMATH, _widen
 from llvmlite import ir
 from numba import types
@@ -174,7 +175,7 @@ def _qgemv_kernel(x, s16, q8, out, q4):
 
 
 #: :func:`_qgemv_kernel` without threads, for products below :data:`freetoken.cpu_kernels.gemv.SERIAL_MACS`.
-_qgemv_serial = nb.njit(error_model="numpy", cache=True, boundscheck=False, fastmath=FASTMATH)(_qgemv_kernel.py_func)
+_qgemv_serial = serial_copy(_qgemv_kernel)
 
 
 @nb.njit(error_model="numpy", parallel=True, cache=True, boundscheck=False, fastmath=FASTMATH)
@@ -205,8 +206,7 @@ def _kq_gemv_kernel(x, q8, out, kind):
 
 
 #: :func:`_kq_gemv_kernel` without threads, for products below :data:`freetoken.cpu_kernels.gemv.SERIAL_MACS`.
-_kq_gemv_serial = nb.njit(error_model="numpy", cache=True, boundscheck=False, fastmath=FASTMATH)(
-    _kq_gemv_kernel.py_func)
+_kq_gemv_serial = serial_copy(_kq_gemv_kernel)
 
 
 @nb.njit(error_model="numpy", parallel=True, cache=True, boundscheck=False)

@@ -188,3 +188,106 @@ def test_prune_keeps_the_recent_ones(tmp_path):
 def test_kernel_dir_found():
     assert (cpu_kernels_dir() / "moe_experts.py").is_file()
     assert numba_cache.kernel_sources()["freetoken.cpu_kernels.moe_experts"] == cpu_kernels_dir() / "moe_experts.py"
+
+
+# A parallel kernel, its serial copy (serial_copy), and the old way of making one: njit over the kernel's py_func.
+KERNELS = textwrap.dedent("""
+    import numba as nb
+
+    from freetoken.cpu_kernels.serial_copy import serial_copy
+
+
+    @nb.njit(parallel=True, cache=True)
+    def total(a):
+        s = 0.0
+        for i in nb.prange(a.size):
+            s += a[i]
+        return s
+
+
+    total_serial = serial_copy(total)
+    total_shared = nb.njit(cache=True)(total.py_func)
+""")
+# Call the named dispatchers in order; per call: cache hits, whether the loaded code has parfors (its reload hook
+# starts the threads), whether the threads have started.
+SERIAL_PROBE = textwrap.dedent("""
+    import sys
+
+    import numba
+    import numpy as np
+
+    sys.path.insert(0, sys.argv[1])
+    import ftnc_kernels as m
+
+    a = np.ones(64)
+    for name in sys.argv[2:]:
+        f = getattr(m, name)
+        assert f(a) == 64.0
+        cres = next(iter(f.overloads.values()))
+        parfors = any(getattr(h, "__name__", "") == "_reload_parfors" for h in cres.reload_init)
+        try:
+            numba.threading_layer()
+            started = True
+        except ValueError:
+            started = False
+        print(name, sum(f.stats.cache_hits.values()), int(parfors), int(started))
+""")
+
+
+def test_serial_copy_has_its_own_cache_files(tmp_path):
+    """Numba names cache files by module, qualname and line and keys entries by signature, machine and bytecode: not
+    by ``parallel``. A serial copy made from the kernel's own ``py_func`` shares the kernel's entries (and loads its
+    threaded code); :func:`serial_copy`'s renamed copy gets files of its own and loads single-threaded code."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "ftnc_kernels.py").write_text(KERNELS)
+    env = {**os.environ, "FREETOKEN_CACHE_DIR": str(tmp_path / "cache"), "NUMBA_NUM_THREADS": "2"}
+    for var in ("NUMBA_CACHE_DIR", "FREETOKEN_NUMBA_CACHE_SET", "FREETOKEN_NUMBA_CACHE_USER"):
+        env.pop(var, None)
+
+    def run(*names: str) -> dict[str, tuple[int, int, int]]:
+        proc = subprocess.run([sys.executable, "-c", SERIAL_PROBE, str(src), *names], capture_output=True, text=True,
+                              env=env, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+        rows = [line.split() for line in proc.stdout.splitlines()]
+        return {r[0]: (int(r[1]), int(r[2]), int(r[3])) for r in rows}
+
+    first = run("total", "total_serial", "total_shared")
+    assert first["total"][:2] == (0, 1)  # compiled, with parfors
+    assert first["total_serial"][:2] == (0, 0)  # compiled: its own entry, no parfors
+    assert first["total_shared"][:2] == (1, 1)  # the old way: the kernel's entry, loaded without compiling
+    index = sorted(p.name.split("-")[0] for p in (tmp_path / "cache").rglob("ftnc_kernels.*.nbi"))
+    assert index == ["ftnc_kernels.total", "ftnc_kernels.total_serial"]
+    fresh = run("total_serial", "total_shared", "total")  # a later process, the serial ones first
+    assert fresh["total_serial"] == (1, 0, 0)  # from the cache, single-threaded: no threads started
+    assert fresh["total_shared"] == (1, 1, 1)  # the old way runs the threaded code
+    assert fresh["total"] == (1, 1, 1)
+
+
+def test_cached_kernels_have_distinct_cache_files():
+    """No two cached dispatchers of freetoken's Numba modules share an index file, and each serial copy has its
+    kernel's options but ``parallel``."""
+    import importlib
+
+    from freetoken.cpu_kernels.serial_copy import SUFFIX
+
+    seen: dict[str, str] = {}
+    serial = 0
+    for label in numba_cache.kernel_sources():
+        if not label.startswith("freetoken.") or label.endswith(".__init__"):
+            continue
+        mod = importlib.import_module(label)
+        for attr, obj in vars(mod).items():
+            cache_file = getattr(getattr(obj, "_cache", None), "_cache_file", None)
+            if cache_file is None or getattr(obj, "__module__", None) != mod.__name__:
+                continue
+            where = f"{label}.{attr}"
+            other = seen.setdefault(cache_file._index_path, where)
+            assert other == where, f"{where} and {other} share the cache index {cache_file._index_path}"
+            name = obj.py_func.__name__
+            if name.endswith(SUFFIX):
+                kernel = getattr(mod, name[:-len(SUFFIX)])
+                assert kernel.targetoptions.get("parallel") and not obj.targetoptions.get("parallel"), where
+                assert obj.targetoptions == {k: v for k, v in kernel.targetoptions.items() if k != "parallel"}
+                serial += 1
+    assert serial >= 5
