@@ -5,15 +5,17 @@ Models:
   ``freetoken.convert``), so the GGUF row is the same file for both engines;
 * ``synthetic``: Qwen3-MoE-shaped Q4_0 GGUFs (64 experts, top-8; non-expert matrices f16), big enough that decode
   is bound by reading expert weights, as on real models: by default two, written by ``bench/make_synthetic_gguf.py``
-  (16 layers, hidden 1024, expert FFN 384: 0.7 GB; 8 layers, hidden 2048, expert FFN 768: 1.4 GB); ``--synthetic
-  PATH`` (repeatable) names existing files instead.
+  (16 layers, hidden 1024, expert FFN 384: 0.7 GB; 8 layers, hidden 2048, expert FFN 768: 1.4 GB), and a
+  Qwen3.5-MoE-shaped one (Gated DeltaNet and gated attention layers 3:1, 256 experts top-8, a shared expert, Q8_0
+  dense matrices: 1.9 GB); ``--synthetic PATH`` (repeatable) names existing files instead.
 
 Both engines run the same prompt (random ids), then greedy single-token decode steps, each on ``--threads`` threads;
 times are the median of ``--reps`` runs after a warm-up, the two engines' runs alternated (a drift of the machine's
 speed then hits both alike; ``pair range`` shows how far one pair's decode ratio strays from another's). llama.cpp
 computes logits for every prompt token (logits_all, as freetoken's forward does). ``ratio`` is freetoken / llama.cpp
-(> 1: freetoken faster). ``roof`` is the decode step's expert bytes (top-k records per MoE layer) over this
-machine's read bandwidth, measured in the same run: the best a bandwidth-bound decoder could do.
+(> 1: freetoken faster). ``roof`` is this machine's read bandwidth (measured in the same run) over the bytes a decode
+step reads (the top-k expert records of every MoE layer, the dense weights, Gated DeltaNet states read and written):
+the best a bandwidth-bound decoder could do.
 
 ``--profile`` adds, per model, freetoken's time split of the prefill and of a decode step among routed experts,
 dense projections, attention and the rest (:mod:`profile_split`, timed in a separate run).
@@ -144,7 +146,7 @@ def main(argv=None) -> int:
 
         synthetic = []
         for name, shape in SYNTHETIC_SHAPES.items():
-            path = tmp / f"synthetic-{name}-q4_0.gguf"
+            path = tmp / f"synthetic-{name}-q4_0.gguf"  # q4_0 experts
             make_synthetic([str(path), *shape])
             synthetic.append(path)
     rows += [(None, path, True) for path in synthetic]
@@ -164,8 +166,14 @@ def main(argv=None) -> int:
                                   not args.llama_no_repack) if gguf and have_llama else None
         ft, ll = _paired(ft_run, llama_run, args.reps)
         cfg = model.config
-        name = name or f"synthetic {cfg.num_layers}L/h{cfg.hidden}/{cfg.num_experts}E ({model.experts.formats_name()})"
-        step_bytes = cfg.top_k * sum(lay.record_bytes for lay in model.experts.layouts)
+        kind = "qwen35 " if cfg.layer_types else ""
+        name = name or (f"synthetic {kind}{cfg.num_layers}L/h{cfg.hidden}/{cfg.num_experts}E "
+                        f"({model.experts.formats_name()})")
+        # what one decode step must read: the top-k expert records of every MoE layer, the dense weights, and the
+        # linear-attention states (read and written)
+        dec = model.decoder
+        step_bytes = (cfg.top_k * sum(lay.record_bytes for lay in model.experts.layouts)
+                      + dec.weight_bytes()["dense weights"] + 2 * dec.state_bytes())
         roof = bw * 1e9 / step_bytes
         ft_pf = len(prompt) / statistics.median(t[0] for t in ft)
         ft_dc = args.decode_tokens / statistics.median(t[1] for t in ft)
@@ -185,14 +193,15 @@ def main(argv=None) -> int:
                                        len(prompt)))
         del model
     print("tokens/s (medians); ratio = freetoken / llama.cpp; pair range = the lowest and highest decode ratio of the "
-          "runs taken in alternation; roof = read bandwidth / expert bytes per decode step")
+          "runs taken in alternation; roof = read bandwidth / bytes a decode step reads (experts, dense weights, states)")
     for text in splits:
         print(text)
     return 0
 
 
 #: The synthetic models written by default: make_synthetic_gguf arguments per name.
-SYNTHETIC_SHAPES = {"16L-h1024": [], "8L-h2048": ["--layers", "8", "--hidden", "2048", "--moe-inter", "768"]}
+SYNTHETIC_SHAPES = {"16L-h1024": [], "8L-h2048": ["--layers", "8", "--hidden", "2048", "--moe-inter", "768"],
+                    "qwen35-8L-h1024": ["--arch", "qwen35moe", "--other", "q8_0"]}
 
 
 

@@ -3,9 +3,15 @@
 Default shape: 16 layers, 64 experts, top-8, hidden 1024, expert FFN 384 (Qwen3-30B-A3B's proportions at half
 the width), 16 query / 4 KV heads of 64; about 0.7 GB. Expert blocks are random Q4_0 bytes with a scale chosen so
 every weight has the variance 1/K of a sensible initialisation (quantizing a float copy would only cost time);
-the other matrices are F16 Gaussians. Both freetoken and llama.cpp load the file.
+the other matrices are F16 Gaussians (``--other q8_0``: Q8_0). Both freetoken and llama.cpp load the file.
+
+``--arch qwen35moe``: Qwen3.5-35B-A3B's layer pattern and widths at half its hidden size: three Gated DeltaNet
+layers for every gated full-attention layer (16 key / 32 value heads of 128, a 4-tap convolution; 16 query / 2 KV
+heads of 256, a quarter of each rotated), 256 experts top-8 with FFN 512, a gated shared expert of 512; 8 layers and
+hidden 1024 by default (about 2 GB with Q8_0 dense matrices).
 
     python bench/make_synthetic_gguf.py /tmp/synthetic-moe.gguf
+    python bench/make_synthetic_gguf.py /tmp/synthetic-qwen35.gguf --arch qwen35moe --other q8_0
 """
 
 from __future__ import annotations
@@ -34,15 +40,28 @@ class SyntheticWeights:
 
     def get(self, key: str, layer: int | None = None) -> np.ndarray:
         c, hd = self.cfg, self.cfg.head_dim
+        q_rows = c.num_heads * hd * (2 if c.attn_output_gate else 1)
         shapes = {"embed": (c.vocab_size, c.hidden), "norm": (c.hidden,), "attn_norm": (c.hidden,),
-                  "mlp_norm": (c.hidden,), "q_proj": (c.num_heads * hd, c.hidden),
+                  "mlp_norm": (c.hidden,), "q_proj": (q_rows, c.hidden),
                   "k_proj": (c.num_kv_heads * hd, c.hidden), "v_proj": (c.num_kv_heads * hd, c.hidden),
                   "o_proj": (c.hidden, c.num_heads * hd), "q_norm": (hd,), "k_norm": (hd,),
-                  "router": (c.num_experts, c.hidden)}
+                  "router": (c.num_experts, c.hidden), "shared_gate": (c.shared_inter, c.hidden),
+                  "shared_up": (c.shared_inter, c.hidden), "shared_down": (c.hidden, c.shared_inter),
+                  "shared_sigmoid": (1, c.hidden), "lm_head": (c.vocab_size, c.hidden)}
+        if c.layer_types:
+            from freetoken.models.weights import linear_shapes
+
+            shapes.update(linear_shapes(c))
         shape = shapes[key]
+        if key == "lin_ssm_a":  # decay rates -exp(A_log) for A in [1, 16), as HF initialises A
+            return -self._rng(key, layer).uniform(1.0, 16.0, shape).astype(np.float32)
+        if key == "lin_dt_bias":
+            return np.zeros(shape, np.float32)
+        if key == "lin_conv":
+            return (self._rng(key, layer).standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
         if len(shape) == 1:
             return np.ones(shape, np.float32)
-        scale = 1.0 if key == "embed" else 1.0 / np.sqrt(shape[1])
+        scale = 1.0 if key == "embed" else 1.0 / np.sqrt(shape[-1])
         return (self._rng(key, layer).standard_normal(shape, np.float32) * scale).astype(np.float32)
 
     def expert_stack(self, layer: int, matrix: str) -> np.ndarray:
@@ -66,6 +85,19 @@ def synthetic_config(layers=16, experts=64, top_k=8, hidden=1024, moe_inter=384,
                        qk_norm="head", moe_layers=(True,) * layers, tie_word_embeddings=True, max_position=max_position)
 
 
+def synthetic_qwen35_config(layers=8, experts=256, top_k=8, hidden=1024, moe_inter=512, shared_inter=512, heads=16,
+                            kv_heads=2, head_dim=256, vocab=4096, max_position=4096) -> ModelConfig:
+    """Qwen3.5-MoE's layer kinds and widths (every 4th layer full attention), at the given size."""
+    types = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers))
+    return ModelConfig(family="qwen3_5_moe", vocab_size=vocab, hidden=hidden, num_layers=layers, num_heads=heads,
+                       num_kv_heads=kv_heads, head_dim=head_dim, num_experts=experts, top_k=top_k,
+                       moe_inter=moe_inter, dense_inter=0, norm_topk_prob=True, rms_eps=1e-6, rope_theta=1e7,
+                       qk_norm="head", shared_inter=shared_inter, moe_layers=(True,) * layers,
+                       tie_word_embeddings=False, max_position=max_position, rotary_dim=head_dim // 4,
+                       layer_types=types, linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128,
+                       linear_conv=4, attn_output_gate=True, norm_offset=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("output", type=Path)
@@ -80,13 +112,22 @@ def main(argv=None) -> int:
     ap.add_argument("--max-position", type=int, default=4096,
                     help="the context the file declares (max_position_embeddings; default 4096)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--arch", choices=("qwen3moe", "qwen35moe"), default="qwen3moe",
+                    help="qwen35moe: Qwen3.5-MoE's hybrid layers (the shape options then default to its own, see "
+                         "above; --heads/--kv-heads/--head-dim/--top-k/--experts/--moe-inter apply when given)")
+    ap.add_argument("--other", choices=("f16", "q8_0"), default="f16", help="type of the non-expert matrices")
     args = ap.parse_args(argv)
-    cfg = synthetic_config(layers=args.layers, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-                           moe_inter=args.moe_inter, heads=args.heads, kv_heads=args.kv_heads,
-                           head_dim=args.head_dim, max_position=args.max_position)
+    given = {a for a in ("layers", "experts", "top_k", "hidden", "moe_inter", "heads", "kv_heads", "head_dim")
+             if f"--{a.replace('_', '-')}" in (argv if argv is not None else sys.argv)}
+    if args.arch == "qwen35moe":
+        cfg = synthetic_qwen35_config(**{a: getattr(args, a) for a in given}, max_position=args.max_position)
+    else:
+        cfg = synthetic_config(layers=args.layers, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
+                               moe_inter=args.moe_inter, heads=args.heads, kv_heads=args.kv_heads,
+                               head_dim=args.head_dim, max_position=args.max_position)
     tok = gguf_tokenizer_fields(DEFAULT_MODEL / "tokenizer.json", DEFAULT_MODEL / "tokenizer_config.json")
-    out = write_gguf(cfg, SyntheticWeights(cfg, args.seed), args.output, experts="q4_0", other="f16", tokenizer=tok,
-                     name="freetoken synthetic qwen3moe", progress=sys.stderr.isatty())
+    out = write_gguf(cfg, SyntheticWeights(cfg, args.seed), args.output, experts="q4_0", other=args.other,
+                     tokenizer=tok, name=f"freetoken synthetic {args.arch}", progress=sys.stderr.isatty())
     print(f"wrote {out} ({out.stat().st_size / 2**20:.0f} MiB)")
     return 0
 
