@@ -193,7 +193,8 @@ def main(argv=None) -> int:
                                        len(prompt)))
         del model
     print("tokens/s (medians); ratio = freetoken / llama.cpp; pair range = the lowest and highest decode ratio of the "
-          "runs taken in alternation; roof = read bandwidth / bytes a decode step reads (experts, dense weights, states)")
+          "runs taken in alternation; roof = read bandwidth / bytes a decode step reads (experts, dense weights, "
+          "states)")
     for text in splits:
         print(text)
     return 0

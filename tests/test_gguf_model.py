@@ -162,13 +162,18 @@ def _rewrite(src, dst, drop=(), reshape=None, arch=None, rename=None, meta=None,
     w.close()
 
 
+def _f32_export(root, family: str):
+    """``family``'s tiny checkpoint in ``root / "hf"`` and its F32 export ``root / "ok.gguf"``; returns the file."""
+    make_checkpoint(family, root / "hf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return export_gguf(root / "hf", root / "ok.gguf", experts="f32", other="f32")
+
+
 @pytest.fixture(scope="module")
 def qwen3_gguf(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad")
-    make_checkpoint("qwen3_moe", root / "hf")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        export_gguf(root / "hf", root / "ok.gguf", experts="f32", other="f32")
+    _f32_export(root, "qwen3_moe")
     return root
 
 
@@ -221,12 +226,7 @@ def test_fused_gate_up_experts_are_refused(qwen3_gguf, tmp_path):
 @pytest.fixture(scope="module")
 def next_gguf(tmp_path_factory):
     """A Qwen3-Next export (linear, full, linear, full layers)."""
-    root = tmp_path_factory.mktemp("next")
-    make_checkpoint("qwen3_next", root / "hf")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        export_gguf(root / "hf", root / "ok.gguf", experts="f32", other="f32")
-    return root / "ok.gguf"
+    return _f32_export(tmp_path_factory.mktemp("next"), "qwen3_next")
 
 
 def test_layer_kinds_must_match_the_tensors(next_gguf, tmp_path):
