@@ -98,6 +98,24 @@ def test_resume_from_snapshot_equals_recompute(hybrid, device):
     assert again == got and model.stats.cached_tokens == len(first)
 
 
+def test_rollback_drops_later_snapshots(hybrid):
+    """Resuming at an earlier length forgets the snapshots after it: they hold tokens the new sequence replaces, so a
+    later prompt that matches the new sequence that far must not resume from them."""
+    from freetoken.device import get_device
+
+    _, _, tokens, _, _ = hybrid
+    greedy = SamplingParams(temperature=0)
+    model = Model(_decoder(hybrid, get_device("cpu")))
+    p, x, y = tokens[:12].tolist(), tokens[12:20].tolist(), [(t + 3) % 128 for t in tokens[12:20]]
+    for prompt in (p, p + x, p + y + tokens[20:24].tolist()):
+        list(model.generate(prompt, max_tokens=2, sampling=greedy, reuse_cache=True))
+    assert 20 not in model.decoder.resume_points()  # p + x's state at 20 went with the rollback to 12
+    last = p + y + tokens[24:28].tolist()
+    got = list(model.generate(last, max_tokens=4, sampling=greedy, reuse_cache=True))
+    assert model.stats.cached_tokens == 12
+    assert got == list(Model(_decoder(hybrid, get_device("cpu"))).generate(last, max_tokens=4, sampling=greedy))
+
+
 def test_message_boundaries_keep_states(hybrid):
     """generate(boundaries=...) keeps the states at each boundary, so a later prompt that shares only the first
     message resumes there."""

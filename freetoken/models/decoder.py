@@ -303,7 +303,10 @@ class MoeDecoder:
                 if st is not None:
                     st.copy_from(saved)
         elif self.recurrent and n == 0:
-            self._reset_states(keep_snapshots=True)
+            self._reset_states()
+        if self.recurrent and n < kv.length:  # later snapshots hold tokens the sequence no longer has
+            for k in [k for k in self._snapshots if k > n]:
+                del self._snapshots[k]
         kv.truncate(n)
 
     def resume_points(self) -> list[int]:
