@@ -116,6 +116,30 @@ def test_rollback_drops_later_snapshots(hybrid):
     assert got == list(Model(_decoder(hybrid, get_device("cpu"))).generate(last, max_tokens=4, sampling=greedy))
 
 
+def test_long_prompt_keeps_periodic_states(hybrid):
+    """A prompt of several chunks leaves a state every snapshot_every tokens (at the chunk end reaching each multiple);
+    a later prompt that departs from it midway resumes from the last one before it. Periodic snapshots go first when
+    the budget is full."""
+    from freetoken.device import get_device
+
+    _, _, tokens, _, _ = hybrid
+    greedy = SamplingParams(temperature=0)
+    dec = _decoder(hybrid, get_device("cpu"), prefill_chunk=3)
+    dec.snapshot_every = 8
+    model = Model(dec)
+    ids = tokens[:22].tolist()
+    list(model.generate(ids, max_tokens=1, sampling=greedy, reuse_cache=True))
+    assert dec.resume_points() == [0, 9, 18, 22]  # chunk ends 3, 6, 9 (past 8), ..., 18 (past 16), the prompt's end
+    other = ids[:17] + [(t + 5) % 128 for t in ids[17:]]
+    got = list(model.generate(other, max_tokens=3, sampling=greedy, reuse_cache=True))
+    assert model.stats.cached_tokens == 9
+    assert got == list(Model(_decoder(hybrid, get_device("cpu"))).generate(other, max_tokens=3, sampling=greedy))
+    dec.max_snapshots = 2
+    dec.reset()
+    list(model.generate(ids, max_tokens=1, sampling=greedy))
+    assert dec.resume_points() == [0, 18, 22]  # 9 dropped first, the prompt's end kept
+
+
 def test_message_boundaries_keep_states(hybrid):
     """generate(boundaries=...) keeps the states at each boundary, so a later prompt that shares only the first
     message resumes there."""

@@ -3,8 +3,9 @@ Qwen3.5-MoE families: embedding, layers, final norm, LM head.
 
 A layer's token mixer is attention over the paged KV cache, or (Qwen3-Next / Qwen3.5) Gated DeltaNet over a
 recurrent state: the pool holds KV rows for the attention layers only, and the decoder holds the linear layers'
-states (:class:`freetoken.models.blocks.LinearState`) with snapshots of them at the end of each prompt, since a
-recurrent state cannot be cut back to an earlier length the way a KV cache can (:meth:`MoeDecoder.resume_points`).
+states (:class:`freetoken.models.blocks.LinearState`) with snapshots of them at the end of each prompt and every
+:data:`STATE_SNAPSHOT_EVERY` tokens of a long one, since a recurrent state cannot be cut back to an earlier length the
+way a KV cache can (:meth:`MoeDecoder.resume_points`).
 
 Each layer's blocks (:mod:`freetoken.models.blocks`) are picked from the config once, here, at load time; a forward
 pass then reads top to bottom (:meth:`MoeDecoder.forward`). Dense projections are :class:`Linear` matrices held in
@@ -187,6 +188,9 @@ DEFAULT_PREFILL_CHUNK = 1024
 #: at the end of every prompt and at the message boundaries generation is given, so the last few turns of a
 #: conversation can be resumed. Qwen3.5-35B-A3B's 30 linear layers hold 63 MiB of state per snapshot.
 MAX_STATE_SNAPSHOTS = 4
+#: A long prompt also leaves a snapshot at the first chunk end at or past every multiple of this many tokens (so a
+#: later prompt that departs from it midway resumes near there); these periodic ones are dropped before the others.
+STATE_SNAPSHOT_EVERY = 4096
 
 
 class ContextExceeded(ValueError):
@@ -240,7 +244,9 @@ class MoeDecoder:
                        for layer in self.layers]
         self.recurrent = any(st is not None for st in self.states)
         self._snapshots: OrderedDict[int, list[LinearState | None]] = OrderedDict()
+        self._periodic: set[int] = set()  # the lengths of the snapshots taken every snapshot_every tokens
         self.max_snapshots = MAX_STATE_SNAPSHOTS
+        self.snapshot_every = STATE_SNAPSHOT_EVERY
 
     def set_context(self, pool: KVPool, ctx: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
         """Hold the sequence in ``pool`` (made for this model's layers and kv heads), up to ``ctx`` tokens, and run
@@ -307,6 +313,7 @@ class MoeDecoder:
         if self.recurrent and n < kv.length:  # later snapshots hold tokens the sequence no longer has
             for k in [k for k in self._snapshots if k > n]:
                 del self._snapshots[k]
+                self._periodic.discard(k)
         kv.truncate(n)
 
     def resume_points(self) -> list[int]:
@@ -316,20 +323,27 @@ class MoeDecoder:
             return [self.length]
         return sorted({0, self.length, *self._snapshots})
 
-    def snapshot(self) -> None:
-        """Keep a copy of the linear-attention states at the current length (up to :attr:`max_snapshots`, the
-        oldest dropped first); nothing for a pure-attention model. Each costs :meth:`state_bytes`."""
+    def snapshot(self, periodic: bool = False) -> None:
+        """Keep a copy of the linear-attention states at the current length (up to :attr:`max_snapshots`: the
+        oldest periodic one dropped first, else the oldest); nothing for a pure-attention model. Each costs
+        :meth:`state_bytes`. ``periodic``: one of a long prompt's every-:attr:`snapshot_every` snapshots."""
         n = self.length
         if not self.recurrent or n == 0 or self.max_snapshots < 1:
             return
         if n in self._snapshots:
             self._snapshots.move_to_end(n)
             snap = self._snapshots[n]
+            if not periodic:
+                self._periodic.discard(n)
         else:
             while len(self._snapshots) >= self.max_snapshots:
-                self._snapshots.popitem(last=False)
+                old = next((k for k in self._snapshots if k in self._periodic), next(iter(self._snapshots)))
+                del self._snapshots[old]
+                self._periodic.discard(old)
             snap = [None if st is None else self.layers[i].attention.new_state() for i, st in enumerate(self.states)]
             self._snapshots[n] = snap
+            if periodic:
+                self._periodic.add(n)
         for st, saved in zip(self.states, snap, strict=True):
             if st is not None:
                 saved.copy_from(st)
@@ -343,12 +357,13 @@ class MoeDecoder:
         """Bytes of one sequence's linear-attention states (the live ones; each snapshot costs as much)."""
         return sum(st.nbytes for st in self.states if st is not None)
 
-    def _reset_states(self, keep_snapshots: bool = False) -> None:
+    def _reset_states(self) -> None:
+        """Zero the live linear-attention states and forget the snapshots."""
         for st in self.states:
             if st is not None:
                 st.reset()
-        if not keep_snapshots:
-            self._snapshots.clear()
+        self._snapshots.clear()
+        self._periodic.clear()
 
     def reset(self) -> None:
         """Forget the sequence (its KV blocks, the linear-attention states and their snapshots)."""
@@ -407,6 +422,9 @@ class MoeDecoder:
                     layer(x, layer_kv, pos, cos, sin)
                 self.experts.end()
                 kv.length = start + c1
+                every = self.snapshot_every
+                if self.recurrent and c1 < n and every > 0 and (start + c1) // every > (start + c0) // every:
+                    self.snapshot(periodic=True)
                 if last_only and c1 < n:
                     continue
                 h = x[-1:] if last_only else x
