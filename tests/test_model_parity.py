@@ -26,6 +26,16 @@ def checkpoint(request, tmp_path_factory):
     return request.param, path, tokens[0].numpy(), want
 
 
+#: The hybrid families carry a prefill's rounding on to every later token in their recurrent states: with emu's bf16
+#: tensor-core prefill, Qwen3-Next measured 5.8e-5 (tests/test_hybrid_models.py checks them against an oracle with
+#: the same bf16 experts, to float32 rounding on cpu).
+HYBRID_EMU_BOUND = 2e-4
+
+
+def _bound(family: str, device) -> float:
+    return HYBRID_EMU_BOUND if family in ("qwen3_next", "qwen3_5_moe") and device.kind != "cpu" else 5e-5
+
+
 def _nmse(got, want):
     return float(((got - want) ** 2).sum() / (want**2).sum())
 
@@ -45,7 +55,8 @@ def test_matches_transformers(checkpoint, device):
     assert np.isfinite(got).all()
     nmse_prompt, nmse_decode = _nmse(got[:PROMPT], want[:PROMPT]), _nmse(got[PROMPT:], want[PROMPT:])
     # bf16 experts (and, on emu, bf16 tensor-core inputs for the 20-token prefill): measured 4e-7 .. 7e-6
-    assert nmse_prompt < 5e-5 and nmse_decode < 5e-5, (nmse_prompt, nmse_decode)
+    bound = _bound(family, device)
+    assert nmse_prompt < bound and nmse_decode < bound, (nmse_prompt, nmse_decode)
     assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.9
 
 
@@ -100,7 +111,8 @@ def test_through_the_expert_cache(checkpoint, cuda_device, slots):
     for t in range(STEPS):
         got.append(model.forward(tokens[PROMPT + t:PROMPT + t + 1]))
     got = np.concatenate(got)
-    assert _nmse(got[:PROMPT], want[:PROMPT]) < 5e-5 and _nmse(got[PROMPT:], want[PROMPT:]) < 5e-5
+    bound = _bound(family, cuda_device)
+    assert _nmse(got[:PROMPT], want[:PROMPT]) < bound and _nmse(got[PROMPT:], want[PROMPT:]) < bound
     stats = cache.stats()
     assert stats["misses"] > 0 and stats["hits"] + stats["misses"] > 0
     cache.check_invariants()
