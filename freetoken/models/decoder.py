@@ -185,8 +185,9 @@ def _mlp(cfg: ModelConfig, t: _Tensors, i: int, dev, experts: ExpertRunner, moe_
 #: Prompt tokens per forward chunk unless the decoder is told otherwise (:meth:`MoeDecoder.set_context`).
 DEFAULT_PREFILL_CHUNK = 1024
 #: Snapshots of the linear-attention states a decoder keeps by default (:meth:`MoeDecoder.snapshot`): one is taken
-#: at the end of every prompt and at the message boundaries generation is given, so the last few turns of a
-#: conversation can be resumed. Qwen3.5-35B-A3B's 30 linear layers hold 63 MiB of state per snapshot.
+#: at the end of every prompt, at the message boundaries generation is given and every :data:`STATE_SNAPSHOT_EVERY`
+#: tokens of a long prompt, so the last few turns of a conversation can be resumed. Qwen3.5-35B-A3B's 30 linear
+#: layers hold 63 MiB of state per snapshot.
 MAX_STATE_SNAPSHOTS = 4
 #: A long prompt also leaves a snapshot at the first chunk end at or past every multiple of this many tokens (so a
 #: later prompt that departs from it midway resumes near there); these periodic ones are dropped before the others.
