@@ -96,11 +96,27 @@ STORAGES = ("bf16", "f16", "f32")
 QKINDS = ("q8_0", "q4_0", "fp8_block")
 
 
-def check_dense(got, x, w32, bias):
+def check_dense(got, x, w32, bias=None):
     """``got`` equals x . w32^T (+ bias) in float64 within 1e-5 of the largest output."""
     ref = dense_reference(x, w32, bias)
     assert got.dtype == np.float32 and got.shape == ref.shape
     assert_close(got, ref, atol=1e-5 * float(np.abs(ref).max()), name="y")
+
+
+def gemv_every_token_count(device, w, w32, storage: str, rng) -> object:
+    """``dense_gemv`` of ``w`` (decoding to ``w32`` [N, K]) at T = 1..MAX_TOKENS (each a code path of the kernel),
+    with and without bias, into poisoned outputs, each checked by :func:`check_dense`; returns ``w`` on the device."""
+    n, k = w32.shape
+    bias = rng.standard_normal(n, dtype=np.float32)
+    dw, db = device.asarray(w), device.asarray(bias)
+    for t in range(1, MAX_TOKENS + 1):
+        x = rng.standard_normal((t, k), dtype=np.float32)
+        for b in (None, bias):
+            out = device.asarray(poison((t, n), np.float32))
+            got = dense_gemv(device.asarray(x), dw, storage, bias=None if b is None else db, out=out, device=device)
+            assert got is out
+            check_dense(device.to_host(got), x, w32, b)
+    return dw
 
 
 @pytest.mark.parametrize("storage", STORAGES + QKINDS)
@@ -112,16 +128,7 @@ def test_dense_gemv_every_token_count(device, storage):
         w32 = blocks_dequantized(w, storage, k)
     else:
         w, w32 = dense_weights(storage, n, k, seed=n * 1000 + k)
-    rng = np.random.default_rng(k)
-    bias = rng.standard_normal(n, dtype=np.float32)
-    dw, db = device.asarray(w), device.asarray(bias)
-    for t in range(1, MAX_TOKENS + 1):
-        x = rng.standard_normal((t, k), dtype=np.float32)
-        for b in (None, bias):
-            out = device.asarray(poison((t, n), np.float32))
-            got = dense_gemv(device.asarray(x), dw, storage, bias=None if b is None else db, out=out, device=device)
-            assert got is out
-            check_dense(device.to_host(got), x, w32, b)
+    dw = gemv_every_token_count(device, w, w32, storage, np.random.default_rng(k))
     if storage in QKINDS:
         np.testing.assert_array_equal(device.to_host(dense_dequant(dw, storage, k, device=device)), w32)
 

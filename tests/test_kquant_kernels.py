@@ -7,22 +7,16 @@ from importlib import import_module
 
 import numpy as np
 import pytest
+from test_kernel_parity import check_dense, gemv_every_token_count
 
 from freetoken import formats, ops
 from freetoken.ops.dense import GGUF_BLOCKS, MAX_TOKENS, dense_dequant, dense_gemv, k_multiple, row_bytes
-from freetoken.testing import assert_close, poison
 from freetoken.testing.cases.dense import quantized_blocks
-from freetoken.testing.reference.dense import blocks_dequantized, dense_reference
+from freetoken.testing.reference.dense import blocks_dequantized
 
 KQUANTS = ("q4_k", "q5_k", "q6_k", "iq4_xs")
 #: Byte offset of each storage's float16 ``d`` in its block.
 D_OFFSET = {"q8_0": 0, "q4_0": 0, "q4_k": 0, "q5_k": 0, "q6_k": 208, "iq4_xs": 0}
-
-
-def _check(got, x, w32, bias=None):
-    ref = dense_reference(x, w32, bias)
-    assert got.dtype == np.float32 and got.shape == ref.shape
-    assert_close(got, ref, atol=1e-5 * float(np.abs(ref).max()), name="y")
 
 
 def _offset_view(device, w, offset):
@@ -51,17 +45,7 @@ def test_gemv_every_token_count(device, storage):
     rng = np.random.default_rng(11)
     for n, k in ((5, 256), (13, 768), (3, 1280)):
         w = quantized_blocks(storage, n, k, seed=n + k)
-        w32 = blocks_dequantized(w, storage, k)
-        bias = rng.standard_normal(n, dtype=np.float32)
-        dw, db = device.asarray(w), device.asarray(bias)
-        for t in range(1, MAX_TOKENS + 1):
-            x = rng.standard_normal((t, k), dtype=np.float32)
-            for b in (None, bias):
-                out = device.asarray(poison((t, n), np.float32))
-                got = dense_gemv(device.asarray(x), dw, storage, bias=None if b is None else db, out=out,
-                                 device=device)
-                assert got is out
-                _check(device.to_host(got), x, w32, b)
+        gemv_every_token_count(device, w, blocks_dequantized(w, storage, k), storage, rng)
 
 
 @pytest.mark.parametrize("storage", KQUANTS)
@@ -74,8 +58,8 @@ def test_gemv_offset_views_and_special_scales(device, storage):
     w32 = blocks_dequantized(w, storage, k)
     x = rng.standard_normal((3, k), dtype=np.float32)
     for offset in (1, 2, 8):
-        _check(device.to_host(dense_gemv(device.asarray(x), _offset_view(device, w, offset), storage, device=device)),
-               x, w32)
+        got = dense_gemv(device.asarray(x), _offset_view(device, w, offset), storage, device=device)
+        check_dense(device.to_host(got), x, w32)
     ws = w.copy()
     d = D_OFFSET[storage] + GGUF_BLOCKS[storage][1]  # the second block's d
     ws[1, d:d + 2] = np.array([np.inf], "<f2").view(np.uint8)
@@ -96,7 +80,7 @@ def test_chunked_product_covers_every_row(device, storage, monkeypatch):
     x = np.random.default_rng(9).standard_normal((MAX_TOKENS + 3, k), dtype=np.float32)
     for chunk in (1, k * 3, 1 << 23):
         monkeypatch.setattr(dense_module, "CHUNK_ELEMENTS", chunk)
-        _check(device.to_host(ops.dense(device.asarray(x), device.asarray(w), storage, device=device)), x, w32)
+        check_dense(device.to_host(ops.dense(device.asarray(x), device.asarray(w), storage, device=device)), x, w32)
 
 
 def test_storage_tables():
