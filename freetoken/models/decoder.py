@@ -125,9 +125,7 @@ def _gated_query(cfg: ModelConfig, t: _Tensors, i: int):
     """(query rows, output-gate rows) of a q projection that carries the gate (Qwen3-Next / Qwen3.5: each head's
     ``head_dim`` query rows followed by its ``head_dim`` gate rows); the query rows in RoPE's order."""
     w, d = t.matrix("q_proj", i), cfg.head_dim
-    base = np.arange(cfg.num_heads)[:, None] * 2 * d
-    q_rows, g_rows = (base + np.arange(d)[None, :]).reshape(-1), (base + d + np.arange(d)[None, :]).reshape(-1)
-    q, g = (w.rows(r) if isinstance(w, QuantizedMatrix) else np.ascontiguousarray(w[r]) for r in (q_rows, g_rows))
+    q, g = (_head_rows(w, 2 * d, first + np.arange(d)) for first in (0, d))  # each head's first / second half
     return _rotary_rows(cfg, q), g
 
 

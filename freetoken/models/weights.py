@@ -391,8 +391,7 @@ def tiled_v_order(k_heads: int, v_heads: int, width: int) -> np.ndarray:
 
 def grouped_v_order(k_heads: int, v_heads: int, width: int) -> np.ndarray:
     """The inverse of :func:`tiled_v_order`: ``grouped = tiled[grouped_v_order(...)]``."""
-    heads = np.arange(v_heads).reshape(v_heads // k_heads, k_heads).T.reshape(-1)
-    return (heads[:, None] * width + np.arange(width)[None, :]).reshape(-1)
+    return np.argsort(tiled_v_order(k_heads, v_heads, width))
 
 
 def ssm_a_from_a_log(a_log: np.ndarray) -> np.ndarray:
@@ -509,8 +508,8 @@ class HFWeights(Weights):
     def get(self, key: str, layer: int | None = None) -> np.ndarray:
         if key == "lm_head" and self.cfg.tie_word_embeddings:
             key = "embed"
-        if self.cfg.family == "qwen3_next" and key in ("lin_qkv", "lin_z", "lin_b", "lin_a"):
-            fused = "lin_ba" if key in ("lin_b", "lin_a") else "lin_qkvz"
+        fused = self._fused_source(key)
+        if fused is not None:
             return split_qwen3_next(self.cfg, key, self.tensor_f32(self.name(fused, layer)))
         w = self.tensor_f32(self.name(key, layer))
         if key == "lin_ssm_a":  # stored as A_log; the decay rate the model uses is -exp(A_log)
@@ -520,9 +519,13 @@ class HFWeights(Weights):
         return w
 
     def has(self, key: str, layer: int | None = None) -> bool:
-        if self.cfg.family == "qwen3_next" and key in ("lin_qkv", "lin_z", "lin_b", "lin_a"):
-            return self._exists(self.name("lin_ba" if key in ("lin_b", "lin_a") else "lin_qkvz", layer))
-        return self._exists(self.name(key, layer))
+        return self._exists(self.name(self._fused_source(key) or key, layer))
+
+    def _fused_source(self, key: str) -> str | None:
+        """The Qwen3-Next fused projection (``lin_qkvz`` / ``lin_ba``) that ``key``'s rows are read out of, or None."""
+        if self.cfg.family != "qwen3_next" or key not in ("lin_qkv", "lin_z", "lin_b", "lin_a"):
+            return None
+        return "lin_ba" if key in ("lin_b", "lin_a") else "lin_qkvz"
 
     def _fp8_matrix(self, key: str, layer: int | None) -> tuple[str, str] | None:
         """(weight name, scale name) of ``key`` when it is a block-FP8 matrix whose K the fp8 dense kernels take (a
