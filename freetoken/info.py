@@ -110,6 +110,9 @@ def cpu_info() -> dict:
         info["kernel_simd"] = simd_level()
     except Exception as e:  # llvmlite missing or broken: say so rather than fail the report
         info["kernel_simd"] = f"unknown ({e})"
+    from freetoken.device.hugepages import thp_mode
+
+    info["transparent_hugepages"] = thp_mode()
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):
@@ -227,13 +230,21 @@ def format_report(info: dict) -> str:
               f"{c.get('memory_gib', '?')} GiB memory",
               f"  SIMD: {' '.join(c['simd']) or 'none detected'}",
               f"  CPU kernels compiled for: {c.get('kernel_simd', '?')} (int8 expert dots: "
-              f"{_INT8_DOTS.get(c.get('kernel_simd'), 'portable code, slow')})"]
+              f"{_INT8_DOTS.get(c.get('kernel_simd'), 'portable code, slow')})",
+              f"  transparent huge pages: {_THP_NOTE.get(c.get('transparent_hugepages'), 'not available')}"]
     lines += _format_threads(info.get("threads"), c)
     lines += ["", "Libraries"]
     for name, ver in info["libraries"].items():
         lines.append(f"  {name:<24} {ver or 'not installed'}")
     lines += ["", f"Cache directory: {info['cache_dir']}"]
     return "\n".join(lines)
+
+
+#: What each THP setting means for the weights the cpu device streams (freetoken.device.hugepages).
+_THP_NOTE = {"always": "always (dense weights and expert banks on 2 MiB pages)",
+             "madvise": "madvise (freetoken advises huge pages for the dense weights and expert banks)",
+             "never": "never (weights on 4 KiB pages: decode reads them up to a third slower; "
+                      "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled)"}
 
 
 def _format_threads(t: dict | None, cpu: dict) -> list[str]:

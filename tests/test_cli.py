@@ -30,7 +30,8 @@ def test_no_command_prints_help(capsys):
 def test_info_text(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    for section in ("Devices", "GPU", "CPU", "SIMD:", "Libraries", "numba", "nvrtc", "Cache directory"):
+    for section in ("Devices", "GPU", "CPU", "SIMD:", "transparent huge pages:", "Libraries", "numba", "nvrtc",
+                    "Cache directory"):
         assert section in out
     assert "cpu  yes" in out
 
@@ -41,6 +42,7 @@ def test_info_json(capsys):
     assert info["devices"]["cpu"]["usable"] is True
     assert info["cpu"]["logical_cores"] >= 1
     assert isinstance(info["cpu"]["simd"], list)
+    assert info["cpu"]["transparent_hugepages"] in ("always", "madvise", "never", None)
     assert info["libraries"]["numpy"]
 
 

@@ -100,6 +100,11 @@ class Device(ABC):
     def asarray(self, host: Any, stream: Any = None):
         """Copy a host array to the device (no copy on host devices when already a NumPy array)."""
 
+    def weights(self, host: Any, stream: Any = None):
+        """A weight array the kernels read on every step, on the device (:meth:`asarray`; the cpu device places it in
+        huge pages)."""
+        return self.asarray(host, stream)
+
     @abstractmethod
     def to_host(self, arr: Any, stream: Any = None, out: np.ndarray | None = None) -> np.ndarray:
         """Copy a device array to a NumPy array (into ``out`` when given, e.g. a pinned buffer's host view)."""

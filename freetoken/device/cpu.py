@@ -60,3 +60,18 @@ class HostDevice(Device):
 
 class CpuDevice(HostDevice):
     kind = "cpu"
+
+    def __init__(self):
+        self._arena = None
+
+    def weights(self, host, stream=None):
+        """``host`` in huge-page memory (:mod:`freetoken.device.hugepages`): the kernels stream these arrays on every
+        decode step. An array NumPy allocated itself at a size it advises huge pages for stays as it is."""
+        from freetoken.device.hugepages import HugePageArena, wants_huge_pages
+
+        a = np.ascontiguousarray(host)
+        if not wants_huge_pages(a):
+            return a
+        if self._arena is None:
+            self._arena = HugePageArena()
+        return self._arena.copy(a)

@@ -372,8 +372,8 @@ class MoeDecoder:
 
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of the non-expert weights: the embedding table on the host, the rest on the device."""
-        dense = self.lm_head.nbytes if not (self.cfg.tie_word_embeddings and self.dev.kind == "cpu"
-                                            and self.lm_head.storage == "f32") else 0  # cpu f32: the embed itself
+        # a tied float32 lm_head on the cpu device may be the embedding table itself
+        dense = 0 if self.lm_head.holds(self.embed) else self.lm_head.nbytes
         dense += int(self.norm.nbytes)
         for layer in self.layers:
             att, mlp = layer.attention, layer.mlp

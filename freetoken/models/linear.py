@@ -89,7 +89,8 @@ class Linear:
         self.out_features, self.in_features = w.shape
         self.sizes: tuple[int, ...] = (self.out_features,)
         self.storage = exact_storage(w)
-        self._w = device.asarray(to_storage(w, self.storage))  # float32 on cpu: ``w`` itself (a tied lm_head: embed)
+        # float32 on cpu: ``w`` itself when NumPy gave it huge pages (a tied lm_head: the embedding), else a copy in them
+        self._w = device.weights(to_storage(w, self.storage))
         self._set_bias(bias)
 
     def _init_quantized(self, q: QuantizedMatrix, device, bias) -> None:
@@ -97,7 +98,7 @@ class Linear:
         self.out_features, self.in_features = q.shape
         self.sizes = (self.out_features,)
         self.storage = self._kind = q.kind
-        self._w = device.asarray(np.ascontiguousarray(q.blocks))
+        self._w = device.weights(np.ascontiguousarray(q.blocks))
         self._set_bias(bias)
 
     def _set_bias(self, bias) -> None:
@@ -174,6 +175,12 @@ class Linear:
         if self._parts is not None:
             return self.xp.concatenate([p.weight for p in self._parts], axis=0)
         return widen(self._w, self.storage, self.in_features, device=self.dev)
+
+    def holds(self, a) -> bool:
+        """Whether the matrix is stored in host array ``a``'s memory (a tied float32 lm_head on the cpu device: the
+        embedding table itself, not a copy)."""
+        return (self._parts is None and isinstance(a, np.ndarray) and isinstance(self._w, np.ndarray)
+                and np.may_share_memory(self._w, a))
 
     @property
     def nbytes(self) -> int:

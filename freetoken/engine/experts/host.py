@@ -15,7 +15,8 @@ class HostExperts(RunnerBase):
         self.activations = activations  # 4-bit formats: 8-bit (int8 dots) or float32 token vectors
 
     def load_layer(self, layer: int, banks: dict) -> None:
-        self.banks[layer] = banks
+        # streamed on every step: in huge pages (the cpu device copies a bank NumPy did not already place there)
+        self.banks[layer] = {name: self.dev.weights(b) for name, b in banks.items()}
 
     def memory(self) -> dict[str, int]:
         return {"expert banks (host)": sum(int(b.nbytes) for banks in self.banks if banks for b in banks.values())}

@@ -1,0 +1,89 @@
+"""The cpu device's weights in transparent huge pages (freetoken.device.hugepages)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from freetoken.device import get_device
+from freetoken.device.hugepages import ALIGN, NUMPY_HUGEPAGE_BYTES, HugePageArena, thp_mode
+from freetoken.models.linear import Linear
+
+
+def _vma_field(addr: int, field: str) -> str | None:
+    """``field`` of the mapping that holds ``addr`` in /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith(field + ":"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def _vm_flags(a: np.ndarray) -> set[str]:
+    return set((_vma_field(a.ctypes.data, "VmFlags") or "").split())
+
+
+def _advised(a: np.ndarray) -> bool:
+    """Whether ``a``'s mapping is advised MADV_HUGEPAGE ("hg") and the kernel counts it eligible for huge pages."""
+    return "hg" in _vm_flags(a) and _vma_field(a.ctypes.data, "THPeligible") == "1"
+
+
+def test_arena_hands_out_aligned_disjoint_writable_arrays():
+    arena = HugePageArena(chunk_bytes=4 << 20)
+    arrays = [arena.empty(shape, dtype) for shape, dtype in
+              [((3, 5), np.float32), (7, np.uint8), ((1000, 3), np.float16), ((2 << 20,), np.uint8), (0, np.int32)]]
+    for a in arrays:
+        assert a.ctypes.data % ALIGN == 0 and a.flags.c_contiguous and a.flags.writeable
+    spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays if a.nbytes)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+    for i, a in enumerate(arrays):
+        a[...] = i
+    assert all((a == i).all() for i, a in enumerate(arrays))  # no array wrote over another
+
+
+def test_arena_copy_is_exact_and_private():
+    src = np.random.default_rng(0).standard_normal((33, 17)).astype(np.float16)
+    arena = HugePageArena()
+    out = arena.copy(src[:, ::-1])  # a strided source: the copy is C-contiguous
+    assert out.dtype == src.dtype and out.flags.c_contiguous
+    np.testing.assert_array_equal(out, src[:, ::-1])
+    assert "sh" not in _vm_flags(out)  # a private mapping (a shared anonymous one is shmem: no THP)
+
+
+def test_arena_memory_is_advised_for_huge_pages_where_the_kernel_offers_them():
+    a = HugePageArena().empty(1 << 20, np.uint8)
+    a[:] = 1
+    if thp_mode() in ("always", "madvise"):
+        assert _advised(a)
+    else:  # THP off or absent: the arena still works, on small pages
+        assert (a == 1).all()
+
+
+def test_cpu_linear_places_small_and_file_backed_matrices_in_huge_pages():
+    dev = get_device("cpu")
+    w = np.random.default_rng(1).standard_normal((48, 64)).astype(np.float32)
+    lin = Linear(w.astype(np.float16).astype(np.float32), dev)
+    assert lin.storage == "f16"
+    assert not lin.holds(w)
+    x = np.random.default_rng(2).standard_normal((2, 64)).astype(np.float32)
+    np.testing.assert_allclose(lin(x), x @ w.astype(np.float16).astype(np.float32).T, rtol=1e-5, atol=1e-5)
+    if thp_mode() in ("always", "madvise"):
+        assert _advised(lin._w)
+
+
+def test_cpu_tied_float32_head_stays_the_embedding():
+    """A float32 matrix NumPy allocated at a size it already gives huge pages is used as it is: a tied lm_head on the
+    cpu device reads the embedding table itself, and :meth:`Linear.holds` says so (weight_bytes counts it once)."""
+    dev = get_device("cpu")
+    rows = NUMPY_HUGEPAGE_BYTES // (4 * 64) + 1
+    embed = np.random.default_rng(3).standard_normal((rows, 64)).astype(np.float32)
+    embed[0, 0] = np.float32(1 / 3)  # not exact in bf16 or f16: stored float32
+    head = Linear(embed, dev)
+    assert head.storage == "f32" and head.holds(embed)
+    small = Linear(embed[:8].copy(), dev)
+    assert small.storage == "f32" and not small.holds(embed)
