@@ -43,12 +43,15 @@ format's order, and each kernel takes the int8 path where its own format has one
 from __future__ import annotations
 
 import functools
+import threading
 from typing import NamedTuple
 
 import numba as nb
 import numpy as np
 from freetoken.cpu_kernels.moe_kernels import down_kernel as _down_kernel  # (tests count their signatures)
 from freetoken.cpu_kernels.moe_kernels import gate_up_kernel as _gate_up_kernel
+from freetoken.cpu_kernels.moe_kernels import down_serial as _down_serial
+from freetoken.cpu_kernels.moe_kernels import gate_up_serial as _gate_up_serial
 from freetoken.cpu_kernels.moe_kernels import group_pairs
 from freetoken.cpu_kernels.moe_rows import (
     FMT_BF16,
@@ -73,12 +76,36 @@ __all__ = ["ACTIVATIONS", "ACT_GPT_OSS", "ACT_SWIGLU", "FMT_BF16", "FMT_FP8_BLOC
 
 
 
-#: Below this many multiply-adds per call (pairs x 3 x H x I) the kernels' parallel regions run on the calling
-#: thread alone. A region waits at its end for every thread it woke; on a busy machine a descheduled thread turns
+#: Below this many multiply-adds per call (pairs x 3 x H x I) the kernels' serial copies run, on the calling thread
+#: alone. A region waits at its end for every thread it woke; on a busy machine a descheduled thread turns
 #: microseconds into milliseconds (measured on the bundled model, 2 cores shared with two other busy processes:
 #: 78 ms per decode step with the tiny expert calls on 2 threads, 3.1 ms with them on 1), and below this size one
 #: thread does the work in tens of microseconds anyway.
 SERIAL_MACS = 1 << 19
+
+
+#: Calls of at most this many (token, expert) pairs reuse their work buffers (``h`` and the 8-bit token rows) from a
+#: per-thread cache instead of allocating them: a decode step makes one call per MoE layer of a handful of pairs.
+REUSE_MAX_PAIRS = 64
+
+_buffers = threading.local()  # a cpu-share worker thread and the main thread each have their own
+
+
+def _work_buffers(pairs: int, t_count: int, hidden: int, inter: int, q8_gu: bool, q8_down: bool):
+    """(h [pairs, inter] float32, x's 8-bit rows, h's 8-bit rows): reused per thread for small calls."""
+    key = (pairs, t_count, hidden, inter, q8_gu, q8_down)
+    cache = getattr(_buffers, "by_shape", None)
+    if cache is None:
+        cache = _buffers.by_shape = {}
+    bufs = cache.get(key) if pairs <= REUSE_MAX_PAIRS else None
+    if bufs is None:
+        bufs = (np.empty((pairs, inter), np.float32), q8_buffers(t_count, hidden) if q8_gu else NO_Q8,
+                q8_buffers(pairs, inter) if q8_down else NO_Q8)
+        if pairs <= REUSE_MAX_PAIRS:
+            if len(cache) >= 256:  # many models or shapes in one process: start over rather than grow
+                cache.clear()
+            cache[key] = bufs
+    return bufs
 
 
 @functools.cache
@@ -182,23 +209,17 @@ def forward(fmt_name: str, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, 
     xs = np.ascontiguousarray(x[:, _perm(hidden, True)]) if p.fmt in SPLIT_FORMATS else x
     if not xs.flags.writeable:  # a read-only array is another Numba type: one compiled kernel for both
         xs = xs.copy()
-    h = np.empty((pw.shape[0], inter), np.float32)
     threads = nb.get_num_threads()
-    nthreads = 1 if pw.shape[0] * 3 * hidden * inter < SERIAL_MACS else threads
-    xq8 = q8_buffers(t_count, hidden) if q8_gu else NO_Q8  # filled by the kernels
-    hq8 = q8_buffers(pw.shape[0], inter) if q8_down else NO_Q8
-    if nthreads != threads:  # the parallel regions on the calling thread alone: no other thread to wait for
-        nb.set_num_threads(nthreads)
-    try:
-        # p.banks, xs and the biases stay referenced here while the kernels read them through their addresses
-        _gate_up_kernel(p.fmt, p.gate, p.up, p.gb, p.ub, p.has_bias, act_code, uniq, poff, ptok, xs, q8_gu,
-                        Q8_OFFSETS.get(p.fmt, 0), xq8, hidden, inter,
-                        _inverse_perm(inter, p.down_fmt in SPLIT_FORMATS), h, nthreads)
-        _down_kernel(p.down_fmt, p.down, p.db, p.has_bias, uniq, poff, ptok, pw, h, q8_down,
-                     Q8_OFFSETS.get(p.down_fmt, 0), hq8, hidden, inter, out, nthreads)
-    finally:
-        if nthreads != threads:
-            nb.set_num_threads(threads)
+    serial = threads == 1 or pw.shape[0] * 3 * hidden * inter < SERIAL_MACS
+    h, xq8, hq8 = _work_buffers(pw.shape[0], t_count, hidden, inter, q8_gu, q8_down)
+    gate_up, down = (_gate_up_serial, _down_serial) if serial else (_gate_up_kernel, _down_kernel)
+    nthreads = 1 if serial else threads
+    # p.banks, xs and the biases stay referenced here while the kernels read them through their addresses
+    gate_up(p.fmt, p.gate, p.up, p.gb, p.ub, p.has_bias, act_code, uniq, poff, ptok, xs, q8_gu,
+            Q8_OFFSETS.get(p.fmt, 0), xq8, hidden, inter, _inverse_perm(inter, p.down_fmt in SPLIT_FORMATS), h,
+            nthreads)
+    down(p.down_fmt, p.down, p.db, p.has_bias, uniq, poff, ptok, pw, h, q8_down, Q8_OFFSETS.get(p.down_fmt, 0), hq8,
+         hidden, inter, out, nthreads)
 
 
 class PreparedBanks(NamedTuple):

@@ -42,6 +42,7 @@ from freetoken.cpu_kernels.moe_rows_q8 import (
     row_q8_dot4,
 )
 from freetoken.cpu_kernels.q8_act import quantize_row
+from freetoken.cpu_kernels.serial_copy import serial_copy
 
 from freetoken.device.constants import ACT_SWIGLU, GPT_OSS_ALPHA, GPT_OSS_LIMIT
 
@@ -326,3 +327,9 @@ def down_kernel(fmt, down, db, has_bias, uniq, poff, ptok, pw, h, q8, qoff, hq8,
                     for q in range(npairs):
                         out[ptok[p0 + q], r + rr] += pw[p0 + q] * (acc[rr * npairs + q] + bias)
                 r += nr
+
+
+#: The two kernels on the calling thread, for calls too small to repay a parallel region (a decode step of a small
+#: model): no thread to wake or wait for, and no ``set_num_threads`` round trip around the call.
+gate_up_serial = serial_copy(gate_up_kernel)
+down_serial = serial_copy(down_kernel)

@@ -13,7 +13,7 @@ copies per key for G multiply-adds each, and so ran at ~3-10 GB/s of KV. Here th
   block's V rows, widened the same way, are multiply-added in key order: no reduction at all.
 
 Both read each K/V row once per kv head and touch no buffer but the rows' outputs. The softmax between them is the
-prompt kernel's online softmax (:func:`~freetoken.cpu_kernels.paged_attention._fold_row`). Long contexts split the
+prompt kernel's online softmax with the maxima taken per lane (:func:`_fold_keys`). Long contexts split the
 keys of each kv head into runs of :data:`SPLIT_BLOCKS` blocks (more parallel tasks when a model has few kv heads);
 the runs' partial maxima, sums and outputs are merged at the end. The split depends on the context only, never on
 the thread count, and every sum has a fixed order: results are the same on any machine with the same vector
@@ -37,8 +37,9 @@ from freetoken.cpu_kernels.lanes import (
     load_widened,
     row_ptr,
 )
-from freetoken.cpu_kernels.moe_memory import addr, typed_ptr
-from freetoken.cpu_kernels.paged_attention import _FASTMATH, _LANES, _exp, _fold_row
+from freetoken.cpu_kernels.moe_memory import addr, declare_prefetch, typed_ptr
+from freetoken.cpu_kernels.paged_attention import _FASTMATH, _LANES, _exp
+from freetoken.cpu_kernels.serial_copy import serial_copy
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -48,6 +49,11 @@ from numba.extending import intrinsic
 DECODE_ROWS = 16
 #: Pool blocks per run of keys (one parallel task per kv head and run).
 SPLIT_BLOCKS = 8
+#: Below this many query-key multiply-adds per step (keys x query heads x head dim) :func:`paged_decode_rows_serial`
+#: runs: waking the other threads costs more than the work (bundled model, 4 heads of 48: 100 keys took 7.3 us on
+#: one thread, 8.3 us in a parallel region on two; Qwen3-30B-A3B's proportions at half width, 16 heads of 64: 540
+#: keys took 69 us on one thread, 45 us on two).
+SERIAL_MACS = 1 << 16
 
 
 def handles(kind: str, dim: int, rows: int) -> bool:
@@ -66,14 +72,49 @@ def _ints(context, builder, signature, args, count):
 SCORE_ROWS = 4
 #: Output chunks of 16 values :func:`_weighted_values` accumulates together in registers.
 _VALUE_CHUNKS = 4
+#: Keys ahead of the one being read whose K (or V) row is prefetched. One kv head's rows lie ``Hkv x D`` values apart,
+#: a strided walk the hardware prefetchers follow late. With it, the 4-key score tiles and the per-lane maxima of
+#: :func:`_fold_keys` (Qwen3-30B-A3B's proportions at half width, 16 heads / 4 kv heads of 64, bf16, one thread,
+#: 2,000 keys: 305 -> 202 us; two threads, 4,000 keys: 444 -> 285 us).
+PREFETCH_KEYS = 8
+
+
+def _prefetch_row(builder, prefetch, row_at, line):
+    """IR: prefetch the cache line ``line`` bytes into the stored row at address ``row_at``."""
+    at = typed_ptr(builder, builder.add(row_at, line), ir.IntType(8))
+    builder.call(prefetch, [at, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+
+#: Keys :func:`_scores` dots together (with ``SCORE_ROWS`` rows: 16 independent sums in registers).
+SCORE_KEYS = 4
+
+
+def _score_tile(builder, kind, fma, qp, n_, r0, keys):
+    """IR: the ``SCORE_ROWS x len(keys)`` dot products of query rows ``r0 ..`` (``qp``) with the stored K rows at the
+    addresses ``keys``: each sum 16 lanes over the chunks in order; per row, the keys' lane sums reduced by
+    :func:`lane_sums4` (a 4-vector of their scores; a tile of fewer than 4 keys pads it)."""
+    zero = ir.Constant(V16F, [0.0] * 16)
+    accs = [[cgutils.alloca_once_value(builder, zero) for _ in keys] for _ in range(SCORE_ROWS)]
+    kps = [row_ptr(builder, kind, k) for k in keys]
+    with cgutils.for_range(builder, n_) as cl:
+        c = cl.index
+        ws = [load_widened(builder, kind, kp, c) for kp in kps]
+        for i in range(SCORE_ROWS):
+            qv = builder.load(builder.gep(qp, [builder.add(builder.mul(builder.add(r0, ir.Constant(I64, i)), n_), c)]),
+                              align=4)
+            for a, w in zip(accs[i], ws, strict=True):
+                builder.store(builder.call(fma, [qv, w, builder.load(a)]), a)
+    vals = [[builder.load(a) for a in row] for row in accs]
+    return [lane_sums4(builder, row + [zero] * (4 - len(row))) for row in vals]
 
 
 @intrinsic
 def _scores(typingctx, qs, groups, keys, key_bytes, nkeys, n16, s, s_stride, sample):
     """``s[r * s_stride + j] = sum_i qs[r, i] * widen(K_j[i])`` for keys ``j < nkeys`` (stored rows ``key_bytes``
     apart from address ``keys``, of ``sample``'s type) and rows ``r < SCORE_ROWS * groups`` of ``qs`` (float32
-    ``[rows, 16 n16]`` at its address), ``SCORE_ROWS`` rows at a time: per row 16 lane sums in order, then
-    :func:`_lane_sum`."""
+    ``[rows, 16 n16]`` at its address), ``SCORE_ROWS`` rows by ``SCORE_KEYS`` keys at a time (16 independent
+    FMA chains: one key's chain alone waited on its own latency): per row and key 16 lane sums in order, then
+    :func:`lane_sums4`'s fixed tree. Each K row is prefetched ``PREFETCH_KEYS`` keys ahead."""
     ints = (qs, groups, keys, key_bytes, nkeys, n16, s, s_stride)
     if sample not in KINDS or not all(isinstance(a, types.Integer) for a in ints):
         return None
@@ -83,26 +124,30 @@ def _scores(typingctx, qs, groups, keys, key_bytes, nkeys, n16, s, s_stride, sam
         kind = KINDS[signature.args[8]]
         qp, sp = typed_ptr(builder, qs_, V16F), typed_ptr(builder, s_, F32)
         fma = fmuladd(builder)
-        zero = ir.Constant(V16F, [0.0] * 16)
-        accs = [cgutils.alloca_once(builder, V16F) for _ in range(SCORE_ROWS)]
-        with cgutils.for_range(builder, nk_) as kl:
-            j = kl.index
-            kp = row_ptr(builder, kind, builder.add(keys_, builder.mul(j, kb_)))
+        prefetch = declare_prefetch(builder.module)
+        chunk_bytes = ir.Constant(I64, 64 if kind == "f32" else 32)
+        step = ir.Constant(I64, SCORE_KEYS)
+        tiles = builder.udiv(nk_, step)
+
+        def tile(j, count):
+            keys = [builder.add(keys_, builder.mul(builder.add(j, ir.Constant(I64, i)), kb_)) for i in range(count)]
+            for i in range(count):  # each chunk's line (twice per line for 16-bit kinds), PREFETCH_KEYS keys on
+                ahead = builder.add(keys_, builder.mul(builder.add(j, ir.Constant(I64, PREFETCH_KEYS + i)), kb_))
+                with cgutils.for_range(builder, n_) as cl:
+                    _prefetch_row(builder, prefetch, ahead, builder.mul(cl.index, chunk_bytes))
             with cgutils.for_range(builder, groups_) as gl:
                 r0 = builder.mul(gl.index, ir.Constant(I64, SCORE_ROWS))
-                for a in accs:
-                    builder.store(zero, a)
-                with cgutils.for_range(builder, n_) as cl:
-                    c = cl.index
-                    w = load_widened(builder, kind, kp, c)
-                    for i, a in enumerate(accs):
-                        at = builder.add(builder.mul(builder.add(r0, ir.Constant(I64, i)), n_), c)
-                        qv = builder.load(builder.gep(qp, [at]), align=4)
-                        builder.store(builder.call(fma, [qv, w, builder.load(a)]), a)
-                sums = lane_sums4(builder, [builder.load(a) for a in accs])
+                sums = _score_tile(builder, kind, fma, qp, n_, r0, keys)
                 for i in range(SCORE_ROWS):
-                    at = builder.add(builder.mul(builder.add(r0, ir.Constant(I64, i)), ss_), j)
-                    builder.store(builder.extract_element(sums, ir.Constant(I32, i)), builder.gep(sp, [at]))
+                    row = builder.mul(builder.add(r0, ir.Constant(I64, i)), ss_)
+                    for kk in range(count):
+                        at = builder.add(row, builder.add(j, ir.Constant(I64, kk)))
+                        builder.store(builder.extract_element(sums[i], ir.Constant(I32, kk)), builder.gep(sp, [at]))
+
+        with cgutils.for_range(builder, tiles) as tl:
+            tile(builder.mul(tl.index, step), SCORE_KEYS)
+        with cgutils.for_range(builder, builder.sub(nk_, builder.mul(tiles, step))) as kl:  # the last few keys
+            tile(builder.add(builder.mul(tiles, step), kl.index), 1)
         return context.get_dummy_value()
     return types.void(qs, groups, keys, key_bytes, nkeys, n16, s, s_stride, sample), codegen
 
@@ -116,9 +161,15 @@ def _accumulate(builder, kind, fma, o, n16, p, p_stride, vals, vb, nk, r0, c0, w
     outs = [[builder.gep(op, [builder.add(builder.mul(r, n16), c)]) for c in chunks] for r in rows]
     accs = [[cgutils.alloca_once_value(builder, builder.load(at, align=4)) for at in row] for row in outs]
     prow = [builder.gep(pp, [builder.mul(r, p_stride)]) for r in rows]
+    prefetch = declare_prefetch(builder.module)
+    chunk_bytes = 64 if kind == "f32" else 32
     with cgutils.for_range(builder, nk) as kl:
         j = kl.index
         vp = row_ptr(builder, kind, builder.add(vals, builder.mul(j, vb)))
+        ahead = builder.add(vals, builder.mul(builder.add(j, ir.Constant(I64, PREFETCH_KEYS)), vb))
+        for c in range(0, width, 64 // chunk_bytes):  # the lines of this tile's chunks, PREFETCH_KEYS keys on
+            _prefetch_row(builder, prefetch, ahead, builder.mul(builder.add(c0, ir.Constant(I64, c)),
+                                                                ir.Constant(I64, chunk_bytes)))
         ws = [load_widened(builder, kind, vp, c) for c in chunks]
         for i in range(SCORE_ROWS):
             pj = broadcast(builder, builder.load(builder.gep(prow[i], [j])))
@@ -155,6 +206,41 @@ def _weighted_values(typingctx, o, groups, p, p_stride, vals, val_bytes, nkeys, 
                             builder.add(builder.mul(full, width), cl.index), 1)
         return context.get_dummy_value()
     return types.void(o, groups, p, p_stride, vals, val_bytes, nkeys, n16, sample), codegen
+
+
+@nb.njit(error_model="numpy", inline="always", fastmath=_FASTMATH)
+def _fold_keys(s, p, m, lsum, lanes, tot, r, g_lo, g_hi, jlo, jhi):
+    """Row r's online softmax over one block's keys ``jlo .. jhi - 1`` (key ``g * _LANES + lane`` scored
+    ``s[g, r, lane]``, groups ``g_lo .. g_hi - 1``): the running max ``m[r]`` and sum ``lsum[r]`` updated and the
+    block's unnormalised probabilities into ``p[r]`` (0 for the other keys of the groups). The prompt kernel's
+    :func:`~freetoken.cpu_kernels.paged_attention._fold_row` with the maximum taken per lane first (``lanes``,
+    ``tot``: scratch of ``_LANES``): every loop over the keys is then lane-parallel and vectorises (a running
+    maximum in key order does not), and a maximum is the same in any order."""
+    ninf = np.float32(-np.inf)
+    for lane in range(_LANES):
+        lanes[lane] = ninf
+        tot[lane] = np.float32(0.0)
+    for g in range(g_lo, g_hi):
+        for lane in range(_LANES):
+            j = g * _LANES + lane
+            v = s[g, r, lane] if j >= jlo and j < jhi else ninf
+            lanes[lane] = max(lanes[lane], v)
+    mx = m[r]
+    for lane in range(_LANES):
+        mx = max(mx, lanes[lane])
+    for g in range(g_lo, g_hi):
+        for lane in range(_LANES):
+            j = g * _LANES + lane
+            e = _exp(s[g, r, lane] - mx)
+            e = e if j >= jlo and j < jhi else np.float32(0.0)
+            p[r, j] = e
+            tot[lane] += e
+    total = np.float32(0.0)
+    for lane in range(_LANES):
+        total += tot[lane]
+    corr = _exp(m[r] - mx) if m[r] > -np.inf else np.float32(0.0)
+    lsum[r] = lsum[r] * corr + total
+    m[r] = mx
 
 
 def splits_for(t_count: int, block_size: int, start: int, window: int) -> int:
@@ -204,7 +290,7 @@ def paged_decode_rows(q, k_pool, v_pool, block_table, start, window, sinks, scal
         s = np.zeros((ngroups, rows_pad, _LANES), np.float32)
         p = np.zeros((rows_pad, bsp), np.float32)  # padding rows stay 0
         tot = np.empty(_LANES, np.float32)
-        no_o = np.empty((0, rows, _LANES), np.float32)  # _fold_row's rescale of o: done here, o's layout differs
+        lanes = np.empty(_LANES, np.float32)
         kbase, vbase = addr(k_pool), addr(v_pool)
         for blk in range(b_first + sp * nblocks // nsplit, b_first + (sp + 1) * nblocks // nsplit):
             base = blk * bs
@@ -223,12 +309,12 @@ def paged_decode_rows(q, k_pool, v_pool, block_table, start, window, sinks, scal
                 pos = start + r // group
                 jhi = min(j1, pos - base + 1)  # keys up to the query's own position
                 jlo = j0 if window == 0 else max(0, pos - window + 1 - base)
-                for j in range(g_lo * _LANES, g_hi * _LANES):
-                    p[r, j] = np.float32(0.0)
-                if jhi <= jlo:
+                if jhi <= jlo:  # no key of this block for the row (a window): it adds nothing
+                    for j in range(g_lo * _LANES, g_hi * _LANES):
+                        p[r, j] = np.float32(0.0)
                     continue
                 m_old = m[r]
-                _fold_row(s, p, m, lsum, no_o, tot, r, g_lo, g_hi, jlo, jhi)
+                _fold_keys(s, p, m, lsum, lanes, tot, r, g_lo, g_hi, jlo, jhi)  # p[r] of the block's groups
                 corr = _exp(m_old - m[r]) if m_old > -np.inf else np.float32(0.0)
                 for d in range(dim):
                     o[r, d] *= corr
@@ -260,3 +346,12 @@ def paged_decode_rows(q, k_pool, v_pool, block_table, start, window, sinks, scal
                     w = _exp(part_m[kvh, sp, r] - mx) * inv
                     for d in range(dim):
                         out[t, h * dim + d] += part_o[kvh, sp, r, d] * w
+
+
+#: :func:`paged_decode_rows` on the calling thread (a short context: :data:`SERIAL_MACS`).
+paged_decode_rows_serial = serial_copy(paged_decode_rows)
+
+
+def decode_kernel(keys: int, heads: int, dim: int):
+    """:func:`paged_decode_rows` or its serial copy for a step over ``keys`` keys of ``heads`` query heads."""
+    return paged_decode_rows_serial if keys * heads * dim < SERIAL_MACS else paged_decode_rows

@@ -167,7 +167,8 @@ class Linear:
             x = self.xp.ascontiguousarray(x, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ValueError(f"x must be [T, {self.in_features}], got shape {list(x.shape)}")
-        return ops.dense(x, self._w, self.storage, bias=self.bias, device=self.dev)
+        # the matrix and bias were checked when the Linear was made, x just now
+        return ops.dense(x, self._w, self.storage, bias=self.bias, device=self.dev, checked=True)
 
     @property
     def weight(self):

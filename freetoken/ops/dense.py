@@ -15,6 +15,9 @@ dispatch lives there); :func:`dense_gemv` is the decode kernel (T <= :data:`MAX_
 
 from __future__ import annotations
 
+import functools
+import types
+
 import numpy as np
 
 from freetoken.device.constants import DENSE_MAX_TOKENS, DENSE_WARPS
@@ -89,17 +92,23 @@ def _checked(dev, x, w, storage: str, bias):
     return x, w, b, n, k
 
 
+@functools.cache
+def _cpu_kernels():
+    """The cpu device's product kernels (imported on first use: gpu/emu never load Numba's modules)."""
+    from freetoken.cpu_kernels import gemv, qgemv
+
+    return types.SimpleNamespace(matmul_into=gemv.matmul_into, storage_view=gemv.storage_view,
+                                 qmatmul_into=qgemv.qmatmul_into)
+
+
 def _cpu_product(x, w, storage: str, b, y) -> None:
     """The cpu device's product: the Numba GEMV (few tokens) or register-tiled kernel, then the bias."""
     if x.shape[0]:
+        kernels = _cpu_kernels()
         if storage in BLOCK_STORAGES:
-            from freetoken.cpu_kernels.qgemv import qmatmul_into
-
-            qmatmul_into(x, w, storage, y)
+            kernels.qmatmul_into(x, w, storage, y)
         else:
-            from freetoken.cpu_kernels.gemv import matmul_into, storage_view
-
-            matmul_into(x, storage_view(w), y)
+            kernels.matmul_into(x, kernels.storage_view(w), y)
     if b is not None:
         y += b
 
@@ -149,7 +158,7 @@ def _launch_gemv(dev, x, w, storage, b, y) -> None:
         check_int32("K", k)))
 
 
-def dense(x, w, storage: str, bias=None, *, out=None, device=None):
+def dense(x, w, storage: str, bias=None, *, out=None, device=None, checked: bool = False):
     """``x @ widen(w).T (+ bias)`` for any number of tokens: the dense projection op.
 
     Same arguments as :func:`dense_gemv`, with T unbounded. Dispatch: the cpu device runs the Numba kernels
@@ -159,10 +168,18 @@ def dense(x, w, storage: str, bias=None, *, out=None, device=None):
     emu): row chunks of at most :data:`CHUNK_ELEMENTS` weights widened to float32 into one reused buffer (block
     storages decoded by :func:`dense_dequant`) and multiplied; float32 matrices are multiplied whole.
 
+    ``checked``: the caller vouches for the arguments (``device`` a Device, ``x`` float32 [T, K] C-contiguous, ``w``
+    and ``bias`` on the device in ``storage`` for K columns, ``out`` None): a decode step's small projections then
+    cost their kernel and little else.
+
     Returns
     -------
     float32 array [T, N] on the device (``out`` when given).
     """
+    if checked and out is None and device.kind == "cpu":
+        y = np.empty((x.shape[0], w.shape[0]), np.float32)
+        _cpu_product(x, w, storage, bias, y)
+        return y
     dev = resolve(device)
     x, w, b, n, k = _checked(dev, x, w, storage, bias)
     t = x.shape[0]

@@ -69,7 +69,7 @@ def _x_kind(x) -> str:
 
 def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str | None = None, mode: str = "auto",
                 out=None, device=None, validate: bool = True, workspace: MoeWorkspace | None = None,
-                activations: str = "auto"):
+                activations: str = "auto", checked: bool = False):
     """Routed expert forward over slot-indexed record banks.
 
     Parameters
@@ -89,11 +89,22 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
         llama.cpp's q8_0 rounding), "f32" (the float path) or "auto" (q8 where the CPU has AVX2 or AVX-512 VNNI;
         :func:`freetoken.cpu_kernels.moe_experts.uses_q8`). The CUDA kernels read float32/bf16: "q8" is refused
         on gpu/emu, "auto" and "f32" are the same there
+    checked : the caller vouches for the arguments (``device`` a Device; ``x`` float32, ``ids`` int32 and ``weights``
+        float32, all C-contiguous and shaped as above; ``act`` and ``activations`` valid): on the cpu device the
+        call goes straight to the kernels (a decode step's expert call is then mostly kernel time)
 
     Returns
     -------
     float32 [T, H] on the device.
     """
+    if checked and device.kind == "cpu" and x.shape[0] and ids.shape[1]:
+        from freetoken.cpu_kernels.moe_experts import forward
+
+        y = device.empty(x.shape, np.float32) if out is None else out
+        forward(layout.fmt.name, x, ids, weights, banks, layout.hidden, layout.inter,
+                activation_code(layout.act if act is None else act), y, prepared=_prepared_cpu_banks(banks, layout),
+                activations=activations, down_fmt_name=layout.format_of("down").name)
+        return y
     dev = resolve(device)
     code = activation_code(layout.act if act is None else act)
     x = as_input(dev, x, "x", None, 2)
@@ -150,7 +161,7 @@ def _prepared_cpu_banks(banks: dict, layout: RecordLayout):
     from freetoken.cpu_kernels.moe_experts import prepare
 
     hit = _PREPARED.get(id(banks))
-    if hit is not None and hit[0] is banks and hit[1] == layout and all(
+    if hit is not None and hit[0] is banks and (hit[1] is layout or hit[1] == layout) and all(
             hit[2].banks.get(k) is v for k, v in banks.items()):
         return hit[2]
     layout.check(banks)

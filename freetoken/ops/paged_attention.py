@@ -234,8 +234,9 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, block_table, start, *, 
         k_pool, v_pool = k_pool.view(np.int16), v_pool.view(np.int16)
     if paged_decode.handles(kind, dim, t_count * heads // k_pool.shape[2]):  # a decode step: rows read in place
         nsplit = paged_decode.splits_for(t_count, k_pool.shape[1], start, window)
-        paged_decode.paged_decode_rows(q, k_pool, v_pool, block_table, start, window, sinks,
-                                       np.float32(sc), nsplit, out)
+        keys = start + t_count if window == 0 else min(start + t_count, window + t_count - 1)
+        paged_decode.decode_kernel(keys, heads, dim)(q, k_pool, v_pool, block_table, start, window, sinks,
+                                                     np.float32(sc), nsplit, out)
         return out
     table = decode_table("fp8") if kind == "fp8" else _NO_TABLE
     paged_attention_rows(q, k_pool, v_pool, k_scale, v_scale, table, block_table, start, window, sinks,
