@@ -174,7 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         x_all = rng.standard_normal((max(int(t) for t in args.tokens.split(",")), hidden)).astype(np.float32)
         for fmt in args.formats.split(","):
             gate_up, _, down = fmt.partition("+")
-            layout = RecordLayout(formats.get(gate_up), hidden, inter, down_fmt=formats.get(down) if down else None)
+            try:
+                layout = RecordLayout(formats.get(gate_up), hidden, inter,
+                                      down_fmt=formats.get(down) if down else None)
+            except ValueError as err:  # e.g. a k-quant's 256-value blocks do not tile an FFN of 384
+                print(f"# {shape} {fmt}: skipped ({err})", flush=True)
+                continue
             small = layout.quantize(*tmpl)
             banks = {name: np.ascontiguousarray(np.tile(a, (experts // 2,) + (1,) * (a.ndim - 1)))
                      for name, a in small.items()}

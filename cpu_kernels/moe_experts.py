@@ -71,7 +71,7 @@ from freetoken.device.simd import ACTIVATIONS, simd_level
 
 __all__ = ["ACTIVATIONS", "ACT_GPT_OSS", "ACT_SWIGLU", "FMT_BF16", "FMT_FP8_BLOCK", "FMT_MXFP4", "FMT_NVFP4",
            "FMT_Q4_0", "FORMAT_CODES", "SPLIT_FORMATS", "PreparedBanks", "block_split_perm", "forward", "prepare",
-           "uses_q8"]
+           "run_prepared", "uses_q8"]
 
 
 
@@ -200,26 +200,44 @@ def forward(fmt_name: str, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, 
     ids, weights = np.ascontiguousarray(ids), np.ascontiguousarray(weights)
     _check_array("out", out, np.float32, shape=(t_count, hidden))
 
+    run_prepared(p, x, ids, weights, act_code, out, activations)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(fmt: int, down_fmt: int, hidden: int, inter: int, activations: str):
+    """What a call's kernels take besides the tokens, per formats and shape: (x permuted to the block-split order,
+    q8 for gate/up, q8 for down, their q8 offsets, h's column order)."""
+    names = {code: name for name, code in FORMAT_CODES.items()}
+    return (fmt in SPLIT_FORMATS, uses_q8(names[fmt], activations), uses_q8(names[down_fmt], activations),
+            Q8_OFFSETS.get(fmt, 0), Q8_OFFSETS.get(down_fmt, 0), _inverse_perm(inter, down_fmt in SPLIT_FORMATS))
+
+
+def run_prepared(p: PreparedBanks, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, act_code: int,
+                 out: np.ndarray, activations: str = "auto") -> None:
+    """:func:`forward` without its checks, for a caller that vouches for them: ``x`` float32 [T >= 1, H], ``ids``
+    int32 and ``weights`` float32 [T, k >= 1], ``out`` float32 [T, H], all C-contiguous; ``act_code`` a plain int
+    of the two; ``activations`` valid. Ids out of range still raise (the kernels index by them)."""
+    hidden, inter = p.hidden, p.inter
     uniq, poff, ptok, pw, bad = group_pairs(ids, weights, p.num_experts)
     if bad >= 0:
         t, j = divmod(int(bad), ids.shape[1])
         raise ValueError(f"ids[{t}, {j}] = {int(ids[t, j])} is out of range: the banks hold {p.num_experts} experts")
-
-    q8_gu, q8_down = uses_q8(fmt_name, activations), uses_q8(down_fmt_name, activations)
-    xs = np.ascontiguousarray(x[:, _perm(hidden, True)]) if p.fmt in SPLIT_FORMATS else x
+    split, q8_gu, q8_down, qoff_gu, qoff_down, hperm = _plan(p.fmt, p.down_fmt, hidden, inter, activations)
+    xs = np.ascontiguousarray(x[:, _perm(hidden, True)]) if split else x
     if not xs.flags.writeable:  # a read-only array is another Numba type: one compiled kernel for both
         xs = xs.copy()
-    threads = nb.get_num_threads()
-    serial = threads == 1 or pw.shape[0] * 3 * hidden * inter < SERIAL_MACS
-    h, xq8, hq8 = _work_buffers(pw.shape[0], t_count, hidden, inter, q8_gu, q8_down)
+    pairs, t_count = pw.shape[0], x.shape[0]
+    serial = pairs * 3 * hidden * inter < SERIAL_MACS
+    nthreads = 1 if serial else nb.get_num_threads()
+    if nthreads == 1:
+        serial = True
+    h, xq8, hq8 = _work_buffers(pairs, t_count, hidden, inter, q8_gu, q8_down)
     gate_up, down = (_gate_up_serial, _down_serial) if serial else (_gate_up_kernel, _down_kernel)
-    nthreads = 1 if serial else threads
     # p.banks, xs and the biases stay referenced here while the kernels read them through their addresses
-    gate_up(p.fmt, p.gate, p.up, p.gb, p.ub, p.has_bias, act_code, uniq, poff, ptok, xs, q8_gu,
-            Q8_OFFSETS.get(p.fmt, 0), xq8, hidden, inter, _inverse_perm(inter, p.down_fmt in SPLIT_FORMATS), h,
-            nthreads)
-    down(p.down_fmt, p.down, p.db, p.has_bias, uniq, poff, ptok, pw, h, q8_down, Q8_OFFSETS.get(p.down_fmt, 0), hq8,
-         hidden, inter, out, nthreads)
+    gate_up(p.fmt, p.gate, p.up, p.gb, p.ub, p.has_bias, act_code, uniq, poff, ptok, xs, q8_gu, qoff_gu, xq8, hidden,
+            inter, hperm, h, nthreads)
+    down(p.down_fmt, p.down, p.db, p.has_bias, uniq, poff, ptok, pw, h, q8_down, qoff_down, hq8, hidden, inter, out,
+         nthreads)
 
 
 class PreparedBanks(NamedTuple):

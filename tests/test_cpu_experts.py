@@ -142,7 +142,10 @@ def test_read_only_banks_and_inputs_share_the_compiled_kernels():
 
     banks, deq = _record("q4_0", 96, 160, 5, bias=True, seed=11)
     _check("q4_0", banks, deq, 96, 160, "gpt_oss", 3, 2, seed=1)
-    compiled = (len(moe_experts._gate_up_kernel.signatures), len(moe_experts._down_kernel.signatures))
+    kernels = (moe_experts._gate_up_kernel, moe_experts._down_kernel, moe_experts._gate_up_serial,
+               moe_experts._down_serial)  # this call is small: the serial copies run it
+    compiled = [len(k.signatures) for k in kernels]
+    assert sum(compiled[2:]) >= 2
     frozen = {}
     for name, a in banks.items():  # as from a read-only memory map
         a = a.copy()
@@ -156,7 +159,46 @@ def test_read_only_banks_and_inputs_share_the_compiled_kernels():
     forward("q4_0", x, ids, weights, frozen, 96, 160, np.int64(ACT_GPT_OSS), out, activations="f32")
     ref = moe_forward_reference(x, ids, weights, deq, "gpt_oss")
     assert_close(out, ref, atol=2e-5 * float(np.abs(ref).max()), rtol=1e-5)
-    assert (len(moe_experts._gate_up_kernel.signatures), len(moe_experts._down_kernel.signatures)) == compiled
+    assert [len(k.signatures) for k in kernels] == compiled
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "bf16"])
+def test_serial_copies_match_the_parallel_kernels(fmt, monkeypatch):
+    """A small call (a decode step of a small model) runs the kernels' serial copies, a large one the parallel
+    kernels: the same loops, so the same bits."""
+    from freetoken.cpu_kernels import moe_experts
+
+    banks, _ = _record(fmt, 96, 160, 6, bias=True, seed=3)
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 96)).astype(np.float32)
+    ids, weights = _routes(2, 3, 6, seed=5)
+    outs = []
+    for serial_macs in (1 << 40, 0):  # everything serial, then nothing
+        monkeypatch.setattr(moe_experts, "SERIAL_MACS", serial_macs)
+        out = poison((2, 96), np.float32)
+        forward(fmt, x, ids, weights, banks, 96, 160, ACT_SWIGLU, out)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_ops_checked_path_matches_the_checked_call():
+    """ops.moe_experts(checked=True) (what the cpu runner calls each layer) goes straight to the kernels: the same
+    result as the call that checks its arguments, with its output buffer reused."""
+    from freetoken import get_device, ops
+
+    cpu = get_device("cpu")
+    layout = RecordLayout(formats.get("q4_0"), 64, 96, False)
+    banks = random_record(layout, 5, 2)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    ids, weights = _routes(3, 2, 5, seed=7)
+    want = ops.moe_experts(x, ids, weights, banks, layout, device=cpu)
+    out = poison((3, 64), np.float32)
+    got = ops.moe_experts(x, ids, weights, banks, layout, device=cpu, validate=False, checked=True, out=out)
+    assert got is out
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="out of range"):  # even unchecked, the kernels never read past the banks
+        ops.moe_experts(x, np.full((3, 2), 5, np.int32), weights, banks, layout, device=cpu, checked=True)
 
 
 def test_ids_out_of_range():

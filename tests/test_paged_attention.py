@@ -211,3 +211,27 @@ def test_store_errors_name_the_argument():
                      device=CPU)
     with pytest.raises(ValueError, match="v_pool"):
         ops.kv_store(k, k, kp, vp[:2], ks, vs, table, 0, device=CPU)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, start, window", [(4, 2, 48, 40, 0), (16, 4, 64, 700, 0),
+                                                                  (3, 1, 48, 150, 33)])
+def test_decode_serial_copy_matches_the_parallel_kernel(heads, kv_heads, dim, start, window):
+    """A short context runs the decode kernel's serial copy (:data:`~freetoken.cpu_kernels.paged_decode.SERIAL_MACS`):
+    the same loops, so the same bits as the parallel kernel, and ops.paged_attention picks it by size."""
+    from freetoken.cpu_kernels import paged_decode
+
+    rng = np.random.default_rng(9)
+    (kp, vp), _, table = _sequence(rng, "bf16", start + 1, kv_heads, dim, 64)
+    q = rng.standard_normal((1, heads, dim)).astype(np.float32)
+    nsplit = paged_decode.splits_for(1, 64, start, window)
+    outs = []
+    for kernel in (paged_decode.paged_decode_rows, paged_decode.paged_decode_rows_serial):
+        out = np.empty((1, heads * dim), np.float32)
+        kernel(q, kp, vp, table, start, window, None, np.float32(1 / np.sqrt(dim)), nsplit, out)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(ops.paged_attention(q, kp, vp, None, None, table, start, window=window,
+                                                      device=CPU), outs[0])
+    keys = min(start + 1, window) if window else start + 1
+    small = keys * heads * dim < paged_decode.SERIAL_MACS
+    assert (paged_decode.decode_kernel(keys, heads, dim) is paged_decode.paged_decode_rows_serial) == small

@@ -98,12 +98,11 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
     float32 [T, H] on the device.
     """
     if checked and device.kind == "cpu" and x.shape[0] and ids.shape[1]:
-        from freetoken.cpu_kernels.moe_experts import forward
+        from freetoken.cpu_kernels.moe_experts import run_prepared
 
-        y = device.empty(x.shape, np.float32) if out is None else out
-        forward(layout.fmt.name, x, ids, weights, banks, layout.hidden, layout.inter,
-                activation_code(layout.act if act is None else act), y, prepared=_prepared_cpu_banks(banks, layout),
-                activations=activations, down_fmt_name=layout.format_of("down").name)
+        y = np.empty(x.shape, np.float32) if out is None else out
+        run_prepared(_prepared_cpu_banks(banks, layout), x, ids, weights,
+                     activation_code(layout.act if act is None else act), y, activations)
         return y
     dev = resolve(device)
     code = activation_code(layout.act if act is None else act)
