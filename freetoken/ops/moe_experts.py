@@ -90,8 +90,8 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
         :func:`freetoken.cpu_kernels.moe_experts.uses_q8`). The CUDA kernels read float32/bf16: "q8" is refused
         on gpu/emu, "auto" and "f32" are the same there
     checked : the caller vouches for the arguments (``device`` a Device; ``x`` float32, ``ids`` int32 and ``weights``
-        float32, all C-contiguous and shaped as above; ``act`` and ``activations`` valid): on the cpu device the
-        call goes straight to the kernels (a decode step's expert call is then mostly kernel time)
+        float32, all C-contiguous and shaped as above; ``act`` and ``activations`` valid; ``banks`` the same
+        arrays as when this dict was last used): on the cpu device the call goes straight to the kernels
 
     Returns
     -------
@@ -101,8 +101,10 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
         from freetoken.cpu_kernels.moe_experts import run_prepared
 
         y = np.empty(x.shape, np.float32) if out is None else out
-        run_prepared(_prepared_cpu_banks(banks, layout), x, ids, weights,
-                     activation_code(layout.act if act is None else act), y, activations)
+        hit = _PREPARED.get(id(banks))  # the caller vouches the banks are as when last prepared: no deep look
+        prepared = hit[2] if hit is not None and hit[0] is banks and hit[1] is layout else \
+            _prepared_cpu_banks(banks, layout)
+        run_prepared(prepared, x, ids, weights, activation_code(layout.act if act is None else act), y, activations)
         return y
     dev = resolve(device)
     code = activation_code(layout.act if act is None else act)

@@ -27,13 +27,23 @@ _KINDS = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.
 
 def kv_kind_of(pool) -> str:
     """The KV kind a pool array stores, from its dtype."""
-    kind = _KINDS.get(np.dtype(pool.dtype))
+    kind = _KINDS.get(pool.dtype)
     if kind is None:
         raise TypeError(f"a KV pool stores float32, float16, bf16 (uint16) or fp8 (uint8), not {pool.dtype}")
     return kind
 
 
 _NO_TABLE = np.zeros(1, np.float32)  # the cpu kernel's table argument where the kind has none
+
+
+@lru_cache(maxsize=1)
+def _cpu_kernels():
+    """(the decode kernels' module, the prompt kernel), imported on the cpu device's first call (gpu/emu never load
+    Numba's modules; a function-level import costs every decode step a lookup per layer)."""
+    from freetoken.cpu_kernels import paged_decode
+    from freetoken.cpu_kernels.paged_attention import paged_attention_rows
+
+    return paged_decode, paged_attention_rows
 
 
 @lru_cache(maxsize=4)
@@ -226,9 +236,7 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, block_table, start, *, 
 
         paged_attention_cuda(dev, q, k_pool, v_pool, k_scale, v_scale, block_table, start, window, sinks, sc, out)
         return out
-    from freetoken.cpu_kernels import paged_decode
-    from freetoken.cpu_kernels.paged_attention import paged_attention_rows
-
+    paged_decode, paged_attention_rows = _cpu_kernels()
     kind = kv_kind_of(k_pool)
     if kind == "f16":  # the kernels widen IEEE half bits from int16 (Numba has no float16 arithmetic)
         k_pool, v_pool = k_pool.view(np.int16), v_pool.view(np.int16)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from freetoken.device.constants import NORM_THREADS
@@ -67,17 +69,25 @@ def rms_norm(x, weight, eps: float, *, out=None, device=None, checked: bool = Fa
     return y
 
 
+@functools.cache
+def _cpu_kernels():
+    """The cpu device's kernels module (imported on first use: gpu/emu never load Numba's modules)."""
+    from freetoken.cpu_kernels import rms_norm
+
+    return rms_norm
+
+
 def _run(dev, x, weight, eps: np.float32, y, add=None) -> None:
     """The kernel on checked arguments: ``y = rms_norm(x (+= add))``; x any layout on cpu (viewed or copied as rows,
     written back when ``add`` updates it), C-contiguous on gpu/emu; ``weight`` and ``y`` C-contiguous."""
     d = x.shape[-1]
     if dev.kind == "cpu":
-        from freetoken.cpu_kernels.rms_norm import add_rms_norm_rows, rms_norm_rows
-
+        kernels = _cpu_kernels()
         if add is None:
-            rms_norm_rows(x.reshape(-1, d), weight.reshape(-1, d), eps, y.reshape(-1, d))
+            kernels.rms_norm_rows(x.reshape(-1, d), weight.reshape(-1, d), eps, y.reshape(-1, d))
         else:
-            add_rms_norm_rows(x.reshape(-1, d), add.reshape(-1, d), weight.reshape(-1, d), eps, y.reshape(-1, d))
+            kernels.add_rms_norm_rows(x.reshape(-1, d), add.reshape(-1, d), weight.reshape(-1, d), eps,
+                                      y.reshape(-1, d))
         return
     if x.size == 0:
         return
