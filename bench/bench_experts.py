@@ -33,7 +33,7 @@ import time
 
 import numba as nb
 import numpy as np
-from freetoken.cpu_kernels.moe_experts import ACT_SWIGLU, forward, uses_q8
+from freetoken.cpu_kernels.moe_experts import ACT_SWIGLU, forward, prepare, uses_q8
 
 from freetoken import formats
 from freetoken.device.simd import simd_level
@@ -195,9 +195,13 @@ def main(argv: list[str] | None = None) -> int:
                 x = np.ascontiguousarray(x_all[:tokens])
                 out = np.empty_like(x)
 
+                # banks validated once, as the engine's runners do (re-validating costs ~45 us a call)
+                prepared = prepare(gate_up, banks, hidden, inter, down or None)
+
                 def kernel(ids, w, x=x, out=out, banks=banks, fmt=gate_up, down=down or None, hidden=hidden,
-                           inter=inter, act=act):
-                    forward(fmt, x, ids, w, banks, hidden, inter, ACT_SWIGLU, out, activations=act, down_fmt_name=down)
+                           inter=inter, act=act, prepared=prepared):
+                    forward(fmt, x, ids, w, banks, hidden, inter, ACT_SWIGLU, out, prepared=prepared,
+                            activations=act, down_fmt_name=down)
 
                 kernel(*make_routes(rng, experts, tokens, 1)[0])  # compile / load from cache
                 t0 = time.perf_counter()
