@@ -49,8 +49,8 @@ from typing import NamedTuple
 import numba as nb
 import numpy as np
 from freetoken.cpu_kernels.moe_kernels import down_kernel as _down_kernel  # (tests count their signatures)
-from freetoken.cpu_kernels.moe_kernels import gate_up_kernel as _gate_up_kernel
 from freetoken.cpu_kernels.moe_kernels import down_serial as _down_serial
+from freetoken.cpu_kernels.moe_kernels import gate_up_kernel as _gate_up_kernel
 from freetoken.cpu_kernels.moe_kernels import gate_up_serial as _gate_up_serial
 from freetoken.cpu_kernels.moe_kernels import group_pairs
 from freetoken.cpu_kernels.moe_rows import (

@@ -40,7 +40,7 @@ def test_arena_hands_out_aligned_disjoint_writable_arrays():
     for a in arrays:
         assert a.ctypes.data % ALIGN == 0 and a.flags.c_contiguous and a.flags.writeable
     spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays if a.nbytes)
-    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans[:-1], spans[1:], strict=True))
     for i, a in enumerate(arrays):
         a[...] = i
     assert all((a == i).all() for i, a in enumerate(arrays))  # no array wrote over another

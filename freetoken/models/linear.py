@@ -89,7 +89,7 @@ class Linear:
         self.out_features, self.in_features = w.shape
         self.sizes: tuple[int, ...] = (self.out_features,)
         self.storage = exact_storage(w)
-        # float32 on cpu: ``w`` itself when NumPy gave it huge pages (a tied lm_head: the embedding), else a copy in them
+        # float32 on cpu: ``w`` itself when NumPy gave it huge pages (a tied lm_head: the embedding), else a copy
         self._w = device.weights(to_storage(w, self.storage))
         self._set_bias(bias)
 
