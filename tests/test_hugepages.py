@@ -87,3 +87,30 @@ def test_cpu_tied_float32_head_stays_the_embedding():
     assert head.storage == "f32" and head.holds(embed)
     small = Linear(embed[:8].copy(), dev)
     assert small.storage == "f32" and not small.holds(embed)
+
+
+def test_what_is_copied_into_huge_pages():
+    """Copied: a small array, a view of a memory-mapped file. Not copied: an arena array (or a view of one), a view
+    of a large array NumPy allocated (and advised) itself."""
+    from freetoken.device.hugepages import wants_huge_pages
+
+    arena = HugePageArena()
+    big = np.zeros(NUMPY_HUGEPAGE_BYTES, np.uint8)
+    assert wants_huge_pages(np.zeros(16, np.float32))
+    assert not wants_huge_pages(big) and not wants_huge_pages(big.reshape(2, -1)[1])
+    held = arena.empty((4, 8), np.float32)
+    assert not wants_huge_pages(held) and not wants_huge_pages(held[1:])
+    dev = get_device("cpu")
+    assert dev.weights(held) is held
+
+
+def test_memory_mapped_file_is_copied(tmp_path):
+    from freetoken.device.hugepages import wants_huge_pages
+
+    path = tmp_path / "w.bin"
+    np.arange(4096, dtype=np.float32).tofile(path)
+    mapped = np.memmap(path, dtype=np.float32, mode="r").reshape(64, 64)
+    assert wants_huge_pages(mapped)
+    placed = get_device("cpu").weights(mapped)
+    np.testing.assert_array_equal(placed, mapped)
+    assert not wants_huge_pages(placed)

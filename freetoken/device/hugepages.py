@@ -33,6 +33,9 @@ ALIGN = 64
 NUMPY_HUGEPAGE_BYTES = 4 << 20
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+#: ids of the arrays over the arenas' mappings (every array handed out is a view of one), so that they are not
+#: copied again. Each lives as long as any view of it.
+_ARENA_MAPS: set[int] = set()
 
 
 def thp_mode() -> str | None:
@@ -67,6 +70,7 @@ class HugePageArena:
         # private: a shared anonymous mapping is shmem, which follows shmem_enabled (usually never), not THP
         mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         raw = np.frombuffer(mm, np.uint8)  # the array holds the mapping open
+        _ARENA_MAPS.add(id(raw))
         start = -raw.ctypes.data % HUGE_PAGE
         advise = getattr(mmap, "MADV_HUGEPAGE", None)
         if advise is not None:
@@ -101,6 +105,12 @@ class HugePageArena:
 
 
 def wants_huge_pages(a: np.ndarray) -> bool:
-    """Whether a weight array is worth copying into the arena: not when NumPy allocated it itself at a size it
-    advises huge pages for."""
-    return not (a.flags.owndata and a.nbytes >= NUMPY_HUGEPAGE_BYTES)
+    """Whether a weight array is worth copying into the arena: not when it lies in an arena's mapping already, nor
+    when it is (a view of) an array NumPy allocated itself at a size it advises huge pages for. A view of a memory
+    map (page cache) or of a small allocation is."""
+    root = a
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if root.base is None:
+        return not (root.flags.owndata and root.nbytes >= NUMPY_HUGEPAGE_BYTES)
+    return id(root) not in _ARENA_MAPS
