@@ -372,8 +372,8 @@ class MoeDecoder:
 
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of the non-expert weights: the embedding table on the host, the rest on the device."""
-        # a tied float32 lm_head on the cpu device may be the embedding table itself
-        dense = 0 if self.lm_head.holds(self.embed) else self.lm_head.nbytes
+        # a tied float32 lm_head on the cpu device may be the embedding table itself (on gpu/emu: a device copy)
+        dense = 0 if self.dev.kind == "cpu" and self.lm_head.holds(self.embed) else self.lm_head.nbytes
         dense += int(self.norm.nbytes)
         for layer in self.layers:
             att, mlp = layer.attention, layer.mlp
