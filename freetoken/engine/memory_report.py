@@ -55,7 +55,7 @@ def _linears(obj, seen: set[int]):
         return
     seen.add(id(obj))
     if isinstance(obj, Linear):
-        yield from (obj,) if obj._parts is None else (p for p in obj._parts if id(p) not in seen)
+        yield from (p for p in obj.parts if p is obj or id(p) not in seen)
     elif isinstance(obj, (list, tuple)):
         for o in obj:
             yield from _linears(o, seen)
@@ -84,8 +84,8 @@ def bytes_by_type(model) -> dict[str, dict[str, int]]:
     emb = dec.embed
     emb_array = emb.matrix.blocks if hasattr(emb, "matrix") else emb
     for lin in _linears(dec, set()):
-        if lin._w is not emb_array:  # a tied head on the cpu device reads the embedding table itself
-            add("dense (device)", lin.storage, int(lin._w.nbytes))
+        if not (dec.dev.kind == "cpu" and lin.holds(emb_array)):  # a tied cpu head may read the embedding itself
+            add("dense (device)", lin.storage, lin.matrix_nbytes)
         if lin.bias is not None:
             add("dense (device)", "f32", int(lin.bias.nbytes))
     add("embedding (host)", emb.matrix.kind if hasattr(emb, "matrix") else str(emb.dtype), emb.nbytes)

@@ -177,6 +177,18 @@ class Linear:
             return self.xp.concatenate([p.weight for p in self._parts], axis=0)
         return widen(self._w, self.storage, self.in_features, device=self.dev)
 
+    @property
+    def parts(self) -> tuple[Linear, ...]:
+        """The single-storage matrices this Linear runs: itself, or the runs of a mixed concatenation."""
+        return (self,) if self._parts is None else self._parts
+
+    @property
+    def matrix_nbytes(self) -> int:
+        """Bytes of the stored matrix alone (of a single-storage Linear; :attr:`nbytes` adds the bias)."""
+        if self._parts is not None:
+            raise ValueError("a mixed concatenation has one matrix per part (Linear.parts)")
+        return int(self._w.nbytes)
+
     def holds(self, a) -> bool:
         """Whether the matrix is stored in host array ``a``'s memory (a tied float32 lm_head on the cpu device: the
         embedding table itself, not a copy)."""
