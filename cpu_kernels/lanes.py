@@ -1,7 +1,8 @@
 """16-lane float32 IR shared by the CPU kernels that read stored rows in place (the decode attention of
 :mod:`~freetoken.cpu_kernels.paged_decode`, the few-token GEMV of :mod:`~freetoken.cpu_kernels.gemv`): 16 stored
 values (float32, bf16 bits, IEEE half) loaded as float32 lanes, the FMA, a broadcast, and one fixed order in which
-the 16 lanes of a sum are added up (the same on every machine: AVX2 splits a 16-lane vector in two, lane for lane).
+the 16 lanes of a sum are added up (the same on every machine: AVX2 splits a 16-lane vector in two, lane for lane;
+:func:`lane_tree` is that order for one vector, which the expert row dots use too).
 
 Written as IR rather than left to Numba's loop vectoriser, whose code for these loops (a horizontal sum per row,
 loop guards, scalar remainders) ran several times slower than this, and not the same in every process (see
@@ -49,6 +50,18 @@ def broadcast(builder, x):
     undef1 = ir.Constant(ir.VectorType(F32, 1), ir.Undefined)
     return builder.shuffle_vector(builder.insert_element(undef1, x, ir.Constant(I32, 0)), undef1,
                                   ir.Constant(ir.VectorType(I32, 16), [0] * 16))
+
+
+def lane_tree(builder, v, combine=None):
+    """IR: the 16 lanes of the vector ``v`` combined in one fixed tree (lane i with i + 8, then i + 4, i + 2, i + 1),
+    by ``combine(builder, a, b)`` (default: ``fadd``); the result as a scalar. The order every 16-lane row sum of
+    the CPU kernels uses."""
+    combine = combine or (lambda b, x, y: b.fadd(x, y))
+    undef = ir.Constant(v.type, ir.Undefined)
+    for width in (8, 4, 2, 1):
+        pick = [width + i for i in range(width)] + [0] * (16 - width)
+        v = combine(builder, v, builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(I32, 16), pick)))
+    return builder.extract_element(v, ir.Constant(I32, 0))
 
 
 def lane_sums4(builder, vs):

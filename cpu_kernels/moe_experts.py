@@ -91,20 +91,23 @@ REUSE_MAX_PAIRS = 64
 _buffers = threading.local()  # a cpu-share worker thread and the main thread each have their own
 
 
+def _new_work_buffers(pairs: int, t_count: int, hidden: int, inter: int, q8_gu: bool, q8_down: bool):
+    """(h [pairs, inter] float32, x's 8-bit rows, h's 8-bit rows), uninitialised (the kernels fill them)."""
+    return (np.empty((pairs, inter), np.float32), q8_buffers(t_count, hidden) if q8_gu else NO_Q8,
+            q8_buffers(pairs, inter) if q8_down else NO_Q8)
+
+
 def _work_buffers(pairs: int, t_count: int, hidden: int, inter: int, q8_gu: bool, q8_down: bool):
-    """(h [pairs, inter] float32, x's 8-bit rows, h's 8-bit rows): reused per thread for small calls."""
+    """:func:`_new_work_buffers`, reused per thread for calls of up to :data:`REUSE_MAX_PAIRS` pairs."""
     key = (pairs, t_count, hidden, inter, q8_gu, q8_down)
-    cache = getattr(_buffers, "by_shape", None)
-    if cache is None:
-        cache = _buffers.by_shape = {}
-    bufs = cache.get(key) if pairs <= REUSE_MAX_PAIRS else None
+    if pairs > REUSE_MAX_PAIRS:
+        return _new_work_buffers(*key)
+    cache = _buffers.__dict__.setdefault("by_shape", {})
+    bufs = cache.get(key)
     if bufs is None:
-        bufs = (np.empty((pairs, inter), np.float32), q8_buffers(t_count, hidden) if q8_gu else NO_Q8,
-                q8_buffers(pairs, inter) if q8_down else NO_Q8)
-        if pairs <= REUSE_MAX_PAIRS:
-            if len(cache) >= 256:  # many models or shapes in one process: start over rather than grow
-                cache.clear()
-            cache[key] = bufs
+        if len(cache) >= 256:  # many models or shapes in one process: start over rather than grow
+            cache.clear()
+        bufs = cache[key] = _new_work_buffers(*key)
     return bufs
 
 
@@ -152,7 +155,12 @@ def uses_q8(fmt_name: str, activations: str = "auto") -> bool:
     only), "f32" (never) or "auto" (the 4-bit formats where the compile target has AVX2 or AVX-512 VNNI)."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
-    if FORMAT_CODES.get(fmt_name) not in Q8_OFFSETS or activations == "f32":
+    return _q8_code(FORMAT_CODES.get(fmt_name), activations)
+
+
+def _q8_code(code: int | None, activations: str) -> bool:
+    """:func:`uses_q8` by format code, for a valid ``activations``."""
+    if code not in Q8_OFFSETS or activations == "f32":
         return False
     return activations == "q8" or simd_level() != "none"
 
@@ -204,11 +212,10 @@ def forward(fmt_name: str, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, 
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(fmt: int, down_fmt: int, hidden: int, inter: int, activations: str):
-    """What a call's kernels take besides the tokens, per formats and shape: (x permuted to the block-split order,
-    q8 for gate/up, q8 for down, their q8 offsets, h's column order)."""
-    names = {code: name for name, code in FORMAT_CODES.items()}
-    return (fmt in SPLIT_FORMATS, uses_q8(names[fmt], activations), uses_q8(names[down_fmt], activations),
+def _plan(fmt: int, down_fmt: int, inter: int, activations: str):
+    """What a call's kernels take besides the tokens, per format codes and shape: (x permuted to the block-split
+    order, q8 for gate/up, q8 for down, their q8 offsets, h's column order)."""
+    return (fmt in SPLIT_FORMATS, _q8_code(fmt, activations), _q8_code(down_fmt, activations),
             Q8_OFFSETS.get(fmt, 0), Q8_OFFSETS.get(down_fmt, 0), _inverse_perm(inter, down_fmt in SPLIT_FORMATS))
 
 
@@ -222,17 +229,14 @@ def run_prepared(p: PreparedBanks, x: np.ndarray, ids: np.ndarray, weights: np.n
     if bad >= 0:
         t, j = divmod(int(bad), ids.shape[1])
         raise ValueError(f"ids[{t}, {j}] = {int(ids[t, j])} is out of range: the banks hold {p.num_experts} experts")
-    split, q8_gu, q8_down, qoff_gu, qoff_down, hperm = _plan(p.fmt, p.down_fmt, hidden, inter, activations)
+    split, q8_gu, q8_down, qoff_gu, qoff_down, hperm = _plan(p.fmt, p.down_fmt, inter, activations)
     xs = np.ascontiguousarray(x[:, _perm(hidden, True)]) if split else x
     if not xs.flags.writeable:  # a read-only array is another Numba type: one compiled kernel for both
         xs = xs.copy()
     pairs, t_count = pw.shape[0], x.shape[0]
-    serial = pairs * 3 * hidden * inter < SERIAL_MACS
-    nthreads = 1 if serial else nb.get_num_threads()
-    if nthreads == 1:
-        serial = True
+    nthreads = 1 if pairs * 3 * hidden * inter < SERIAL_MACS else nb.get_num_threads()
     h, xq8, hq8 = _work_buffers(pairs, t_count, hidden, inter, q8_gu, q8_down)
-    gate_up, down = (_gate_up_serial, _down_serial) if serial else (_gate_up_kernel, _down_kernel)
+    gate_up, down = (_gate_up_serial, _down_serial) if nthreads == 1 else (_gate_up_kernel, _down_kernel)
     # p.banks, xs and the biases stay referenced here while the kernels read them through their addresses
     gate_up(p.fmt, p.gate, p.up, p.gb, p.ub, p.has_bias, act_code, uniq, poff, ptok, xs, q8_gu, qoff_gu, xq8, hidden,
             inter, hperm, h, nthreads)

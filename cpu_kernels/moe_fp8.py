@@ -12,6 +12,7 @@ the reference.
 
 from __future__ import annotations
 
+from freetoken.cpu_kernels.lanes import lane_tree
 from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, declare_prefetch, typed_ptr
 from llvmlite import ir
 from numba import types
@@ -95,13 +96,7 @@ def _codegen(ntok):
                 builder.store(builder.call(fma, [block_sum, sc, builder.load(accs[t])]), accs[t])
         sums = []
         for t in range(ntok):
-            v = builder.load(accs[t])
-            for width in (8, 4, 2, 1):  # the 16 lanes added as halves, pairwise
-                v = builder.fadd(builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, width),
-                                                                          list(range(width)))),
-                                 builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, width),
-                                                                          list(range(width, 2 * width)))))
-            sums.append(builder.extract_element(v, _c(0, _I32)))
+            sums.append(lane_tree(builder, builder.load(accs[t])))  # halves, pairwise
         if ntok == 1:
             return sums[0]
         return context.make_tuple(builder, signature.return_type, sums)

@@ -28,6 +28,7 @@ past a row (the weights' odd tail block is loaded alone and its phantom partner 
 
 from __future__ import annotations
 
+from freetoken.cpu_kernels.lanes import lane_tree
 from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, declare_prefetch, typed_ptr
 from llvmlite import ir
 from numba import types
@@ -233,11 +234,7 @@ def _codegen(kind, ntok, nrow, level):
         for r in range(nrow):
             for t in range(ntok):
                 acc = builder.fadd(builder.load(accs[r][t][0]), builder.load(accs[r][t][1]))
-                for width in (8, 4, 2, 1):  # tree reduction of the 16 lanes
-                    sh = builder.shuffle_vector(acc, ir.Constant(v16f, ir.Undefined),
-                                                _mask([width + i for i in range(width)] + [0] * (16 - width)))
-                    acc = builder.fadd(acc, sh)
-                sums.append(builder.fmul(builder.extract_element(acc, _c32(0)), factor))
+                sums.append(builder.fmul(lane_tree(builder, acc), factor))
         if len(sums) == 1:
             return sums[0]
         return context.make_tuple(builder, signature.return_type, sums)

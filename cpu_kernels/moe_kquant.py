@@ -41,6 +41,7 @@ literal):
 
 from __future__ import annotations
 
+from freetoken.cpu_kernels.lanes import lane_tree
 from freetoken.cpu_kernels.moe_int8 import lookup_bytes
 from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, declare_prefetch, typed_ptr
 from freetoken.cpu_kernels.moe_nibble import _lookup
@@ -245,13 +246,6 @@ def _fmuladd(b):
     return cgutils.get_or_insert_function(b.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fmuladd.v16f32")
 
 
-def _hsum(b, v):
-    """The 16 lanes of ``v`` added up (a shuffle tree)."""
-    for width in (8, 4, 2, 1):
-        v = b.fadd(v, _lanes(b, v, [width + i for i in range(width)] + [0] * (16 - width)))
-    return b.extract_element(v, _c(0, _I32))
-
-
 # -------------------------------------------------------------------------------------------- row loops
 
 class _Rows:
@@ -363,7 +357,7 @@ def _dot_codegen(ntok, nrow):
                     a = [b.load(p) for p in accs[r][t]]
                     while len(a) > 1:
                         a = [b.fadd(a[i], a[i + 1]) for i in range(0, len(a), 2)]
-                    sums.append(_hsum(b, a[0]))
+                    sums.append(lane_tree(b, a[0]))
             return sums
 
         sums = _switch(b, code, ntok * nrow, emit)

@@ -24,6 +24,7 @@ a per-lane multiply, the global applied once per row; q4: the fp16 pair of a blo
 
 from __future__ import annotations
 
+from freetoken.cpu_kernels.lanes import lane_tree
 from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, declare_prefetch, typed_ptr
 from llvmlite import ir
 from numba import types
@@ -163,11 +164,7 @@ def _lut_codegen(kind, ntok, nrow):
             for t in range(ntok):
                 a = [builder.load(p) for p in accs[r][t]]
                 acc = builder.fadd(builder.fadd(a[0], a[1]), builder.fadd(a[2], a[3]))
-                for width in (8, 4, 2, 1):  # tree reduction of the 16 lanes
-                    sh = builder.shuffle_vector(acc, _UNDEF16, ir.Constant(
-                        _V16I32, [width + i for i in range(width)] + [0] * (16 - width)))
-                    acc = builder.fadd(acc, sh)
-                total = builder.extract_element(acc, ir.Constant(_I32, 0))
+                total = lane_tree(builder, acc)
                 sums.append(builder.fmul(total, g) if kind == "nv" else total)
         if len(sums) == 1:
             return sums[0]

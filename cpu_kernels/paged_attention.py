@@ -44,22 +44,31 @@ def _bits_f32(typingctx, i):
     return types.float32(i), codegen
 
 
+#: The softmax exponential's constants (:func:`_exp`, and its 16-lane IR in :mod:`~freetoken.cpu_kernels.paged_decode`):
+#: inputs below ``EXP_MIN`` give 0; ln 2 split in a high part exact in float32 and the rest; the degree-6 Taylor
+#: coefficients, highest first.
+EXP_MIN = -87.0
+LOG2E = 1.4426950408889634
+LN2_HI, LN2_LO = 0.693145751953125, 1.428606765330187e-06
+EXP_TAYLOR = (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0)
+
+
 @nb.njit(error_model="numpy", inline="always", fastmath=_FASTMATH)
 def _exp(x):
     """exp(x) for float32 x <= 0 (scores minus their running max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2],
-    p the degree-6 Taylor polynomial (relative error < 3e-7); x < -87 gives 0."""
-    y = max(x, np.float32(-87.0))
-    n = np.float32(np.floor(y * np.float32(1.4426950408889634) + np.float32(0.5)))
-    r = y - n * np.float32(0.693145751953125) - n * np.float32(1.428606765330187e-06)
-    p = np.float32(1.0 / 720.0)
-    p = p * r + np.float32(1.0 / 120.0)
-    p = p * r + np.float32(1.0 / 24.0)
-    p = p * r + np.float32(1.0 / 6.0)
-    p = p * r + np.float32(0.5)
-    p = p * r + np.float32(1.0)
-    p = p * r + np.float32(1.0)
+    p the degree-6 Taylor polynomial (relative error < 3e-7); x < ``EXP_MIN`` gives 0."""
+    y = max(x, np.float32(EXP_MIN))
+    n = np.float32(np.floor(y * np.float32(LOG2E) + np.float32(0.5)))
+    r = y - n * np.float32(LN2_HI) - n * np.float32(LN2_LO)
+    p = np.float32(EXP_TAYLOR[0])
+    p = p * r + np.float32(EXP_TAYLOR[1])
+    p = p * r + np.float32(EXP_TAYLOR[2])
+    p = p * r + np.float32(EXP_TAYLOR[3])
+    p = p * r + np.float32(EXP_TAYLOR[4])
+    p = p * r + np.float32(EXP_TAYLOR[5])
+    p = p * r + np.float32(EXP_TAYLOR[6])
     v = p * _bits_f32(np.int32((np.int32(n) + np.int32(127)) << np.int32(23)))
-    return v if x >= np.float32(-87.0) else np.float32(0.0)
+    return v if x >= np.float32(EXP_MIN) else np.float32(0.0)
 
 
 @nb.njit(error_model="numpy", inline="always")

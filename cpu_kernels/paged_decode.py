@@ -36,11 +36,21 @@ from freetoken.cpu_kernels.lanes import (
     broadcast,
     fmuladd,
     lane_sums4,
+    lane_tree,
     load_widened,
     row_ptr,
 )
 from freetoken.cpu_kernels.moe_memory import addr, declare_prefetch, typed_ptr
-from freetoken.cpu_kernels.paged_attention import _FASTMATH, _LANES, _exp
+from freetoken.cpu_kernels.paged_attention import (
+    _FASTMATH,
+    _LANES,
+    EXP_MIN,
+    EXP_TAYLOR,
+    LN2_HI,
+    LN2_LO,
+    LOG2E,
+    _exp,
+)
 from freetoken.cpu_kernels.serial_copy import serial_copy
 from llvmlite import ir
 from numba import types
@@ -75,10 +85,9 @@ SCORE_ROWS = 4
 #: Output chunks of 16 values :func:`_weighted_values` accumulates together in registers.
 _VALUE_CHUNKS = 4
 #: Keys ahead of the one being read whose K (or V) row is prefetched. One kv head's rows lie ``Hkv x D`` values apart,
-#: a strided walk the hardware prefetchers follow late. With it, the 4-key score tiles and the per-lane maxima of
-#: :func:`_fold_lanes` and one vector store per row of a tile's scores (Qwen3-30B-A3B's proportions at half width,
-#: 16 heads / 4 kv heads of 64, bf16, one thread, 2,000 keys: 305 -> 184-210 us; two threads, 4,000 keys: 444 ->
-#: 242 us, 17 GB/s of K and V).
+#: a strided walk the hardware prefetchers follow late. This prefetch, the 4-key score tiles and the vector fold
+#: (:func:`_fold_lanes`) together (Qwen3-30B-A3B's proportions at half width, 16 heads / 4 kv heads of 64, bf16):
+#: 2,000 keys on one thread 305 -> ~200 us; 4,000 keys on two threads 444 -> ~245 us, ~17 GB/s of K and V.
 PREFETCH_KEYS = 8
 
 
@@ -229,21 +238,20 @@ def _splat_i64(builder, x):
 
 
 def _exp16(builder, x):
-    """IR: :func:`~freetoken.cpu_kernels.paged_attention._exp` on 16 lanes (x <= 0: 2^n p(r), the degree-6 Taylor
-    polynomial; x < -87 gives 0)."""
+    """IR: :func:`~freetoken.cpu_kernels.paged_attention._exp` on 16 lanes, with its constants (x <= 0: 2^n p(r);
+    x < ``EXP_MIN`` gives 0)."""
     fma = fmuladd(builder)
-    y = builder.select(builder.fcmp_ordered(">", x, _c16f(-87.0)), x, _c16f(-87.0))
+    y = builder.select(builder.fcmp_ordered(">", x, _c16f(EXP_MIN)), x, _c16f(EXP_MIN))
     floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F]), "llvm.floor.v16f32")
-    n = builder.call(floor, [builder.call(fma, [y, _c16f(1.4426950408889634), _c16f(0.5)])])
-    r = builder.fsub(builder.fsub(y, builder.fmul(n, _c16f(0.693145751953125))),
-                     builder.fmul(n, _c16f(1.428606765330187e-06)))
-    p = _c16f(1.0 / 720.0)
-    for c in (1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
+    n = builder.call(floor, [builder.call(fma, [y, _c16f(LOG2E), _c16f(0.5)])])
+    r = builder.fsub(builder.fsub(y, builder.fmul(n, _c16f(LN2_HI))), builder.fmul(n, _c16f(LN2_LO)))
+    p = _c16f(EXP_TAYLOR[0])
+    for c in EXP_TAYLOR[1:]:
         p = builder.call(fma, [p, r, _c16f(c)])
     bits = builder.shl(builder.add(builder.fptosi(n, _V16I), ir.Constant(_V16I, [127] * 16)),
                        ir.Constant(_V16I, [23] * 16))
     v = builder.fmul(p, builder.bitcast(bits, V16F))
-    return builder.select(builder.fcmp_ordered(">=", x, _c16f(-87.0)), v, _c16f(0.0))
+    return builder.select(builder.fcmp_ordered(">=", x, _c16f(EXP_MIN)), v, _c16f(0.0))
 
 
 def _maximum(builder, a, b):
@@ -253,22 +261,12 @@ def _maximum(builder, a, b):
                         [a, b])
 
 
-def _reduce16(builder, v, op):
-    """IR: the 16 lanes of ``v`` combined by ``op(builder, a, b)`` in one fixed tree (lane i with i + 8, + 4, ...)."""
-    undef = ir.Constant(V16F, ir.Undefined)
-    for width in (8, 4, 2, 1):
-        pick = [width + i for i in range(width)] + [0] * (16 - width)
-        sh = builder.shuffle_vector(v, undef, ir.Constant(_V16I, pick))
-        v = op(builder, v, sh)
-    return builder.extract_element(v, ir.Constant(I32, 0))
-
-
 @intrinsic
 def _fold_lanes(typingctx, s, rows_pad, r, g_lo, g_hi, jlo, jhi, m_old, p, p_stride):
     """Row r's online softmax over one block's keys ``jlo .. jhi - 1``, 16 keys per vector: key ``g * 16 + lane``
     scored ``s[(g * rows_pad + r) * 16 + lane]`` (float32 at address ``s``), groups ``g_lo .. g_hi - 1``. Returns
-    (the new running maximum: ``m_old`` and the block's keys, (the block's sum of ``exp(score - maximum)``) and writes
-    those exponentials to ``p[r * p_stride + g * 16 + lane]`` (0 for keys outside the range). The prompt kernel's
+    (the running maximum over ``m_old`` and the block's keys, the block's sum of ``exp(score - maximum)``) and
+    writes those exponentials to ``p[r * p_stride + g * 16 + lane]`` (0 for keys outside the range). The prompt kernel's
     :func:`~freetoken.cpu_kernels.paged_attention._fold_row`, with the maximum and the sum taken per lane and then
     over the lanes in a fixed tree: Numba's loops over a row's 16 lanes left half the step in their scalar code
     (2,000 keys, 16 heads / 4 kv heads of 64, one thread: the fold took 70 of 240 us, 35 here)."""
@@ -297,7 +295,7 @@ def _fold_lanes(typingctx, s, rows_pad, r, g_lo, g_hi, jlo, jhi, m_old, p, p_str
         with cgutils.for_range_slice(builder, glo_, ghi_, step, inc=True) as (g, _):
             v = builder.select(in_range(g), scores(g), _c16f(-math.inf))
             builder.store(_maximum(builder, builder.load(vmax), v), vmax)
-        mx = _maximum(builder, mold_, _reduce16(builder, builder.load(vmax), _maximum))
+        mx = _maximum(builder, mold_, lane_tree(builder, builder.load(vmax), _maximum))
         mxv = broadcast(builder, mx)
         tot = cgutils.alloca_once_value(builder, _c16f(0.0))
         with cgutils.for_range_slice(builder, glo_, ghi_, step, inc=True) as (g, _):
@@ -305,7 +303,7 @@ def _fold_lanes(typingctx, s, rows_pad, r, g_lo, g_hi, jlo, jhi, m_old, p, p_str
             at = builder.add(builder.mul(r_, ps_), builder.mul(g, ir.Constant(I64, 16)))
             builder.store(e, builder.bitcast(builder.gep(pp, [at]), V16F.as_pointer()), align=4)
             builder.store(builder.fadd(builder.load(tot), e), tot)
-        total = _reduce16(builder, builder.load(tot), lambda b, x, y: b.fadd(x, y))
+        total = lane_tree(builder, builder.load(tot))
         return context.make_tuple(builder, signature.return_type, [mx, total])
     return types.UniTuple(types.float32, 2)(s, rows_pad, r, g_lo, g_hi, jlo, jhi, m_old, p, p_stride), codegen
 

@@ -66,7 +66,8 @@ class CpuDevice(HostDevice):
 
     def weights(self, host, stream=None):
         """``host`` in huge-page memory (:mod:`freetoken.device.hugepages`): the kernels stream these arrays on every
-        decode step. An array NumPy allocated itself at a size it advises huge pages for stays as it is."""
+        decode step. An array already there (an arena's, or NumPy's own large allocation) stays as it is
+        (:func:`~freetoken.device.hugepages.wants_huge_pages`)."""
         from freetoken.device.hugepages import HugePageArena, wants_huge_pages
 
         a = np.ascontiguousarray(host)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -33,9 +34,9 @@ ALIGN = 64
 NUMPY_HUGEPAGE_BYTES = 4 << 20
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-#: ids of the arrays over the arenas' mappings (every array handed out is a view of one), so that they are not
-#: copied again. Each lives as long as any view of it.
-_ARENA_MAPS: set[int] = set()
+#: The arrays over the arenas' mappings by id (every array handed out is a view of one), so that they are not copied
+#: again; an entry goes when its array does (no stale id can match a later array).
+_ARENA_ROOTS: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
 
 
 def thp_mode() -> str | None:
@@ -70,7 +71,7 @@ class HugePageArena:
         # private: a shared anonymous mapping is shmem, which follows shmem_enabled (usually never), not THP
         mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         raw = np.frombuffer(mm, np.uint8)  # the array holds the mapping open
-        _ARENA_MAPS.add(id(raw))
+        _ARENA_ROOTS[id(raw)] = raw
         start = -raw.ctypes.data % HUGE_PAGE
         advise = getattr(mmap, "MADV_HUGEPAGE", None)
         if advise is not None:
@@ -113,4 +114,4 @@ def wants_huge_pages(a: np.ndarray) -> bool:
         root = root.base
     if root.base is None:
         return not (root.flags.owndata and root.nbytes >= NUMPY_HUGEPAGE_BYTES)
-    return id(root) not in _ARENA_MAPS
+    return _ARENA_ROOTS.get(id(root)) is not root

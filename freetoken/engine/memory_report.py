@@ -82,9 +82,8 @@ def bytes_by_type(model) -> dict[str, dict[str, int]]:
             matrix, bank = spec.name.split(".")
             add("experts (host)", "f32" if bank == "b" else layout.format_of(matrix).name, e * spec.nbytes)
     emb = dec.embed
-    emb_array = emb.matrix.blocks if hasattr(emb, "matrix") else emb
     for lin in _linears(dec, set()):
-        if not (dec.dev.kind == "cpu" and lin.holds(emb_array)):  # a tied cpu head may read the embedding itself
+        if not (lin is dec.lm_head and dec.head_is_embedding):  # counted once, as the embedding
             add("dense (device)", lin.storage, lin.matrix_nbytes)
         if lin.bias is not None:
             add("dense (device)", "f32", int(lin.bias.nbytes))

@@ -370,10 +370,17 @@ class MoeDecoder:
             self.kv.reset()
         self._reset_states()
 
+    @property
+    def head_is_embedding(self) -> bool:
+        """Whether the lm_head reads the embedding table's own memory (a tied head on the cpu device whose matrix
+        was not copied: a float32 table NumPy placed in huge pages), so its bytes are counted once. On gpu/emu the
+        head is a device copy."""
+        table = self.embed.matrix.blocks if isinstance(self.embed, BlockEmbedding) else self.embed
+        return self.dev.kind == "cpu" and self.lm_head.holds(table)
+
     def weight_bytes(self) -> dict[str, int]:
         """Bytes of the non-expert weights: the embedding table on the host, the rest on the device."""
-        # a tied float32 lm_head on the cpu device may be the embedding table itself (on gpu/emu: a device copy)
-        dense = 0 if self.dev.kind == "cpu" and self.lm_head.holds(self.embed) else self.lm_head.nbytes
+        dense = 0 if self.head_is_embedding else self.lm_head.nbytes
         dense += int(self.norm.nbytes)
         for layer in self.layers:
             att, mlp = layer.attention, layer.mlp

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 import numpy as np
 
 from freetoken.device import Device, get_device
+
+
+@functools.cache
+def cpu_module(name: str):
+    """``freetoken.cpu_kernels.<name>``, imported on the cpu device's first call: gpu/emu never load Numba's modules,
+    and a function-level import would cost every call of a decode step a lookup."""
+    return importlib.import_module(f"freetoken.cpu_kernels.{name}")
 
 
 def resolve(device: Device | str | None) -> Device:

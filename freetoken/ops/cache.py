@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from freetoken.device.constants import BANK_TABLE, CACHE_MAX_BANKS, CACHE_MAX_PAIRS
-from freetoken.ops._common import check_int32, cuda_kernel, resolve
+from freetoken.ops._common import check_int32, cpu_module, cuda_kernel, resolve
 
 
 class CopyTable:
@@ -72,7 +72,7 @@ def cache_admit(ids, layer: int, experts: int, slot_for_id, id_of_slot, recency,
         raise ValueError(f"{pairs} routed pairs exceed the admission's {CACHE_MAX_PAIRS}")
     slots = int(id_of_slot.shape[0])
     if dev.kind == "cpu":
-        from freetoken.cpu_kernels.cache import cache_admit as admit_cpu
+        admit_cpu = cpu_module("cache").cache_admit
 
         admit_cpu(ids, int(layer), int(experts), slot_for_id, id_of_slot, recency, pinned, clock, worklist, n_work,
                   hits, misses, err, 1 if count else 0)
@@ -90,7 +90,7 @@ def cache_copy(worklist, n_work, table: CopyTable, max_items: int, *, stream=Non
     into their slots (``table``: :class:`CopyTable`)."""
     dev = resolve(device)
     if dev.kind == "cpu":
-        from freetoken.cpu_kernels.cache import cache_copy_bank
+        cache_copy_bank = cpu_module("cache").cache_copy_bank
 
         for src, dst in table.byte_views():
             cache_copy_bank(worklist, n_work, src, dst, table.first)
@@ -110,7 +110,7 @@ def cache_borrow_layer(layer: int, first: int, experts: int, slot_for_id, id_of_
     if first < 0 or first + experts > id_of_slot.shape[0]:
         raise ValueError(f"slots [{first}, {first + experts}) exceed the {id_of_slot.shape[0]} slots")
     if dev.kind == "cpu":
-        from freetoken.cpu_kernels.cache import cache_borrow_layer as borrow_cpu
+        borrow_cpu = cpu_module("cache").cache_borrow_layer
 
         borrow_cpu(int(layer), int(first), int(experts), slot_for_id, id_of_slot, recency, worklist, n_work)
         return

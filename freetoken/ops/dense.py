@@ -15,13 +15,10 @@ dispatch lives there); :func:`dense_gemv` is the decode kernel (T <= :data:`MAX_
 
 from __future__ import annotations
 
-import functools
-import types
-
 import numpy as np
 
 from freetoken.device.constants import DENSE_MAX_TOKENS, DENSE_WARPS
-from freetoken.ops._common import as_input, check_int32, cuda_kernel, into_out, prepare_out, resolve
+from freetoken.ops._common import as_input, check_int32, cpu_module, cuda_kernel, into_out, prepare_out, resolve
 
 #: The most tokens one call takes (FT_DENSE_MAX_T in dense.cu).
 MAX_TOKENS = DENSE_MAX_TOKENS
@@ -92,23 +89,14 @@ def _checked(dev, x, w, storage: str, bias):
     return x, w, b, n, k
 
 
-@functools.cache
-def _cpu_kernels():
-    """The cpu device's product kernels (imported on first use: gpu/emu never load Numba's modules)."""
-    from freetoken.cpu_kernels import gemv, qgemv
-
-    return types.SimpleNamespace(matmul_into=gemv.matmul_into, storage_view=gemv.storage_view,
-                                 qmatmul_into=qgemv.qmatmul_into)
-
-
 def _cpu_product(x, w, storage: str, b, y) -> None:
     """The cpu device's product: the Numba GEMV (few tokens) or register-tiled kernel, then the bias."""
     if x.shape[0]:
-        kernels = _cpu_kernels()
         if storage in BLOCK_STORAGES:
-            kernels.qmatmul_into(x, w, storage, y)
+            cpu_module("qgemv").qmatmul_into(x, w, storage, y)
         else:
-            kernels.matmul_into(x, kernels.storage_view(w), y)
+            gemv = cpu_module("gemv")
+            gemv.matmul_into(x, gemv.storage_view(w), y)
     if b is not None:
         y += b
 
@@ -213,10 +201,10 @@ def widen(w, storage: str, k: int, device=None):
     dev = resolve(device)
     if dev.kind == "cpu":
         if storage in BLOCK_STORAGES:
-            from freetoken.cpu_kernels.qgemv import dequantize_rows
+            dequantize_rows = cpu_module("qgemv").dequantize_rows
 
             return dequantize_rows(w, storage, k)
-        from freetoken.cpu_kernels.gemv import widen as widen_cpu
+        widen_cpu = cpu_module("gemv").widen
 
         return widen_cpu(w)
     if storage == "f32":
@@ -255,7 +243,7 @@ def dense_dequant(w, storage: str, k: int, out=None, device=None):
     if n == 0 or k == 0:
         return y
     if dev.kind == "cpu":
-        from freetoken.cpu_kernels.qgemv import dequantize_rows
+        dequantize_rows = cpu_module("qgemv").dequantize_rows
 
         return dequantize_rows(w, storage, k, out=y)
     threads = n * k // (FP8_K_MULTIPLE if storage == "fp8_block" else 32)  # per 16 FP8 codes / 32 GGUF weights
@@ -302,7 +290,7 @@ def dense_grouped(x, w, storage: str, *, out=None, device=None):
     if t == 0 or n == 0:
         return y
     if dev.kind == "cpu":
-        from freetoken.cpu_kernels.fp8_dense import fp8_grouped_into
+        fp8_grouped_into = cpu_module("fp8_dense").fp8_grouped_into
 
         fp8_grouped_into(x, w, y)
         return y

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from freetoken.ops._common import as_input, check_int32, cuda_kernel, prepare_out, resolve
+from freetoken.ops._common import as_input, check_int32, cpu_module, cuda_kernel, prepare_out, resolve
 
 _MAX_BINS = 101376 // 4  # the per-block counts live in (at most 99 KiB of) shared memory
 
@@ -33,7 +33,7 @@ def histogram(ids, nbins: int, *, out=None, device=None):
     if n == 0:
         return out
     if dev.kind == "cpu":
-        from freetoken.cpu_kernels.histogram import histogram_i32
+        histogram_i32 = cpu_module("histogram").histogram_i32
 
         histogram_i32(ids, out)
         return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from freetoken.device.constants import LATENT_MAX_DIM
-from freetoken.ops._common import as_input, prepare_out, resolve
+from freetoken.ops._common import as_input, cpu_module, prepare_out, resolve
 from freetoken.ops.paged_attention import _NO_TABLE, _whole, decode_table, kv_encode, kv_kind_of
 
 
@@ -144,7 +144,7 @@ def latent_attention(q, pool, pool_scale, block_table, start, rank, *, scale: fl
 
         latent_attention_cuda(dev, q, pool, pool_scale, block_table, start, rank, float(scale), out)
         return out
-    from freetoken.cpu_kernels.latent_attention import latent_attention_rows
+    latent_attention_rows = cpu_module("latent_attention").latent_attention_rows
 
     kind = kv_kind_of(pool)
     if kind == "f16":  # the kernel widens IEEE half bits from int16 (Numba has no float16 arithmetic)

@@ -24,7 +24,7 @@ from freetoken.device.constants import (
     LINEAR_L2NORM_EPS,
     LINEAR_MAX_HEAD_DIM,
 )
-from freetoken.ops._common import as_input, check_int32, cuda_kernel, prepare_out, resolve
+from freetoken.ops._common import as_input, check_int32, cpu_module, cuda_kernel, prepare_out, resolve
 
 #: ``l2norm``'s epsilon inside the rule: ``x * rsqrt(sum(x^2) + eps)`` (fla's and transformers' value).
 L2NORM_EPS = LINEAR_L2NORM_EPS
@@ -72,7 +72,7 @@ def short_conv(x, weight, state, *, out=None, device=None, checked: bool = False
 
 def _run_conv(dev, x, weight, state, out) -> None:
     if dev.kind == "cpu":
-        from freetoken.cpu_kernels.linear_attention import short_conv_rows
+        short_conv_rows = cpu_module("linear_attention").short_conv_rows
 
         short_conv_rows(x, weight, state, out)
         return
@@ -136,7 +136,7 @@ def gated_delta_rule(qkv, g, beta, state, k_heads: int, *, out=None, device=None
 
 def _run_rule(dev, qkv, g, beta, state, k_heads, out) -> None:
     if dev.kind == "cpu":
-        from freetoken.cpu_kernels.linear_attention import gated_delta_rule_rows
+        gated_delta_rule_rows = cpu_module("linear_attention").gated_delta_rule_rows
 
         gated_delta_rule_rows(qkv, g, beta, state, k_heads, out)
         return

@@ -25,7 +25,7 @@ from freetoken.device.constants import (
 )
 from freetoken.device.simd import ACTIVATIONS
 from freetoken.formats import MATRICES, RecordLayout
-from freetoken.ops._common import as_input, check_int32, cuda_kernel, prepare_out, resolve
+from freetoken.ops._common import as_input, check_int32, cpu_module, cuda_kernel, prepare_out, resolve
 
 # TILE_M (pairs per prefill tile), DECODE_ROWS / PREFILL_ROWS (output rows per block), DECODE_MAX_TOKENS (mode="auto"
 # runs the decode kernels up to this many tokens), EXPERT_BANKS / PLAN struct layouts: freetoken.device.constants.
@@ -98,13 +98,9 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
     float32 [T, H] on the device.
     """
     if checked and device.kind == "cpu" and x.shape[0] and ids.shape[1]:
-        from freetoken.cpu_kernels.moe_experts import run_prepared
-
         y = np.empty(x.shape, np.float32) if out is None else out
-        hit = _PREPARED.get(id(banks))  # the caller vouches the banks are as when last prepared: no deep look
-        prepared = hit[2] if hit is not None and hit[0] is banks and hit[1] is layout else \
-            _prepared_cpu_banks(banks, layout)
-        run_prepared(prepared, x, ids, weights, activation_code(layout.act if act is None else act), y, activations)
+        cpu_module("moe_experts").run_prepared(_prepared_cpu_banks(banks, layout, trusted=True), x, ids, weights,
+                                               activation_code(layout.act if act is None else act), y, activations)
         return y
     dev = resolve(device)
     code = activation_code(layout.act if act is None else act)
@@ -132,7 +128,7 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
         raise ValueError(f"activations='q8' (int8 dot products) is a cpu-device path; the {dev.kind} device reads "
                          "float activations")
     if dev.kind == "cpu":
-        from freetoken.cpu_kernels.moe_experts import forward
+        forward = cpu_module("moe_experts").forward
 
         if validate:
             bad = np.argwhere((ids < 0) | (ids >= slots))
@@ -158,15 +154,17 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
 _PREPARED: dict[int, tuple[dict, RecordLayout, object]] = {}
 
 
-def _prepared_cpu_banks(banks: dict, layout: RecordLayout):
-    from freetoken.cpu_kernels.moe_experts import prepare
-
+def _prepared_cpu_banks(banks: dict, layout: RecordLayout, trusted: bool = False):
+    """The banks validated for the cpu kernels, from :data:`_PREPARED` when this dict was prepared for this layout
+    and still holds the same arrays (``trusted``: the caller vouches for that, so only the dict and the layout are
+    compared)."""
     hit = _PREPARED.get(id(banks))
-    if hit is not None and hit[0] is banks and (hit[1] is layout or hit[1] == layout) and all(
-            hit[2].banks.get(k) is v for k, v in banks.items()):
+    if hit is not None and hit[0] is banks and (hit[1] is layout or hit[1] == layout) and (trusted or all(
+            hit[2].banks.get(k) is v for k, v in banks.items())):
         return hit[2]
     layout.check(banks)
-    p = prepare(layout.fmt.name, banks, layout.hidden, layout.inter, layout.format_of("down").name)
+    p = cpu_module("moe_experts").prepare(layout.fmt.name, banks, layout.hidden, layout.inter,
+                                          layout.format_of("down").name)
     if len(_PREPARED) >= 1024:
         _PREPARED.clear()
     _PREPARED[id(banks)] = (banks, layout, p)

@@ -16,7 +16,7 @@ from functools import lru_cache
 import numpy as np
 
 from freetoken.device.constants import KV_FP8_MAX
-from freetoken.ops._common import as_input, prepare_out, resolve
+from freetoken.ops._common import as_input, cpu_module, prepare_out, resolve
 
 MAX_HEAD_DIM = 256
 
@@ -34,16 +34,6 @@ def kv_kind_of(pool) -> str:
 
 
 _NO_TABLE = np.zeros(1, np.float32)  # the cpu kernel's table argument where the kind has none
-
-
-@lru_cache(maxsize=1)
-def _cpu_kernels():
-    """(the decode kernels' module, the prompt kernel), imported on the cpu device's first call (gpu/emu never load
-    Numba's modules; a function-level import costs every decode step a lookup per layer)."""
-    from freetoken.cpu_kernels import paged_decode
-    from freetoken.cpu_kernels.paged_attention import paged_attention_rows
-
-    return paged_decode, paged_attention_rows
 
 
 @lru_cache(maxsize=4)
@@ -165,7 +155,7 @@ def kv_store(k, v, k_pool, v_pool, k_scale, v_scale, block_table, start, *, devi
         return None
     kind = kv_kind_of(k_pool)
     if kind in ("f32", "bf16"):
-        from freetoken.cpu_kernels.kv_store import kv_store_rows
+        kv_store_rows = cpu_module("kv_store").kv_store_rows
 
         kv_store_rows(k, v, k_pool, v_pool, block_table, start)
         return None
@@ -236,7 +226,7 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, block_table, start, *, 
 
         paged_attention_cuda(dev, q, k_pool, v_pool, k_scale, v_scale, block_table, start, window, sinks, sc, out)
         return out
-    paged_decode, paged_attention_rows = _cpu_kernels()
+    paged_decode = cpu_module("paged_decode")
     kind = kv_kind_of(k_pool)
     if kind == "f16":  # the kernels widen IEEE half bits from int16 (Numba has no float16 arithmetic)
         k_pool, v_pool = k_pool.view(np.int16), v_pool.view(np.int16)
@@ -247,6 +237,6 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, block_table, start, *, 
                                                      np.float32(sc), nsplit, out)
         return out
     table = decode_table("fp8") if kind == "fp8" else _NO_TABLE
-    paged_attention_rows(q, k_pool, v_pool, k_scale, v_scale, table, block_table, start, window, sinks,
-                         np.float32(sc), out)
+    cpu_module("paged_attention").paged_attention_rows(q, k_pool, v_pool, k_scale, v_scale, table, block_table,
+                                                       start, window, sinks, np.float32(sc), out)
     return out

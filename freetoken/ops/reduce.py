@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from freetoken.ops._common import as_input, check_int32, cuda_kernel, prepare_out, resolve
+from freetoken.ops._common import as_input, check_int32, cpu_module, cuda_kernel, prepare_out, resolve
 
 
 def row_sum(x, *, out=None, device=None):
@@ -27,7 +27,7 @@ def row_sum(x, *, out=None, device=None):
     if rows == 0:
         return out
     if dev.kind == "cpu":
-        from freetoken.cpu_kernels.reduce import row_sum_f32
+        row_sum_f32 = cpu_module("reduce").row_sum_f32
 
         row_sum_f32(x, out)
         return out

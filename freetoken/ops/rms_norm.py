@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from freetoken.device.constants import NORM_THREADS
-from freetoken.ops._common import check_int32, cuda_kernel, into_out, prepare_out, resolve
+from freetoken.ops._common import check_int32, cpu_module, cuda_kernel, into_out, prepare_out, resolve
 
 
 def rms_norm_arrays(xp, x, weight, eps: float):
@@ -47,7 +45,7 @@ def rms_norm(x, weight, eps: float, *, out=None, device=None, checked: bool = Fa
     if dev.kind == "cpu":
         if (x.dtype == np.float32 and weight.dtype == np.float32 and 1 <= weight.ndim <= x.ndim
                 and x.shape[x.ndim - weight.ndim:] == weight.shape and x.size):
-            from freetoken.cpu_kernels.rms_norm import rms_norm_rows
+            rms_norm_rows = cpu_module("rms_norm").rms_norm_rows
 
             d = x.shape[-1]
             x2 = np.ascontiguousarray(x).reshape(-1, d)
@@ -69,20 +67,12 @@ def rms_norm(x, weight, eps: float, *, out=None, device=None, checked: bool = Fa
     return y
 
 
-@functools.cache
-def _cpu_kernels():
-    """The cpu device's kernels module (imported on first use: gpu/emu never load Numba's modules)."""
-    from freetoken.cpu_kernels import rms_norm
-
-    return rms_norm
-
-
 def _run(dev, x, weight, eps: np.float32, y, add=None) -> None:
     """The kernel on checked arguments: ``y = rms_norm(x (+= add))``; x any layout on cpu (viewed or copied as rows,
     written back when ``add`` updates it), C-contiguous on gpu/emu; ``weight`` and ``y`` C-contiguous."""
     d = x.shape[-1]
     if dev.kind == "cpu":
-        kernels = _cpu_kernels()
+        kernels = cpu_module("rms_norm")
         if add is None:
             kernels.rms_norm_rows(x.reshape(-1, d), weight.reshape(-1, d), eps, y.reshape(-1, d))
         else:

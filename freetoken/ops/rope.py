@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from freetoken.device.constants import NORM_THREADS
-from freetoken.ops._common import as_input, check_int32, cuda_kernel, into_out, prepare_out, resolve
+from freetoken.ops._common import as_input, check_int32, cpu_module, cuda_kernel, into_out, prepare_out, resolve
 
 _THREADS = 256
 
@@ -42,7 +42,7 @@ def rope(x, cos, sin, *, out=None, device=None):
     if dev.kind == "cpu":
         if (x.ndim == 3 and x.shape[-1] % 2 == 0 and x.dtype == np.float32 and cos.dtype == sin.dtype == np.float32
                 and cos.shape == sin.shape == (x.shape[0], x.shape[2])):
-            from freetoken.cpu_kernels.rope import rope_rows
+            rope_rows = cpu_module("rope").rope_rows
 
             y = prepare_out(dev, out, x.shape, np.float32)
             rope_rows(x, cos, sin, y)
@@ -133,7 +133,7 @@ def rope_qkv_cache(qkv, norm, eps: float, cos, sin, k_cache, v_cache, start: int
     kv_heads = k_cache.shape[1]
     qkv = qkv.reshape(qkv.shape[0], heads + 2 * kv_heads, d)
     if device.kind == "cpu":
-        from freetoken.cpu_kernels.rope import rope_qkv_cache_rows
+        rope_qkv_cache_rows = cpu_module("rope").rope_qkv_cache_rows
 
         rope_qkv_cache_rows(qkv, _no_norm(d) if norm is None else norm, norm is not None, np.float32(eps), cos,
                             sin, k_cache, v_cache, start, out)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from freetoken.device.constants import ROUTE_WARPS
-from freetoken.ops._common import as_input, check_int32, cuda_kernel, prepare_out, resolve
+from freetoken.ops._common import as_input, check_int32, cpu_module, cuda_kernel, prepare_out, resolve
 
 
 def route_softmax_topk(logits, k: int, renormalize: bool, *, out_ids=None, out_weights=None, device=None,
@@ -57,7 +57,7 @@ def route_softmax_topk(logits, k: int, renormalize: bool, *, out_ids=None, out_w
 def _run(dev, logits, k: int, renormalize: bool, ids, w) -> None:
     """The kernel on checked arguments."""
     if dev.kind == "cpu":
-        from freetoken.cpu_kernels.routing import softmax_topk_rows
+        softmax_topk_rows = cpu_module("routing").softmax_topk_rows
 
         softmax_topk_rows(logits, k, bool(renormalize), ids, w)
         return
@@ -144,7 +144,7 @@ def route_sigmoid_group_topk(logits, bias, k: int, n_group: int, topk_group: int
 
 def _run_group(dev, logits, bias, k, n_group, topk_group, renormalize, scale, ids, w) -> None:
     if dev.kind == "cpu":
-        from freetoken.cpu_kernels.routing import sigmoid_group_topk_rows
+        sigmoid_group_topk_rows = cpu_module("routing").sigmoid_group_topk_rows
 
         sigmoid_group_topk_rows(logits, bias, k, n_group, topk_group, bool(renormalize), scale, ids, w)
         return
@@ -179,7 +179,7 @@ def route_softmax_group_topk(logits, k: int, n_group: int, topk_group: int, reno
 
 def _run_softmax_group(dev, logits, k, n_group, topk_group, renormalize, scale, ids, w) -> None:
     if dev.kind == "cpu":
-        from freetoken.cpu_kernels.routing import softmax_group_topk_rows
+        softmax_group_topk_rows = cpu_module("routing").softmax_group_topk_rows
 
         softmax_group_topk_rows(logits, k, n_group, topk_group, bool(renormalize), scale, ids, w)
         return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from freetoken.ops._common import as_input, check_int32, cuda_kernel, prepare_out, resolve
+from freetoken.ops._common import as_input, check_int32, cpu_module, cuda_kernel, prepare_out, resolve
 
 _WARPS_PER_BLOCK = 4
 
@@ -34,7 +34,7 @@ def topk(x, k: int, *, out_idx=None, out_val=None, device=None):
     if rows == 0:
         return idx, val
     if dev.kind == "cpu":
-        from freetoken.cpu_kernels.topk import topk_rows_f32
+        topk_rows_f32 = cpu_module("topk").topk_rows_f32
 
         topk_rows_f32(x, k, idx, val)
         return idx, val

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from freetoken.ops._common import as_input, check_int32, cuda_kernel, prepare_out, resolve
+from freetoken.ops._common import as_input, check_int32, cpu_module, cuda_kernel, prepare_out, resolve
 
 _TILE = 32
 _ROWS_PER_STEP = 8
@@ -28,7 +28,7 @@ def transpose(x, *, out=None, device=None):
     if rows == 0 or cols == 0:
         return out
     if dev.kind == "cpu":
-        from freetoken.cpu_kernels.transpose import transpose_2d
+        transpose_2d = cpu_module("transpose").transpose_2d
 
         transpose_2d(x.view(f"u{size}"), out.view(f"u{size}"))
         return out
