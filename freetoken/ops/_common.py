@@ -14,6 +14,8 @@ from freetoken.device import Device, get_device
 def cpu_module(name: str):
     """``freetoken.cpu_kernels.<name>``, imported on the cpu device's first call: gpu/emu never load Numba's modules,
     and a function-level import would cost every call of a decode step a lookup."""
+    import freetoken.cpu_kernels  # noqa: F401 - the import edge ops -> cpu_kernels, as the layering check reads it
+
     return importlib.import_module(f"freetoken.cpu_kernels.{name}")
 
 
