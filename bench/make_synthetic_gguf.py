@@ -10,14 +10,23 @@ layers for every gated full-attention layer (16 key / 32 value heads of 128, a 4
 heads of 256, a quarter of each rotated), 256 experts top-8 with FFN 512, a gated shared expert of 512; 8 layers and
 hidden 1024 by default (about 2 GB with Q8_0 dense matrices).
 
+``--requantize Q4_K_M`` (or Q5_K_M, Q6_K, Q8_0, IQ4_XS): the file as llama.cpp's own quantizer
+(``llama_model_quantize`` of llama-cpp-python, from the Q4_0 file, requantizing) writes that mix, so the
+per-tensor types are the ones users download (Q4_K_M: Q4_K gate/up, Q6_K down in some layers, Q6_K output, ...).
+K-quant rows need K a multiple of 256, so give such a hidden size and expert FFN (llama.cpp falls back to other
+types otherwise); the weights' values are the Q4_0 ones re-rounded, which a speed benchmark does not mind.
+
     python bench/make_synthetic_gguf.py /tmp/synthetic-moe.gguf
     python bench/make_synthetic_gguf.py /tmp/synthetic-qwen35.gguf --arch qwen35moe --other q8_0
+    python bench/make_synthetic_gguf.py /tmp/syn-q4km.gguf --layers 8 --hidden 2048 --moe-inter 768 --requantize Q4_K_M
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -98,6 +107,26 @@ def synthetic_qwen35_config(layers=8, experts=256, top_k=8, hidden=1024, moe_int
                        linear_conv=4, attn_output_gate=True, norm_offset=True)
 
 
+#: llama.cpp's ``llama_ftype`` of the mixes ``--requantize`` writes.
+LLAMA_FTYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "IQ4_XS": 30}
+
+
+def requantize(src: Path, out: Path, mix: str, threads: int = 0) -> Path:
+    """``src`` re-quantized by llama.cpp to the ``mix`` of :data:`LLAMA_FTYPES`, written to ``out``."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise SystemExit(f"--requantize needs llama-cpp-python (bash scripts/setup --llama-cpp): {e}") from None
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = LLAMA_FTYPES[mix]
+    params.nthread = threads
+    params.allow_requantize = True
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params))
+    if rc != 0 or not out.is_file():
+        raise SystemExit(f"llama.cpp could not quantize {src} to {mix} (llama_model_quantize returned {rc})")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("output", type=Path)
@@ -116,6 +145,8 @@ def main(argv=None) -> int:
                     help="qwen35moe: Qwen3.5-MoE's hybrid layers (the shape options then default to its own, see "
                          "above; --heads/--kv-heads/--head-dim/--top-k/--experts/--moe-inter apply when given)")
     ap.add_argument("--other", choices=("f16", "q8_0"), default="f16", help="type of the non-expert matrices")
+    ap.add_argument("--requantize", choices=list(LLAMA_FTYPES), default=None,
+                    help="write the file as llama.cpp quantizes it to this mix (needs llama-cpp-python)")
     args = ap.parse_args(argv)
     given = {a for a in ("layers", "experts", "top_k", "hidden", "moe_inter", "heads", "kv_heads", "head_dim")
              if f"--{a.replace('_', '-')}" in (argv if argv is not None else sys.argv)}
@@ -126,8 +157,19 @@ def main(argv=None) -> int:
                                moe_inter=args.moe_inter, heads=args.heads, kv_heads=args.kv_heads,
                                head_dim=args.head_dim, max_position=args.max_position)
     tok = gguf_tokenizer_fields(DEFAULT_MODEL / "tokenizer.json", DEFAULT_MODEL / "tokenizer_config.json")
-    out = write_gguf(cfg, SyntheticWeights(cfg, args.seed), args.output, experts="q4_0", other=args.other,
-                     tokenizer=tok, name=f"freetoken synthetic {args.arch}", progress=sys.stderr.isatty())
+    target = args.output
+    if args.requantize:  # the Q4_0 file next to the output (same disk), removed once llama.cpp has read it
+        tmp = tempfile.NamedTemporaryFile(dir=args.output.parent, prefix=".q4_0-", suffix=".gguf", delete=False)
+        tmp.close()
+        target = Path(tmp.name)
+    try:
+        out = write_gguf(cfg, SyntheticWeights(cfg, args.seed), target, experts="q4_0", other=args.other,
+                         tokenizer=tok, name=f"freetoken synthetic {args.arch}", progress=sys.stderr.isatty())
+        if args.requantize:
+            out = requantize(out, args.output, args.requantize)
+    finally:
+        if args.requantize:
+            target.unlink(missing_ok=True)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.0f} MiB)")
     return 0
 

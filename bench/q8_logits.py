@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Logits of the cpu int8 expert path (``--cpu-activations q8``) against the float path (``f32``) on the same
-4-bit experts: the numerical cost of 8-bit expert inputs, one table.
+experts: the numerical cost of 8-bit expert inputs, one table.
 
     python bench/q8_logits.py                    # the bundled model exported to q4_0 GGUF, and as mxfp4 / nvfp4
-    python bench/q8_logits.py --model m.gguf     # any model freetoken loads (its experts must be 4-bit)
+    python bench/q8_logits.py --model m.gguf     # any model freetoken loads whose experts have an int8 path (the
+                                                 # 4-bit formats, q8_0, the k-quants: a Q4_K_M file)
 
 Columns: ``NMSE`` of the q8 logits against the f32 ones over a random prompt (sum of squared differences over sum
 of squares), ``argmax`` the share of positions whose greedy token agrees, ``max|d|`` the largest logit change.
@@ -30,7 +31,8 @@ def compare(path, fmt: str | None, tokens: np.ndarray) -> tuple[float, float, fl
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=None, help="a model with 4-bit experts (default: the bundled one)")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a model whose experts have an int8 path (default: the bundled one)")
     ap.add_argument("--tokens", type=int, default=128, help="prompt length (default 128)")
     args = ap.parse_args(argv)
     from freetoken.convert import export_gguf

@@ -9,18 +9,20 @@ Public entry points: :func:`prepare` (validate record banks once) and :func:`for
 One call groups the (token, expert) pairs by unique expert, runs the gate/up kernel (``prange`` over unique expert x
 block of rows, the activation into ``h``) and the down kernel (``prange`` over ranges of output rows, experts outer,
 no atomics). Every record byte is read once per call; nothing is dequantized into memory; fp32 accumulation
-throughout. The 4-bit formats have two paths (``activations``, :func:`uses_q8`): by default, where the CPU has AVX2
-or AVX-512 VNNI, the kernels quantize x and h to 8-bit blocks and use int8 dot products (the float path's table
-lookups fall to ~5% of the bandwidth without AVX-512); the float path is the exact reference. The code, one job per
-module, bottom up (each module's docstring has the measurements behind its design):
+throughout. The 4-bit formats, q8_0 and the k-quants have two paths (``activations``, :func:`uses_q8`): by default,
+where the CPU has AVX2 or AVX-512 VNNI, the kernels quantize x and h to 8-bit blocks and use int8 dot products (the
+float path's table lookups fall to ~5% of the bandwidth without AVX-512; the k-quants' float decode holds two cores
+to ~45% of it); the float path is the exact reference. bf16 and fp8_block have the float path only. The code, one
+job per module, bottom up (each module's docstring has the measurements behind its design):
 
 * :mod:`~freetoken.cpu_kernels.moe_memory`: raw-memory intrinsics; the hot path passes addresses, not arrays;
 * :mod:`~freetoken.cpu_kernels.moe_nibble`: the nibble formats' (mxfp4/ds_fp4, nvfp4, q4_0) float row dots in LLVM
   vector IR;
 * :mod:`~freetoken.cpu_kernels.moe_kquant`: the GGUF block formats' (q8_0, q4_k, q5_k, q6_k, iq4_xs) float row dots
   in LLVM vector IR (float path only: :func:`uses_q8` is False for them);
-* :mod:`~freetoken.cpu_kernels.moe_int8`: their int8 row dots (vpdpbusd / vpmaddubsw / portable, per
-  :mod:`freetoken.device.simd`), with :mod:`~freetoken.cpu_kernels.q8_act` (8-bit activations) and
+* :mod:`~freetoken.cpu_kernels.moe_int8`: the 4-bit formats' and q8_0's int8 row dots (vpdpbusd / vpmaddubsw /
+  portable, per :mod:`freetoken.device.simd`), :mod:`~freetoken.cpu_kernels.moe_int8_kquant` the k-quants', with
+  :mod:`~freetoken.cpu_kernels.q8_act` (8-bit activations) and
   :mod:`~freetoken.cpu_kernels.moe_rows_q8` (per-row dispatch);
 * :mod:`~freetoken.cpu_kernels.moe_rows`: format codes and tables, bf16/fp8_block row dots, the float path's per-row
   dispatch;
@@ -151,8 +153,9 @@ def _check_array(name, a, dtype, shape=None, ndim=None, contiguous=True):
 
 
 def uses_q8(fmt_name: str, activations: str = "auto") -> bool:
-    """Whether :func:`forward` runs the int8 row dots for ``fmt_name``: ``activations`` "q8" (the 4-bit formats
-    only), "f32" (never) or "auto" (the 4-bit formats where the compile target has AVX2 or AVX-512 VNNI)."""
+    """Whether :func:`forward` runs the int8 row dots for ``fmt_name``: ``activations`` "q8" (the formats with an
+    int8 path: the 4-bit ones, q8_0 and the k-quants), "f32" (never) or "auto" (those formats where the compile target
+    has AVX2 or AVX-512 VNNI)."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     return _q8_code(FORMAT_CODES.get(fmt_name), activations)
@@ -184,8 +187,8 @@ def forward(fmt_name: str, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, 
     act_code : ``ACT_SWIGLU`` (0) or ``ACT_GPT_OSS`` (1)
     out : float32 [T, H], C-contiguous, overwritten with the weighted sum of the experts' outputs
     prepared : :func:`prepare` of these banks (skips re-validating them on every call)
-    activations : "auto", "q8" or "f32": the 4-bit formats' token vectors (x and the intermediate h) quantized to
-        8-bit blocks for the int8 row dots, or float32 (:func:`uses_q8`), per matrix format
+    activations : "auto", "q8" or "f32": the token vectors (x and the intermediate h) of the formats with an int8
+        path quantized to 8-bit blocks for the int8 row dots, or float32 (:func:`uses_q8`), per matrix format
     down_fmt_name : the down matrix's format (a mixed record); None: ``fmt_name``. ``prepared`` must have been made
         with the same formats
     """

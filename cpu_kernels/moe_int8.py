@@ -1,4 +1,5 @@
-"""Int8 row dots of the 4-bit formats (q4_0, mxfp4/ds_fp4, nvfp4) against 8-bit activations, as LLVM IR intrinsics.
+"""Int8 row dots of the 4-bit formats (q4_0, mxfp4/ds_fp4, nvfp4) and q8_0 against 8-bit activations, as LLVM IR
+intrinsics (the k-quants': :mod:`freetoken.cpu_kernels.moe_int8_kquant`).
 
 The float path (:mod:`freetoken.cpu_kernels.moe_nibble`) looks every nibble up in a 16-entry float table held in one
 register: one ``vpermps`` per 16 weights with AVX-512, but without it LLVM splits the <16 x float> lookup into
@@ -9,6 +10,8 @@ activations are quantized once per token to 8-bit blocks (:mod:`freetoken.cpu_ke
 * 16 value bytes of a block (32 weights) become 32 unsigned bytes ``[low nibbles | high nibbles]``: for q4_0 the
   nibble itself (weight = code - 8); for the e2m1 formats ``2 * value + 12`` through one ``vpshufb`` of a 16-byte
   table (weight = (byte - 12) / 2). So ``weight = (byte - OFFSET) * FACTOR`` with an integer byte in 0..24;
+  q8_0's 32 stored int8 values are the block's bytes plus 128 (one ``vpxor``), or on AVX2 ``|w|`` with the
+  activation byte given w's sign (:func:`q8_operands`);
 * 4-byte groups of those bytes times the activation bytes are summed into int32 lanes: ``vpdpbusd`` (AVX-512 VNNI,
   two blocks per instruction) or ``vpmaddubsw`` + ``vpmaddwd`` (AVX2; no saturation: |pair sum| <= 2 * 24 * 127);
 * the offset is removed exactly in the integer domain: the accumulator starts at ``-OFFSET * (sum of the lane's 4
@@ -38,9 +41,13 @@ from numba.extending import intrinsic
 from freetoken.device.simd import simd_level
 
 #: ``weight = (byte - OFFSET) * FACTOR`` per kind: q4 (q4_0), mx (mxfp4/ds_fp4, scale e8m0), nv (nvfp4, e4m3 scales
-#: per 16 values and a per-matrix global).
-OFFSET = {"q4": 8, "mx": 12, "nv": 12}
-FACTOR = {"q4": 1.0, "mx": 0.5, "nv": 0.5}
+#: per 16 values and a per-matrix global), q8 (q8_0: the stored int8 plus 128, one ``vpxor``). AVX2 reads q8_0 by the
+#: sign trick instead (|w| unsigned, the activation byte given w's sign: ``vpmaddubsw`` would saturate its int16 pair
+#: sums with bytes up to 255 x 127), which needs no offset.
+OFFSET = {"q4": 8, "mx": 12, "nv": 12, "q8": 0 if simd_level() == "avx2" else 128}
+FACTOR = {"q4": 1.0, "mx": 0.5, "nv": 0.5, "q8": 1.0}
+#: Value bytes per 32-weight block.
+BLOCK_BYTES = {"q4": 16, "mx": 16, "nv": 16, "q8": 32}
 #: e2m1 code -> 2 * value + 12 (bit 3 is the sign; -0 maps to 12 like +0).
 E2M1_BYTES = [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0]
 
@@ -122,8 +129,15 @@ def _i64(v):
 
 def weight_bytes(builder, kind, level, wp, b, tail):
     """[lo A | hi A | lo B | hi B]: the unsigned weight bytes (``weight = (byte - OFFSET) * FACTOR``) of blocks b,
-    b + 1 of the row whose value bytes start at ``wp`` (i8*); B is zero when ``tail``."""
+    b + 1 of the row whose value bytes start at ``wp`` (i8*); B is zero when ``tail``. q8: [A | B], the stored
+    signed bytes (:func:`q8_operands` makes them unsigned)."""
     v64i8 = _vec(_I8, 64)
+    if kind == "q8":
+        ptr = builder.gep(wp, [builder.mul(b, _i64(32))])
+        if tail:
+            raw32 = builder.load(builder.bitcast(ptr, _vec(_I8, 32).as_pointer()), align=1)
+            return _concat(builder, raw32, ir.Constant(_vec(_I8, 32), [0] * 32))
+        return builder.load(builder.bitcast(ptr, v64i8.as_pointer()), align=1)
     ptr = builder.gep(wp, [builder.mul(b, _i64(16))])
     if tail:
         raw16 = builder.load(builder.bitcast(ptr, _vec(_I8, 16).as_pointer()), align=1)
@@ -138,11 +152,23 @@ def weight_bytes(builder, kind, level, wp, b, tail):
     return nib if kind == "q4" else lookup_bytes(builder, level, ir.Constant(_vec(_I8, 16), E2M1_BYTES), nib)
 
 
+def q8_operands(builder, level, w, a):
+    """(unsigned weight bytes, signed activation bytes) whose :func:`dot_u8_s8` is the signed dot of q8_0's stored
+    bytes ``w`` with ``a``: AVX2 ``(|w|, a * sign(w))`` (pair sums stay within int16: |w| <= 128, |a| <= 127;
+    w = -128 gives byte 128 and -a, still exact), otherwise ``(w + 128, a)`` with the ``OFFSET`` 128 correction
+    already in the accumulator."""
+    if level != "avx2":
+        return builder.xor(w, ir.Constant(w.type, [-128] * w.type.count)), a
+    neg = builder.icmp_signed("<", w, ir.Constant(w.type, [0] * w.type.count))
+    zero = ir.Constant(a.type, [0] * a.type.count)
+    return builder.select(neg, builder.sub(zero, w), w), builder.select(neg, builder.sub(zero, a), a)
+
+
 def weight_scales(builder, kind, sp, stp, b, tail):
     """q4/mx: <2 x float> block scales of blocks b, b + 1; nv: <4 x float> sub-block scales (the phantom block
     after a ``tail`` block gets 0). ``sp``: the row's first scale (i16* for q4, i8* otherwise); ``stp``: the
     byte -> float table (float*)."""
-    if kind == "q4":
+    if kind in ("q4", "q8"):
         v2h = _vec(ir.HalfType(), 2)
         if tail:
             h = builder.bitcast(builder.load(builder.gep(sp, [b])), ir.HalfType())
@@ -177,8 +203,8 @@ def _codegen(kind, ntok, nrow, level):
         zero16f = ir.Constant(v16f, [0.0] * 16)
         scales_per_block = 2 if kind == "nv" else 1
         wp0 = typed_ptr(builder, w, _I8)
-        sp0 = typed_ptr(builder, s, _I16 if kind == "q4" else _I8)
-        wps = [builder.gep(wp0, [builder.mul(nblk, const(16 * r))]) for r in range(nrow)]
+        sp0 = typed_ptr(builder, s, _I16 if kind in ("q4", "q8") else _I8)
+        wps = [builder.gep(wp0, [builder.mul(nblk, const(BLOCK_BYTES[kind] * r))]) for r in range(nrow)]
         sps = [builder.gep(sp0, [builder.mul(nblk, const(scales_per_block * r))]) for r in range(nrow)]
         stp = typed_ptr(builder, stab, _F32)
         qas, ncs, dxs = [], [], []
@@ -196,16 +222,22 @@ def _codegen(kind, ntok, nrow, level):
         def step(b, parity, tail=False):
             for r in range(nrow):
                 if not tail:
-                    ahead = builder.gep(wps[r], [builder.add(builder.mul(b, const(16)), const(PREFETCH_BYTES))])
+                    ahead = builder.gep(wps[r], [builder.add(builder.mul(b, const(BLOCK_BYTES[kind])),
+                                                             const(PREFETCH_BYTES))])
                     builder.call(prefetch, [ahead, _c32(0), _c32(3), _c32(1)])
                 wv = weight_bytes(builder, kind, level, wps[r], b, tail)
+                if kind == "q8" and level != "avx2":
+                    wv, _ = q8_operands(builder, level, wv, None)
                 sw = weight_scales(builder, kind, sps[r], stp, b, tail)
                 for t in range(ntok):
                     a = builder.load(builder.bitcast(builder.gep(qas[t], [builder.mul(b, const(32))]),
                                                      v64i8.as_pointer()), align=1)
                     corr = builder.load(builder.bitcast(builder.gep(ncs[t], [builder.mul(b, const(32))]),
                                                         v16i32.as_pointer()), align=4)
-                    lanes = builder.sitofp(dot_u8_s8(builder, level, corr, wv, a), v16f)
+                    wt = wv
+                    if kind == "q8" and level == "avx2":
+                        wt, a = q8_operands(builder, level, wv, a)
+                    lanes = builder.sitofp(dot_u8_s8(builder, level, corr, wt, a), v16f)
                     dpair = builder.load(builder.bitcast(builder.gep(dxs[t], [b]), _vec(_F32, 2).as_pointer()),
                                          align=4)
                     if kind == "nv":
@@ -276,3 +308,4 @@ def _intrinsics(kind):
 q4_q8_dot1, q4_q8_dot2, q4_q8_dot4, q4_q8_dot1x2 = _intrinsics("q4")
 mx_q8_dot1, mx_q8_dot2, mx_q8_dot4, mx_q8_dot1x2 = _intrinsics("mx")
 nv_q8_dot1, nv_q8_dot2, nv_q8_dot4, nv_q8_dot1x2 = _intrinsics("nv")
+q8_q8_dot1, q8_q8_dot2, q8_q8_dot4, q8_q8_dot1x2 = _intrinsics("q8")

@@ -110,6 +110,13 @@ def _pairs_rows(fmt):
     return fmt == FMT_MXFP4 or fmt == FMT_NVFP4 or fmt == FMT_Q4_0 or fmt >= FMT_Q8_0
 
 
+@nb.njit(error_model="numpy", inline="always")
+def _has_panel(fmt):
+    """Whether the q8 path has a panel micro-kernel for ``fmt`` (the 4-bit formats); the others run the int8 row
+    dots whatever the number of tokens."""
+    return fmt == FMT_Q4_0 or fmt == FMT_MXFP4 or fmt == FMT_NVFP4
+
+
 @nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def rows_dot(fmt, q8, w, s, g, e, n, nr, rows, k, x, xq, offs, npairs, acc):
     """Rows ``n .. n + nr - 1`` of matrix ``e`` dotted with token vectors into ``acc[r * npairs + q]`` (float32
@@ -154,17 +161,17 @@ def rows_dot(fmt, q8, w, s, g, e, n, nr, rows, k, x, xq, offs, npairs, acc):
 @nb.njit(error_model="numpy", inline="always")
 def quantize_rows_parallel(q8, x, qoff, xq8):
     """With ``q8``: every row of ``x`` into the 8-bit rows ``xq8`` = (qa, nc, dx, cs) (one parallel region), returning
-    the row dots' (qa, nc, dx, kp) addresses; without: zeros. Many rows (a prompt) in one parallel region."""
+    the row dots' (qa, nc, dx, kp, cs) addresses; without: zeros. Many rows (a prompt) in one parallel region."""
     qa, nc, dx, cs = xq8
     if not q8:
-        return _U64(0), _U64(0), _U64(0), _U64(0)
+        return _U64(0), _U64(0), _U64(0), _U64(0), _U64(0)
     if x.shape[0] <= 16:  # a few rows: cheaper than entering a parallel region (~5 us)
         for t in range(x.shape[0]):
             quantize_row(x, t, qoff, qa, nc, dx, cs)
     else:
         for t in nb.prange(x.shape[0]):
             quantize_row(x, t, qoff, qa, nc, dx, cs)
-    return addr(qa), addr(nc), addr(dx), _U64(qa.shape[1])
+    return addr(qa), addr(nc), addr(dx), _U64(qa.shape[1]), addr(cs)
 
 
 @nb.njit(error_model="numpy", inline="always")
@@ -214,11 +221,12 @@ def gate_up_kernel(fmt, gate, up, gb, ub, has_bias, act, uniq, poff, ptok, xs, q
     nrb = (inter + ROWS_GATE_UP - 1) // ROWS_GATE_UP
     nitems = n_uniq * nrb
     pair_rows = _pairs_rows(fmt)
+    panels = q8 and _has_panel(fmt)
     max_pairs = 2  # >= 2: the two-row single-token path
     tiles = False
     for ui in range(n_uniq):
         max_pairs = max(max_pairs, poff[ui + 1] - poff[ui])
-        tiles = tiles or (q8 and poff[ui + 1] - poff[ui] >= TILE_MIN_PAIRS)
+        tiles = tiles or (panels and poff[ui + 1] - poff[ui] >= TILE_MIN_PAIRS)
     for wk in nb.prange(nthreads):
         accg = np.empty(max_pairs, np.float32)
         accu = np.empty(max_pairs, np.float32)
@@ -234,7 +242,7 @@ def gate_up_kernel(fmt, gate, up, gb, ub, has_bias, act, uniq, poff, ptok, xs, q
             npairs = poff[ui + 1] - p0
             for q in range(npairs):
                 offs[q] = ptok[p0 + q] if q8 else ptok[p0 + q] * hidden
-            if q8 and npairs >= TILE_MIN_PAIRS:  # r_end - r0 == PANEL_ROWS: inter is a multiple of 32
+            if panels and npairs >= TILE_MIN_PAIRS:  # r_end - r0 == PANEL_ROWS: inter is a multiple of 32
                 for m in range(2):
                     w, s, g = (gw, gs, gg) if m == 0 else (uw, us, ug)
                     panel_repack(fmt, w, s, g, e, r0, inter, hidden, addr(panel[m]), addr(pscale[m]))
@@ -281,11 +289,12 @@ def down_kernel(fmt, down, db, has_bias, uniq, poff, ptok, pw, h, q8, qoff, hq8,
     n_uniq = uniq.shape[0]
     t_count = out.shape[0]
     pair_rows = _pairs_rows(fmt)
+    panels = q8 and _has_panel(fmt)
     max_pairs = 2  # >= 2: the two-row single-token path
     tiles = False
     for ui in range(n_uniq):
         max_pairs = max(max_pairs, poff[ui + 1] - poff[ui])
-        tiles = tiles or (q8 and poff[ui + 1] - poff[ui] >= TILE_MIN_PAIRS)
+        tiles = tiles or (panels and poff[ui + 1] - poff[ui] >= TILE_MIN_PAIRS)
     for wk in nb.prange(nthreads):
         acc = np.empty(max_pairs, np.float32)
         offs = np.empty(max_pairs, np.int64)
@@ -304,7 +313,7 @@ def down_kernel(fmt, down, db, has_bias, uniq, poff, ptok, pw, h, q8, qoff, hq8,
             npairs = poff[ui + 1] - p0
             for q in range(npairs):
                 offs[q] = p0 + q if q8 else (p0 + q) * inter
-            if q8 and npairs >= TILE_MIN_PAIRS:
+            if panels and npairs >= TILE_MIN_PAIRS:
                 for rp in range(r0, r1, PANEL_ROWS):
                     panel_repack(fmt, dw, ds, dg, e, rp, hidden, inter, addr(panel[0]), addr(pscale[0]))
                     for q0 in range(0, npairs, TILE_TOKENS):

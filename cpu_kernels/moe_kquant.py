@@ -28,6 +28,11 @@ compiled for AVX2 on the same machine 11.8, 6.4, 5.6, 7.5, 6.7. In the expert fo
 shape, one thread) the k-quants read 7.7-8.5 GB/s, 60-70% of one thread's read bandwidth: one core is compute
 bound; two cores' decode (2 x 8-10 GB/s) exceeds the 11-19 GB/s read bandwidth measured on that machine.
 
+These float dots are the exact reference path (``activations="f32"``); by default the expert kernels read these
+formats through their int8 row dots (q8_0: :mod:`freetoken.cpu_kernels.moe_int8`, the k-quants:
+:mod:`freetoken.cpu_kernels.moe_int8_kquant`), which at the Qwen3-30B-A3B shape on two cores read 1.2x (q8_0) to
+1.45x (q4_k, q5_k) more bytes per second. The dense products (:mod:`freetoken.cpu_kernels.qgemv`) use these.
+
 Intrinsics (``code``: a format code, a runtime value dispatched once per call to its format's loop; ``gguf``: a
 literal):
 
@@ -130,7 +135,7 @@ def _sel(mask_lo, mask_hi):
 # table lookup is one vpermps; without it LLVM lowers that lookup lane by lane (measured with AVX2: q4_k and iq4_xs
 # at 2.4 Gweights/s, a seventh of their AVX-512 speed), so q4_k converts its codes instead and iq4_xs looks its
 # values up as bytes (vpshufb) and converts them.
-def _k_scales(b, sp):
+def k_scales(b, sp):
     """q4_k/q5_k header (d, dmin, scales[12]) -> (``d * sc_j``, ``-dmin * m_j``) as ``<8 x float>``: the 6-bit scale
     and min of sub-block j are ``scales[j] & 63``, ``scales[j + 4] & 63`` for j < 4; for j >= 4 their low 4 bits are
     the nibbles of ``scales[j + 4]`` and their top 2 bits the top bits of ``scales[j - 4]`` / ``scales[j]``."""
@@ -160,7 +165,7 @@ def _decode_k4(b, sp, wp, wide, fifth_bit):
     up (one vpermps per 16 weights instead of a conversion and an FMA: ~6% faster); otherwise, and for q5_k's 32
     codes (a two-table permute X86 lowers lane by lane), the code is converted and scale and min applied with one
     FMA."""
-    dsc, ndm = _k_scales(b, sp)
+    dsc, ndm = k_scales(b, sp)
     qs = 32 if fifth_bit else 0
     qh = [_u32(b, wp, 0), _u32(b, wp, 16)] if fifth_bit else None
     tabled = wide and not fifth_bit
@@ -181,12 +186,17 @@ def _decode_k4(b, sp, wp, wide, fifth_bit):
                 yield 2 * j + half, b.call(fma, [b.sitofp(nib, _V16F), sc, mn])
 
 
+def q6_scales(b, sp):
+    """q6_k header (int8 scales[16], d) -> ``d * scale_c`` as ``<16 x float>`` (one per 16 weights)."""
+    return b.fmul(b.sitofp(_bytes(b, sp, 0), _V16F), _splat(b, b.insert_element(
+        ir.Constant(_V16F, ir.Undefined), _half(b, sp, 16), _c(0, _I32)), 0))
+
+
 def _decode_q6_k(b, sp, wp, wide):
     """q6_k: quants ql[128], qh[64]; header int8 scales[16], d. Half h (128 weights) uses ql[64h:], qh[32h:]; its
     quarter i (32 weights) takes the low (i = 0, 1) or high (i = 2, 3) nibbles of ql[64h + 32 (i % 2) + l] and bits
     2i, 2i + 1 of qh[32h + l]; one int8 scale per 16 weights, value ``d * scale * (q - 32)``."""
-    scales = b.fmul(b.sitofp(_bytes(b, sp, 0), _V16F), _splat(b, b.insert_element(
-        ir.Constant(_V16F, ir.Undefined), _half(b, sp, 16), _c(0, _I32)), 0))
+    scales = q6_scales(b, sp)
     for h in range(2):
         for l0 in (0, 16):
             ql = [_u32(b, wp, 64 * h + l0), _u32(b, wp, 64 * h + 32 + l0)]
@@ -200,18 +210,23 @@ def _decode_q6_k(b, sp, wp, wide):
                 yield c, b.fmul(b.sitofp(q, _V16F), _splat(b, scales, c))
 
 
+def iq4_scales(b, sp):
+    """iq4_xs header (d, scales_h, scales_l[4]) -> ``d * (ls_j - 32)`` as ``<8 x float>`` (one per 32 weights)."""
+    sh = b.zext(b.load(b.bitcast(b.gep(sp, [_c(2)]), _I16.as_pointer()), align=1), _I32)
+    sh = _lanes(b, b.insert_element(ir.Constant(_V8I32, ir.Undefined), sh, _c(0, _I32)), [0] * 8)
+    high = b.shl(b.and_(b.lshr(sh, _vec([2 * j for j in range(8)])), _vec([3] * 8)), _vec([4] * 8))
+    low = b.and_(b.lshr(b.zext(_lanes(b, _bytes(b, sp, 4, 4), [0, 0, 1, 1, 2, 2, 3, 3]), _V8I32),
+                        _vec([0, 4] * 4)), _vec([15] * 8))
+    return _scaled(b, b.sub(b.or_(low, high), _vec([32] * 8)), _half(b, sp, 0), 8)
+
+
 def _decode_iq4_xs(b, sp, wp, wide):
     """iq4_xs: header d, scales_h u16, scales_l[4]; sub-block j (32 weights) has the 6-bit scale
     ``ls_j = (scales_l[j // 2] >> 4 (j % 2)) & 15 | ((scales_h >> 2j) & 3) << 4`` and the low then the high nibbles
     of qs[16j:16j + 16], each looked up in ``IQ4_VALUES``; value ``d * (ls_j - 32) * IQ4_VALUES[q]``. AVX-512: the
     table times ``d (ls_j - 32)`` in one register, one vpermps per 16 weights; otherwise the 64 nibbles of two
     sub-blocks looked up as int8 values (two vpshufb), widened, converted and scaled."""
-    sh = b.zext(b.load(b.bitcast(b.gep(sp, [_c(2)]), _I16.as_pointer()), align=1), _I32)
-    sh = _lanes(b, b.insert_element(ir.Constant(_V8I32, ir.Undefined), sh, _c(0, _I32)), [0] * 8)
-    high = b.shl(b.and_(b.lshr(sh, _vec([2 * j for j in range(8)])), _vec([3] * 8)), _vec([4] * 8))
-    low = b.and_(b.lshr(b.zext(_lanes(b, _bytes(b, sp, 4, 4), [0, 0, 1, 1, 2, 2, 3, 3]), _V8I32),
-                        _vec([0, 4] * 4)), _vec([15] * 8))
-    dl = _scaled(b, b.sub(b.or_(low, high), _vec([32] * 8)), _half(b, sp, 0), 8)
+    dl = iq4_scales(b, sp)
     if wide:
         table = _vec([float(v) for v in IQ4_VALUES], _F32)
         for j in range(8):
@@ -248,7 +263,7 @@ def _fmuladd(b):
 
 # -------------------------------------------------------------------------------------------- row loops
 
-class _Rows:
+class Rows:
     """Block addressing of ``nrow`` consecutive rows from row ``row`` of a matrix of ``k`` columns: record banks
     (quants from ``w``, headers from ``s``) or GGUF rows (both from ``w``)."""
 
@@ -266,12 +281,16 @@ class _Rows:
         self.wps = [b.gep(wp, [b.mul(b.add(row, _c(r)), b.mul(self.nblk, _c(self.stride)))]) for r in range(nrow)]
         self.sps = [b.gep(sp, [b.mul(b.add(row, _c(r)), b.mul(self.nblk, _c(self.hstride)))]) for r in range(nrow)]
 
+    def pointers(self, r, blk):
+        """(header, quants) i8* of block ``blk`` (i64) of row ``r``."""
+        b = self.b
+        return (b.gep(self.sps[r], [b.add(b.mul(blk, _c(self.hstride)), _c(self.hoff))]),
+                b.gep(self.wps[r], [b.add(b.mul(blk, _c(self.stride)), _c(self.qoff))]))
+
     def decode(self, r, blk):
         """(c, weights) of block ``blk`` (i64) of row ``r``."""
-        b = self.b
-        wp = b.gep(self.wps[r], [b.add(b.mul(blk, _c(self.stride)), _c(self.qoff))])
-        sp = b.gep(self.sps[r], [b.add(b.mul(blk, _c(self.hstride)), _c(self.hoff))])
-        return _DECODERS[self.code](b, sp, wp, "avx512f" in target_features())
+        sp, wp = self.pointers(r, blk)
+        return _DECODERS[self.code](self.b, sp, wp, "avx512f" in target_features())
 
     def prefetch(self, r, blk, nblocks):
         """Software prefetch of ``nblocks`` blocks of row ``r`` from ``blk``, ``PREFETCH_BYTES`` ahead."""
@@ -292,14 +311,14 @@ def _for_blocks(b, nblk, unroll, body):
             body(b.add(b.mul(b.udiv(nblk, _c(unroll)), _c(unroll)), loop.index), 0, 1)
 
 
-def _switch(b, code, results, emit):
-    """``emit(c)`` (a list of ``results`` float values) for the runtime format ``code``: one block per format, NaN
-    for an unknown code. A literal code folds to its block."""
+def switch(b, code, results, emit, codes=tuple(GEOMETRY)):
+    """``emit(c)`` (a list of ``results`` float values) for the runtime format ``code``: one block per format of
+    ``codes``, NaN for another code. A literal code folds to its block."""
     end = b.append_basic_block("kq.end")
     default = b.append_basic_block("kq.default")
     sw = b.switch(code, default)
     incoming = []
-    for c in GEOMETRY:
+    for c in codes:
         block = b.append_basic_block(f"kq.fmt{c}")
         sw.add_case(ir.Constant(code.type, c), block)
         b.position_at_end(block)
@@ -331,7 +350,7 @@ def _dot_codegen(ntok, nrow):
 
         def emit(fmt):
             wpb = GEOMETRY[fmt][0]
-            rows = _Rows(b, fmt, gguf, w, s, row, k, nrow)
+            rows = Rows(b, fmt, gguf, w, s, row, k, nrow)
             fma = _fmuladd(b)
             nacc = 4 if ntok * nrow <= 2 else 2  # independent FMA chains per (row, token)
             zero = ir.Constant(_V16F, [0.0] * 16)
@@ -360,7 +379,7 @@ def _dot_codegen(ntok, nrow):
                     sums.append(lane_tree(b, a[0]))
             return sums
 
-        sums = _switch(b, code, ntok * nrow, emit)
+        sums = switch(b, code, ntok * nrow, emit)
         return sums[0] if len(sums) == 1 else context.make_tuple(b, signature.return_type, sums)
     return codegen
 
@@ -414,7 +433,7 @@ def kq_decode(typingctx, code, gguf, w, s, row, k, out):
 
         def emit(fmt):
             wpb = GEOMETRY[fmt][0]
-            rows = _Rows(b, fmt, gguf.literal_value, w_, s_, row_, k_, 1)
+            rows = Rows(b, fmt, gguf.literal_value, w_, s_, row_, k_, 1)
 
             def block(blk, slot, nblocks):
                 base = b.mul(blk, _c(wpb))
@@ -424,6 +443,6 @@ def kq_decode(typingctx, code, gguf, w, s, row, k, out):
             _for_blocks(b, rows.nblk, 1, block)
             return []
 
-        _switch(b, code_, 0, emit)
+        switch(b, code_, 0, emit)
         return context.get_dummy_value()
     return types.void(code, gguf, w, s, row, k, out), codegen

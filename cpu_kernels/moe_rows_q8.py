@@ -2,7 +2,7 @@
 counterparts of the float path's ``row_dot*`` (:mod:`freetoken.cpu_kernels.moe_rows`), inlined by the gate/up and
 down kernels (:func:`freetoken.cpu_kernels.moe_kernels.rows_dot`).
 
-Token vectors are 8-bit rows ``xq = (qa, nc, dx, kp)`` (:mod:`freetoken.cpu_kernels.q8_act`) addressed by row
+Token vectors are 8-bit rows ``xq = (qa, nc, dx, kp, cs)`` (:mod:`freetoken.cpu_kernels.q8_act`) addressed by row
 index (``offs`` holds row indices here, element offsets in the float path). K order as in the float path: q4_0
 natural, the e2m1 formats block split.
 """
@@ -25,7 +25,13 @@ from freetoken.cpu_kernels.moe_int8 import (
     q4_q8_dot1x2,
     q4_q8_dot2,
     q4_q8_dot4,
+    q8_q8_dot1,
+    q8_q8_dot1x2,
+    q8_q8_dot2,
+    q8_q8_dot4,
 )
+from freetoken.cpu_kernels.moe_int8_kquant import OFFSETS as KQUANT_OFFSETS
+from freetoken.cpu_kernels.moe_int8_kquant import kq_q8_dot1, kq_q8_dot1x2, kq_q8_dot2, kq_q8_dot4
 from freetoken.cpu_kernels.moe_int8_tile import (
     mx_q8_repack16,
     mx_q8_tile,
@@ -34,11 +40,21 @@ from freetoken.cpu_kernels.moe_int8_tile import (
     q4_q8_repack16,
     q4_q8_tile,
 )
+from freetoken.cpu_kernels.moe_kquant import FMT_Q4_K
 from freetoken.cpu_kernels.moe_memory import addr, load_f32
-from freetoken.cpu_kernels.moe_rows import E4M3_TABLE, E8M0_TABLE, FASTMATH, FMT_MXFP4, FMT_NVFP4, FMT_Q4_0
+from freetoken.cpu_kernels.moe_rows import (
+    E4M3_TABLE,
+    E8M0_TABLE,
+    FASTMATH,
+    FMT_MXFP4,
+    FMT_NVFP4,
+    FMT_Q4_0,
+    FMT_Q8_0,
+)
 
-#: Format code -> the weight byte offset its activations' ``nc`` must carry.
-Q8_OFFSETS = {FMT_Q4_0: OFFSET["q4"], FMT_MXFP4: OFFSET["mx"], FMT_NVFP4: OFFSET["nv"]}
+#: Format code -> the weight byte offset its activations' ``nc`` must carry: the formats with an int8 path.
+Q8_OFFSETS = {FMT_Q4_0: OFFSET["q4"], FMT_MXFP4: OFFSET["mx"], FMT_NVFP4: OFFSET["nv"], FMT_Q8_0: OFFSET["q8"],
+              **KQUANT_OFFSETS}
 
 _F32 = np.float32
 _U64 = np.uint64
@@ -46,9 +62,12 @@ _U64 = np.uint64
 
 @nb.njit(error_model="numpy", inline="always")
 def _args(fmt, w, s, g, e, n, rows, k):
-    """(value address, scale address, scale table address, global) of row n of matrix e, and its block count."""
+    """(value address, scale address, scale table address, global) of row n of matrix e, and its block count (the
+    32-weight formats)."""
     row = _U64(e) * _U64(rows) + _U64(n)
     nblk = _U64(k) >> _U64(5)
+    if fmt == FMT_Q8_0:
+        return w + row * nblk * _U64(32), s + row * nblk * _U64(2), addr(E8M0_TABLE), _F32(1.0), nblk
     wa = w + row * nblk * _U64(16)
     if fmt == FMT_MXFP4:
         return wa, s + row * nblk, addr(E8M0_TABLE), _F32(1.0), nblk
@@ -59,8 +78,12 @@ def _args(fmt, w, s, g, e, n, rows, k):
 
 @nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def row_q8_dot1(fmt, w, s, g, e, n, rows, k, xq, r0):
+    qa, nc, dx, kp, cs = xq
+    if fmt >= FMT_Q4_K:
+        return kq_q8_dot1(fmt, w, s, _U64(e) * _U64(rows) + _U64(n), _U64(k), qa, nc, dx, cs, kp, r0)
     wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
-    qa, nc, dx, kp = xq
+    if fmt == FMT_Q8_0:
+        return q8_q8_dot1(wa, sa, st, gv, qa, nc, dx, kp, r0, nblk)
     if fmt == FMT_MXFP4:
         return mx_q8_dot1(wa, sa, st, gv, qa, nc, dx, kp, r0, nblk)
     if fmt == FMT_NVFP4:
@@ -70,8 +93,12 @@ def row_q8_dot1(fmt, w, s, g, e, n, rows, k, xq, r0):
 
 @nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def row_q8_dot2(fmt, w, s, g, e, n, rows, k, xq, r0, r1):
+    qa, nc, dx, kp, cs = xq
+    if fmt >= FMT_Q4_K:
+        return kq_q8_dot2(fmt, w, s, _U64(e) * _U64(rows) + _U64(n), _U64(k), qa, nc, dx, cs, kp, r0, r1)
     wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
-    qa, nc, dx, kp = xq
+    if fmt == FMT_Q8_0:
+        return q8_q8_dot2(wa, sa, st, gv, qa, nc, dx, kp, r0, r1, nblk)
     if fmt == FMT_MXFP4:
         return mx_q8_dot2(wa, sa, st, gv, qa, nc, dx, kp, r0, r1, nblk)
     if fmt == FMT_NVFP4:
@@ -81,8 +108,12 @@ def row_q8_dot2(fmt, w, s, g, e, n, rows, k, xq, r0, r1):
 
 @nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def row_q8_dot4(fmt, w, s, g, e, n, rows, k, xq, r0, r1, r2, r3):
+    qa, nc, dx, kp, cs = xq
+    if fmt >= FMT_Q4_K:
+        return kq_q8_dot4(fmt, w, s, _U64(e) * _U64(rows) + _U64(n), _U64(k), qa, nc, dx, cs, kp, r0, r1, r2, r3)
     wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
-    qa, nc, dx, kp = xq
+    if fmt == FMT_Q8_0:
+        return q8_q8_dot4(wa, sa, st, gv, qa, nc, dx, kp, r0, r1, r2, r3, nblk)
     if fmt == FMT_MXFP4:
         return mx_q8_dot4(wa, sa, st, gv, qa, nc, dx, kp, r0, r1, r2, r3, nblk)
     if fmt == FMT_NVFP4:
@@ -92,8 +123,12 @@ def row_q8_dot4(fmt, w, s, g, e, n, rows, k, xq, r0, r1, r2, r3):
 
 @nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def row_q8_dot1x2(fmt, w, s, g, e, n, rows, k, xq, r0):
+    qa, nc, dx, kp, cs = xq
+    if fmt >= FMT_Q4_K:
+        return kq_q8_dot1x2(fmt, w, s, _U64(e) * _U64(rows) + _U64(n), _U64(k), qa, nc, dx, cs, kp, r0)
     wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
-    qa, nc, dx, kp = xq
+    if fmt == FMT_Q8_0:
+        return q8_q8_dot1x2(wa, sa, st, gv, qa, nc, dx, kp, r0, nblk)
     if fmt == FMT_MXFP4:
         return mx_q8_dot1x2(wa, sa, st, gv, qa, nc, dx, kp, r0, nblk)
     if fmt == FMT_NVFP4:
@@ -119,7 +154,7 @@ def panel_tile(fmt, panel, pscale, xq, cs, toks, k, out):
     """The panel's 16 rows dotted with ``TILE_TOKENS`` 8-bit token rows (indices at address ``toks``) into float32
     ``out [TILE_TOKENS, 16]`` (addresses); ``cs``: the token rows' half-block sums
     (:mod:`freetoken.cpu_kernels.q8_act`)."""
-    qa, _, dx, kp = xq
+    qa, _, dx, kp, _ = xq
     nblk = _U64(k) >> _U64(5)
     if fmt == FMT_MXFP4:
         mx_q8_tile(panel, pscale, qa, cs, dx, kp, toks, nblk, out)

@@ -123,7 +123,7 @@ def check_panel(fmt: str, nblk: int, seed: int = 0) -> None:
     toks[-1] = toks[0]
     out = np.full(TILE_TOKENS * PANEL_ROWS, np.nan, np.float32)
     g = banks["gate.g"] if "gate.g" in banks else np.zeros(2, np.float32)
-    xq = tuple(np.uint64(v) for v in (qa.ctypes.data, nc.ctypes.data, dx.ctypes.data, qa.shape[1]))
+    xq = tuple(np.uint64(v) for v in (qa.ctypes.data, nc.ctypes.data, dx.ctypes.data, qa.shape[1], cs.ctypes.data))
     _panel(code, np.uint64(banks["gate.w"].ctypes.data), np.uint64(banks["gate.s"].ctypes.data),
            np.uint64(g.ctypes.data), 1, PANEL_ROWS, 2 * PANEL_ROWS, k, panel, pscale, xq, np.uint64(cs.ctypes.data),
            toks, out)

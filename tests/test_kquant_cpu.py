@@ -5,10 +5,13 @@ every bit of the scales, mins and quants random, only the fp16 fields drawn fini
 records (gate/up in one format, down in another: GGUF Q4_K_M) through ``ops.moe_experts``. The registry cases
 (tests/test_kernel_parity.py, moe_decode_*) check every format through the codecs' own quantizer.
 
-Tolerances as in tests/test_cpu_experts.py: float32 dot products against float64, ``2e-5 * max|ref|``; a wrongly
-decoded weight moves outputs by ~1e-2 of it. The decode itself is bit-exact (the scale products are exact in float32
-and q4_k/q5_k's ``d * sc * q - dmin * m`` rounds once, as gguf-py's does), so ``dequantize_rows`` is compared
-bit for bit.
+The int8 row dots (``cpu_kernels/moe_int8_kquant.py``, q8_0's in ``cpu_kernels/moe_int8.py``) run the same checks
+with ``activations="q8"`` against the reference with the same 8-bit rounding of x and h.
+
+Tolerances as in tests/test_cpu_experts.py: float32 dot products against float64, ``2e-5 * max|ref|`` (int8 path:
+``Q8_REL_ATOL``); a wrongly decoded weight moves outputs by ~1e-2 of it. The decode itself is bit-exact (the scale
+products are exact in float32 and q4_k/q5_k's ``d * sc * q - dmin * m`` rounds once, as gguf-py's does), so
+``dequantize_rows`` is compared bit for bit.
 """
 
 import os
@@ -22,12 +25,15 @@ import pytest
 from freetoken.cpu_kernels.moe_experts import ACT_GPT_OSS, ACT_SWIGLU, FORMAT_CODES, forward, prepare, uses_q8
 from freetoken.cpu_kernels.moe_kquant import KQUANT_CODES, kq_dot1, kq_dot1x2, kq_dot2, kq_dot4
 from freetoken.cpu_kernels.moe_memory import addr
+from freetoken.cpu_kernels.moe_rows_q8 import Q8_OFFSETS, row_q8_dot1, row_q8_dot1x2, row_q8_dot2, row_q8_dot4
+from freetoken.cpu_kernels.q8_act import q8_buffers, quantize_rows
 from freetoken.cpu_kernels.qgemv import KQUANT_BLOCK_BYTES, dequantize_rows, qmatmul_into
 
 from freetoken import formats, ops
 from freetoken.device.simd import simd_level
 from freetoken.formats import MATRICES, RecordLayout
 from freetoken.testing import assert_close, poison, random_record
+from freetoken.testing.cases.moe_experts import Q8_REL_ATOL
 from freetoken.testing.reference.moe_experts import moe_forward_reference, q8_round_trip
 
 gguf_quants = pytest.importorskip("gguf.quants")
@@ -80,15 +86,19 @@ def _routes(rng, tokens: int, k: int, experts: int):
     return ids, rng.random((tokens, k)).astype(np.float32)
 
 
-def _check_forward(layout, banks, deq, tokens, k, act, seed, down=None):
+def _check_forward(layout, banks, deq, tokens, k, act, seed, down=None, activations="f32"):
+    """The float path against the float64 reference; ``activations`` "q8": the int8 row dots against the reference
+    with the same 8-bit rounding of x and h (tolerance ``Q8_REL_ATOL``: an h value at a rounding boundary)."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((tokens, layout.hidden)).astype(np.float32)
     ids, weights = _routes(rng, tokens, k, banks["gate.w"].shape[0])
     out = poison((tokens, layout.hidden), np.float32)
     forward(layout.fmt.name, x, ids, weights, banks, layout.hidden, layout.inter,
-            ACT_SWIGLU if act == "swiglu" else ACT_GPT_OSS, out, activations="f32", down_fmt_name=down)
-    ref = moe_forward_reference(x, ids, weights, deq, act)
-    assert_close(out, ref, atol=2e-5 * float(np.abs(ref).max()), rtol=1e-5, name=f"{layout.name} T={tokens}")
+            ACT_SWIGLU if act == "swiglu" else ACT_GPT_OSS, out, activations=activations, down_fmt_name=down)
+    ref = moe_forward_reference(x, ids, weights, deq, act, q8_inputs=activations == "q8")
+    rel = 2e-5 if activations == "f32" else Q8_REL_ATOL
+    assert_close(out, ref, atol=rel * float(np.abs(ref).max()), rtol=1e-5,
+                 name=f"{layout.name} T={tokens} {activations}")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -101,8 +111,9 @@ def test_expert_forward_on_random_gguf_bytes(kind):
         layout = RecordLayout(formats.get(kind), hidden, inter)
         banks, deq = gguf_record(layout, 5, seed=KINDS.index(kind))
         for tokens, k in ((1, 4), (3, 4), (9, 3)):
-            _check_forward(layout, banks, deq, tokens, k, "swiglu", seed=tokens)
-    assert not uses_q8(kind, "q8") and not uses_q8(kind)  # the float path: no int8 dots for these formats
+            for activations in ("f32", "q8"):  # float row dots, int8 row dots (1x2 rows, groups of 4, 2, 1)
+                _check_forward(layout, banks, deq, tokens, k, "swiglu", seed=tokens, activations=activations)
+    assert uses_q8(kind, "q8") and uses_q8(kind) == (simd_level() != "none") and not uses_q8(kind, "f32")
 
 
 @pytest.mark.parametrize("gate_up,down", [("q4_k", "q6_k"), ("q5_k", "q8_0"), ("iq4_xs", "q4_k"), ("mxfp4", "q6_k"),
@@ -117,7 +128,8 @@ def test_mixed_records_forward(gate_up, down):
         banks = random_record(layout, 4, seed=7)
         deq = layout.dequantize(banks)
     for tokens, k in ((1, 3), (6, 2)):
-        _check_forward(layout, banks, deq, tokens, k, "gpt_oss", seed=tokens, down=down)
+        for activations in ("f32", "q8"):
+            _check_forward(layout, banks, deq, tokens, k, "gpt_oss", seed=tokens, down=down, activations=activations)
 
 
 def test_mixed_record_q4_k_m_through_ops():
@@ -131,16 +143,19 @@ def test_mixed_record_q4_k_m_through_ops():
     for tokens in (1, 5):
         x = rng.standard_normal((tokens, 512)).astype(np.float32)
         ids, weights = _routes(rng, tokens, 4, 6)
-        y = ops.moe_experts(x, ids, weights, banks, layout, device="cpu")
-        ref = moe_forward_reference(x, ids, weights, deq, "swiglu")
-        assert_close(y, ref, atol=2e-5 * float(np.abs(ref).max()), rtol=1e-5, name=f"q4_k+q6_k T={tokens}")
+        for activations in ("f32", "q8"):
+            y = ops.moe_experts(x, ids, weights, banks, layout, device="cpu", activations=activations)
+            ref = moe_forward_reference(x, ids, weights, deq, "swiglu", q8_inputs=activations == "q8")
+            rel = 2e-5 if activations == "f32" else Q8_REL_ATOL
+            assert_close(y, ref, atol=rel * float(np.abs(ref).max()), rtol=1e-5,
+                         name=f"q4_k+q6_k T={tokens} {activations}")
 
 
 def test_mixed_record_int8_gate_up_float_down():
-    """A record whose gate/up format has int8 row dots and whose down format has none: with activations "q8" the
-    gate/up kernel reads x in 8-bit blocks, the down kernel float32 h (the reference: x rounded the same way, h
-    not)."""
-    layout = RecordLayout(formats.get("q4_0"), 512, 256, down_fmt=formats.get("q6_k"))
+    """A record whose gate/up format has int8 row dots and whose down format has none (fp8_block): with activations
+    "q8" the gate/up kernel reads x in 8-bit blocks, the down kernel float32 h (the reference: x rounded the same
+    way, h not)."""
+    layout = RecordLayout(formats.get("q6_k"), 512, 256, down_fmt=formats.get("fp8_block"))
     banks = random_record(layout, 4, seed=5)
     deq = layout.dequantize(banks)
     rng = np.random.default_rng(2)
@@ -148,7 +163,7 @@ def test_mixed_record_int8_gate_up_float_down():
     ids, weights = _routes(rng, 3, 2, 4)
     y = ops.moe_experts(x, ids, weights, banks, layout, device="cpu", activations="q8")
     ref = moe_forward_reference(q8_round_trip(x), ids, weights, deq, "swiglu")
-    assert_close(y, ref, atol=2e-5 * float(np.abs(ref).max()), rtol=1e-5, name="q4_0+q6_k q8")
+    assert_close(y, ref, atol=2e-5 * float(np.abs(ref).max()), rtol=1e-5, name="q6_k+fp8_block q8")
 
 
 def test_prepare_checks_each_matrix_against_its_format():
@@ -236,8 +251,44 @@ def check_row_dots():
             np.testing.assert_array_equal(dequantize_rows(raw, kind, k), gguf_dequantize(kind, raw, k))
 
 
+@numba.njit
+def _int8_row_dots(code, w, s, k, xq, out):
+    """The int8 row dots (``moe_rows_q8.row_q8_dot*``, expert 0 of the banks) in the slots 0-7 of
+    :func:`_row_dots` (its slot 8, GGUF rows, is the float path's alone)."""
+    n = out.shape[1]
+    for r in range(n):
+        out[0, r] = row_q8_dot1(code, w, s, 0, 0, r, n, k, xq, 0)
+        out[1, r], out[2, r] = row_q8_dot2(code, w, s, 0, 0, r, n, k, xq, 1, 2)
+        out[3, r], out[4, r], out[5, r], out[6, r] = row_q8_dot4(code, w, s, 0, 0, r, n, k, xq, 0, 1, 2, 3)
+        if r % 2 == 0:
+            out[7, r], out[7, r + 1] = row_q8_dot1x2(code, w, s, 0, 0, r, n, k, xq, 3)
+
+
+def check_int8_row_dots():
+    """The int8 row dots of q8_0 (odd block count) and the k-quants against float64 on gguf-py's weights and the
+    8-bit activations (``q8_round_trip``): their integer part is exact, so float32 accumulation is the only error."""
+    for kind in KINDS:
+        k = 160 if kind == "q8_0" else 512
+        raw = gguf_bytes(kind, (6,), k, seed=12)
+        banks = formats.get(kind).from_gguf(raw[None])
+        w, s = np.ascontiguousarray(banks["w"]), np.ascontiguousarray(banks["s"])
+        x = np.random.default_rng(4).standard_normal((4, k)).astype(np.float32)
+        code = FORMAT_CODES[kind]
+        qa, nc, dx, cs = q8_buffers(4, k)
+        quantize_rows(x, np.int32(Q8_OFFSETS[code]), qa, nc, dx, cs)
+        xq = (np.uint64(qa.ctypes.data), np.uint64(nc.ctypes.data), np.uint64(dx.ctypes.data), np.uint64(qa.shape[1]),
+              np.uint64(cs.ctypes.data))
+        out = np.full((8, 6), np.nan, np.float32)
+        _int8_row_dots(code, np.uint64(w.ctypes.data), np.uint64(s.ctypes.data), k, xq, out)
+        ref = q8_round_trip(x) @ gguf_dequantize(kind, raw, k).astype(np.float64).T
+        want = ref[[0, 1, 2, 0, 1, 2, 3, 3]]
+        err = np.abs(out - want).max()
+        assert err <= 2e-5 * np.abs(want).max(), (kind, simd_level(), err)
+
+
 def test_row_dots_this_level():
     check_row_dots()
+    check_int8_row_dots()
 
 
 @pytest.mark.slow
@@ -257,7 +308,8 @@ def test_row_dots_other_levels(level, tmp_path):
                NUMBA_CPU_FEATURES=features, FREETOKEN_CACHE_DIR=str(tmp_path), NUMBA_CACHE_DIR=str(tmp_path))
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_kquant_cpu as t; "
             "from freetoken.device.simd import simd_level; "
-            f"assert simd_level() == {level!r}, simd_level(); t.check_row_dots(); print('ok', simd_level())")
+            f"assert simd_level() == {level!r}, simd_level(); t.check_row_dots(); t.check_int8_row_dots(); "
+            "print('ok', simd_level())")
     r = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0 and r.stdout.strip() == f"ok {level}", r.stdout + r.stderr[-3000:]

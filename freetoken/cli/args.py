@@ -173,7 +173,8 @@ def add_model_args(p: argparse.ArgumentParser, max_tokens: int, what: str) -> No
     p.add_argument("--cache-slots", type=count(1), default=None, metavar="N",
                    help="gpu/emu: device slots of the expert cache (default: room for every expert)")
     p.add_argument("--cpu-activations", default="auto", choices=list(ACTIVATIONS),
-                   help="4-bit experts computed on the CPU: q8 quantizes their inputs to 8-bit blocks and uses int8 "
+                   help="experts computed on the CPU (4-bit, q8_0 and k-quant formats): q8 quantizes their inputs to "
+                        "8-bit blocks and uses int8 "
                         "dot products (llama.cpp's rounding), f32 keeps float32 (exact, slower); auto: q8 where the "
                         "CPU has AVX2 or AVX-512 VNNI (default)")
     p.add_argument("--allow-widen", action="store_true",

@@ -19,8 +19,9 @@ from __future__ import annotations
 import functools
 
 LEVELS = ("none", "avx2", "avx512_vnni")
-#: How the CPU expert kernels take the 4-bit formats' token vectors: 8-bit blocks with int8 dots ("q8"), float32
-#: ("f32", the reference path), or "auto": q8 at any level but "none" (freetoken.cpu_kernels.moe_experts.uses_q8).
+#: How the CPU expert kernels take the token vectors of the formats with an int8 path (4-bit, q8_0, k-quants): 8-bit
+#: blocks with int8 dots ("q8"), float32 ("f32", the reference path), or "auto": q8 at any level but "none"
+#: (freetoken.cpu_kernels.moe_experts.uses_q8).
 ACTIVATIONS = ("auto", "q8", "f32")
 _AVX512_VNNI = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512vnni", "avx2", "fma", "f16c"})
 _AVX2 = frozenset({"avx2", "fma", "f16c"})

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from freetoken.device.simd import ACTIVATIONS as CPU_ACTIVATIONS  # 4-bit experts on the CPU: auto, q8, f32
+from freetoken.device.simd import ACTIVATIONS as CPU_ACTIVATIONS  # experts on the CPU: auto, q8, f32
 from freetoken.models.kv import KV_KINDS  # how the paged KV cache stores keys and values
 from freetoken.policy.runtime import MODES as MOE_MODES  # how misses of the expert cache are served
 
@@ -36,7 +36,8 @@ class ExpertOptions:
     the default, is the greedy per-call split, which ``bench/qstar_sweep.py`` found best on the bundled model.
     ``prefetch``: copy the next MoE layer's predicted experts while a layer computes. ``max_decode_tokens``: the
     most tokens one decode admission carries (a longer prompt streams whole layers through the prefill buffers).
-    ``cpu_activations``: 4-bit experts computed on the CPU (the cpu device, and misses computed by the CPU) take
+    ``cpu_activations``: experts computed on the CPU (the cpu device, and misses computed by the CPU) in a format
+    with an int8 path (the 4-bit formats, q8_0, the k-quants) take
     their token vectors as 8-bit blocks with int8 dot products ("q8", llama.cpp's q8_0 rounding) or as float32
     ("f32", the reference path); "auto" is q8 where the CPU has AVX2 or AVX-512 VNNI."""
 

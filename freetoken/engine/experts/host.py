@@ -12,7 +12,7 @@ class HostExperts(RunnerBase):
     def __init__(self, device, layouts, num_layers: int, activations: str = "auto"):
         super().__init__(device, layouts, num_layers)
         self.banks: list[dict | None] = [None] * num_layers
-        self.activations = activations  # 4-bit formats: 8-bit (int8 dots) or float32 token vectors
+        self.activations = activations  # 8-bit (int8 dots) or float32 token vectors
 
     def load_layer(self, layer: int, banks: dict) -> None:
         # streamed on every step: in huge pages (the cpu device copies a bank NumPy did not already place there)

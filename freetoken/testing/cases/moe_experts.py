@@ -122,11 +122,12 @@ def _make_moe(fmt_name: str, mode: str, act: str = "swiglu", activations: str = 
 
 SWIGLU_CASES = [_make_moe(f, m) for m in ("decode", "prefill") for f in formats.NAMES]
 GPT_OSS_CASES = [_make_moe(f, m, "gpt_oss") for m in ("decode", "prefill") for f in formats.NAMES]
-#: The cpu int8 path of the 4-bit formats: row dots (swiglu: 1-2 tokens per expert, the two-row T = 1 path), panel
-#: micro-kernel (gpt_oss: ~22 tokens per expert, biases, repeated experts) and both in one call (prompt).
-Q8_CASES = [_make_moe(f, "decode", a, "q8") for f in ("q4_0", "mxfp4", "ds_fp4", "nvfp4")
-            for a in ("swiglu", "gpt_oss")] + [_make_moe(f, "decode", "swiglu", "q8", prompt=True)
-                                               for f in ("q4_0", "mxfp4", "ds_fp4", "nvfp4")]
+#: The cpu int8 path: row dots (swiglu: 1-2 tokens per expert, the two-row T = 1 path), the 4-bit formats' panel
+#: micro-kernel (gpt_oss: ~22 tokens per expert, biases, repeated experts; the GGUF block formats, which have no
+#: panel, run their row dots in groups of 4 tokens there) and both in one call (prompt); a Q4_K_M-style mixed record.
+Q8_FORMATS = ("q4_0", "mxfp4", "ds_fp4", "nvfp4", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs", "q4_k+q6_k")
+Q8_CASES = [_make_moe(f, "decode", a, "q8") for f in Q8_FORMATS for a in ("swiglu", "gpt_oss")] + [
+    _make_moe(f, "decode", "swiglu", "q8", prompt=True) for f in Q8_FORMATS]
 #: Mixed records (gate/up and down in different kernel families); they and the GGUF Q8_0 / K-quant formats also at
 #: 1 and 8 routes per token (the default cases: 2 for swiglu, 8 with biases for gpt_oss).
 MIXED_CASES = [_make_moe(r, m) for m in ("decode", "prefill") for r in MIXED_RECORDS]
