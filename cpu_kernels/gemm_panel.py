@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
-from freetoken.cpu_kernels.moe_int8_tile import _transpose16
+from freetoken.cpu_kernels.moe_int8_tile import transpose16
 from freetoken.cpu_kernels.moe_memory import addr, typed_ptr
 from freetoken.cpu_kernels.widen import FASTMATH, _widen
 from llvmlite import ir
@@ -113,7 +113,7 @@ def _emit_widen(builder, kind, w, k, stride, rows, panel):
                                                     ir.Constant(ir.VectorType(_I32, 16), [16] * 16)), v16f)
                 builder.store(v, slot)
             vecs.append(builder.load(slot))
-        for c, col in enumerate(_transpose16(builder, vecs)):
+        for c, col in enumerate(transpose16(builder, vecs)):
             at = builder.add(builder.mul(j, ir.Constant(_I64, 16)), ir.Constant(_I64, c))
             builder.store(col, builder.gep(pp, [at]), align=4)
 

@@ -24,16 +24,25 @@ at the end (:func:`freetoken.cpu_kernels.lanes.lane_tree`). The integer part is 
 avx2, portable), so the one approximation against the float path is the 8-bit activation, as for the 4-bit
 formats and in llama.cpp's k-quant dot products.
 
+A prompt's expert with many tokens takes the panel micro-kernel instead (:mod:`freetoken.cpu_kernels.moe_int8_tile`):
+:func:`kq_q8_repack16` decodes 16 rows of q4_k, q5_k or q6_k once into the panel layout (the same chunks as above,
+transposed to rows in lanes) with the rows' scales (and q4_k/q5_k's mins), which the ``k4`` / ``k6`` tiles multiply
+by 8 (AVX-512) or 4 (AVX2) tokens at a time. iq4_xs has no panel: its bytes plus 128 would saturate AVX2's
+``vpmaddubsw`` against a broadcast activation, and the sign trick costs a byte operation per chunk and token; it runs
+the row dots at every token count, as q8_0 does.
+
 Intrinsics: ``kq_q8_dot<N>(code, w, s, row, k, qa, nc, dx, cs, kp, r_1, .., r_N)``: row ``row`` of a record bank
 (quants from ``w``, headers from ``s``, the leading expert dimension folded into ``row``) dotted with the 8-bit token
 rows ``r_t``; ``kq_q8_dot1x2``: rows ``row`` and ``row + 1`` with one token. ``code`` is a runtime format code
-(:data:`CODES`), dispatched once per call.
+(:data:`CODES`), dispatched once per call. ``kq_q8_repack16(code, w, s, row, k, panel, pscale)``: rows ``row`` ..
+``row + 15`` into a panel (:data:`PANEL_CODES`).
 """
 
 from __future__ import annotations
 
 from freetoken.cpu_kernels.lanes import lane_tree
 from freetoken.cpu_kernels.moe_int8 import dot_u8_s8, lookup_bytes, q8_operands
+from freetoken.cpu_kernels.moe_int8_tile import MIN_AT, PANEL_ROWS, transpose16
 from freetoken.cpu_kernels.moe_kquant import (
     FMT_IQ4_XS,
     FMT_Q4_K,
@@ -61,6 +70,8 @@ CODES = (FMT_Q4_K, FMT_Q5_K, FMT_Q6_K, FMT_IQ4_XS)
 OFFSETS = {FMT_Q4_K: -1, FMT_Q5_K: -1, FMT_Q6_K: 32, FMT_IQ4_XS: 0 if simd_level() == "avx2" else 128}
 #: Formats whose dot has the min term (read from ``cs``, accumulator started at zero instead of ``nc``).
 _WITH_MIN = (FMT_Q4_K, FMT_Q5_K)
+#: The formats with a panel (:func:`kq_q8_repack16`).
+PANEL_CODES = (FMT_Q4_K, FMT_Q5_K, FMT_Q6_K)
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V16F, _V8F = ir.VectorType(_F32, 16), ir.VectorType(_F32, 8)
@@ -230,3 +241,65 @@ def kq_q8_dot4(typingctx, code, w, s, row, k, qa, nc, dx, cs, kp, r0, r1, r2, r3
 @intrinsic
 def kq_q8_dot1x2(typingctx, code, w, s, row, k, qa, nc, dx, cs, kp, r0):
     return _signature(1, 2, (code, w, s, row, k, qa, nc, dx, cs, kp, r0))
+
+
+def _repack_codegen(level):
+    """Arguments (integers): code, w, s, row, k, panel, pscale. Rows ``row .. row + 15`` into the panel layout of
+    :mod:`freetoken.cpu_kernels.moe_int8_tile` ([block][chunk][row][4 bytes]) and their scales: per 32-value block
+    ``d sc_j`` (q4_k, q5_k; their ``-dmin m_j`` at vector ``MIN_AT * nblk + block``) or per 16 values ``d scale``
+    (q6_k: two vectors per block)."""
+    def codegen(context, builder, signature, args):
+        b = builder
+        code = context.cast(b, args[0], signature.args[0], types.int64)
+        w, s, row, k, panel, pscale = (context.cast(b, a, t, types.uint64)
+                                       for a, t in zip(args[1:], signature.args[1:], strict=True))
+        pp = typed_ptr(b, panel, _V16I32)
+        ps = typed_ptr(b, pscale, _V16F)
+        nblk32 = b.lshr(k, _c(5))
+
+        def rows_vector(values, lane):
+            """Lane ``lane`` of each row's scale vector, as one vector over the 16 rows."""
+            out = ir.Constant(_V16F, ir.Undefined)
+            for r, v in enumerate(values):
+                out = b.insert_element(out, b.extract_element(v, ir.Constant(_I32, lane)), ir.Constant(_I32, r))
+            return out
+
+        def emit(fmt):
+            rows = Rows(b, fmt, False, w, s, row, k, PANEL_ROWS)
+            with cgutils.for_range(b, rows.nblk) as loop:
+                sb = loop.index
+                chunks, scales, mins = [], [], []
+                for r in range(PANEL_ROWS):
+                    sp, wp = rows.pointers(r, sb)
+                    chunks.append([b.bitcast(v, _V16I32) for v in _chunks(b, fmt, wp, level)])
+                    if fmt in _WITH_MIN:
+                        sc, ndm = k_scales(b, sp)
+                        scales.append(sc)
+                        mins.append(ndm)
+                    else:
+                        scales.append(q6_scales(b, sp))
+                for g in range(4):  # blocks 2g, 2g + 1 of the super-block: 16 chunks of 4 values
+                    cols = transpose16(b, [chunks[r][g] for r in range(PANEL_ROWS)])
+                    first = b.mul(b.add(b.mul(sb, _c(8)), _c(2 * g)), _c(8))
+                    for c in range(16):
+                        b.store(cols[c], b.gep(pp, [b.add(first, _c(c))]), align=4)
+                nsc = 16 if fmt == FMT_Q6_K else 8  # scale vectors per super-block: 2 or 1 per block
+                for j in range(nsc):
+                    b.store(rows_vector(scales, j), b.gep(ps, [b.add(b.mul(sb, _c(nsc)), _c(j))]), align=4)
+                if mins:
+                    for j in range(8):
+                        at = b.add(b.mul(nblk32, _c(MIN_AT)), b.add(b.mul(sb, _c(8)), _c(j)))
+                        b.store(rows_vector(mins, j), b.gep(ps, [at]), align=4)
+            return []
+
+        switch(b, code, 0, emit, PANEL_CODES)
+        return context.get_dummy_value()
+    return codegen
+
+
+@intrinsic
+def kq_q8_repack16(typingctx, code, w, s, row, k, panel, pscale):
+    args = (code, w, s, row, k, panel, pscale)
+    if not all(isinstance(t, types.Integer) for t in args):
+        return None
+    return types.void(*args), _repack_codegen(simd_level())

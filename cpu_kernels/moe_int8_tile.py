@@ -18,6 +18,11 @@ accumulator starts at ``cs`` = -OFFSET x (sum of the token's activation bytes of
 precomputed with the activations (:mod:`freetoken.cpu_kernels.q8_act`). nvfp4 applies its scales per 16-value
 sub-block: in block-split order chunks 0, 1, 4, 5 (values 0-15) and 2, 3, 6, 7.
 The integer part is exact at every SIMD level; only the float accumulation order differs from the row dots.
+
+The k-quants' panels (made by :func:`freetoken.cpu_kernels.moe_int8_kquant.kq_q8_repack16`, natural K order) take two
+more kinds of tile: ``k6`` (q6_k: offset 32, a scale per 16 values, chunks 0-3 and 4-7) and ``k4`` (q4_k, q5_k:
+unsigned codes, no offset, and per row and block a min ``-dmin m`` stored after the scales, which adds
+``min x dx x (sum of the block's activation bytes)`` with one more fma per block and token).
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ def _uint64_args(context, builder, signature, args):
             for a, t in zip(args, signature.args, strict=True)]
 
 
-def _transpose16(builder, rows):
+def transpose16(builder, rows):
     """A 16 x 16 matrix of int32 given as 16 row vectors -> its 16 column vectors: four stages that swap the
     off-diagonal sub-blocks of size 8, 4, 2, 1 (64 two-input shuffles instead of 256 element moves)."""
     rows = list(rows)
@@ -92,7 +97,7 @@ def _repack_codegen(kind, level):
 
         def pair(b, tail):
             """Blocks b, b + 1 of the 16 rows: [row][dword] -> [dword][row] (dword c < 8: block b's chunk c)."""
-            cols = _transpose16(builder, [builder.bitcast(weight_bytes(builder, kind, level, wps[r], b, tail),
+            cols = transpose16(builder, [builder.bitcast(weight_bytes(builder, kind, level, wps[r], b, tail),
                                                           v16i32) for r in range(PANEL_ROWS)])
             for c in range(8 if tail else 16):
                 builder.store(cols[c], builder.gep(pp, [builder.add(builder.mul(b, _i64(8)), _i64(c))]), align=4)
@@ -117,13 +122,25 @@ def _repack_codegen(kind, level):
     return codegen
 
 
+#: Scale vectors of 16 rows per 32-value block in a panel's ``pscale`` (two for the sub-block formats); the k4
+#: panels' mins follow the scales at vector ``MIN_AT * nblk``: ``pscale`` holds ``(MIN_AT + 1) * nblk`` vectors.
+MIN_AT = 2
+
+
+def _sub_chunks(kind, nsub, sub):
+    """The 4-byte chunks of a block that sub-block ``sub`` covers."""
+    if nsub == 1:
+        return range(8)
+    return (2 * sub, 2 * sub + 1, 2 * sub + 4, 2 * sub + 5) if kind == "nv" else range(4 * sub, 4 * sub + 4)
+
+
 def _tile_codegen(kind, level, ntok):
     """Arguments: panel, pscale (:func:`repack16`'s output), qa, cs, dx (the 8-bit token rows), kp (bytes per
     token row of qa), toks (address of ``ntok`` int64 token row indices), nblk, out (float32 [ntok, 16])."""
     def codegen(context, builder, signature, args):
         panel, pscale, qa, cs, dx, kp, toks, nblk, out = _uint64_args(context, builder, signature, args)
         v16f, v16i32, v64i8 = _vec(_F32, 16), _vec(_I32, 16), _vec(_I8, 64)
-        nsub = 2 if kind == "nv" else 1
+        nsub = 2 if kind in ("nv", "k6") else 1
         fmuladd = _fn(builder, "llvm.fmuladd.v16f32", v16f, [v16f] * 3)
         pp = typed_ptr(builder, panel, v64i8)
         ps = typed_ptr(builder, pscale, v16f)
@@ -145,10 +162,12 @@ def _tile_codegen(kind, level, ntok):
         with cgutils.for_range(builder, nblk) as blocks:
             b = blocks.index
             for sub in range(nsub):
-                chunks = range(8) if nsub == 1 else (2 * sub, 2 * sub + 1, 2 * sub + 4, 2 * sub + 5)
+                chunks = _sub_chunks(kind, nsub, sub)
                 iacc = []
                 for t in range(ntok):
-                    if nsub == 1:
+                    if kind == "k4":  # no offset: the min term below uses the block sums
+                        corr = _c32(0)
+                    elif nsub == 1:
                         c0 = builder.load(builder.gep(css[t], [builder.mul(b, _i64(2))]))
                         c1 = builder.load(builder.gep(css[t], [builder.add(builder.mul(b, _i64(2)), _i64(1))]))
                         corr = builder.add(c0, c1)
@@ -163,12 +182,20 @@ def _tile_codegen(kind, level, ntok):
                         a = builder.bitcast(splat(a4, _I32), v64i8)
                         iacc[t] = dot_u8_s8(builder, level, iacc[t], wv, a)
                 sw = builder.load(builder.gep(ps, [builder.add(builder.mul(b, _i64(nsub)), _i64(sub))]), align=4)
+                mins = None
+                if kind == "k4":
+                    mins = builder.load(builder.gep(ps, [builder.add(builder.mul(nblk, _i64(MIN_AT)), b)]), align=4)
                 for t in range(ntok):
                     d = builder.load(builder.gep(dxs[t], [b]))
                     sc = builder.fmul(sw, splat(d, _F32))
                     acc = facc[t]
-                    builder.store(builder.call(fmuladd, [builder.sitofp(iacc[t], v16f), sc, builder.load(acc)]),
-                                  acc)
+                    total = builder.call(fmuladd, [builder.sitofp(iacc[t], v16f), sc, builder.load(acc)])
+                    if mins is not None:  # + min x dx x block sum (offset -1: cs holds plain sums)
+                        c0 = builder.load(builder.gep(css[t], [builder.mul(b, _i64(2))]))
+                        c1 = builder.load(builder.gep(css[t], [builder.add(builder.mul(b, _i64(2)), _i64(1))]))
+                        mt = builder.fmul(d, builder.sitofp(builder.add(c0, c1), _F32))
+                        total = builder.call(fmuladd, [mins, splat(mt, _F32), total])
+                    builder.store(total, acc)
         op = typed_ptr(builder, out, v16f)
         for t in range(ntok):
             builder.store(builder.load(facc[t]), builder.gep(op, [_i64(t)]), align=4)
@@ -206,3 +233,6 @@ def _intrinsics(kind):
 q4_q8_repack16, q4_q8_tile = _intrinsics("q4")
 mx_q8_repack16, mx_q8_tile = _intrinsics("mx")
 nv_q8_repack16, nv_q8_tile = _intrinsics("nv")
+#: The k-quants' tiles (their panels: ``moe_int8_kquant.kq_q8_repack16``): k4 for q4_k / q5_k, k6 for q6_k.
+_, k4_q8_tile = _intrinsics("k4")
+_, k6_q8_tile = _intrinsics("k6")

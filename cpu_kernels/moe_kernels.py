@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
-from freetoken.cpu_kernels.moe_int8_tile import PANEL_BLOCK_BYTES, PANEL_ROWS, TILE_TOKENS
+from freetoken.cpu_kernels.moe_int8_tile import MIN_AT, PANEL_BLOCK_BYTES, PANEL_ROWS, TILE_TOKENS
+from freetoken.cpu_kernels.moe_kquant import FMT_Q4_K, FMT_Q5_K, FMT_Q6_K
 from freetoken.cpu_kernels.moe_memory import addr, load_f32, load_i64, store_f32
 from freetoken.cpu_kernels.moe_rows import (
     FASTMATH,
@@ -112,9 +113,10 @@ def _pairs_rows(fmt):
 
 @nb.njit(error_model="numpy", inline="always")
 def _has_panel(fmt):
-    """Whether the q8 path has a panel micro-kernel for ``fmt`` (the 4-bit formats); the others run the int8 row
-    dots whatever the number of tokens."""
-    return fmt == FMT_Q4_0 or fmt == FMT_MXFP4 or fmt == FMT_NVFP4
+    """Whether the q8 path has a panel micro-kernel for ``fmt`` (the 4-bit formats, q4_k, q5_k, q6_k); the others
+    (q8_0, iq4_xs) run the int8 row dots whatever the number of tokens."""
+    return (fmt == FMT_Q4_0 or fmt == FMT_MXFP4 or fmt == FMT_NVFP4 or fmt == FMT_Q4_K or fmt == FMT_Q5_K
+            or fmt == FMT_Q6_K)
 
 
 @nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
@@ -159,18 +161,20 @@ def rows_dot(fmt, q8, w, s, g, e, n, nr, rows, k, x, xq, offs, npairs, acc):
 
 
 @nb.njit(error_model="numpy", inline="always")
-def quantize_rows_parallel(q8, x, qoff, xq8):
-    """With ``q8``: every row of ``x`` into the 8-bit rows ``xq8`` = (qa, nc, dx, cs) (one parallel region), returning
-    the row dots' (qa, nc, dx, kp, cs) addresses; without: zeros. Many rows (a prompt) in one parallel region."""
+def quantize_rows_parallel(q8, fmt, x, qoff, xq8):
+    """With ``q8``: every row of ``x`` into the 8-bit rows ``xq8`` = (qa, nc, dx, cs) (one parallel region; ``cs``'s
+    halves in ``fmt``'s K order), returning the row dots' (qa, nc, dx, kp, cs) addresses; without: zeros. Many rows
+    (a prompt) in one parallel region."""
     qa, nc, dx, cs = xq8
     if not q8:
         return _U64(0), _U64(0), _U64(0), _U64(0), _U64(0)
+    split = fmt == FMT_NVFP4 or fmt == FMT_MXFP4
     if x.shape[0] <= 16:  # a few rows: cheaper than entering a parallel region (~5 us)
         for t in range(x.shape[0]):
-            quantize_row(x, t, qoff, qa, nc, dx, cs)
+            quantize_row(x, t, qoff, split, qa, nc, dx, cs)
     else:
         for t in nb.prange(x.shape[0]):
-            quantize_row(x, t, qoff, qa, nc, dx, cs)
+            quantize_row(x, t, qoff, split, qa, nc, dx, cs)
     return addr(qa), addr(nc), addr(dx), _U64(qa.shape[1]), addr(cs)
 
 
@@ -198,7 +202,8 @@ def _tile_tokens(offs, q0, npairs, toks):
 def _panel_buffers(k):
     """A worker's panel, its scales, the tile's token indices and outputs (two of each panel: gate and up)."""
     nblk = k // 32
-    return (np.empty((2, nblk * PANEL_BLOCK_BYTES), np.uint8), np.empty((2, nblk * 2 * PANEL_ROWS), np.float32),
+    return (np.empty((2, nblk * PANEL_BLOCK_BYTES), np.uint8),
+            np.empty((2, nblk * (MIN_AT + 1) * PANEL_ROWS), np.float32),
             np.empty(TILE_TOKENS, np.int64), np.empty((2, TILE_TOKENS * PANEL_ROWS), np.float32))
 
 
@@ -213,7 +218,7 @@ def gate_up_kernel(fmt, gate, up, gb, ub, has_bias, act, uniq, poff, ptok, xs, q
     read: by the panel micro-kernel for an expert with ``TILE_MIN_PAIRS`` tokens or more, by the row dots otherwise.
     """
     xa = addr(xs)
-    xq = quantize_rows_parallel(q8, xs, qoff, xq8)
+    xq = quantize_rows_parallel(q8, fmt, xs, qoff, xq8)
     csa = addr(xq8[3])
     gw, gs, gg = gate
     uw, us, ug = up
@@ -282,7 +287,7 @@ def down_kernel(fmt, down, db, has_bias, uniq, poff, ptok, pw, h, q8, qoff, hq8,
     """out[t, r] = sum over pairs p of token t: pw[p] * (down_e[r] . h[p] + db[e, r]); ``down``: bank addresses,
     ``db``: address of the float32 [E, H] biases; with ``q8`` h is first quantized into ``hq8`` and that is read
     (by the panel micro-kernel for an expert with ``TILE_MIN_PAIRS`` tokens or more)."""
-    hq = quantize_rows_parallel(q8, h, qoff, hq8)
+    hq = quantize_rows_parallel(q8, fmt, h, qoff, hq8)
     csa = addr(hq8[3])
     dw, ds, dg = down
     ha = addr(h)

@@ -31,8 +31,10 @@ from freetoken.cpu_kernels.moe_int8 import (
     q8_q8_dot4,
 )
 from freetoken.cpu_kernels.moe_int8_kquant import OFFSETS as KQUANT_OFFSETS
-from freetoken.cpu_kernels.moe_int8_kquant import kq_q8_dot1, kq_q8_dot1x2, kq_q8_dot2, kq_q8_dot4
+from freetoken.cpu_kernels.moe_int8_kquant import kq_q8_dot1, kq_q8_dot1x2, kq_q8_dot2, kq_q8_dot4, kq_q8_repack16
 from freetoken.cpu_kernels.moe_int8_tile import (
+    k4_q8_tile,
+    k6_q8_tile,
     mx_q8_repack16,
     mx_q8_tile,
     nv_q8_repack16,
@@ -40,7 +42,7 @@ from freetoken.cpu_kernels.moe_int8_tile import (
     q4_q8_repack16,
     q4_q8_tile,
 )
-from freetoken.cpu_kernels.moe_kquant import FMT_Q4_K
+from freetoken.cpu_kernels.moe_kquant import FMT_Q4_K, FMT_Q5_K, FMT_Q6_K
 from freetoken.cpu_kernels.moe_memory import addr, load_f32
 from freetoken.cpu_kernels.moe_rows import (
     E4M3_TABLE,
@@ -140,6 +142,9 @@ def row_q8_dot1x2(fmt, w, s, g, e, n, rows, k, xq, r0):
 def panel_repack(fmt, w, s, g, e, n, rows, k, panel, pscale):
     """Rows ``n .. n + 15`` of matrix ``e`` into the int8 panel at address ``panel`` and its scales at ``pscale``
     (:mod:`freetoken.cpu_kernels.moe_int8_tile`)."""
+    if fmt >= FMT_Q4_K:  # q4_k, q5_k, q6_k (the kernels ask for panels of these only)
+        kq_q8_repack16(fmt, w, s, _U64(e) * _U64(rows) + _U64(n), _U64(k), panel, pscale)
+        return
     wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
     if fmt == FMT_MXFP4:
         mx_q8_repack16(wa, sa, st, gv, nblk, panel, pscale)
@@ -160,5 +165,9 @@ def panel_tile(fmt, panel, pscale, xq, cs, toks, k, out):
         mx_q8_tile(panel, pscale, qa, cs, dx, kp, toks, nblk, out)
     elif fmt == FMT_NVFP4:
         nv_q8_tile(panel, pscale, qa, cs, dx, kp, toks, nblk, out)
+    elif fmt == FMT_Q4_K or fmt == FMT_Q5_K:
+        k4_q8_tile(panel, pscale, qa, cs, dx, kp, toks, nblk, out)
+    elif fmt == FMT_Q6_K:
+        k6_q8_tile(panel, pscale, qa, cs, dx, kp, toks, nblk, out)
     else:
         q4_q8_tile(panel, pscale, qa, cs, dx, kp, toks, nblk, out)

@@ -8,10 +8,11 @@ the NaN reaches every dot product that reads it, as in the float path.
 
 Per token the kernels also read ``nc``: for each group of 4 activation bytes, ``-OFFSET * (their sum)``, the int32
 value the dot product's accumulator starts from so that the unsigned (offset) weight bytes give exact signed dots;
-and ``cs``, the same summed per half block: the 4-byte groups 0, 1, 4, 5 and 2, 3, 6, 7 (nvfp4's two 16-value
-sub-blocks in block-split order; the other formats add both halves), for the panel micro-kernel
-(:mod:`freetoken.cpu_kernels.moe_int8_tile`), whose int32 lanes are weight rows: it adds one such scalar per block
-and token.
+and ``cs``, the same summed per half block, for the panel micro-kernel (:mod:`freetoken.cpu_kernels.moe_int8_tile`),
+whose int32 lanes are weight rows: it adds one such scalar per (sub-)block and token. The halves are the 16-value
+sub-blocks in the format's K order: with ``split`` (the e2m1 formats' block-split order) the 4-byte groups 0, 1, 4, 5
+and 2, 3, 6, 7 (nvfp4's sub-blocks), otherwise 0-3 and 4-7 (q6_k's); formats with one scale per block add both. The
+k-quants with a min (q4_k, q5_k) quantize with offset -1, which makes ``nc`` and ``cs`` plain sums.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ def padded_blocks(k: int) -> int:
 
 
 @nb.njit(error_model="numpy", boundscheck=False, nogil=True)
-def quantize_row(x, t, offset, qa, nc, dx, cs):
+def quantize_row(x, t, offset, split, qa, nc, dx, cs):
     """Row ``t`` of ``x`` float32 [T, K] -> row t of ``qa`` int8 [.., kp], ``nc`` int32 [.., kp / 4], ``dx`` float32
-    [.., kp / 32], ``cs`` int32 [.., kp / 16] (half-block sums). Not inlined on purpose: compiled without fast-math
-    (the kernels calling it use it), so ``d`` and ``q`` are the reference's bytes."""
+    [.., kp / 32], ``cs`` int32 [.., kp / 16] (half-block sums; ``split``: the block-split halves). Not inlined on
+    purpose: compiled without fast-math (the kernels calling it use it), so ``d`` and ``q`` are the reference's
+    bytes."""
     k = x.shape[1]
     nblk = k // 32
     for b in range(dx.shape[1]):
@@ -65,18 +67,22 @@ def quantize_row(x, t, offset, qa, nc, dx, cs):
                 qa[t, b * 32 + 4 * i + j] = q
                 s += q
             nc[t, b * 8 + i] = -offset * s
-        for sub in range(2):  # chunks 0, 1, 4, 5 and 2, 3, 6, 7: nvfp4's two sub-blocks in block-split order
-            cs[t, 2 * b + sub] = (nc[t, b * 8 + 2 * sub] + nc[t, b * 8 + 2 * sub + 1] + nc[t, b * 8 + 2 * sub + 4]
-                                  + nc[t, b * 8 + 2 * sub + 5])
+        for sub in range(2):
+            if split:  # chunks 0, 1, 4, 5 and 2, 3, 6, 7: nvfp4's two sub-blocks in block-split order
+                cs[t, 2 * b + sub] = (nc[t, b * 8 + 2 * sub] + nc[t, b * 8 + 2 * sub + 1]
+                                      + nc[t, b * 8 + 2 * sub + 4] + nc[t, b * 8 + 2 * sub + 5])
+            else:  # chunks 0-3 and 4-7: values 0-15 and 16-31
+                cs[t, 2 * b + sub] = (nc[t, b * 8 + 4 * sub] + nc[t, b * 8 + 4 * sub + 1]
+                                      + nc[t, b * 8 + 4 * sub + 2] + nc[t, b * 8 + 4 * sub + 3])
 
 
 @nb.njit(error_model="numpy", cache=True, boundscheck=False, nogil=True)
-def quantize_rows(x, offset, qa, nc, dx, cs):
+def quantize_rows(x, offset, split, qa, nc, dx, cs):
     """Every row of ``x`` float32 [T, K] -> ``qa`` int8 [T, kp], ``nc`` int32 [T, kp / 4], ``dx`` float32
     [T, kp / 32], ``cs`` int32 [T, kp / 16] (the kernels quantize inside their parallel regions with
     :func:`quantize_row`)."""
     for t in range(x.shape[0]):
-        quantize_row(x, t, offset, qa, nc, dx, cs)
+        quantize_row(x, t, offset, split, qa, nc, dx, cs)
 
 
 def q8_buffers(rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -75,7 +75,7 @@ def check_format(fmt: str, nblk: int, seed: int = 0) -> None:
     kind = KINDS[fmt]
     xs = np.ascontiguousarray(x[:, block_split_perm(k)]) if kind != "q4" else x
     qa, nc, dx, cs = q8_buffers(5, k)
-    quantize_rows(xs, np.int32(mi.OFFSET[kind]), qa, nc, dx, cs)
+    quantize_rows(xs, np.int32(mi.OFFSET[kind]), kind != "q4", qa, nc, dx, cs)
     q_ref, d_ref = quantize_q8_reference(xs)
     np.testing.assert_array_equal(qa[:, :k], q_ref)
     np.testing.assert_array_equal(dx[:, :nblk], d_ref)
@@ -116,7 +116,7 @@ def check_panel(fmt: str, nblk: int, seed: int = 0) -> None:
     code = FORMAT_CODES[fmt]
     xs = np.ascontiguousarray(x[:, block_split_perm(k)]) if KINDS[fmt] != "q4" else x
     qa, nc, dx, cs = q8_buffers(11, k)
-    quantize_rows(xs, np.int32(Q8_OFFSETS[code]), qa, nc, dx, cs)
+    quantize_rows(xs, np.int32(Q8_OFFSETS[code]), KINDS[fmt] != "q4", qa, nc, dx, cs)
     panel = np.full(nblk * PANEL_BLOCK_BYTES, 0xFF, np.uint8)
     pscale = np.full(nblk * 2 * PANEL_ROWS, np.nan, np.float32)
     toks = np.append(rng.permutation(11), [4] * TILE_TOKENS)[:TILE_TOKENS].astype(np.int64)
@@ -147,7 +147,7 @@ def test_quantizer_matches_reference_and_propagates_nan():
     x[1, 40] = np.nan
     x[2, 70] = np.inf
     qa, nc, dx, cs = q8_buffers(3, 96)
-    quantize_rows(x, np.int32(8), qa, nc, dx, cs)
+    quantize_rows(x, np.int32(8), True, qa, nc, dx, cs)
     q, d = quantize_q8_reference(x)
     np.testing.assert_array_equal(qa[:, :96], q)
     np.testing.assert_array_equal(dx[:, :3], d)
@@ -157,6 +157,9 @@ def test_quantizer_matches_reference_and_propagates_nan():
     sums4 = nc.reshape(3, 4, 8)
     np.testing.assert_array_equal(cs[:, 0::2], sums4[..., [0, 1, 4, 5]].sum(-1))
     np.testing.assert_array_equal(cs[:, 1::2], sums4[..., [2, 3, 6, 7]].sum(-1))
+    quantize_rows(x, np.int32(8), False, qa, nc, dx, cs)  # natural order: values 0-15 and 16-31
+    np.testing.assert_array_equal(cs[:, 0::2], sums4[..., :4].sum(-1))
+    np.testing.assert_array_equal(cs[:, 1::2], sums4[..., 4:].sum(-1))
 
 
 def test_level_matches_features():

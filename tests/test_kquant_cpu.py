@@ -23,9 +23,18 @@ import numba
 import numpy as np
 import pytest
 from freetoken.cpu_kernels.moe_experts import ACT_GPT_OSS, ACT_SWIGLU, FORMAT_CODES, forward, prepare, uses_q8
+from freetoken.cpu_kernels.moe_int8_tile import MIN_AT, PANEL_BLOCK_BYTES, PANEL_ROWS, TILE_TOKENS
 from freetoken.cpu_kernels.moe_kquant import KQUANT_CODES, kq_dot1, kq_dot1x2, kq_dot2, kq_dot4
 from freetoken.cpu_kernels.moe_memory import addr
-from freetoken.cpu_kernels.moe_rows_q8 import Q8_OFFSETS, row_q8_dot1, row_q8_dot1x2, row_q8_dot2, row_q8_dot4
+from freetoken.cpu_kernels.moe_rows_q8 import (
+    Q8_OFFSETS,
+    panel_repack,
+    panel_tile,
+    row_q8_dot1,
+    row_q8_dot1x2,
+    row_q8_dot2,
+    row_q8_dot4,
+)
 from freetoken.cpu_kernels.q8_act import q8_buffers, quantize_rows
 from freetoken.cpu_kernels.qgemv import KQUANT_BLOCK_BYTES, dequantize_rows, qmatmul_into
 
@@ -275,7 +284,7 @@ def check_int8_row_dots():
         x = np.random.default_rng(4).standard_normal((4, k)).astype(np.float32)
         code = FORMAT_CODES[kind]
         qa, nc, dx, cs = q8_buffers(4, k)
-        quantize_rows(x, np.int32(Q8_OFFSETS[code]), qa, nc, dx, cs)
+        quantize_rows(x, np.int32(Q8_OFFSETS[code]), False, qa, nc, dx, cs)
         xq = (np.uint64(qa.ctypes.data), np.uint64(nc.ctypes.data), np.uint64(dx.ctypes.data), np.uint64(qa.shape[1]),
               np.uint64(cs.ctypes.data))
         out = np.full((8, 6), np.nan, np.float32)
@@ -286,9 +295,47 @@ def check_int8_row_dots():
         assert err <= 2e-5 * np.abs(want).max(), (kind, simd_level(), err)
 
 
+@numba.njit
+def _panel(code, w, s, k, panel, pscale, xq, cs, toks, out):
+    panel_repack(code, w, s, 0, 0, 16, 32, k, addr(panel), addr(pscale))
+    panel_tile(code, addr(panel), addr(pscale), xq, cs, addr(toks), k, addr(out))
+
+
+def check_int8_panels():
+    """The panel micro-kernel of q4_k, q5_k and q6_k (rows 16-31 of 32, ``TILE_TOKENS`` of 11 token rows, shuffled,
+    one repeated) against float64 on gguf-py's weights and the 8-bit activations: exact integer dots, so float32
+    accumulation is the only error, as for the row dots."""
+    for kind in ("q4_k", "q5_k", "q6_k"):
+        k = 512
+        raw = gguf_bytes(kind, (32,), k, seed=13)
+        banks = formats.get(kind).from_gguf(raw[None])
+        w, s = np.ascontiguousarray(banks["w"]), np.ascontiguousarray(banks["s"])
+        rng = np.random.default_rng(5)
+        x = rng.standard_normal((11, k)).astype(np.float32)
+        x[2, :32] = 0.0  # an all-zero block: scale 0
+        code = FORMAT_CODES[kind]
+        qa, nc, dx, cs = q8_buffers(11, k)
+        quantize_rows(x, np.int32(Q8_OFFSETS[code]), False, qa, nc, dx, cs)
+        panel = np.full(k // 32 * PANEL_BLOCK_BYTES, 0xFF, np.uint8)
+        pscale = np.full(k // 32 * (MIN_AT + 1) * PANEL_ROWS, np.nan, np.float32)
+        toks = np.append(rng.permutation(11), [4] * TILE_TOKENS)[:TILE_TOKENS].astype(np.int64)
+        toks[-1] = toks[0]
+        out = np.full(TILE_TOKENS * PANEL_ROWS, np.nan, np.float32)
+        xq = tuple(np.uint64(v) for v in (qa.ctypes.data, nc.ctypes.data, dx.ctypes.data, qa.shape[1], cs.ctypes.data))
+        _panel(code, np.uint64(w.ctypes.data), np.uint64(s.ctypes.data), k, panel, pscale, xq,
+               np.uint64(cs.ctypes.data), toks, out)
+        xq64 = q8_round_trip(x)[toks]
+        deq = gguf_dequantize(kind, raw, k).astype(np.float64)[16:]
+        want, size = xq64 @ deq.T, np.abs(xq64) @ np.abs(deq).T
+        got = out.reshape(TILE_TOKENS, PANEL_ROWS)
+        bad = np.abs(got - want) > 1e-5 * size + 1e-30
+        assert not bad.any(), f"{kind} level={simd_level()} panel: {np.argwhere(bad)[:4]} {got[bad][:4]}"
+
+
 def test_row_dots_this_level():
     check_row_dots()
     check_int8_row_dots()
+    check_int8_panels()
 
 
 @pytest.mark.slow
@@ -309,6 +356,7 @@ def test_row_dots_other_levels(level, tmp_path):
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_kquant_cpu as t; "
             "from freetoken.device.simd import simd_level; "
             f"assert simd_level() == {level!r}, simd_level(); t.check_row_dots(); t.check_int8_row_dots(); "
+            "t.check_int8_panels(); "
             "print('ok', simd_level())")
     r = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True,
                        text=True, timeout=900)
