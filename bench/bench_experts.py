@@ -11,6 +11,8 @@ whose weights exceed the CPU caches. Columns:
 * ``ms``: median time per call after warm-up; ``GB/s``: record bytes / median time;
 * ``read``, ``%bw``: this machine's memory read bandwidth (a parallel Numba read kernel over a 512 MiB array using
   all threads, measured right before and after the row's timed calls, mean of both) and GB/s as a fraction of it;
+* ``GFLOP/s``: 2 x 3 x H x I x k x T flops (every routed pair's gate, up and down products) per second: what a
+  prompt's compute-bound calls (T = 16, 128) reach, to set against the machine's int8 (or fp32) peak;
 * ``cpu``: this process's CPU time over wall time x threads during the timed calls: well below 100% means other
   processes took cores and the row is not a clean measurement;
 * ``numpy ms`` / ``x``: NumPy (BLAS, all threads) doing the same forward on pre-dequantized float32 weights of the
@@ -215,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
                 bw_all.append(bw)
                 uniq = statistics.median(len(np.unique(ids)) for ids, _ in routes)
                 nbytes = uniq * record_bytes
+                flops = 6.0 * tokens * TOP_K * hidden * inter  # gate, up and down: H x I multiply-adds each per pair
                 row = [shape, fmt, act, tokens, experts, uniq, nbytes / 1e6, t_kernel * 1e3, nbytes / t_kernel / 1e9,
-                       bw, 100 * nbytes / t_kernel / 1e9 / bw, 100 * share]
+                       bw, 100 * nbytes / t_kernel / 1e9 / bw, flops / t_kernel / 1e9, 100 * share]
                 if deq is not None:
                     ids, w = routes[-1]
                     kernel(ids, w)
@@ -230,10 +233,10 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
             del banks, deq
 
-    header = ["shape", "format", "act", "T", "E", "uniq", "MB", "ms", "GB/s", "read", "%bw", "cpu"]
+    header = ["shape", "format", "act", "T", "E", "uniq", "MB", "ms", "GB/s", "read", "%bw", "GFLOP/s", "cpu"]
     header += [] if args.no_numpy else ["numpy ms", "x", "err"]
-    fmts = ["{}", "{}", "{}", "{}", "{}", "{:g}", "{:.1f}", "{:.3f}", "{:.1f}", "{:.1f}", "{:.0f}%", "{:.0f}%",
-            "{:.2f}", "{:.1f}", "{:.1e}"]
+    fmts = ["{}", "{}", "{}", "{}", "{}", "{:g}", "{:.1f}", "{:.3f}", "{:.1f}", "{:.1f}", "{:.0f}%", "{:.0f}",
+            "{:.0f}%", "{:.2f}", "{:.1f}", "{:.1e}"]
     table = [header] + [[f.format(v) for f, v in zip(fmts, r, strict=False)] for r in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     print(f"\nmemory read bandwidth {min(bw_all):.1f} to {max(bw_all):.1f} GB/s (median "
