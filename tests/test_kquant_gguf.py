@@ -16,6 +16,7 @@ import shutil
 import numpy as np
 import pytest
 from llama_oracle import llama_logits
+from tiny_models import GGUF_OVERRIDES, QWEN35_ROPE
 
 from freetoken.convert import export_gguf
 from freetoken.engine.load import DEFAULT_MODEL, load
@@ -80,7 +81,6 @@ def test_every_tensor_kept_in_its_stored_type(quantized_file):
 
     from freetoken.loaders import GGUFFile
     from freetoken.loaders.gguf_file import EXPERT_FORMATS
-    from freetoken.models.weights import GGUFWeights
 
     mix, path = quantized_file
     model = load(path, device="cpu")
@@ -94,10 +94,7 @@ def test_every_tensor_kept_in_its_stored_type(quantized_file):
             mine = {k.split(".")[1]: v for k, v in banks.items() if k.startswith(m + ".")}
             back = importlib.import_module(f"freetoken.formats.{fmt}").to_gguf(mine)
             assert np.array_equal(back.reshape(-1), np.asarray(raw).reshape(-1)), (mix, name)
-    held = {lin.storage for lin in _dense_linears(model)}
-    stored = {GGUFWeights.QUANTIZED[gf.info(n).type] for n in gf.names()
-              if gf.info(n).type in GGUFWeights.QUANTIZED and "_exps" not in n}
-    assert stored <= held | {"q8_0"} and held <= stored | {"f32", "bf16", "f16"}, (mix, held, stored)
+    held = _assert_dense_types_kept(model, path, mix)
     if mix == "Q4_K_M":  # llama.cpp's mix: the down matrices differ between layers
         assert {lay.name for lay in model.experts.layouts} == {"q4_k", "q4_k+q6_k"}
         assert {"q4_k", "q5_k", "q6_k", "q8_0"} <= held
@@ -107,6 +104,22 @@ def _dense_linears(model):
     from freetoken.engine.memory_report import _linears
 
     return list(_linears(model.decoder, set()))
+
+
+def _assert_dense_types_kept(model, path, label):
+    """Every block type the file's non-expert matrices use is one the model holds (q8_0 may be absent: the token
+    embedding is read from the file), and the model holds no other type but float ones (norms, routers, and
+    matrices in a type no dense storage keeps, such as DeepSeek's Q5_0 ``attn_k_b``, read as float). Returns the
+    held storages."""
+    from freetoken.loaders import GGUFFile
+    from freetoken.models.weights import GGUFWeights
+
+    gf = GGUFFile(path)
+    held = {lin.storage for lin in _dense_linears(model)}
+    stored = {GGUFWeights.QUANTIZED[gf.info(n).type] for n in gf.names()
+              if gf.info(n).type in GGUFWeights.QUANTIZED and "_exps" not in n}
+    assert stored <= held | {"q8_0"} and held <= stored | {"f32", "bf16", "f16"}, (label, held, stored)
+    return held
 
 
 def test_logits_match_llama_cpp(quantized_file):
@@ -154,17 +167,32 @@ def test_types_no_storage_keeps_are_refused_by_name(f16_file):
 
 
 #: Other families at k-quant shapes (hidden and FFN widths multiples of 256); OLMoE's k_norm spans all heads in
-#: llama.cpp (no GQA).
+#: llama.cpp (no GQA). DeepSeek-V3 at its released head shapes (nope 128, rope 64, v 64): llama.cpp's Q4_K_M writes
+#: the 128-wide ``attn_k_b`` rows as Q5_0, the latent attention's absorbed halves, which load as float. Qwen3.5's
+#: Gated DeltaNet value heads as wide as its key heads (what llama.cpp's graph assumes) and RoPE sections that fit.
 FAMILY_SHAPES = {"mixtral": dict(intermediate_size=256), "olmoe": dict(intermediate_size=256, num_key_value_heads=4),
                  "qwen2_moe": dict(moe_intermediate_size=256, intermediate_size=512,
-                                   shared_expert_intermediate_size=256)}
+                                   shared_expert_intermediate_size=256),
+                 "glm4_moe": dict(moe_intermediate_size=256, intermediate_size=512),
+                 "gpt_oss": dict(intermediate_size=256, **GGUF_OVERRIDES["gpt_oss"]),
+                 "deepseek_v3": dict(moe_intermediate_size=256, intermediate_size=512, kv_lora_rank=256,
+                                     q_lora_rank=256, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=64),
+                 "qwen3_5_moe": dict(moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                                     linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2,
+                                     linear_num_value_heads=4, rope_parameters=QWEN35_ROPE)}
 
 
-@pytest.mark.parametrize("family", sorted(FAMILY_SHAPES))
+# 3-8 s each: the families of the last round in the quick tier, the later ones slow
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen2_moe",
+                                    *(pytest.param(f, marks=pytest.mark.slow)
+                                      for f in ("glm4_moe", "gpt_oss", "deepseek_v3", "qwen3_5_moe"))])
 def test_other_families_q4_k_m_match_llama_cpp(family, tmp_path):
-    """Mixtral (llama.cpp's ``llama`` arch: Q/K rows permuted, whole k-quant block rows moved back), OLMoE and
-    Qwen2-MoE (shared expert in k-quants) as Q4_K_M files: per-layer layouts, and llama.cpp's float32 run of the
-    same values (measured NMSE 2.6e-7 .. 9.7e-7)."""
+    """Mixtral (llama.cpp's ``llama`` arch: Q/K rows permuted, whole k-quant block rows moved back), OLMoE,
+    Qwen2-MoE (shared expert in k-quants), GLM-4.5 (dense first layer, shared expert, qkv biases), gpt-oss (expert
+    biases, the clamped SwiGLU, sinks), DeepSeek-V3 (latent attention, Q5_0 ``attn_k_b``) and Qwen3.5-MoE (Gated
+    DeltaNet and gated attention layers) as Q4_K_M files: per-layer layouts, and llama.cpp's float32 run of the same
+    values (measured NMSE 2.6e-7 .. 9.7e-7 for the first three; glm4_moe 3.6e-7, gpt_oss 1.6e-6, deepseek_v3
+    1.4e-6, qwen3_5_moe 1.7e-9)."""
     need("torch")
     need("transformers")
     from tiny_models import make_checkpoint
@@ -177,11 +205,18 @@ def test_other_families_q4_k_m_match_llama_cpp(family, tmp_path):
     path = quantize(f16, tmp_path / "q4km.gguf", FTYPES["Q4_K_M"])
     model = load(path, device="cpu", kv_dtype="f16", cpu_activations="f32")  # the decode alone, as above
     assert {lay.name for lay in model.experts.layouts} == {"q4_k", "q4_k+q6_k"}
+    _assert_dense_types_kept(model, path, family)
     tokens = _tokens()
     ours = _logits(model, tokens)
     same_values, _ = llama_logits(quantize(path, tmp_path / "f32.gguf", 0, requantize=True), tokens)
     nmse = float(((ours - same_values) ** 2).sum() / (same_values**2).sum())
     assert nmse < 5e-6, (family, nmse)
+    # the CUDA kernels on the emulator, through a cache smaller than the records: the prompt's tensor-core path
+    # rounds its inputs to bf16, which flips a near-tied router in one prompt token of deepseek_v3's file (0.42
+    # there, the other tokens 1e-5 .. 3e-4), hence a bound on most tokens
+    emu = _logits(load(path, device="emu", kv_dtype="f16", cache_slots=24), tokens)
+    per_token = ((emu - ours) ** 2).sum(-1) / (ours**2).sum(-1)
+    assert (per_token < 1e-3).mean() >= 0.9, (family, per_token)
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ import shutil
 import numpy as np
 import pytest
 from llama_oracle import llama_logits
+from tiny_models import QWEN35_ROPE
 
 from freetoken.convert import export_gguf
 from freetoken.engine.load import DEFAULT_MODEL, load
@@ -48,9 +49,6 @@ def _compare(path, tokens):
     return nmse, top1
 
 
-#: Qwen3.5's RoPE parameters with sections that fit a head of 16 (the released [11, 11, 10] need 32 dims).
-QWEN35_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
-               "mrope_interleaved": True}
 #: What llama.cpp's graphs assume: qwen3moe and qwen3next have no dense layers, OLMoE's k_norm spans all heads (no
 #: GQA); qwen35moe (and qwen3next) size the linear-attention value heads by the key head dim (ssm.state_size: a file
 #: with other value heads fails to load), and ggml's multi-section RoPE asserts that the sections sum to at most the

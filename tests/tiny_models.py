@@ -69,6 +69,11 @@ GGUF_OVERRIDES = {"gpt_oss": dict(rope_parameters={**FAMILIES["gpt_oss"][2]["rop
 LLAMA_CPP_OVERRIDES = {"deepseek_v2": dict(topk_method="greedy", n_group=None, topk_group=None, q_lora_rank=24)}
 
 
+#: Qwen3.5's RoPE parameters for llama.cpp: sections that fit a head of 16 (the released [11, 11, 10] need 32 dims).
+QWEN35_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
+               "mrope_interleaved": True}
+
+
 #: The random seed of a family's checkpoint where seed 0 leaves a router near-tie in the parity prompt (gpt_oss:
 #: layer 1's 2nd and 3rd logits 0.004 apart at token 10, which bf16 experts flip: 0.1 NMSE on that one token).
 SEEDS = {"gpt_oss": 1}
