@@ -177,6 +177,14 @@ FAMILY_SHAPES = {"mixtral": dict(intermediate_size=256), "olmoe": dict(intermedi
                  "gpt_oss": dict(intermediate_size=256, **GGUF_OVERRIDES["gpt_oss"]),
                  "deepseek_v3": dict(moe_intermediate_size=256, intermediate_size=512, kv_lora_rank=256,
                                      q_lora_rank=256, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=64),
+                 # the greedy router llama.cpp scores as transformers does (tiny_models.LLAMA_CPP_OVERRIDES)
+                 "deepseek_v2": dict(moe_intermediate_size=256, intermediate_size=512, kv_lora_rank=256,
+                                     q_lora_rank=256, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=64,
+                                     topk_method="greedy", n_group=None, topk_group=None),
+                 "qwen3_next": dict(moe_intermediate_size=256, intermediate_size=512,
+                                    shared_expert_intermediate_size=256, linear_key_head_dim=64,
+                                    linear_value_head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                                    mlp_only_layers=[]),
                  "qwen3_5_moe": dict(moe_intermediate_size=256, shared_expert_intermediate_size=256,
                                      linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2,
                                      linear_num_value_heads=4, rope_parameters=QWEN35_ROPE)}
@@ -185,14 +193,15 @@ FAMILY_SHAPES = {"mixtral": dict(intermediate_size=256), "olmoe": dict(intermedi
 # 3-8 s each: the families of the last round in the quick tier, the later ones slow
 @pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen2_moe",
                                     *(pytest.param(f, marks=pytest.mark.slow)
-                                      for f in ("glm4_moe", "gpt_oss", "deepseek_v3", "qwen3_5_moe"))])
+                                      for f in ("glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v2", "qwen3_next",
+                                                "qwen3_5_moe"))])
 def test_other_families_q4_k_m_match_llama_cpp(family, tmp_path):
     """Mixtral (llama.cpp's ``llama`` arch: Q/K rows permuted, whole k-quant block rows moved back), OLMoE,
     Qwen2-MoE (shared expert in k-quants), GLM-4.5 (dense first layer, shared expert, qkv biases), gpt-oss (expert
-    biases, the clamped SwiGLU, sinks), DeepSeek-V3 (latent attention, Q5_0 ``attn_k_b``) and Qwen3.5-MoE (Gated
-    DeltaNet and gated attention layers) as Q4_K_M files: per-layer layouts, and llama.cpp's float32 run of the same
-    values (measured NMSE 2.6e-7 .. 9.7e-7 for the first three; glm4_moe 3.6e-7, gpt_oss 1.6e-6, deepseek_v3
-    1.4e-6, qwen3_5_moe 1.7e-9)."""
+    biases, the clamped SwiGLU, sinks), DeepSeek-V3 and -V2 (latent attention, Q5_0 ``attn_k_b``), Qwen3-Next and
+    Qwen3.5-MoE (Gated DeltaNet and gated attention layers) as Q4_K_M files: per-layer layouts, and llama.cpp's
+    float32 run of the same values (measured NMSE 2.6e-7 .. 9.7e-7 for the first three; glm4_moe 3.6e-7, gpt_oss
+    1.6e-6, deepseek_v3 1.4e-6, deepseek_v2 1.4e-6, qwen3_next 2.0e-8, qwen3_5_moe 1.7e-9)."""
     need("torch")
     need("transformers")
     from tiny_models import make_checkpoint
