@@ -119,9 +119,9 @@ def _chunks(b, fmt, wp, level):
             qla, qlb = _load(b, wp, 64 * h, _V32I8), _load(b, wp, 64 * h + 32, _V32I8)
             qh = _load(b, wp, 128 + 32 * h, _V32I8)
             parts = []
-            for i in range(4):
-                nib = b.and_(qla if i % 2 == 0 else qlb, _b8(15)) if i < 2 else b.lshr(qla if i % 2 == 0 else qlb,
-                                                                                      _b8(4))
+            for i in range(4):  # quarter i: low (i < 2) or high nibbles of qla (i even) or qlb, bits 2i, 2i + 1 of qh
+                ql = qla if i % 2 == 0 else qlb
+                nib = b.and_(ql, _b8(15)) if i < 2 else b.lshr(ql, _b8(4))
                 high = b.shl(b.and_(b.lshr(qh, _b8(2 * i)), _b8(3)), _b8(4))
                 parts.append(b.or_(nib, high))
             yield _shuffle(b, parts[0], parts[1], range(64))

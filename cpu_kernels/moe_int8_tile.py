@@ -154,6 +154,12 @@ def _tile_codegen(kind, level, ntok):
             dxs.append(typed_ptr(builder, builder.add(dx, builder.lshr(base, _i64(3))), _F32))
         facc = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(ntok)]
 
+        def block_sum(t, b):
+            """Token t's two half-block ``cs`` of block b added: the block's correction (or, offset -1, its sum)."""
+            c0 = builder.load(builder.gep(css[t], [builder.mul(b, _i64(2))]))
+            c1 = builder.load(builder.gep(css[t], [builder.add(builder.mul(b, _i64(2)), _i64(1))]))
+            return builder.add(c0, c1)
+
         def splat(v, vt):
             return builder.shuffle_vector(builder.insert_element(ir.Constant(_vec(vt, 1), ir.Undefined), v,
                                                                  _c32(0)),
@@ -168,9 +174,7 @@ def _tile_codegen(kind, level, ntok):
                     if kind == "k4":  # no offset: the min term below uses the block sums
                         corr = _c32(0)
                     elif nsub == 1:
-                        c0 = builder.load(builder.gep(css[t], [builder.mul(b, _i64(2))]))
-                        c1 = builder.load(builder.gep(css[t], [builder.add(builder.mul(b, _i64(2)), _i64(1))]))
-                        corr = builder.add(c0, c1)
+                        corr = block_sum(t, b)
                     else:
                         corr = builder.load(builder.gep(css[t], [builder.add(builder.mul(b, _i64(2)), _i64(sub))]))
                     iacc.append(splat(corr, _I32))
@@ -191,9 +195,7 @@ def _tile_codegen(kind, level, ntok):
                     acc = facc[t]
                     total = builder.call(fmuladd, [builder.sitofp(iacc[t], v16f), sc, builder.load(acc)])
                     if mins is not None:  # + min x dx x block sum (offset -1: cs holds plain sums)
-                        c0 = builder.load(builder.gep(css[t], [builder.mul(b, _i64(2))]))
-                        c1 = builder.load(builder.gep(css[t], [builder.add(builder.mul(b, _i64(2)), _i64(1))]))
-                        mt = builder.fmul(d, builder.sitofp(builder.add(c0, c1), _F32))
+                        mt = builder.fmul(d, builder.sitofp(block_sum(t, b), _F32))
                         total = builder.call(fmuladd, [mins, splat(mt, _F32), total])
                     builder.store(total, acc)
         op = typed_ptr(builder, out, v16f)

@@ -29,6 +29,7 @@ from freetoken.cpu_kernels.moe_rows import (
     FMT_NVFP4,
     FMT_Q4_0,
     FMT_Q8_0,
+    SPLIT_FORMATS,
     row_dot1,
     row_dot1x2,
     row_dot2,
@@ -168,7 +169,7 @@ def quantize_rows_parallel(q8, fmt, x, qoff, xq8):
     qa, nc, dx, cs = xq8
     if not q8:
         return _U64(0), _U64(0), _U64(0), _U64(0), _U64(0)
-    split = fmt == FMT_NVFP4 or fmt == FMT_MXFP4
+    split = fmt in SPLIT_FORMATS
     if x.shape[0] <= 16:  # a few rows: cheaper than entering a parallel region (~5 us)
         for t in range(x.shape[0]):
             quantize_row(x, t, qoff, split, qa, nc, dx, cs)
@@ -219,7 +220,6 @@ def gate_up_kernel(fmt, gate, up, gb, ub, has_bias, act, uniq, poff, ptok, xs, q
     """
     xa = addr(xs)
     xq = quantize_rows_parallel(q8, fmt, xs, qoff, xq8)
-    csa = addr(xq8[3])
     gw, gs, gg = gate
     uw, us, ug = up
     n_uniq = uniq.shape[0]
@@ -254,7 +254,7 @@ def gate_up_kernel(fmt, gate, up, gb, ub, has_bias, act, uniq, poff, ptok, xs, q
                 for q0 in range(0, npairs, TILE_TOKENS):
                     n = _tile_tokens(offs, q0, npairs, toks)
                     for m in range(2):
-                        panel_tile(fmt, addr(panel[m]), addr(pscale[m]), xq, csa, addr(toks), hidden, addr(tout[m]))
+                        panel_tile(fmt, addr(panel[m]), addr(pscale[m]), xq, addr(toks), hidden, addr(tout[m]))
                     for rr in range(PANEL_ROWS):
                         gbias = load_f32(gb, e * inter + r0 + rr) if has_bias else _F32(0.0)
                         ubias = load_f32(ub, e * inter + r0 + rr) if has_bias else _F32(0.0)
@@ -288,7 +288,6 @@ def down_kernel(fmt, down, db, has_bias, uniq, poff, ptok, pw, h, q8, qoff, hq8,
     ``db``: address of the float32 [E, H] biases; with ``q8`` h is first quantized into ``hq8`` and that is read
     (by the panel micro-kernel for an expert with ``TILE_MIN_PAIRS`` tokens or more)."""
     hq = quantize_rows_parallel(q8, fmt, h, qoff, hq8)
-    csa = addr(hq8[3])
     dw, ds, dg = down
     ha = addr(h)
     n_uniq = uniq.shape[0]
@@ -323,7 +322,7 @@ def down_kernel(fmt, down, db, has_bias, uniq, poff, ptok, pw, h, q8, qoff, hq8,
                     panel_repack(fmt, dw, ds, dg, e, rp, hidden, inter, addr(panel[0]), addr(pscale[0]))
                     for q0 in range(0, npairs, TILE_TOKENS):
                         n = _tile_tokens(offs, q0, npairs, toks)
-                        panel_tile(fmt, addr(panel[0]), addr(pscale[0]), hq, csa, addr(toks), inter, addr(tout[0]))
+                        panel_tile(fmt, addr(panel[0]), addr(pscale[0]), hq, addr(toks), inter, addr(tout[0]))
                         for i in range(n):
                             p = p0 + q0 + i
                             wgt = pw[p]

@@ -63,10 +63,16 @@ _U64 = np.uint64
 
 
 @nb.njit(error_model="numpy", inline="always")
+def _row(e, rows, n):
+    """Row n of matrix e in a bank of ``rows``-row matrices."""
+    return _U64(e) * _U64(rows) + _U64(n)
+
+
+@nb.njit(error_model="numpy", inline="always")
 def _args(fmt, w, s, g, e, n, rows, k):
     """(value address, scale address, scale table address, global) of row n of matrix e, and its block count (the
     32-weight formats)."""
-    row = _U64(e) * _U64(rows) + _U64(n)
+    row = _row(e, rows, n)
     nblk = _U64(k) >> _U64(5)
     if fmt == FMT_Q8_0:
         return w + row * nblk * _U64(32), s + row * nblk * _U64(2), addr(E8M0_TABLE), _F32(1.0), nblk
@@ -82,7 +88,7 @@ def _args(fmt, w, s, g, e, n, rows, k):
 def row_q8_dot1(fmt, w, s, g, e, n, rows, k, xq, r0):
     qa, nc, dx, kp, cs = xq
     if fmt >= FMT_Q4_K:
-        return kq_q8_dot1(fmt, w, s, _U64(e) * _U64(rows) + _U64(n), _U64(k), qa, nc, dx, cs, kp, r0)
+        return kq_q8_dot1(fmt, w, s, _row(e, rows, n), _U64(k), qa, nc, dx, cs, kp, r0)
     wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
     if fmt == FMT_Q8_0:
         return q8_q8_dot1(wa, sa, st, gv, qa, nc, dx, kp, r0, nblk)
@@ -97,7 +103,7 @@ def row_q8_dot1(fmt, w, s, g, e, n, rows, k, xq, r0):
 def row_q8_dot2(fmt, w, s, g, e, n, rows, k, xq, r0, r1):
     qa, nc, dx, kp, cs = xq
     if fmt >= FMT_Q4_K:
-        return kq_q8_dot2(fmt, w, s, _U64(e) * _U64(rows) + _U64(n), _U64(k), qa, nc, dx, cs, kp, r0, r1)
+        return kq_q8_dot2(fmt, w, s, _row(e, rows, n), _U64(k), qa, nc, dx, cs, kp, r0, r1)
     wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
     if fmt == FMT_Q8_0:
         return q8_q8_dot2(wa, sa, st, gv, qa, nc, dx, kp, r0, r1, nblk)
@@ -112,7 +118,7 @@ def row_q8_dot2(fmt, w, s, g, e, n, rows, k, xq, r0, r1):
 def row_q8_dot4(fmt, w, s, g, e, n, rows, k, xq, r0, r1, r2, r3):
     qa, nc, dx, kp, cs = xq
     if fmt >= FMT_Q4_K:
-        return kq_q8_dot4(fmt, w, s, _U64(e) * _U64(rows) + _U64(n), _U64(k), qa, nc, dx, cs, kp, r0, r1, r2, r3)
+        return kq_q8_dot4(fmt, w, s, _row(e, rows, n), _U64(k), qa, nc, dx, cs, kp, r0, r1, r2, r3)
     wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
     if fmt == FMT_Q8_0:
         return q8_q8_dot4(wa, sa, st, gv, qa, nc, dx, kp, r0, r1, r2, r3, nblk)
@@ -127,7 +133,7 @@ def row_q8_dot4(fmt, w, s, g, e, n, rows, k, xq, r0, r1, r2, r3):
 def row_q8_dot1x2(fmt, w, s, g, e, n, rows, k, xq, r0):
     qa, nc, dx, kp, cs = xq
     if fmt >= FMT_Q4_K:
-        return kq_q8_dot1x2(fmt, w, s, _U64(e) * _U64(rows) + _U64(n), _U64(k), qa, nc, dx, cs, kp, r0)
+        return kq_q8_dot1x2(fmt, w, s, _row(e, rows, n), _U64(k), qa, nc, dx, cs, kp, r0)
     wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
     if fmt == FMT_Q8_0:
         return q8_q8_dot1x2(wa, sa, st, gv, qa, nc, dx, kp, r0, nblk)
@@ -143,7 +149,7 @@ def panel_repack(fmt, w, s, g, e, n, rows, k, panel, pscale):
     """Rows ``n .. n + 15`` of matrix ``e`` into the int8 panel at address ``panel`` and its scales at ``pscale``
     (:mod:`freetoken.cpu_kernels.moe_int8_tile`)."""
     if fmt >= FMT_Q4_K:  # q4_k, q5_k, q6_k (the kernels ask for panels of these only)
-        kq_q8_repack16(fmt, w, s, _U64(e) * _U64(rows) + _U64(n), _U64(k), panel, pscale)
+        kq_q8_repack16(fmt, w, s, _row(e, rows, n), _U64(k), panel, pscale)
         return
     wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
     if fmt == FMT_MXFP4:
@@ -155,11 +161,11 @@ def panel_repack(fmt, w, s, g, e, n, rows, k, panel, pscale):
 
 
 @nb.njit(error_model="numpy", inline="always")
-def panel_tile(fmt, panel, pscale, xq, cs, toks, k, out):
+def panel_tile(fmt, panel, pscale, xq, toks, k, out):
     """The panel's 16 rows dotted with ``TILE_TOKENS`` 8-bit token rows (indices at address ``toks``) into float32
-    ``out [TILE_TOKENS, 16]`` (addresses); ``cs``: the token rows' half-block sums
+    ``out [TILE_TOKENS, 16]`` (addresses); the tiles read the token rows' half-block sums ``cs``
     (:mod:`freetoken.cpu_kernels.q8_act`)."""
-    qa, _, dx, kp, _ = xq
+    qa, _, dx, kp, cs = xq
     nblk = _U64(k) >> _U64(5)
     if fmt == FMT_MXFP4:
         mx_q8_tile(panel, pscale, qa, cs, dx, kp, toks, nblk, out)

@@ -98,9 +98,9 @@ def check_format(fmt: str, nblk: int, seed: int = 0) -> None:
 
 
 @nb.njit
-def _panel(fmt, w, s, g, e, n, rows, k, panel, pscale, xq, cs, toks, out):
+def _panel(fmt, w, s, g, e, n, rows, k, panel, pscale, xq, toks, out):
     panel_repack(fmt, w, s, g, e, n, rows, k, addr(panel), addr(pscale))
-    panel_tile(fmt, addr(panel), addr(pscale), xq, cs, addr(toks), k, addr(out))
+    panel_tile(fmt, addr(panel), addr(pscale), xq, addr(toks), k, addr(out))
 
 
 def check_panel(fmt: str, nblk: int, seed: int = 0) -> None:
@@ -125,8 +125,7 @@ def check_panel(fmt: str, nblk: int, seed: int = 0) -> None:
     g = banks["gate.g"] if "gate.g" in banks else np.zeros(2, np.float32)
     xq = tuple(np.uint64(v) for v in (qa.ctypes.data, nc.ctypes.data, dx.ctypes.data, qa.shape[1], cs.ctypes.data))
     _panel(code, np.uint64(banks["gate.w"].ctypes.data), np.uint64(banks["gate.s"].ctypes.data),
-           np.uint64(g.ctypes.data), 1, PANEL_ROWS, 2 * PANEL_ROWS, k, panel, pscale, xq, np.uint64(cs.ctypes.data),
-           toks, out)
+           np.uint64(g.ctypes.data), 1, PANEL_ROWS, 2 * PANEL_ROWS, k, panel, pscale, xq, toks, out)
     xq64 = q8_round_trip(x)[toks]
     want, size = xq64 @ deq.T, np.abs(xq64) @ np.abs(deq).T
     got = out.reshape(TILE_TOKENS, PANEL_ROWS)

@@ -296,9 +296,9 @@ def check_int8_row_dots():
 
 
 @numba.njit
-def _panel(code, w, s, k, panel, pscale, xq, cs, toks, out):
+def _panel(code, w, s, k, panel, pscale, xq, toks, out):
     panel_repack(code, w, s, 0, 0, 16, 32, k, addr(panel), addr(pscale))
-    panel_tile(code, addr(panel), addr(pscale), xq, cs, addr(toks), k, addr(out))
+    panel_tile(code, addr(panel), addr(pscale), xq, addr(toks), k, addr(out))
 
 
 def check_int8_panels():
@@ -322,8 +322,7 @@ def check_int8_panels():
         toks[-1] = toks[0]
         out = np.full(TILE_TOKENS * PANEL_ROWS, np.nan, np.float32)
         xq = tuple(np.uint64(v) for v in (qa.ctypes.data, nc.ctypes.data, dx.ctypes.data, qa.shape[1], cs.ctypes.data))
-        _panel(code, np.uint64(w.ctypes.data), np.uint64(s.ctypes.data), k, panel, pscale, xq,
-               np.uint64(cs.ctypes.data), toks, out)
+        _panel(code, np.uint64(w.ctypes.data), np.uint64(s.ctypes.data), k, panel, pscale, xq, toks, out)
         xq64 = q8_round_trip(x)[toks]
         deq = gguf_dequantize(kind, raw, k).astype(np.float64)[16:]
         want, size = xq64 @ deq.T, np.abs(xq64) @ np.abs(deq).T
