@@ -123,6 +123,7 @@ def requantize(src: Path, out: Path, mix: str, threads: int = 0) -> Path:
     params.allow_requantize = True
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params))
     if rc != 0 or not out.is_file():
+        out.unlink(missing_ok=True)  # no partial file left behind
         raise SystemExit(f"llama.cpp could not quantize {src} to {mix} (llama_model_quantize returned {rc})")
     return out
 
