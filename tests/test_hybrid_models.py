@@ -3,7 +3,8 @@
 Against transformers with the experts rounded to bf16 in the oracle too, so that the only differences left are
 float32 rounding: prompts longer than one prefill chunk, decode through the recurrent state, a small expert cache
 on emu. Then what a recurrent state changes for the engine: a chunked prompt equals the token-by-token recurrence,
-resuming from a state snapshot equals recomputing, rollback is refused where no state was kept, anchors are refused,
+resuming from a state snapshot equals recomputing, rollback is refused where no state was kept, replaced
+sequences resume from the state cache, anchors keep the states,
 and the checkpoint layouts the releases use (fused experts, the image-text wrapper) load.
 """
 
@@ -14,7 +15,7 @@ import pytest
 from tiny_models import FAMILIES, make_checkpoint
 
 from freetoken.engine.build import build_decoder
-from freetoken.engine.generate import NO_RECURRENT_ANCHORS, Model
+from freetoken.engine.generate import Model
 from freetoken.engine.options import ExpertOptions, LoadOptions
 from freetoken.engine.sampling import SamplingParams
 from freetoken.models import from_hf
@@ -45,11 +46,11 @@ def hybrid(request, tmp_path_factory):
     return request.param, path, tokens[0].numpy(), want, load_file(str(path / "model.safetensors"))
 
 
-def _decoder(hybrid, device, **options):
+def _decoder(hybrid, device, ctx=64, **options):
     family, path, _, _, tensors = hybrid
     cfg = from_hf(json.loads((path / "config.json").read_text()))
     assert cfg.family == family and {"linear_attention", "full_attention"} <= set(cfg.layer_types)
-    return build_decoder(cfg, lambda name: tensors[name], device, LoadOptions(ctx=64, kv_dtype="f32", **options))
+    return build_decoder(cfg, lambda name: tensors[name], device, LoadOptions(ctx=ctx, kv_dtype="f32", **options))
 
 
 def test_matches_transformers(hybrid, device):
@@ -173,16 +174,97 @@ def test_rollback_needs_a_kept_state(hybrid):
     assert dec.length == 0 and not np.asarray(dec.states[0].rec).any()
 
 
-def test_anchors_are_refused(hybrid):
+def _fresh(hybrid, ids, n=4):
+    from freetoken.device import get_device
+
+    return list(Model(_decoder(hybrid, get_device("cpu"))).generate(ids, max_tokens=n,
+                                                                    sampling=SamplingParams(temperature=0)))
+
+
+def test_replaced_sequences_resume_from_the_state_cache(hybrid):
+    """Two conversations in turn: each return to the first resumes from the states its sequence left in the state
+    cache (with its KV rows from the radix prefix cache), and generates what a fresh run does."""
     from freetoken.device import get_device
 
     _, _, tokens, _, _ = hybrid
-    model = Model(_decoder(hybrid, get_device("cpu")))
-    list(model.generate(tokens[:8].tolist(), max_tokens=1, sampling=SamplingParams(temperature=0)))
-    with pytest.raises(ValueError, match="linear-attention"):
-        model.anchor()
-    list(model.generate(tokens[:8].tolist(), max_tokens=1, anchor="x" * 64))
-    assert model.stats.anchor_refused == NO_RECURRENT_ANCHORS
+    greedy = SamplingParams(temperature=0)
+    model = Model(_decoder(hybrid, get_device("cpu"), ctx=256))  # room for the sequences the caches keep
+    a, b = tokens[:14].tolist(), [(t + 7) % 128 for t in tokens[:12]]
+    list(model.generate(a, max_tokens=3, sampling=greedy, reuse_cache=True, boundaries=[9]))
+    list(model.generate(b, max_tokens=3, sampling=greedy, reuse_cache=True))  # replaces a's sequence
+    assert model.stats.cached_tokens == 0 and {9, 14} <= set(model.state_cache.lengths())
+    longer = a + [5, 6, 7]
+    got = list(model.generate(longer, max_tokens=4, sampling=greedy, reuse_cache=True))
+    assert model.stats.cached_tokens == 14  # a's prompt end: not the decoder's own sequence any more
+    assert got == _fresh(hybrid, longer)
+    branch = a[:9] + [1, 2, 3]
+    got = list(model.generate(branch, max_tokens=4, sampling=greedy, reuse_cache=True))
+    assert model.stats.cached_tokens == 9 and got == _fresh(hybrid, branch)  # the boundary's state
+    model.state_cache.clear()
+    model.prefix_cache.clear()
+    list(model.generate(b, max_tokens=1, sampling=greedy, reuse_cache=True))
+    list(model.generate(longer, max_tokens=1, sampling=greedy, reuse_cache=True))
+    assert model.stats.cached_tokens == 0  # nothing kept: recomputed
+
+
+def test_state_cache_needs_the_kv_rows_too(hybrid):
+    """A state whose KV blocks the radix cache has let go of is not used (the full-attention layers need them)."""
+    from freetoken.device import get_device
+
+    _, _, tokens, _, _ = hybrid
+    greedy = SamplingParams(temperature=0)
+    model = Model(_decoder(hybrid, get_device("cpu"), ctx=256))
+    a = tokens[:14].tolist()
+    list(model.generate(a, max_tokens=1, sampling=greedy, reuse_cache=True))
+    list(model.generate([3] * 12, max_tokens=1, sampling=greedy, reuse_cache=True))
+    model.prefix_cache.clear()
+    list(model.generate(a + [4], max_tokens=1, sampling=greedy, reuse_cache=True))
+    assert model.stats.cached_tokens == 0 and 14 in model.state_cache.lengths()
+
+
+def test_anchors_keep_the_states(hybrid, tmp_path):
+    """Anchors of a hybrid model carry the linear-attention states: a rollback, a request naming the anchor and a
+    restarted store (read from disk) all resume at the anchor and generate what a fresh run does; a damaged state
+    file refuses the anchor, which is then recomputed."""
+    from freetoken.device import get_device
+
+    _, _, tokens, _, _ = hybrid
+    greedy = SamplingParams(temperature=0)
+    model = Model(_decoder(hybrid, get_device("cpu"), ctx=256))
+    model.use_anchor_dir(tmp_path)
+    ids = tokens[:16].tolist()
+    list(model.generate(ids, max_tokens=2, sampling=greedy, boundaries=[11, 16]))
+    made = model.stats.anchors_made
+    assert len(made) == 2 and all(model.anchors.get(m).info()["linear_states"] for m in made)
+    with pytest.raises(ValueError, match="state at 5 tokens is not kept"):
+        model.anchor(5)
+    assert model.rollback(made[0]) == 11 and model.decoder.length == 11
+    later = ids[:11] + [9, 8, 7]
+    assert list(model.generate(later, max_tokens=4, sampling=greedy, reuse_cache=True)) == _fresh(hybrid, later)
+    assert model.stats.cached_tokens == 11
+    list(model.generate([2] * 9, max_tokens=1, sampling=greedy))  # another sequence in between
+    longer = ids + [1, 2]
+    assert list(model.generate(longer, max_tokens=4, sampling=greedy, anchor=made[1])) == _fresh(hybrid, longer)
+    assert model.stats.anchor == made[1] and model.stats.cached_tokens == 16
+
+    restarted = Model(_decoder(hybrid, get_device("cpu"), ctx=256))
+    restarted.use_anchor_dir(tmp_path)
+    assert restarted.anchors.get(made[1]).tier == "disk"
+    assert list(restarted.generate(longer, max_tokens=4, sampling=greedy, anchor=made[1])) == _fresh(hybrid, longer)
+    assert restarted.stats.cached_tokens == 16 and restarted.stats.anchor_refused is None
+
+    state_file = next((tmp_path / "blocks").glob("*.lss"))
+    raw = bytearray(state_file.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    state_file.write_bytes(bytes(raw))
+    damaged = Model(_decoder(hybrid, get_device("cpu"), ctx=256))
+    damaged.use_anchor_dir(tmp_path)
+    aid = next(a.id for a in damaged.anchors.list() if damaged.anchors.get(a.id).state_sum ==
+               state_file.stem)
+    n = len(damaged.anchors.get(aid).tokens)
+    got = list(damaged.generate(ids[:n] + [1], max_tokens=2, sampling=greedy, anchor=aid))
+    assert damaged.stats.cached_tokens == 0 and "linear-attention states" in damaged.stats.anchor_refused
+    assert got == _fresh(hybrid, ids[:n] + [1], 2) and damaged.anchors.get(aid) is None
 
 
 def test_state_bytes(hybrid):

@@ -3,8 +3,8 @@ checkpoint that carries the bundled tokenizer, and the same checkpoint in proces
 from scratch.
 
 An agent's requests repeat the conversation so far: the second request resumes from the linear layers' state kept at
-the first one's message boundary (reported as cached tokens) and answers as a fresh run does. Anchors need KV blocks
-alone, so ``POST /v1/anchors`` refuses such a model with a reason.
+the first one's message boundary (reported as cached tokens) and answers as a fresh run does, also after another
+conversation replaced the engine's sequence; anchors carry the linear layers' states.
 """
 
 from __future__ import annotations
@@ -77,8 +77,40 @@ def test_a_shared_system_prompt_resumes_from_its_state(server, engine):
     assert second.choices[0].message.content == _answer(engine, _conv("def mul(a, b):"))
 
 
-def test_anchors_are_refused_with_the_reason(server):
-    r = server.post("/v1/anchors", {"messages": _conv("def neg(a):")})
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err["code"] == "anchors_unsupported" and "linear-attention" in err["message"]
+def test_a_conversation_resumes_after_another_one(server, engine):
+    """Another conversation (another system prompt) in between replaces the engine's sequence; the first one's next
+    request still resumes at its system message, from the state kept there (an anchor at that boundary, or the state
+    cache), and answers as a fresh run does."""
+    model, template = engine
+    other = [{"role": "system", "content": "You write haiku."}, {"role": "user", "content": "autumn"}]
+    system = len(model.encode(template.render(_conv("x")[:1], add_generation_prompt=False),
+                              add_special_tokens=False))
+    _chat(server, _conv("def div(a, b):"))
+    _chat(server, other)
+    back = _chat(server, _conv("def mod(a, b):"))
+    assert back.usage.prompt_tokens_details.cached_tokens == system
+    assert back.choices[0].message.content == _answer(engine, _conv("def mod(a, b):"))
+
+
+def test_anchors_keep_the_linear_states(server, engine):
+    """``POST /v1/anchors`` anchors the conversation with the linear layers' states; a request naming the anchor,
+    after another conversation, resumes from it whole and answers as a fresh run does."""
+    model, template = engine
+    conv = _conv("def neg(a):")
+    r = server.post("/v1/anchors", {"messages": conv})
+    assert r.status_code == 200, r.text
+    a = r.json()
+    assert a["linear_states"] and a["tokens"] == len(model.encode(template.render(conv, add_generation_prompt=False),
+                                                                   add_special_tokens=False))
+    _chat(server, _conv("something else entirely"))
+    later = conv + [{"role": "assistant", "content": "return -a"}, {"role": "user", "content": "and for zero?"}]
+    resp = server.client().chat.completions.create(model=NAME, messages=later, temperature=0, max_tokens=MAX_TOKENS,
+                                                   extra_body={"anchor": a["id"]})
+    assert resp.model_extra["anchor"]["restored"] == a["id"], resp.model_extra["anchor"]
+    assert resp.usage.prompt_tokens_details.cached_tokens == a["tokens"]
+    assert resp.choices[0].message.content == _answer(engine, later)
+    # the same conversation, no longer: its last token's logits are not kept with the states, so the anchor cannot
+    # serve it (the linear layers cannot step back one token); it is refused with that reason and recomputed
+    same = server.client().chat.completions.create(model=NAME, messages=conv, temperature=0, max_tokens=MAX_TOKENS,
+                                                   extra_body={"anchor": a["id"]})
+    assert "only" in same.model_extra["anchor"]["refused"] and same.choices[0].message.content == _answer(engine, conv)

@@ -6,6 +6,13 @@ layout, and checksums of the KV bytes taken when the anchor was made (xxh3-128 p
 every layer's K, V and fp8 scales; the anchor's checksum is xxh3-128 over those). Its id is the BLAKE3-256 of the
 fingerprint and the token ids, so a request can name the anchors its own message boundaries would have.
 
+A model with linear-attention layers (Qwen3-Next, Qwen3.5-MoE; a store made with ``states=True``) cannot resume from
+KV rows alone: its anchors also hold the layers' recurrent and convolution states at the prefix's end
+(:meth:`freetoken.models.decoder.MoeDecoder.export_states`), with their own xxh3-128 (``state_sum``, part of the
+anchor's checksum). The states are one per anchor, not shared like blocks: they stay in host memory while the
+anchor is on the device or in host memory (they count against ``host_bytes``), and go to disk in a state file named
+by their checksum; a restore checks them like a block read back, before anything is adopted.
+
 :class:`AnchorStore` keeps anchors in three tiers, block by block: the anchors of one conversation are prefixes of
 each other and share most of their blocks, so every tier holds a block once, however many anchors name it.
 
@@ -56,9 +63,11 @@ log = logging.getLogger("freetoken.anchors")
 #: it (a torn or altered file fails it). Block files: the same frame with their own magic, the rows of every array.
 FILE_MAGIC = b"FTANCHOR"
 BLOCK_MAGIC = b"FTKVBLCK"
+STATE_MAGIC = b"FTLSTATE"
 FILE_VERSION = 2
 FILE_SUFFIX = ".fta"
 BLOCK_SUFFIX = ".kvb"
+STATE_SUFFIX = ".lss"
 _PREFIX = struct.Struct("<8sII")
 #: Blocks checked at a restore from the device tier (the last block always among them).
 DEFAULT_SAMPLE_BLOCKS = 2
@@ -89,11 +98,25 @@ def block_sum(data: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-def total_sum(sums: Sequence[str], length: int) -> str:
-    """The anchor's checksum: xxh3-128 over its length and its blocks' checksums."""
+def state_sum(arrays: dict[str, np.ndarray]) -> str:
+    """xxh3-128 (hex) of linear-attention states ``{name: array}``: names, shapes and bytes, in name order (a file
+    read back gives the same sum whatever order it stored them in)."""
     import xxhash
 
-    return xxhash.xxh3_128(f"{length}:{','.join(sums)}".encode()).hexdigest()
+    h = xxhash.xxh3_128()
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}:{a.dtype.str}:{list(a.shape)};".encode())
+        h.update(a.view(np.uint8).reshape(-1))
+    return h.hexdigest()
+
+
+def total_sum(sums: Sequence[str], length: int, states: str | None = None) -> str:
+    """The anchor's checksum: xxh3-128 over its length, its blocks' checksums and its states' (when it has them)."""
+    import xxhash
+
+    tail = "" if states is None else f":states={states}"
+    return xxhash.xxh3_128(f"{length}:{','.join(sums)}{tail}".encode()).hexdigest()
 
 
 def _rows(length: int, j: int, block_size: int) -> int:
@@ -114,6 +137,7 @@ class Anchor:
     checksum: str
     sums: list[str]  # per block, xxh3-128 hex
     residency: list[int] | None = None  # expert records resident in the expert cache when it was made
+    state_sum: str | None = None  # its linear-attention states' checksum (models with linear-attention layers)
     label: str | None = None
     created: float = field(default_factory=time.time)
     last_use: float = field(default_factory=time.monotonic)
@@ -133,16 +157,18 @@ class Anchor:
         """What the HTTP API lists."""
         return {"id": self.id, "object": "anchor", "tokens": self.length, "tier": self.where,
                 "on_disk": self.path is not None, "kv_dtype": self.kv_kind, "label": self.label,
+                "linear_states": self.state_sum is not None,
                 "created": int(self.created), "checksum": self.checksum}
 
 
 class AnchorStore:
-    """The anchors of one model (``fingerprint``) over ``pool``; see the module doc for the tiers and checks."""
+    """The anchors of one model (``fingerprint``) over ``pool``; see the module doc for the tiers and checks.
+    ``states``: the model has linear-attention layers, so every anchor carries their states."""
 
     def __init__(self, pool: KVPool, fingerprint: str, directory: str | os.PathLike | None = None,
                  device_blocks: int | None = None, host_bytes: int = 2 << 30,
-                 sample_blocks: int = DEFAULT_SAMPLE_BLOCKS, seed: int = 0):
-        self.pool, self.fingerprint = pool, fingerprint
+                 sample_blocks: int = DEFAULT_SAMPLE_BLOCKS, seed: int = 0, states: bool = False):
+        self.pool, self.fingerprint, self.states = pool, fingerprint, bool(states)
         self.layout = pool_layout(pool)
         self.device_blocks = pool.num_blocks // 2 if device_blocks is None else int(device_blocks)
         self.host_bytes, self.sample_blocks = int(host_bytes), int(sample_blocks)
@@ -152,6 +178,8 @@ class AnchorStore:
         self._rng = np.random.default_rng(seed)
         self._host: dict[str, list] = {}  # block checksum -> [rows {name: array}, anchors holding it, owners]
         self._disk: dict[str, int] = {}  # block checksum -> anchor files naming it
+        self._state_host: dict[str, dict] = {}  # anchor id -> its linear-attention states, while in memory
+        self._state_disk: dict[str, int] = {}  # state checksum -> anchor files naming it
         self.directory = None if directory is None else Path(directory)
         if self.directory is not None:
             (self.directory / "blocks").mkdir(parents=True, exist_ok=True)
@@ -160,9 +188,11 @@ class AnchorStore:
 
     # ---- making ------------------------------------------------------------------------------------------------
     def create(self, seq: KVSequence, tokens: Sequence[int], length: int | None = None, *, label: str | None = None,
-               residency: list[int] | None = None) -> Anchor:
-        """The anchor of the first ``length`` tokens (default all) of ``seq``, whose token ids are ``tokens``.
-        An anchor of the same prefix already here is returned (and marked used) instead of a second one."""
+               residency: list[int] | None = None, states: dict[str, np.ndarray] | None = None) -> Anchor:
+        """The anchor of the first ``length`` tokens (default all) of ``seq``, whose token ids are ``tokens``;
+        ``states``: the linear-attention states at its end (host arrays the store now owns), which a store made
+        with ``states=True`` requires and any other refuses. An anchor of the same prefix already here is returned
+        (and marked used) instead of a second one."""
         bs = self.pool.block_size
         length = len(tokens) if length is None else int(length)
         if not 1 <= length <= min(len(tokens), seq.length):
@@ -176,17 +206,23 @@ class AnchorStore:
             if label and not have.label:
                 have.label = label
             return have
+        if self.states != (states is not None):
+            raise ValueError("anchors of this model need its linear-attention states" if self.states else
+                             "this model has no linear-attention states to keep in an anchor")
         blocks = [int(b) for b in seq.blocks[:-(-length // bs)]]
         known = self._device_sums()
         sums: list[str | None] = [known.get(b) if _rows(length, j, bs) == bs else None for j, b in enumerate(blocks)]
         data = self._read_rows(blocks, [j for j, v in enumerate(sums) if v is None], length)
         for j, rows in data.items():
             sums[j] = block_sum(rows)
-        anchor = Anchor(aid, toks, self.fingerprint, self.pool.kind, self.layout, total_sum(sums, length),
-                        list(sums), residency=residency, label=label)
+        ssum = state_sum(states) if states is not None else None
+        anchor = Anchor(aid, toks, self.fingerprint, self.pool.kind, self.layout, total_sum(sums, length, ssum),
+                        list(sums), residency=residency, label=label, state_sum=ssum)
         self.pool.retain(blocks)
         anchor.blocks = blocks
         self.anchors[aid] = anchor
+        if states is not None:
+            self._state_host[aid] = dict(states)
         if self.directory is not None:
             self._write(anchor, data)
         self._enforce_budgets(keep=anchor)
@@ -244,9 +280,12 @@ class AnchorStore:
             return f"its KV is {anchor.kv_kind}, this pool stores {self.pool.kind}", "entry"
         if anchor.layout != self.layout:
             return f"its KV layout {anchor.layout} is not this pool's {self.layout}", "entry"
+        if self.states != (anchor.state_sum is not None):
+            return ("it holds no linear-attention states, which this model needs" if self.states else
+                    "it holds linear-attention states, which this model has not"), "entry"
         if anchor.id != anchor_id(self.fingerprint, anchor.tokens):
             return "its id does not match its token ids", "all"
-        if total_sum(anchor.sums, anchor.length) != anchor.checksum:
+        if total_sum(anchor.sums, anchor.length, anchor.state_sum) != anchor.checksum:
             return "its block checksums do not add up to its checksum", "all"
         n = anchor.length
         if len(ids) < n or not np.array_equal(np.asarray(ids[:n], np.int64), anchor.tokens.astype(np.int64)):
@@ -254,9 +293,12 @@ class AnchorStore:
         return None, None
 
     def restore(self, anchor: Anchor | str, ids: Sequence[int], seq: KVSequence, limit: int | None = None,
-                have: Sequence[int] = (), have_tokens: int = 0) -> tuple[int, str | None]:
+                have: Sequence[int] = (), have_tokens: int = 0,
+                states_out: dict | None = None) -> tuple[int, str | None]:
         """Make ``seq`` the anchor's prefix of ``ids`` (at most ``limit`` tokens of it) after every check; returns
-        (tokens restored, None) or (0, why it was refused: ``seq`` is then left as it was).
+        (tokens restored, None) or (0, why it was refused: ``seq`` is then left as it was). An anchor with
+        linear-attention states restores only whole (they hold its last token) and puts the checked states in
+        ``states_out`` for the caller to import.
 
         ``have``: blocks the caller holds for the first ``have_tokens`` of ``ids`` (a prefix-cache match): the
         whole ones among them serve as they are, and only the anchor's blocks past them are read back from host
@@ -275,6 +317,13 @@ class AnchorStore:
         bs = self.pool.block_size
         n = anchor.length if limit is None else min(anchor.length, int(limit))
         n_blocks = -(-n // bs)
+        states = None
+        if anchor.state_sum is not None:
+            if n < anchor.length:
+                return 0, f"its states hold {anchor.length} tokens, only {n} of them can be reused here"
+            states, why = self._states_of(anchor)
+            if why is not None:
+                return self.refuse(aid, why, "all")
         if anchor.blocks is not None:
             why = self._sample(anchor)
             if why is not None:
@@ -290,6 +339,11 @@ class AnchorStore:
                 self.pool.write_rows(b, data)
             seq.adopt([*have[:skip], *new], n)
             self.pool.release(new)  # the sequence holds them now
+        if states is not None:
+            if anchor.where != "disk":  # in memory again with its blocks
+                self._state_host[anchor.id] = states
+            if states_out is not None:
+                states_out.update(states)
         anchor.last_use = time.monotonic()
         self.restored += 1
         self._enforce_budgets(keep=anchor)
@@ -304,6 +358,22 @@ class AnchorStore:
             if block_sum(rows) != anchor.sums[j]:
                 return f"the KV bytes of block {j} changed since it was made (checksum mismatch on the device)"
         return None
+
+    def _states_of(self, anchor: Anchor) -> tuple[dict | None, str | None]:
+        """The anchor's linear-attention states from host memory or its state file, checked: (arrays, None) or
+        (None, why)."""
+        arrays = self._state_host.get(anchor.id)
+        if arrays is None:
+            if self.directory is None or anchor.path is None:
+                return None, "its linear-attention states are neither in host memory nor on disk"
+            try:
+                _, arrays = read_frame(self._state_path(anchor.state_sum), STATE_MAGIC)
+            except (OSError, ValueError) as e:
+                return None, f"its linear-attention states: {e}"
+            arrays = {k: np.array(v) for k, v in arrays.items()}
+        if state_sum(arrays) != anchor.state_sum:
+            return None, "its linear-attention states do not match the checksum taken when it was made"
+        return arrays, None
 
     def _read_back(self, anchor: Anchor, first: int, stop: int) -> tuple[list | None, str | None]:
         """Blocks ``first .. stop - 1`` of a host or disk anchor, each checked against its checksum: (rows, None)
@@ -342,6 +412,7 @@ class AnchorStore:
             self.pool.release(anchor.blocks)
             anchor.blocks = None
         self._drop_host(anchor)
+        self._state_host.pop(anchor.id, None)
 
     def delete(self, aid: str) -> bool:
         """Forget an anchor (its blocks, host copies and files); False when there is none of that id."""
@@ -359,6 +430,12 @@ class AnchorStore:
                 if not self._disk[key]:
                     del self._disk[key]
                     self._block_path(key).unlink(missing_ok=True)
+            key = anchor.state_sum
+            if key is not None and key in self._state_disk:
+                self._state_disk[key] -= 1
+                if not self._state_disk[key]:
+                    del self._state_disk[key]
+                    self._state_path(key).unlink(missing_ok=True)
         return True
 
     def clear(self) -> None:
@@ -397,9 +474,10 @@ class AnchorStore:
         anchor.blocks, anchor.where = None, "host"
 
     def _drop_host(self, anchor: Anchor) -> None:
-        """The anchor lets go of its host copies (they go when no anchor holds them)."""
+        """The anchor lets go of its host copies (they go when no anchor holds them), its states included."""
         if anchor.where != "host":
             return
+        self._state_host.pop(anchor.id, None)
         for key in anchor.sums:
             entry = self._host[key]
             entry[1] -= 1
@@ -408,7 +486,9 @@ class AnchorStore:
         anchor.where = "disk"
 
     def host_bytes_held(self) -> int:
-        return sum(int(v.nbytes) for rows, _, _ in self._host.values() for v in rows.values())
+        """Host memory of the blocks' copies and of the anchors' linear-attention states."""
+        blocks = sum(int(v.nbytes) for rows, _, _ in self._host.values() for v in rows.values())
+        return blocks + sum(int(v.nbytes) for arrays in self._state_host.values() for v in arrays.values())
 
     def _enforce_budgets(self, keep: Anchor | None = None) -> None:
         """Device anchors over ``device_blocks`` distinct blocks spill to host, least recently used first (the
@@ -423,6 +503,8 @@ class AnchorStore:
         for a in by_age:
             if self.host_bytes_held() <= self.host_bytes:
                 break
+            if a.where == "device" and a.id in self._state_host and a is not keep:
+                self._to_host(a)  # its states are host memory: it leaves the device for lower tiers as a whole
             if a.where == "host" and a is not keep:
                 if a.path is not None:
                     self._drop_host(a)  # on disk: only the host copy goes
@@ -446,6 +528,9 @@ class AnchorStore:
     def _block_path(self, key: str) -> Path:
         return self.directory / "blocks" / f"{key}{BLOCK_SUFFIX}"
 
+    def _state_path(self, key: str) -> Path:
+        return self.directory / "blocks" / f"{key}{STATE_SUFFIX}"
+
     def _write(self, anchor: Anchor, data: dict[int, dict]) -> None:
         """The anchor's file, and the files of those of its blocks no file holds yet (``data``: rows read at
         creation; a block not among them is read from the pool now)."""
@@ -457,10 +542,16 @@ class AnchorStore:
                 write_frame(self._block_path(key), BLOCK_MAGIC, {"rows": _rows(anchor.length, j, bs)},
                             list(data[j].values()), list(data[j]))
             self._disk[key] = self._disk.get(key, 0) + 1
+        key = anchor.state_sum
+        if key is not None:
+            if key not in self._state_disk:
+                arrays = self._state_host[anchor.id]
+                write_frame(self._state_path(key), STATE_MAGIC, {}, list(arrays.values()), list(arrays))
+            self._state_disk[key] = self._state_disk.get(key, 0) + 1
         header = {"id": anchor.id, "fingerprint": anchor.fingerprint, "kv_kind": anchor.kv_kind,
                   "layout": anchor.layout, "length": anchor.length, "checksum": anchor.checksum,
                   "sums": anchor.sums, "residency": anchor.residency, "label": anchor.label,
-                  "created": anchor.created}
+                  "created": anchor.created, "state_sum": anchor.state_sum}
         anchor.path = write_frame(self.directory / f"{anchor.id}{FILE_SUFFIX}", FILE_MAGIC, header,
                                   [anchor.tokens.astype("<i4")], ["tokens"])
 
@@ -482,11 +573,15 @@ class AnchorStore:
             if header["id"] != anchor_id(self.fingerprint, tokens) or path.stem != header["id"]:
                 self.refuse(path.stem, f"file {path} refused on load: its id does not match its token ids")
                 continue
+            ssum = header.get("state_sum")
             self.anchors[header["id"]] = Anchor(**fields, tokens=tokens, sums=sums, where="disk", path=path,
                                                 residency=header.get("residency"), label=header.get("label"),
-                                                created=float(header.get("created", 0.0)))
+                                                created=float(header.get("created", 0.0)),
+                                                state_sum=None if ssum is None else str(ssum))
             for key in sums:
                 self._disk[key] = self._disk.get(key, 0) + 1
+            if ssum is not None:
+                self._state_disk[str(ssum)] = self._state_disk.get(str(ssum), 0) + 1
 
 
 def write_frame(path: Path, magic: bytes, header: dict, arrays: list[np.ndarray], names: list[str]) -> Path:

@@ -41,11 +41,6 @@ class GenerationStats:
         return max(self.generated_tokens - 1, 0) / self.decode_seconds if self.decode_seconds else 0.0
 
 
-#: Why a model with linear-attention layers makes and takes no anchors (yet): an anchor holds KV blocks, not the
-#: layers' recurrent states; prefix reuse of such a model resumes from the decoder's own state snapshots.
-NO_RECURRENT_ANCHORS = "anchors of models with linear-attention layers are not supported yet (their recurrent " \
-    "state is not saved with the KV blocks)"
-
 #: Default of :attr:`Model.restore_residency`: off, as measured (bench/bench_anchor_residency.py, bundled model on
 #: emu, 48 of 96 expert records in slots, 24 decode tokens after a side request): re-admitting the anchor's 48
 #: resident records copied 25 and saved 6 misses of the resumed decode, 69 records copied in all against 50 without.
@@ -60,9 +55,12 @@ class Model:
     ``generate(..., reuse_cache=True)`` reuses the longest prefix of the new prompt whose K/V rows are still in the
     pool: the decoder's own sequence, or any earlier one in the radix prefix cache (:attr:`prefix_cache`, made on
     first use; :mod:`freetoken.engine.prefix_cache`), or a verified anchor (:attr:`anchors`,
-    :mod:`freetoken.engine.anchors`), and prefills only the rest. This bookkeeping assumes the decoder is driven
-    through this Model only. ``chat_template`` is the model's :class:`freetoken.engine.chat.ChatTemplate` (None when
-    the model has none). ``weight_files``: the files the weights came from (part of :attr:`fingerprint`)."""
+    :mod:`freetoken.engine.anchors`), and prefills only the rest. A model with linear-attention layers resumes only
+    where the layers' recurrent states were kept as well: the decoder's own snapshots, the states of earlier
+    sequences in :attr:`state_cache` (:mod:`freetoken.engine.state_cache`), an anchor's states. This bookkeeping
+    assumes the decoder is driven through this Model only. ``chat_template`` is the model's
+    :class:`freetoken.engine.chat.ChatTemplate` (None when the model has none). ``weight_files``: the files the
+    weights came from (part of :attr:`fingerprint`)."""
 
     def __init__(self, decoder, tokenizer=None, eos_ids: Sequence[int] = (), chat_template=None,
                  weight_files: Sequence[str] = ()):
@@ -78,6 +76,7 @@ class Model:
         self.restore_residency = RESTORE_RESIDENCY
         self._fingerprint: str | None = None
         self._prefix_cache = None
+        self._state_cache = None
         self._anchors = None
 
     # ---- reuse: prefix cache and anchors -------------------------------------------------------------------------
@@ -101,6 +100,16 @@ class Model:
         return self._prefix_cache
 
     @property
+    def state_cache(self):
+        """The linear-attention states of earlier sequences by token prefix (made on first use; a model without
+        linear-attention layers never fills it)."""
+        if self._state_cache is None:
+            from freetoken.engine.state_cache import StateCache
+
+            self._state_cache = StateCache()
+        return self._state_cache
+
+    @property
     def anchors(self):
         """The anchor store (made on first use, in memory only: :meth:`use_anchor_dir` adds a directory)."""
         if self._anchors is None:
@@ -115,7 +124,8 @@ class Model:
         if self._anchors is not None:  # the old store lets go of the pool; its files stay where they are
             self._anchors.close()
         self.prefix_cache  # noqa: B018 - the prefix cache evicts first when the pool is short, then anchors spill
-        self._anchors = AnchorStore(self.decoder.pool, self.fingerprint, directory, **store_options)
+        self._anchors = AnchorStore(self.decoder.pool, self.fingerprint, directory, states=self._recurrent,
+                                    **store_options)
         return self._anchors
 
     def _residency(self):
@@ -124,63 +134,111 @@ class Model:
 
     def anchor(self, length: int | None = None, label: str | None = None):
         """An anchor of the decoder's first ``length`` tokens (default all it holds), for :meth:`rollback` or a
-        later prompt's ``anchor=``."""
-        if self._recurrent:
-            raise ValueError(NO_RECURRENT_ANCHORS)
+        later prompt's ``anchor=``. With linear-attention layers ``length`` must be one the decoder kept the states
+        at (:meth:`freetoken.models.decoder.MoeDecoder.resume_points`)."""
         n = self.decoder.length if length is None else int(length)
         if n < 1 or n > self.decoder.length or len(self.cached_ids) < n:
             raise ValueError(f"an anchor of {n} tokens: the decoder holds {self.decoder.length}")
-        return self.anchors.create(self.decoder.kv, self.cached_ids, n, label=label, residency=self._residency())
+        states = self.decoder.export_states(n) if self._recurrent else None
+        return self.anchors.create(self.decoder.kv, self.cached_ids, n, label=label, residency=self._residency(),
+                                   states=states)
 
     def rollback(self, anchor) -> int:
         """Make the decoder's sequence the anchor's tokens again (verified, see
         :meth:`freetoken.engine.anchors.AnchorStore.restore`); returns their number. ValueError when the anchor is
         refused."""
-        if self._recurrent:
-            raise ValueError(NO_RECURRENT_ANCHORS)
         a = self.anchors.get(anchor) if isinstance(anchor, str) else anchor
         if a is None:
             raise ValueError(f"no anchor {anchor!r}")
         self._retire()
-        self.decoder.kv.reset()  # in the prefix cache now: room for the anchor's blocks, if it must be read back
+        self.decoder.reset()  # in the prefix caches now: room for the anchor's blocks, if it must be read back
         self.cached_ids = []
-        n, why = self.anchors.restore(a, a.tokens.tolist(), self.decoder.kv)
+        states = {}
+        n, why = self.anchors.restore(a, a.tokens.tolist(), self.decoder.kv, states_out=states)
         if why is not None:
             raise ValueError(f"anchor {a.id[:16]} refused: {why}")
+        if self._recurrent:
+            self.decoder.import_states(states)
         self.decoder.kv.own_last()
         self.cached_ids = a.tokens.tolist()
         return n
 
     @property
     def _recurrent(self) -> bool:
-        """Whether the decoder has linear-attention layers, whose state the prefix cache and anchors do not hold."""
+        """Whether the decoder has linear-attention layers: a prefix is then reusable only where their recurrent
+        states were kept too."""
         return bool(getattr(self.decoder, "recurrent", False))
 
-    def _reuse_recurrent(self, ids: Sequence[int], anchor, st: GenerationStats) -> int:
-        """:meth:`_reuse` for a decoder with linear-attention layers: the longest prefix of ``ids`` that the decoder's
-        own sequence shares and that it can resume at (its current length or a state snapshot,
-        :meth:`freetoken.models.decoder.MoeDecoder.resume_points`)."""
-        if anchor is not None:
-            st.anchor_refused = NO_RECURRENT_ANCHORS
+    def _own_resume(self, ids: Sequence[int]) -> int:
+        """The longest prefix of ``ids`` (its last token excluded) that the decoder's own sequence shares and that
+        it can resume at without recomputing (a linear-attention model: its current length or a state snapshot)."""
         limit = min(len(ids) - 1, self.decoder.length, len(self.cached_ids))
         same = 0
         while same < limit and self.cached_ids[same] == ids[same]:
             same += 1
-        keep = max(p for p in self.decoder.resume_points() if p <= same)
-        if keep:
-            self.decoder.length = keep
-        return keep
+        return max(p for p in self.decoder.resume_points() if p <= same)
 
     def _retire(self) -> None:
-        """Put the decoder's current sequence into the prefix cache (before it is replaced)."""
+        """Put the decoder's current sequence into the prefix cache (before it is replaced), and with
+        linear-attention layers the states it kept into the state cache (those not there already)."""
         n = self.decoder.length
-        if n and len(self.cached_ids) >= n:  # fewer ids: the decoder ran tokens this Model did not see
-            self.prefix_cache.insert(self.cached_ids, self.decoder.kv.blocks, n)
+        if not n or len(self.cached_ids) < n:  # fewer ids: the decoder ran tokens this Model did not see
+            return
+        self.prefix_cache.insert(self.cached_ids, self.decoder.kv.blocks, n)
+        if self._recurrent:
+            for m in self.decoder.resume_points():
+                if m and not self.state_cache.has(self.cached_ids[:m]):
+                    self.state_cache.put(self.cached_ids[:m], self.decoder.export_states(m))
+
+    def _reuse_recurrent(self, ids: Sequence[int], anchor, boundaries: Sequence[int], st: GenerationStats) -> int:
+        """:meth:`_reuse` for a decoder with linear-attention layers: the longest prefix of ``ids`` whose states are
+        at hand as well as its KV rows, from the decoder's own sequence (no copy), an anchor (the one named, or the
+        longest at one of ``boundaries``; verified, states included) or the state cache (with the radix prefix
+        cache's KV blocks)."""
+        limit = len(ids) - 1
+        own = self._own_resume(ids)
+        store = self._anchors if anchor is None else self.anchors
+        target = anchor
+        if target is None and store is not None and boundaries:  # one that ends before the prompt's last token
+            target = store.best_prefix(ids, [b for b in boundaries if b <= limit])
+        cand = store.get(target) if isinstance(target, str) else target
+        cached = self._state_cache.best(ids, limit) if self._state_cache is not None else None
+        elsewhere = max(cached.length if cached is not None else 0,
+                        cand.length if cand is not None and cand.length <= limit else 0)
+        if anchor is None and own and own >= elsewhere:  # the decoder's own sequence serves best
+            if target is not None and cand is None:
+                st.anchor_refused = store.refuse(target, "no such anchor")[1]
+            self.decoder.length = own  # (what is cut off is dropped: keeping it would share the last block)
+            return own
+        self._retire()
+        blocks, n = self.prefix_cache.match(ids, limit)
+        pool, seq = self.decoder.pool, self.decoder.kv
+        pool.retain(blocks)  # the match is held while room is made below
+        try:
+            self.decoder.reset()  # the old sequence is in the prefix caches now
+            keep = 0
+            if target is not None and cand is None:
+                st.anchor_refused = store.refuse(target, "no such anchor")[1]
+            elif cand is not None:
+                states = {}
+                keep, why = store.restore(target, ids, seq, limit, have=blocks, have_tokens=n, states_out=states)
+                st.anchor, st.anchor_refused = (cand.id, None) if why is None else (None, why)
+                if why is None:
+                    self.decoder.import_states(states)
+            entry = self.state_cache.best(ids, min(n, limit))  # states whose KV rows the match covers
+            if entry is not None and entry.length > keep:
+                keep = entry.length
+                seq.adopt(blocks[:-(-keep // pool.block_size)], keep)
+                self.decoder.import_states(entry.arrays)
+            seq.own_last()
+        finally:
+            pool.release(blocks)
+        return keep
 
     def _reuse(self, ids: Sequence[int], anchor, boundaries: Sequence[int], st: GenerationStats) -> int:
         """Put the longest reusable prefix of ``ids`` into the decoder's sequence; returns its length."""
         if self._recurrent:
-            return self._reuse_recurrent(ids, anchor, st)
+            return self._reuse_recurrent(ids, anchor, boundaries, st)
         self._retire()
         limit = len(ids) - 1  # the last prompt token is always fed again, for its logits
         blocks, n = self.prefix_cache.match(ids, limit)
@@ -280,11 +338,17 @@ class Model:
         t0 = time.perf_counter()
         marks = sorted({int(b) for b in boundaries if 0 < int(b) <= len(ids)})
         if self._recurrent:  # the prompt in pieces that end at its message boundaries, the states kept at each
+            states_at = {keep: self.decoder.export_states()} if keep in marks else {}
             cut = keep
-            for b in (b for b in marks if keep + 1 < b < len(ids)):
+            for b in (b for b in marks if keep < b < len(ids)):
                 self.decoder.forward(np.asarray(ids[cut:b], np.int64), last_only=True)
+                if b - cut == 1:  # a longer piece's end is kept by the forward pass itself
+                    self.decoder.snapshot()
                 cut = b
+                states_at[b] = self.decoder.export_states()  # for the anchor there: the decoder keeps only a few
             logits = self.decoder.forward(np.asarray(ids[cut:], np.int64), last_only=True)[-1]
+            if len(ids) in marks:
+                states_at[len(ids)] = self.decoder.export_states()
         else:
             logits = self.decoder.forward(np.asarray(ids[keep:], np.int64), last_only=True)[-1]
         st.prefill_seconds = time.perf_counter() - t0
@@ -292,8 +356,15 @@ class Model:
         if reuse_cache and not self._recurrent:  # the prompt's full blocks, for requests that share it meanwhile
             bs = self.decoder.pool.block_size
             self.prefix_cache.insert(ids, self.decoder.kv.blocks, len(ids) // bs * bs)
-        for b in marks if not self._recurrent else ():
-            st.anchors_made.append(self.anchors.create(self.decoder.kv, ids, b, residency=self._residency()).id)
+        for b in marks:
+            if self._recurrent and b not in states_at:  # inside the reused prefix: no state at hand there
+                have = self.anchors.best_prefix(ids, [b])
+                if have is not None:
+                    st.anchors_made.append(have)
+                continue
+            states = states_at[b] if self._recurrent else None
+            st.anchors_made.append(self.anchors.create(self.decoder.kv, ids, b, residency=self._residency(),
+                                                       states=states).id)
         if record_routing:
             st.prefill_routing = [np.asarray(self.decoder.dev.to_host(r)) for r in self.experts.last_routing]
         history = list(ids)

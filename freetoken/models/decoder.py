@@ -347,6 +347,52 @@ class MoeDecoder:
             if st is not None:
                 saved.copy_from(st)
 
+    def export_states(self, length: int | None = None) -> dict[str, np.ndarray]:
+        """Host copies of the linear-attention states at ``length`` tokens (default: the current length; else a
+        kept snapshot's length), as ``{"conv.I": [K - 1, C], "rec.I": [Hv, Dk, Dv]}`` for each linear layer I: what
+        the prefix caches and anchors keep to resume there. Empty for a pure-attention model. ValueError when the
+        states at ``length`` are not kept."""
+        n = self.length if length is None else int(length)
+        if not self.recurrent:
+            return {}
+        if n == self.length:
+            states = self.states
+        elif n in self._snapshots:
+            states = self._snapshots[n]
+        else:
+            raise ValueError(f"the linear-attention layers' state at {n} tokens is not kept (kept: "
+                             f"{self.resume_points()})")
+        out = {}
+        for i, st in enumerate(states):
+            if st is not None:  # copies: on the cpu device to_host returns the live arrays themselves
+                out[f"conv.{i}"] = np.array(self.dev.to_host(st.conv), np.float32)
+                out[f"rec.{i}"] = np.array(self.dev.to_host(st.rec), np.float32)
+        return out
+
+    def import_states(self, arrays: dict[str, np.ndarray]) -> None:
+        """Make :meth:`export_states`' arrays the live linear-attention states (the KV rows of the same prefix are
+        the caller's to put in place: :meth:`freetoken.models.kv.KVSequence.adopt`); the snapshots of the sequence
+        that was here go. ValueError naming the first array whose name, dtype or shape does not fit this model
+        (nothing is changed then)."""
+        want = {}
+        for i, st in enumerate(self.states):
+            if st is not None:
+                want[f"conv.{i}"], want[f"rec.{i}"] = tuple(st.conv.shape), tuple(st.rec.shape)
+        if set(arrays) != set(want):
+            missing, extra = sorted(set(want) - set(arrays)), sorted(set(arrays) - set(want))
+            raise ValueError(f"linear-attention states do not fit this model (missing {missing}, unexpected {extra})")
+        for name, shape in want.items():
+            a = arrays[name]
+            if a.dtype != np.float32 or tuple(a.shape) != shape:
+                raise ValueError(f"linear-attention state {name}: {a.dtype} {list(a.shape)}, this model holds "
+                                 f"float32 {list(shape)}")
+        self._snapshots.clear()
+        self._periodic.clear()
+        for i, st in enumerate(self.states):
+            if st is not None:
+                st.conv[...] = self.dev.asarray(arrays[f"conv.{i}"])
+                st.rec[...] = self.dev.asarray(arrays[f"rec.{i}"])
+
     @property
     def kept_snapshots(self) -> int:
         """How many snapshots of the linear-attention states the decoder holds now."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from freetoken.engine.generate import NO_RECURRENT_ANCHORS
 from freetoken.serve.errors import APIError
 from freetoken.serve.jobs import begin, collect, make_job, run_task, with_anchors
 from freetoken.serve.openai_api import chat_tool_use, prompt_ids
@@ -31,9 +30,6 @@ ENDPOINTS = ("/v1/anchors",)
 @router.post("/v1/anchors")
 async def create_anchor(request: Request):
     state, body, worker = await begin(request, AnchorRequest)
-    if getattr(worker.model.decoder, "recurrent", False):
-        raise APIError(400, NO_RECURRENT_ANCHORS + "; a chat request that repeats an earlier one's messages resumes "
-                       "from the state kept at their boundaries", code="anchors_unsupported")
     if body.messages is not None:
         use = chat_tool_use(worker.template, body)
         ids = worker.model.encode(use.render(worker.template, add_generation_prompt=False),
