@@ -114,3 +114,22 @@ def test_anchors_keep_the_linear_states(server, engine):
     same = server.client().chat.completions.create(model=NAME, messages=conv, temperature=0, max_tokens=MAX_TOKENS,
                                                    extra_body={"anchor": a["id"]})
     assert "only" in same.model_extra["anchor"]["refused"] and same.choices[0].message.content == _answer(engine, conv)
+
+
+def test_chat_anchor_and_rollback(engine):
+    """`freetoken chat`'s /anchor and /rollback on a hybrid model: the anchor is taken at the longest start of the
+    conversation whose linear states were kept, and after a rollback the next turn answers as a fresh chat does."""
+    from freetoken.engine.chat import Chat
+
+    model, _ = engine
+    greedy = SamplingParams(temperature=0)
+    chat = Chat(model, system=SYSTEM)
+    "".join(chat.send("def add(a, b):", MAX_TOKENS, greedy))
+    a = chat.anchor()
+    assert a.info()["linear_states"] and a.length in model.decoder.resume_points()
+    "".join(chat.send("and sub?", MAX_TOKENS, greedy))
+    chat.rollback(a)
+    assert model.decoder.length == a.length and len(chat.messages) == 3
+    got = "".join(chat.send("and mul?", MAX_TOKENS, greedy))
+    assert model.stats.cached_tokens >= a.length
+    assert got == _answer(engine, chat.messages[:-1])  # recomputed from scratch

@@ -240,6 +240,8 @@ class Chat:
         n = 0
         while n < min(len(ids), len(held)) and ids[n] == held[n]:
             n += 1
+        if getattr(self.model.decoder, "recurrent", False):  # the longest start whose linear states were kept
+            n = max((p for p in self.model.decoder.resume_points() if p <= n), default=0)
         if n == 0:
             raise ValueError("the model holds none of this conversation yet: send a message first")
         a = self.model.anchor(n, label=label)
