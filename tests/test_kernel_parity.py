@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from freetoken import formats, ops
-from freetoken.device.constants import DECODE_MAX_TOKENS
+from freetoken.device.constants import DECODE_MAX_TOKENS, LINEAR_CHUNKED_MIN_TOKENS
 from freetoken.formats import RecordLayout
 from freetoken.models.qmatrix import QuantizedMatrix
 from freetoken.ops.dense import MAX_TOKENS, dense_dequant, dense_gemv
@@ -17,6 +17,7 @@ from freetoken.testing import assert_close, poison, random_record
 from freetoken.testing.cases import CASES
 from freetoken.testing.cases.dense import dense_weights, quantized_blocks
 from freetoken.testing.reference.dense import blocks_dequantized, dense_reference
+from freetoken.testing.reference.linear_attention import gated_delta_rule_reference
 from freetoken.testing.reference.moe_experts import moe_forward_reference
 from freetoken.testing.reference.paged_attention import KV_DTYPES, paged_attention_reference
 from freetoken.testing.reference.rms_norm import rms_norm_reference
@@ -541,6 +542,89 @@ def test_route_softmax_topk_ties_and_nan(device, renorm):
     assert np.isnan(w[2]).all() and ids[2].tolist() == list(range(8))
     with pytest.raises(ValueError, match="k=65 must be in"):
         ops.route_softmax_topk(device.asarray(logits), 65, renorm, device=device)
+
+
+# ---- gated_delta_rule: its chunked (WY) form against the recurrent kernel (gpu/emu) --------------------------------
+# Small heads and few chunks: the emulator runs each of these in well under a second.
+def _rule_inputs(rng, t, hk, hv, dk, dv, g_low):
+    qkv = rng.standard_normal((t, 2 * hk * dk + hv * dv), dtype=np.float32)
+    g = rng.uniform(g_low, 0.0, (t, hv)).astype(np.float32)
+    beta = rng.uniform(0.02, 0.98, (t, hv)).astype(np.float32)
+    state = (0.5 * rng.standard_normal((hv, dk, dv))).astype(np.float32)
+    return qkv, g, beta, state
+
+
+def _rule(dev, qkv, g, beta, state, hk, mode):
+    """(out, new state) as host arrays; the host ``state`` is left as it was."""
+    st = dev.asarray(state.copy())
+    o = ops.gated_delta_rule(dev.asarray(qkv), dev.asarray(g), dev.asarray(beta), st, hk, mode=mode, device=dev)
+    return dev.to_host(o), dev.to_host(st)
+
+
+def _close_to(got, want, name):
+    """Two fp32 evaluations of the rule: each is within ~7e-7 of the largest value from the float64 result."""
+    assert_close(got, want, atol=1e-7 + 2e-6 * float(np.abs(want).max()), name=name)
+
+
+@pytest.mark.parametrize("t,hk,hv,dk,dv,g_low", [
+    (64, 2, 4, 16, 24, -3.0),  # one chunk exactly (mode="auto"'s threshold), GQA
+    (129, 1, 2, 48, 16, -0.05),  # two chunks and a 1-token one; weak decay: the state carries across chunks
+    (100, 2, 2, 33, 40, 0.0),  # no decay (G = 0); Dk not a multiple of the prep kernel's 32-dim tiles
+    (1, 1, 1, 8, 8, -1.0),  # a single token through the chunked form (mode="chunked" at any T)
+])
+def test_gated_delta_chunked_equals_recurrent(cuda_device, t, hk, hv, dk, dv, g_low):
+    """The chunked form and the recurrent kernel agree on the same input, out and state, and both match the float64
+    reference."""
+    inp = _rule_inputs(np.random.default_rng(t + dk), t, hk, hv, dk, dv, g_low)
+    rec_o, rec_s = _rule(cuda_device, *inp, hk, "recurrent")
+    chk_o, chk_s = _rule(cuda_device, *inp, hk, "chunked")
+    _close_to(chk_o, rec_o, "out")
+    _close_to(chk_s, rec_s, "state")
+    ref_o, ref_s = gated_delta_rule_reference(*inp, hk)
+    _close_to(chk_o, ref_o, "out vs reference")
+    _close_to(chk_s, ref_s, "state vs reference")
+
+
+def test_gated_delta_chunked_prefill_then_decode(cuda_device):
+    """A sequence fed in pieces with mode="auto": a chunked prefill, recurrent decode steps, a second (chunked,
+    partial-chunk) prompt, a short (recurrent) one and more decode steps, equals the recurrent form over every token at
+    once: each piece's output and the final state."""
+    dev, hk, hv, dk, dv = cuda_device, 1, 2, 32, 24
+    pieces = [100, 1, 1, 1, 70, 5, 1]
+    assert pieces[0] >= LINEAR_CHUNKED_MIN_TOKENS and pieces[5] < LINEAR_CHUNKED_MIN_TOKENS
+    qkv, g, beta, state = _rule_inputs(np.random.default_rng(9), sum(pieces), hk, hv, dk, dv, -0.5)
+    want_o, want_s = _rule(dev, qkv, g, beta, state, hk, "recurrent")
+    st, pos = dev.asarray(state.copy()), 0
+    for n in pieces:
+        part = slice(pos, pos + n)
+        o = ops.gated_delta_rule(dev.asarray(qkv[part]), dev.asarray(g[part]), dev.asarray(beta[part]), st, hk,
+                                 device=dev)
+        _close_to(dev.to_host(o), want_o[part], f"out[{pos}:{pos + n}]")
+        pos += n
+    _close_to(dev.to_host(st), want_s, "state")
+
+
+def test_gated_delta_rule_dispatch(cuda_device, monkeypatch):
+    """mode="auto" launches the recurrent kernel below LINEAR_CHUNKED_MIN_TOKENS tokens and the chunked form's two
+    kernels from there on; an unknown mode is refused."""
+    import freetoken.ops.linear_attention as la
+
+    launched = []
+
+    def spy(dev, source, kernel, *args):
+        launched.append(kernel)
+        return real(dev, source, kernel, *args)
+
+    real = la.cuda_kernel
+    monkeypatch.setattr(la, "cuda_kernel", spy)
+    hk, hv, dk, dv = 1, 1, 8, 8
+    for t, want in ((LINEAR_CHUNKED_MIN_TOKENS - 1, ["gated_delta_rule_f32"]),
+                    (LINEAR_CHUNKED_MIN_TOKENS, ["gated_delta_chunk_prep_f32", "gated_delta_chunk_scan_f32"])):
+        launched.clear()
+        _rule(cuda_device, *_rule_inputs(np.random.default_rng(t), t, hk, hv, dk, dv, -1.0), hk, "auto")
+        assert launched == want, t
+    with pytest.raises(ValueError, match="mode must be"):
+        _rule(cuda_device, *_rule_inputs(np.random.default_rng(0), 2, hk, hv, dk, dv, -1.0), hk, "wy")
 
 
 # ---- moe_experts (tests/test_cpu_experts.py: the Numba executor's own API) ----------------------------------------

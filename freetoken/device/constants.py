@@ -101,6 +101,20 @@ LINEAR_CONV_MAX_TAPS = 8
 LINEAR_CONV_THREADS = 128
 #: Value columns (one thread each) per block of gated_delta_rule_f32 (FT_LINEAR_COLUMNS).
 LINEAR_COLUMNS = 32
+#: Tokens per chunk of the gated delta rule's chunked (WY) form on gpu/emu (FT_LINEAR_CHUNK; the kernels'
+#: thread roles are written for 64: cuda/linear_attention.cu static_asserts it).
+LINEAR_CHUNK = 64
+#: From this many tokens on, ops.gated_delta_rule (mode="auto") runs the chunked form on gpu/emu; below it (decode,
+#: short prompts) the recurrent kernel, which takes one launch and no scratch. Python only.
+LINEAR_CHUNKED_MIN_TOKENS = LINEAR_CHUNK
+#: Value columns (state columns) per block of the chunked form's scan over chunks (FT_LINEAR_CHUNK_COLUMNS): 16 keeps
+#: the block's state columns at 16 KiB of shared memory at the largest head dim.
+LINEAR_CHUNK_COLUMNS = 16
+#: Threads per block of both chunked-form kernels (FT_LINEAR_CHUNK_THREADS: 4 a token of the chunk).
+LINEAR_CHUNK_THREADS = 256
+#: Floats of the chunked form's scratch per (value head, chunk) (FT_LINEAR_CHUNK_RECORD): Tb and P [C, C] and four
+#: coefficients per token.
+LINEAR_CHUNK_RECORD = 2 * LINEAR_CHUNK * LINEAR_CHUNK + 4 * LINEAR_CHUNK
 #: ``l2norm``'s epsilon on q and k inside the gated delta rule: ``x * rsqrt(sum(x^2) + eps)`` (fla's and
 #: transformers' value; FT_LINEAR_L2NORM_EPS).
 LINEAR_L2NORM_EPS = 1e-6
@@ -148,6 +162,10 @@ CUDA_DEFINES: dict[str, str] = {
     "FT_LINEAR_CONV_THREADS": str(LINEAR_CONV_THREADS),
     "FT_LINEAR_COLUMNS": str(LINEAR_COLUMNS),
     "FT_LINEAR_L2NORM_EPS": _float(LINEAR_L2NORM_EPS),
+    "FT_LINEAR_CHUNK": str(LINEAR_CHUNK),
+    "FT_LINEAR_CHUNK_COLUMNS": str(LINEAR_CHUNK_COLUMNS),
+    "FT_LINEAR_CHUNK_THREADS": str(LINEAR_CHUNK_THREADS),
+    "FT_LINEAR_CHUNK_RECORD": str(LINEAR_CHUNK_RECORD),
     **_struct_defines("FT_EXPERT_BANKS", EXPERT_BANKS),
     **_struct_defines("FT_PLAN", PLAN),
     **_struct_defines("FT_BANK_TABLE", BANK_TABLE),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from freetoken.device.constants import LINEAR_CHUNK, LINEAR_CHUNK_RECORD
 from freetoken.engine.options import LoadOptions
 from freetoken.loaders.memory import available_bytes, gib
 from freetoken.models.config import ModelConfig
@@ -54,12 +55,15 @@ class ContextPlan:
 def activation_bytes_per_token(cfg: ModelConfig) -> int:
     """An upper estimate of the float32 activations one prompt token carries through a layer at once: the residual
     stream and its norms, q/k/v and the attention output, the MLP's widest intermediate (gate and up of the routed
-    experts of one token, or the dense/shared MLP), the router logits."""
+    experts of one token, or the dense/shared MLP), the router logits; for a Gated DeltaNet layer, its projections
+    and the chunked rule's scratch on gpu/emu (a record of ``LINEAR_CHUNK_RECORD`` floats per value head and
+    ``LINEAR_CHUNK`` tokens)."""
     qkv = (cfg.num_heads * (2 if cfg.attn_output_gate else 1) + 2 * cfg.num_kv_heads) * cfg.head_dim
     # a Gated DeltaNet layer's projections: q|k|v channels, z, b and a
     qkv = max(qkv, cfg.linear_conv_dim + cfg.linear_v_heads * (cfg.linear_v_dim + 2))
+    scratch = -(-cfg.linear_v_heads * LINEAR_CHUNK_RECORD // LINEAR_CHUNK)  # 0 without linear layers
     mlp = max(cfg.dense_inter, cfg.top_k * cfg.moe_inter, cfg.shared_inter)
-    return 4 * (8 * cfg.hidden + 2 * qkv + cfg.num_heads * cfg.head_dim + 3 * mlp + cfg.num_experts)
+    return 4 * (8 * cfg.hidden + 2 * qkv + cfg.num_heads * cfg.head_dim + 3 * mlp + cfg.num_experts + scratch)
 
 
 def default_prefill_chunk(cfg: ModelConfig) -> int:

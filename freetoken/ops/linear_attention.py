@@ -8,9 +8,13 @@ Both update their state in place, so decode (T = 1) and prefill (T > 1, or a chu
 call: a sequence's layer state is what these ops read and write, nothing else.
 
 The cpu device runs the Numba kernels :func:`freetoken.cpu_kernels.linear_attention.short_conv_rows` and
-:func:`~freetoken.cpu_kernels.linear_attention.gated_delta_rule_rows`; gpu/emu run ``short_conv_f32`` and
-``gated_delta_rule_f32`` (``cuda/linear_attention.cu``). Both take K <= ``LINEAR_CONV_MAX_TAPS`` taps and head dims
-Dk, Dv <= ``LINEAR_MAX_HEAD_DIM`` (:mod:`freetoken.device.constants`).
+:func:`~freetoken.cpu_kernels.linear_attention.gated_delta_rule_rows` (the rule's recurrent form at every T: a
+chunked prototype was 5x slower there); gpu/emu run ``short_conv_f32`` and, for the rule, ``gated_delta_rule_f32``
+(the recurrent form: decode and prompts under ``LINEAR_CHUNKED_MIN_TOKENS`` tokens) or the chunked (WY) form,
+``gated_delta_chunk_prep_f32`` then ``gated_delta_chunk_scan_f32`` (``cuda/linear_attention.cu``), which works on
+chunks of ``LINEAR_CHUNK`` tokens in parallel and is sequential over chunks instead of tokens. Both take
+K <= ``LINEAR_CONV_MAX_TAPS`` taps and head dims Dk, Dv <= ``LINEAR_MAX_HEAD_DIM``
+(:mod:`freetoken.device.constants`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,11 @@ from __future__ import annotations
 import numpy as np
 
 from freetoken.device.constants import (
+    LINEAR_CHUNK,
+    LINEAR_CHUNK_COLUMNS,
+    LINEAR_CHUNK_RECORD,
+    LINEAR_CHUNK_THREADS,
+    LINEAR_CHUNKED_MIN_TOKENS,
     LINEAR_COLUMNS,
     LINEAR_CONV_MAX_TAPS,
     LINEAR_CONV_THREADS,
@@ -28,6 +37,8 @@ from freetoken.ops._common import as_input, check_int32, cpu_module, cuda_kernel
 
 #: ``l2norm``'s epsilon inside the rule: ``x * rsqrt(sum(x^2) + eps)`` (fla's and transformers' value).
 L2NORM_EPS = LINEAR_L2NORM_EPS
+#: The rule's forms on gpu/emu (``mode``): "auto" picks by the token count.
+RULE_MODES = ("auto", "recurrent", "chunked")
 
 
 def short_conv(x, weight, state, *, out=None, device=None, checked: bool = False):
@@ -82,7 +93,8 @@ def _run_conv(dev, x, weight, state, out) -> None:
         (x, weight, state, out, np.int32(t), np.int32(c), np.int32(weight.shape[1])))
 
 
-def gated_delta_rule(qkv, g, beta, state, k_heads: int, *, out=None, device=None, checked: bool = False):
+def gated_delta_rule(qkv, g, beta, state, k_heads: int, *, out=None, mode: str = "auto", device=None,
+                     checked: bool = False):
     """The gated delta rule over T tokens, continuing from ``state``.
 
     For value head h (key head ``kh = h // (Hv / Hk)``) and each token t in order, with ``q = l2norm(q_t,kh) /
@@ -100,14 +112,17 @@ def gated_delta_rule(qkv, g, beta, state, k_heads: int, *, out=None, device=None
     state : float32 [Hv, Dk, Dv], C-contiguous, updated in place (zeros at the start of a sequence)
     k_heads : Hk, a divisor of Hv
     out : float32 [T, Hv, Dv], C-contiguous, optional
-    checked : the caller vouches for every argument
+    mode : "recurrent" (one token after another), "chunked" (the chunk-parallel WY form: T / LINEAR_CHUNK chunks in
+        parallel, then a scan over chunks; it allocates T / 64 * Hv * 33 KiB of scratch) or "auto": chunked from
+        ``LINEAR_CHUNKED_MIN_TOKENS`` tokens on. gpu/emu only: the cpu device always runs its recurrent kernel.
+    checked : the caller vouches for every argument (and ``mode``)
 
     Returns
     -------
     float32 [T, Hv, Dv] on the device.
     """
     if checked:
-        _run_rule(device, qkv, g, beta, state, int(k_heads), out)
+        _run_rule(device, qkv, g, beta, state, int(k_heads), out, mode)
         return out
     dev = resolve(device)
     qkv = as_input(dev, qkv, "qkv", np.float32, 2)
@@ -119,6 +134,8 @@ def gated_delta_rule(qkv, g, beta, state, k_heads: int, *, out=None, device=None
     hv, dk, dv = st.shape
     if not (1 <= dk <= LINEAR_MAX_HEAD_DIM and 1 <= dv <= LINEAR_MAX_HEAD_DIM):
         raise ValueError(f"head dims Dk={dk}, Dv={dv} must be 1 .. {LINEAR_MAX_HEAD_DIM}")
+    if mode not in RULE_MODES:
+        raise ValueError(f"mode must be {', '.join(RULE_MODES)}, got {mode!r}")
     k_heads = int(k_heads)
     if k_heads < 1 or hv % k_heads:
         raise ValueError(f"k_heads {k_heads} must divide the {hv} value heads")
@@ -130,18 +147,28 @@ def gated_delta_rule(qkv, g, beta, state, k_heads: int, *, out=None, device=None
             raise ValueError(f"{name} must be [{t}, {hv}], got {tuple(a.shape)}")
     y = prepare_out(dev, out, (t, hv, dv), np.float32)
     check_int32("T", t)
-    _run_rule(dev, qkv, g, beta, st, k_heads, y)
+    _run_rule(dev, qkv, g, beta, st, k_heads, y, mode)
     return y
 
 
-def _run_rule(dev, qkv, g, beta, state, k_heads, out) -> None:
+def _run_rule(dev, qkv, g, beta, state, k_heads, out, mode="auto") -> None:
     if dev.kind == "cpu":
         gated_delta_rule_rows = cpu_module("linear_attention").gated_delta_rule_rows
 
         gated_delta_rule_rows(qkv, g, beta, state, k_heads, out)
         return
+    t = qkv.shape[0]
     hv, dk, dv = state.shape
-    cuda_kernel(dev, "linear_attention.cu", "gated_delta_rule_f32")(
-        (hv, -(-dv // LINEAR_COLUMNS)), (LINEAR_COLUMNS,),
-        (qkv, g, beta, state, out, np.int32(qkv.shape[0]), np.int32(k_heads), np.int32(hv), np.int32(dk),
-         np.int32(dv)))
+    dims = (np.int32(t), np.int32(k_heads), np.int32(hv), np.int32(dk), np.int32(dv))
+    if mode == "recurrent" or (mode == "auto" and t < LINEAR_CHUNKED_MIN_TOKENS):
+        cuda_kernel(dev, "linear_attention.cu", "gated_delta_rule_f32")(
+            (hv, -(-dv // LINEAR_COLUMNS)), (LINEAR_COLUMNS,), (qkv, g, beta, state, out, *dims))
+        return
+    # chunked: the prep kernel (all chunks at once, per key head) writes each (value head, chunk)'s Tb, P and
+    # coefficients to the scratch; the scan (per value head and 16 state columns) runs the chunks in order
+    chunks = -(-t // LINEAR_CHUNK)
+    rec = dev.empty((hv * chunks * LINEAR_CHUNK_RECORD,), np.float32)
+    cuda_kernel(dev, "linear_attention.cu", "gated_delta_chunk_prep_f32")(
+        (chunks, k_heads), (LINEAR_CHUNK_THREADS,), (qkv, g, beta, rec, *dims))
+    cuda_kernel(dev, "linear_attention.cu", "gated_delta_chunk_scan_f32")(
+        (hv, -(-dv // LINEAR_CHUNK_COLUMNS)), (LINEAR_CHUNK_THREADS,), (qkv, rec, state, out, *dims))

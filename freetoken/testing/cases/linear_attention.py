@@ -2,7 +2,11 @@
 updated state (an "out_state" buffer initialised from the input state) against the float64 reference.
 
 Large shapes are Qwen3.5-35B-A3B's linear-attention layers: Hk = 16, Hv = 32, Dk = Dv = 128, so the convolution runs
-over C = 2 * 16 * 128 + 32 * 128 = 8192 channels with K = 4 taps; a decode step (T = 1) and a prompt (T = 512).
+over C = 2 * 16 * 128 + 32 * 128 = 8192 channels with K = 4 taps; a decode step (T = 1) and prompts (T = 512, 4096).
+
+On gpu/emu ``gated_delta_rule`` runs its recurrent kernel below ``LINEAR_CHUNKED_MIN_TOKENS`` (64) tokens and the
+chunked (WY) form from there on: the ``gated_delta_chunked*`` cases (and ``gated_delta_prefill``'s large shape) take
+the chunked form, the others the recurrent one; the cpu device runs its recurrent kernel on all of them.
 """
 
 from __future__ import annotations
@@ -99,6 +103,21 @@ RULE_CASES = [
     # the largest head dims the kernels take (LINEAR_MAX_HEAD_DIM), Dv not a multiple of 32
     _rule_case("gated_delta_max_dims", {"t": 3, "hk": 1, "hv": 1, "dk": 256, "dv": 200},
                {"t": 3, "hk": 2, "hv": 4, "dk": 256, "dv": 256}, atol=2e-7, rel_atol=2e-7),
+    # ---- the chunked form (T >= 64 on gpu/emu). Small shapes stay a few chunks of small heads: the emulator runs
+    # them in well under a second each. Its error against the float64 reference is the recurrent kernel's (2e-7 ..
+    # 7e-7 of the largest output on emu, up to Dk = 256); the tolerances are the recurrent cases'.
+    # three chunks, the last partial (150 = 2 * 64 + 22); GQA (2 value heads a key head); Dk != Dv, Dv not a
+    # multiple of the scan's 16 state columns
+    _rule_case("gated_delta_chunked", {"t": 150, "hk": 2, "hv": 4, "dk": 24, "dv": 20}, {"t": 512, **QWEN35},
+               atol=2e-7, rel_atol=2e-7),
+    # exactly one chunk (the threshold), 3 value heads a key head, Dk > the prep kernel's 32-dim tile and not a
+    # multiple of it, Dv < 16
+    _rule_case("gated_delta_chunked_one", {"t": 64, "hk": 1, "hv": 3, "dk": 40, "dv": 8}, {"t": 4096, **QWEN35},
+               atol=2e-7, rel_atol=2e-7),
+    # the largest head dims (the scan's 256 x 16 state columns in shared memory, 4 tiles of its update), one full
+    # chunk and a 6-token one
+    _rule_case("gated_delta_chunked_max_dims", {"t": 70, "hk": 1, "hv": 1, "dk": 256, "dv": 200},
+               {"t": 512, "hk": 2, "hv": 4, "dk": 256, "dv": 256}, atol=2e-7, rel_atol=2e-7),
 ]
 
 CASES = CONV_CASES + RULE_CASES
