@@ -154,14 +154,19 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
                          description="Replay a trace through cache policies at several slot counts. An access is "
                                      "one (decode step, layer, unique expert); a miss is an access not served "
                                      "from the GPU cache; loads are records copied in (bytes = loads x record "
-                                     "bytes; one-time placements included). belady is the lower bound.")
+                                     "bytes; one-time placements included). belady is the lower bound. "
+                                     "lfu_decay (LFU with exponential decay) and next_use (expected time to next "
+                                     "use) are online like lru; +bypass: a miss expected back later than its "
+                                     "victim is served without loading; default: the policy recommended for the "
+                                     "runtime (next_use+bypass with the prefill prior).")
     sim.add_argument("trace", help="trace file (.npz)")
     sim.add_argument("--slots", type=_slots, required=True, metavar="N[,N...]", help="cache slot counts")
     sim.add_argument("--window", choices=("all", "second_half"), default="second_half",
                      help="decode steps to score (default second_half; static_frequency always scores the "
                           "second half, having trained on the first)")
     sim.add_argument("--no-prefill-borrow", action="store_true",
-                     help="lru: do not empty the first 2*experts slots at each segment start")
+                     help="lru, lfu_decay, next_use, default: do not empty the first 2*experts slots at each "
+                          "segment start")
     sim.add_argument("--policies", type=_name_list(POLICIES, "policy"), default=list(DEFAULT_POLICIES),
                      metavar="P[,P...]",
                      help=f"policies to run (default {','.join(DEFAULT_POLICIES)}; known: {', '.join(POLICIES)})")

@@ -3,6 +3,9 @@
 The policy core, shared by the runtime and the simulators (:mod:`freetoken.sim`), each written once in Numba:
 
 * :mod:`~freetoken.policy.lru`: the device cache's LRU state machine (admission, prefill borrow, pinning).
+* :mod:`~freetoken.policy.lfu_decay`, :mod:`~freetoken.policy.next_use`: online candidates to replace it (LFU with
+  exponential decay; expected time to next use, with bypass), on the scored slot table of
+  :mod:`~freetoken.policy.scored` (one keep key per slot, the victim its argmin); simulator-only so far.
 * :mod:`~freetoken.policy.qstar`: the per-call cost model (:class:`StepCosts`), :func:`choose_fetch` (how many
   misses to fetch over PCIe; the rest run on the CPU), :func:`fetch_order` / :func:`which_to_fetch` (which ones).
 * :mod:`~freetoken.policy.estimators`: the future-value estimators (``auto``, ``global``).

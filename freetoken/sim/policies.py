@@ -14,6 +14,10 @@ Terms used throughout:
   free initial contents) are reported as loads too; the ``note`` says so.
 
 Each policy is ``policy(trace, slots, window=...) -> PolicyResult``; :data:`POLICIES` maps names to them.
+The demand policies (``lru``, ``lfu_decay``, ``next_use`` and their ``+bypass`` variants, ``next_use+bypass+prior``:
+the one recommended as the runtime's next default, :data:`freetoken.policy.next_use.RECOMMENDED`; the runtime runs
+LRU) replay the whole trace through the policy core's state machines (:mod:`freetoken.policy`), with prefill
+borrowing; :data:`BORROWING` names them.
 
 Belady is the lower bound: with its free (re)fills at the window start and at every segment start, every other
 policy here is one of the schedules it minimises over, so its misses are <= theirs on the same window (see
@@ -28,12 +32,16 @@ from dataclasses import dataclass
 import numba as nb
 import numpy as np
 
+from freetoken.policy.lfu_decay import DEFAULT_HALF_LIFE, lfu_decay_new
 from freetoken.policy.lru import OWNER, lru_new, lru_replay_calls
+from freetoken.policy.next_use import RECOMMENDED, next_use_new
+from freetoken.policy.scored import scored_replay_calls
 from freetoken.trace.derived import WINDOWS, check_slots, prepare, window_steps
 from freetoken.trace.format import Trace
 
-__all__ = ["DEFAULT_POLICIES", "POLICIES", "WINDOWS", "PolicyResult", "belady", "belady_sequence", "belady_start",
-           "lru", "lru_replay", "prefill_placement", "routing_blind", "static_frequency"]
+__all__ = ["BORROWING", "DEFAULT_POLICIES", "POLICIES", "WINDOWS", "PolicyResult", "belady", "belady_sequence",
+           "belady_start", "lfu_decay", "lru", "lru_replay", "next_use", "prefill_placement",
+           "recommended_policy", "routing_blind", "scored_replay", "static_frequency"]
 
 
 @dataclass
@@ -107,6 +115,79 @@ def lru(trace: Trace, slots: int, window: str = "second_half", prefill_borrow: b
     note = "prefill borrows 2E slots per segment" if prefill_borrow else "no prefill borrowing"
     return PolicyResult("lru", int(slots), window, int(p.step_offsets[t1] - p.step_offsets[t0]), misses, misses,
                         trace.record_bytes, note)
+
+
+# ------------------------------------------------------------------------------- scored: lfu_decay, next_use
+
+
+def scored_replay(trace: Trace, slots: int, state, prefill_borrow: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Replay a scored policy's ``state`` (:mod:`freetoken.policy.scored`, made for this trace's shape and
+    ``slots``) over the whole trace; returns (misses, loads) per decode step, int64 [steps] each."""
+    slots = check_slots(slots)
+    p = prepare(trace)
+    if slots < max(p.max_active, 1):
+        raise ValueError(f"this policy needs at least as many slots as the largest active set ({p.max_active} = "
+                         f"unique experts of one layer's decode batch), got {slots}")
+    borrow_n = min(2 * trace.num_experts, slots) if prefill_borrow else 0
+    misses = np.zeros(trace.steps, np.int64)
+    loads = np.zeros(trace.steps, np.int64)
+    prefill = np.ascontiguousarray(trace.prefill_counts, np.float64)
+    step_segment = np.ascontiguousarray(trace.step_segment, np.int64)
+    scored_replay_calls(state, p.active, p.counts, p.seg_start, step_segment, prefill,
+                        float(trace.tokens * trace.top_k), borrow_n, misses, loads)
+    return misses, loads
+
+
+def _scored_result(name: str, trace: Trace, slots: int, window: str, prefill_borrow: bool, state,
+                   note: str) -> PolicyResult:
+    t0, t1 = window_steps(trace, window)
+    p = prepare(trace)
+    misses, loads = scored_replay(trace, slots, state, prefill_borrow)
+    note += "; prefill borrows 2E slots per segment" if prefill_borrow else "; no prefill borrowing"
+    return PolicyResult(name, int(slots), window, int(p.step_offsets[t1] - p.step_offsets[t0]),
+                        int(misses[t0:t1].sum()), int(loads[t0:t1].sum()), trace.record_bytes, note)
+
+
+def lfu_decay(trace: Trace, slots: int, window: str = "second_half", prefill_borrow: bool = True,
+              half_life: float = DEFAULT_HALF_LIFE, bypass: bool = False) -> PolicyResult:
+    """LFU with exponential decay (:mod:`freetoken.policy.lfu_decay`), replayed over the whole trace as
+    :func:`lru` is (same calls, same prefill borrowing); the window's misses count, loads are the admitted misses
+    (``bypass``: a miss less frequent than its victim is served without loading)."""
+    st = lfu_decay_new(trace.num_layers, trace.num_experts, check_slots(slots), half_life, bypass)
+    return _scored_result("lfu_decay+bypass" if bypass else "lfu_decay", trace, slots, window, prefill_borrow, st,
+                          f"half-life {half_life:g} steps")
+
+
+def next_use(trace: Trace, slots: int, window: str = "second_half", prefill_borrow: bool = True,
+             bypass: bool = False, name: str | None = None, **params) -> PolicyResult:
+    """Expected time to next use (:mod:`freetoken.policy.next_use`; ``params``: :func:`next_use_new`'s), replayed
+    over the whole trace as :func:`lru` is; loads are the admitted misses (``bypass``: a miss expected back later
+    than its victim is served without loading). With a prefill prior, each segment's prefill counts seed it."""
+    st = next_use_new(trace.num_layers, trace.num_experts, check_slots(slots), bypass=bypass, **params)
+    name = name or ("next_use+bypass" if bypass else "next_use")
+    prior = params.get("prior_weight", 0.0) != 0.0 or params.get("prior_keep", 1.0) != 1.0
+    return _scored_result(name, trace, slots, window, prefill_borrow, st, "prefill prior" if prior else "online")
+
+
+def next_use_bypass(trace: Trace, slots: int, window: str = "second_half", prefill_borrow: bool = True,
+                    **params) -> PolicyResult:
+    """:func:`next_use` with bypass."""
+    return next_use(trace, slots, window, prefill_borrow, bypass=True, **params)
+
+
+def lfu_decay_bypass(trace: Trace, slots: int, window: str = "second_half", prefill_borrow: bool = True,
+                     half_life: float = DEFAULT_HALF_LIFE) -> PolicyResult:
+    """:func:`lfu_decay` with bypass."""
+    return lfu_decay(trace, slots, window, prefill_borrow, half_life, bypass=True)
+
+
+def recommended_policy(trace: Trace, slots: int, window: str = "second_half",
+                       prefill_borrow: bool = True) -> PolicyResult:
+    """The policy recommended as the runtime's next default (the device still runs LRU): :func:`next_use` with
+    :data:`freetoken.policy.next_use.RECOMMENDED` (bypass and the prefill prior)."""
+    r = next_use(trace, slots, window, prefill_borrow, name="next_use+bypass+prior", **RECOMMENDED)
+    r.note = "next_use+bypass+prior; " + r.note
+    return r
 
 
 # ------------------------------------------------------------------------------------------------ static ones
@@ -387,6 +468,11 @@ def belady_start(trace: Trace, slots: int, window: str = "second_half") -> Polic
 
 POLICIES: dict[str, Callable[..., PolicyResult]] = {
     "lru": lru,
+    "lfu_decay": lfu_decay,
+    "lfu_decay+bypass": lfu_decay_bypass,
+    "next_use": next_use,
+    "next_use+bypass": next_use_bypass,
+    "next_use+bypass+prior": recommended_policy,
     "static_frequency": static_frequency,
     "prefill_placement": prefill_placement,
     "routing_blind": routing_blind,
@@ -394,3 +480,5 @@ POLICIES: dict[str, Callable[..., PolicyResult]] = {
     "belady_start": belady_start,
 }
 DEFAULT_POLICIES = ("lru", "static_frequency", "prefill_placement", "routing_blind", "belady")
+#: the policies that take ``prefill_borrow`` (demand policies replayed with the device's prefill borrowing)
+BORROWING = ("lru", "lfu_decay", "lfu_decay+bypass", "next_use", "next_use+bypass", "next_use+bypass+prior")

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from freetoken.sim.policies import DEFAULT_POLICIES, POLICIES
+from freetoken.sim.policies import BORROWING, DEFAULT_POLICIES, POLICIES
 from freetoken.sim.table import text_table
 from freetoken.trace.derived import WINDOWS, prepare
 from freetoken.trace.format import Trace
@@ -19,7 +19,8 @@ def simulate(trace: Trace, slots_list: Iterable[int], window: str = "second_half
              policies: Sequence[str] | None = None, prefill_borrow: bool = True) -> list[dict]:
     """Run every policy at every slot count; one row (a dict with :data:`COLUMNS` and ``note``) per pair, grouped
     by slot count. ``window`` is what the policies score (static_frequency always scores the second half; each
-    row states its window). ``prefill_borrow`` applies to lru."""
+    row states its window). ``prefill_borrow`` applies to the demand policies (:data:`BORROWING`: lru, lfu_decay,
+    next_use and their variants)."""
     if window not in WINDOWS:
         raise ValueError(f"unknown window {window!r} (expected one of {', '.join(WINDOWS)})")
     names = list(DEFAULT_POLICIES if policies is None else policies)
@@ -30,7 +31,7 @@ def simulate(trace: Trace, slots_list: Iterable[int], window: str = "second_half
     rows = []
     for slots in slots_list:
         for name in names:
-            kwargs = {"prefill_borrow": prefill_borrow} if name == "lru" else {}
+            kwargs = {"prefill_borrow": prefill_borrow} if name in BORROWING else {}
             rows.append(POLICIES[name](trace, slots, window=window, **kwargs).as_row())
     return rows
 
