@@ -13,7 +13,10 @@ most, in path order), scored two ways:
 
 * **from the start**: the module's first ``ctx + 1`` tokens, position p predicted from the p tokens before it;
 * **from inside**: a window of ``ctx + 1`` tokens starting at a seeded random offset in a module long enough for one
-  (so position 0 is mid-file code too, not a file header).
+  (so position 0 is mid-file code too, not a file header);
+* with ``--cyclic N``: extend_default_model's measure on these modules instead of its 15 held-out files: the first N
+  tokens of the modules joined by ``<|endoftext|>``, windows every ``--eval-stride`` tokens around that stream, so
+  every token is scored at every position and the buckets differ by position alone.
 
 The tables give the mean next-token NLL (nats) per position bucket (0-1k, 1k-4k, 4k-8k by default) and per 1,024
 positions; the last line says whether the loss rises with position anywhere.
@@ -34,7 +37,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from extend_default_model import DEFAULT_DIR, bucket_table, parse_buckets  # noqa: E402
+from extend_default_model import DEFAULT_DIR, bucket_table, loss_by_position, parse_buckets  # noqa: E402
 
 
 def held_out_modules(tok, ctx: int, limit: int) -> list[tuple[Path, np.ndarray]]:
@@ -75,6 +78,9 @@ def main(argv=None) -> int:
     ap.add_argument("--buckets", default="1024,4096", help="inner edges of the position buckets")
     ap.add_argument("--seed", type=int, default=0, help="the inside windows' offsets")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cyclic", type=int, default=0, metavar="N", help="also the cyclic measure over the first N "
+                    "tokens of the modules' stream (0: not)")
+    ap.add_argument("--eval-stride", type=int, default=1024, help="the cyclic windows' spacing (divides --ctx)")
     args = ap.parse_args(argv)
     buckets = parse_buckets(args.buckets, args.ctx)
 
@@ -105,6 +111,10 @@ def main(argv=None) -> int:
     rows = {f"from the start ({len(starts)} modules)": nll_at_positions(model, starts)}
     if inside:
         rows[f"from inside ({len(inside)} modules)"] = nll_at_positions(model, inside)
+    if args.cyclic:
+        eot = tok.token_to_id("<|endoftext|>")
+        stream = np.concatenate([np.append(ids, eot) for _, ids in docs])[:args.cyclic]
+        rows[f"cyclic over {stream.size:,} tokens"] = loss_by_position(model, stream, args.ctx, args.eval_stride)
     table, numbers = bucket_table(rows, buckets)
     print(table)
     print()
