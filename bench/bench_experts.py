@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                              "path); bf16 and fp8_block always run f32")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
+    if unknown:
+        parser.error(f"--shapes: unknown {', '.join(unknown)} (known: {', '.join(SHAPES)})")
 
     threads = nb.get_num_threads()
     busy = busy_fraction()
