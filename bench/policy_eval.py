@@ -106,12 +106,7 @@ class Recorder:
         m = self.model
         out = list(m.generate(prompt, tokens, SamplingParams(temperature=0.8, top_p=0.95, seed=seed),
                               record_routing=True, reuse_cache=reuse))
-        st = m.stats
-        rec.begin_segment()
-        for layer, ids in enumerate(st.prefill_routing):
-            rec.add_prefill(layer, ids)
-        for step in st.routing:
-            rec.add_decode_step(step)
+        rec.add_segment(m.stats.prefill_routing, m.stats.routing)
         return out
 
 

@@ -36,12 +36,7 @@ def record(path: Path, prompts: int, tokens: int, seed: int) -> None:
         prompt = f.read_text(errors="replace")[:600]
         sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=seed + i)
         list(model.generate(prompt, tokens, sampling, record_routing=True))
-        st = model.stats
-        rec.begin_segment()
-        for layer, ids in enumerate(st.prefill_routing):
-            rec.add_prefill(layer, ids)
-        for step in st.routing:
-            rec.add_decode_step(step)
+        rec.add_segment(model.stats.prefill_routing, model.stats.routing)
     rec.save(path)
 
 

@@ -165,6 +165,26 @@ def test_recorder(tmp_path):
     np.testing.assert_array_equal(t.decode_ids, u.decode_ids)
 
 
+def test_recorder_add_segment_is_the_three_calls():
+    """add_segment(prefill, decode) records what begin_segment + add_prefill per layer + add_decode_step per step
+    do (one generation's stats)."""
+    prefill = [np.array([[0, 1], [1, 2]]), np.array([[2, 3]])]
+    decode = [[np.array([[0, 1]]), np.array([[2, 3]])], [np.array([[1, 2]]), np.array([[3, 0]])]]
+    one = TraceRecorder(num_layers=2, num_experts=4, top_k=2, record_bytes=64)
+    assert one.add_segment(prefill, decode) == 0 and one.add_segment(prefill[:1], []) == 1
+    by_hand = TraceRecorder(num_layers=2, num_experts=4, top_k=2, record_bytes=64)
+    by_hand.begin_segment()
+    for layer, ids in enumerate(prefill):
+        by_hand.add_prefill(layer, ids)
+    for step in decode:
+        by_hand.add_decode_step(step)
+    by_hand.begin_segment()
+    by_hand.add_prefill(0, prefill[0])
+    a, b = one.to_trace(), by_hand.to_trace()
+    for field in ("decode_ids", "step_segment", "prefill_counts"):
+        np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+
+
 # ------------------------------------------------------------------------------------------------ synthetic
 
 

@@ -79,11 +79,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         moe_layers = sum(cfg.moe_layers)
         rec = TraceRecorder(moe_layers, cfg.num_experts, cfg.top_k, model.experts.layout.record_bytes,
                             model=cfg.family)
-        rec.begin_segment()
-        for layer, ids in enumerate(st.prefill_routing):
-            rec.add_prefill(layer, ids)
-        for step in st.routing:
-            rec.add_decode_step(step)
+        rec.add_segment(st.prefill_routing, st.routing)
         rec.save(args.record_trace)
         print(f"routing trace: {rec.num_steps} decode steps -> {args.record_trace}", file=sys.stderr)
     print(f"[{kind}] {memory_line(model)}", file=sys.stderr)

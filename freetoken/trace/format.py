@@ -310,7 +310,8 @@ class TraceRecorder:
         for step in decode:      rec.add_decode_step([ids_l0, ids_l1, ...])  # one [tokens, k] array per layer
 
     ``add_prefill`` may be called several times per layer (chunked prefill): the counts add up. The decode batch
-    size (tokens) must stay the same through a trace.
+    size (tokens) must stay the same through a trace. :meth:`add_segment` does all three for one generation (a
+    model's ``stats.prefill_routing`` and ``stats.routing``).
     """
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, record_bytes: int, model: str = ""):
@@ -352,6 +353,16 @@ class TraceRecorder:
         """Count the prefill routing ``ids`` [T, k] of ``layer`` into the current segment."""
         ids = self._check("add_prefill", _host(ids), layer)
         self._prefill[-1][layer] += np.bincount(ids.ravel(), minlength=self.num_experts)
+
+    def add_segment(self, prefill_routing, decode_routing) -> int:
+        """One generation as a segment: ``prefill_routing[l]`` is layer l's [T, k] prompt ids, ``decode_routing`` a
+        list of decode steps as :meth:`add_decode_step` takes them. Returns the segment's index."""
+        index = self.begin_segment()
+        for layer, ids in enumerate(prefill_routing):
+            self.add_prefill(layer, ids)
+        for step in decode_routing:
+            self.add_decode_step(step)
+        return index
 
     def add_decode_step(self, layer_ids) -> None:
         """Record one decode step: ``layer_ids[l]`` is layer l's top-k ids, shape [tokens, k]."""
