@@ -50,6 +50,28 @@ def lru_new(num_ids, slots):  # pragma: no cover - compiled
             np.zeros(slots, np.uint8), np.empty(max(slots, 1), np.int32), np.zeros(3, np.int64))
 
 
+@nb.njit(cache=True, inline="always")
+def unmap_slot(slot_of, owner, s):  # pragma: no cover - compiled
+    """Slot ``s`` lets go of its owner, whose mapping goes; returns that owner (-1: the slot was empty). With
+    :func:`map_slot`, the one place the two maps (``slot_of``, ``owner``) change, for every policy of the core."""
+    o = owner[s]
+    if o >= 0:
+        slot_of[o] = -1
+        owner[s] = -1
+    return o
+
+
+@nb.njit(cache=True, inline="always")
+def map_slot(slot_of, owner, s, f):  # pragma: no cover - compiled
+    """Flat id ``f`` takes slot ``s`` (the slot's previous owner loses its mapping); returns that owner (-1: none)."""
+    o = owner[s]
+    if o >= 0:
+        slot_of[o] = -1
+    owner[s] = f
+    slot_of[f] = s
+    return o
+
+
 @nb.njit(cache=True)
 def _unlink(nxt, prv, s):  # pragma: no cover - compiled
     nxt[prv[s]] = nxt[s]
@@ -120,13 +142,7 @@ def _insert(slot_of, owner, nxt, prv, rec, touched, meta, ids, n, protect_previo
             meta[N_TOUCHED] = nt
             return i
         _unlink(nxt, prv, s)
-        f = ids[i]
-        o = owner[s]
-        if o >= 0:
-            slot_of[o] = -1
-        evicted[i] = o
-        owner[s] = f
-        slot_of[f] = s
+        evicted[i] = map_slot(slot_of, owner, s, ids[i])
         rec[s] = now
         touched[nt] = s
         nt += 1
@@ -240,10 +256,8 @@ def lru_borrow(st, first, n, evicted):  # pragma: no cover - compiled
     k = 0
     p = head
     for s in range(first, first + n):
-        o = owner[s]
+        o = unmap_slot(slot_of, owner, s)
         if o >= 0:
-            slot_of[o] = -1
-            owner[s] = -1
             evicted[k] = o
             k += 1
         if st[PINNED][s] == 0:
@@ -266,15 +280,10 @@ def lru_pin(st, f):  # pragma: no cover - compiled
     slots = rec.shape[0]
     slot = slots - 1 - meta[N_PINNED]
     if cur >= 0 and cur != slot:  # f leaves an empty slot behind
-        owner[cur] = -1
-        slot_of[f] = -1
+        unmap_slot(slot_of, owner, cur)
         _unlink(nxt, prv, cur)
         _make_empty(st, cur, slots)
-    old = owner[slot]
-    if old >= 0:
-        slot_of[old] = -1
-    owner[slot] = f
-    slot_of[f] = slot
+    old = map_slot(slot_of, owner, slot, f)
     if pinned[slot] == 0:
         _unlink(nxt, prv, slot)
     pinned[slot] = 1

@@ -53,6 +53,8 @@ import math
 import numba as nb
 import numpy as np
 
+from freetoken.policy.lru import map_slot, unmap_slot
+
 SLOT_OF, OWNER, STAMP, PINNED, LAST, C1, C2, C3, DP, LCLOCK, GLOB, PARAMS, META = range(13)
 CLOCK, KIND, NUM_EXPERTS, NUM_LAYERS, BYPASS, CYCLE, N_PINNED = range(7)
 G_CONT, G_REUSE, G_LOADS = range(3)
@@ -245,11 +247,7 @@ def _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, pa
                 evicted[i] = BYPASSED
                 i += 1
                 continue
-        if o >= 0:
-            slot_of[o] = -1
-        evicted[i] = o
-        owner[s] = f
-        slot_of[f] = s
+        evicted[i] = map_slot(slot_of, owner, s, f)
         stamp[s] = call
         p += 1
         i += 1
@@ -277,10 +275,8 @@ def scored_borrow(st, first, n, evicted):  # pragma: no cover - compiled
     slot_of, owner = st[SLOT_OF], st[OWNER]
     k = 0
     for s in range(first, first + n):
-        o = owner[s]
+        o = unmap_slot(slot_of, owner, s)
         if o >= 0:
-            slot_of[o] = -1
-            owner[s] = -1
             evicted[k] = o
             k += 1
     return k
@@ -331,13 +327,8 @@ def scored_pin(st, f):  # pragma: no cover - compiled
         return -2
     slot = owner.shape[0] - 1 - meta[N_PINNED]
     if cur >= 0 and cur != slot:
-        owner[cur] = -1
-        slot_of[f] = -1
-    old = owner[slot]
-    if old >= 0:
-        slot_of[old] = -1
-    owner[slot] = f
-    slot_of[f] = slot
+        unmap_slot(slot_of, owner, cur)
+    old = map_slot(slot_of, owner, slot, f)
     pinned[slot] = 1
     meta[N_PINNED] += 1
     return old if old != f else -1

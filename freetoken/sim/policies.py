@@ -83,15 +83,25 @@ def _static_misses(seq: np.ndarray, placed: np.ndarray) -> int:
 # ------------------------------------------------------------------------------------------------------- LRU
 
 
-def lru_replay(trace: Trace, slots: int, prefill_borrow: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Replay the device LRU over the whole trace; returns (misses per decode step int64 [steps], the final
-    ``id_of_slot`` int32 [slots], -1 for empty). See :func:`lru` for the semantics."""
+def _demand_setup(trace: Trace, slots: int, who: str, prefill_borrow: bool):
+    """(slots, the trace's derived arrays, slots borrowed at each segment start) for a demand policy's replay, which
+    must hold one layer's whole active set; ``who`` names the policy in the error."""
     slots = check_slots(slots)
     p = prepare(trace)
     if slots < max(p.max_active, 1):
-        raise ValueError(f"lru needs at least as many slots as the largest active set ({p.max_active} = unique "
+        raise ValueError(f"{who} needs at least as many slots as the largest active set ({p.max_active} = unique "
                          f"experts of one layer's decode batch), got {slots}")
-    borrow_n = min(2 * trace.num_experts, slots) if prefill_borrow else 0
+    return slots, p, (min(2 * trace.num_experts, slots) if prefill_borrow else 0)
+
+
+def _borrow_note(prefill_borrow: bool) -> str:
+    return "prefill borrows 2E slots per segment" if prefill_borrow else "no prefill borrowing"
+
+
+def lru_replay(trace: Trace, slots: int, prefill_borrow: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Replay the device LRU over the whole trace; returns (misses per decode step int64 [steps], the final
+    ``id_of_slot`` int32 [slots], -1 for empty). See :func:`lru` for the semantics."""
+    slots, p, borrow_n = _demand_setup(trace, slots, "lru", prefill_borrow)
     st = lru_new(trace.num_flat, slots)
     misses = np.zeros(trace.steps, np.int64)
     lru_replay_calls(st, p.active, p.counts, p.seg_start, borrow_n, misses)
@@ -112,9 +122,8 @@ def lru(trace: Trace, slots: int, window: str = "second_half", prefill_borrow: b
     p = prepare(trace)
     per_step, _ = lru_replay(trace, slots, prefill_borrow)
     misses = int(per_step[t0:t1].sum())
-    note = "prefill borrows 2E slots per segment" if prefill_borrow else "no prefill borrowing"
     return PolicyResult("lru", int(slots), window, int(p.step_offsets[t1] - p.step_offsets[t0]), misses, misses,
-                        trace.record_bytes, note)
+                        trace.record_bytes, _borrow_note(prefill_borrow))
 
 
 # ------------------------------------------------------------------------------- scored: lfu_decay, next_use
@@ -123,12 +132,7 @@ def lru(trace: Trace, slots: int, window: str = "second_half", prefill_borrow: b
 def scored_replay(trace: Trace, slots: int, state, prefill_borrow: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Replay a scored policy's ``state`` (:mod:`freetoken.policy.scored`, made for this trace's shape and
     ``slots``) over the whole trace; returns (misses, loads) per decode step, int64 [steps] each."""
-    slots = check_slots(slots)
-    p = prepare(trace)
-    if slots < max(p.max_active, 1):
-        raise ValueError(f"this policy needs at least as many slots as the largest active set ({p.max_active} = "
-                         f"unique experts of one layer's decode batch), got {slots}")
-    borrow_n = min(2 * trace.num_experts, slots) if prefill_borrow else 0
+    slots, p, borrow_n = _demand_setup(trace, slots, "this policy", prefill_borrow)
     misses = np.zeros(trace.steps, np.int64)
     loads = np.zeros(trace.steps, np.int64)
     prefill = np.ascontiguousarray(trace.prefill_counts, np.float64)
@@ -143,7 +147,7 @@ def _scored_result(name: str, trace: Trace, slots: int, window: str, prefill_bor
     t0, t1 = window_steps(trace, window)
     p = prepare(trace)
     misses, loads = scored_replay(trace, slots, state, prefill_borrow)
-    note += "; prefill borrows 2E slots per segment" if prefill_borrow else "; no prefill borrowing"
+    note += "; " + _borrow_note(prefill_borrow)
     return PolicyResult(name, int(slots), window, int(p.step_offsets[t1] - p.step_offsets[t0]),
                         int(misses[t0:t1].sum()), int(loads[t0:t1].sum()), trace.record_bytes, note)
 
