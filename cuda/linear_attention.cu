@@ -163,6 +163,37 @@ static_assert(kRec == 2 * kChunk * kChunk + 4 * kChunk, "the record: Tb and P [C
 static_assert(kChunk == 64 && kCols == 16 && FT_LINEAR_CHUNK_THREADS == 4 * kChunk,
               "the thread roles below assume C = 64 tokens, 16 state columns and 256 threads (4 a token)");
 static_assert(FT_LINEAR_MAX_HEAD_DIM % 64 == 0, "the state update walks the key dims in tiles of 64");
+
+// The chunk's raw q and k rows (of n tokens) at key dims i0 .. i0 + kTile - 1 into the [C][kTileLd] tiles qt and
+// kt, zeros past the n tokens and past Dk. q0, k0: the chunk's first q and k of the key head; row: qkv's row length.
+__device__ __forceinline__ void stage_qk_tiles(float* qt, float* kt, const float* q0, const float* k0, long long row,
+                                               int n, int i0, int dk) {
+  for (int e = threadIdx.x; e < kChunk * kTile; e += blockDim.x) {
+    const int t = e / kTile, ii = e % kTile;
+    const bool ok = t < n && i0 + ii < dk;
+    qt[t * kTileLd + ii] = ok ? q0[t * row + i0 + ii] : 0.0f;
+    kt[t * kTileLd + ii] = ok ? k0[t * row + i0 + ii] : 0.0f;
+  }
+}
+
+// A record's [C][C] matrix (Tb or P) into shared memory as [C][kLd].
+__device__ __forceinline__ void stage_square(float* dst, const float* src) {
+  for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) dst[(e / kChunk) * kLd + e % kChunk] = src[e];
+}
+
+// acc[c] += sum_{j < count} w[j * stride] rv[j][c0 + c], c < 4, in j order: a row (stride 1) or a column (stride
+// kLd) of a staged matrix times the [C][kCols] buffer rv, for the thread's four columns.
+__device__ __forceinline__ void fma_rv(float (&acc)[4], const float* w, int stride, int count, const float* rv,
+                                       int c0) {
+  for (int j = 0; j < count; ++j) {
+    const float wj = w[j * stride];
+    const float4 u = *reinterpret_cast<const float4*>(rv + j * kCols + c0);
+    acc[0] = fmaf(wj, u.x, acc[0]);
+    acc[1] = fmaf(wj, u.y, acc[1]);
+    acc[2] = fmaf(wj, u.z, acc[2]);
+    acc[3] = fmaf(wj, u.w, acc[3]);
+  }
+}
 }  // namespace
 
 // gated_delta_chunk_prep_f32: grid (chunks, Hk), FT_LINEAR_CHUNK_THREADS threads. The block stages the chunk's raw
@@ -198,12 +229,7 @@ extern "C" __global__ void __launch_bounds__(FT_LINEAR_CHUNK_THREADS)
     for (int b = 0; b < 4; ++b) kk[a][b] = qk[a][b] = 0.0f;
   float sq = 0.0f;  // threads 0 .. C-1: |q_t|^2 of row t = tid; C .. 2C-1: |k_t|^2 of row t = tid - C
   for (int i0 = 0; i0 < dk; i0 += kTile) {
-    for (int e = tid; e < kChunk * kTile; e += blockDim.x) {
-      const int t = e / kTile, ii = e % kTile;
-      const bool ok = t < n && i0 + ii < dk;
-      qt[t * kTileLd + ii] = ok ? q0[t * row + i0 + ii] : 0.0f;
-      kt[t * kTileLd + ii] = ok ? k0[t * row + i0 + ii] : 0.0f;
-    }
+    stage_qk_tiles(qt, kt, q0, k0, row, n, i0, dk);
     __syncthreads();
     if (tid < 2 * kChunk) {
       const float* r = (tid < kChunk ? qt : kt) + (tid % kChunk) * kTileLd;
@@ -340,12 +366,7 @@ extern "C" __global__ void __launch_bounds__(FT_LINEAR_CHUNK_THREADS)
     // 1. X = K S, Y = Q S for row r, columns c0 .. c0 + 3
     float x[4] = {0.0f, 0.0f, 0.0f, 0.0f}, y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int i0 = 0; i0 < dk; i0 += kTile) {
-      for (int e = tid; e < kChunk * kTile; e += blockDim.x) {
-        const int t = e / kTile, ii = e % kTile;
-        const bool ok = t < n && i0 + ii < dk;
-        qt[t * kTileLd + ii] = ok ? q0[t * row + i0 + ii] : 0.0f;
-        kt[t * kTileLd + ii] = ok ? k0[t * row + i0 + ii] : 0.0f;
-      }
+      stage_qk_tiles(qt, kt, q0, k0, row, n, i0, dk);
       __syncthreads();
       const int lim = min(kTile, dk - i0);  // S rows past Dk are never written: stop at Dk
       for (int ii = 0; ii < lim; ++ii) {
@@ -364,42 +385,27 @@ extern "C" __global__ void __launch_bounds__(FT_LINEAR_CHUNK_THREADS)
     }
     // 2. rv = V - ce X, then Vn = Tb rv. Tb and P are zero above the diagonal: warp w's rows 8w .. 8w + 7 stop
     //    at s = 8w + 7 (one bound a warp)
-    const float* vrow = qkv + static_cast<long long>(t0 + r) * row + 2LL * k_heads * dk + static_cast<long long>(h) * dv;
+    const float* vrow =
+        qkv + static_cast<long long>(t0 + r) * row + 2LL * k_heads * dk + static_cast<long long>(h) * dv;
     const float ce = coef[4 * r], co = coef[4 * r + 1];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int j = j0 + c0 + c;
       rv[r * kCols + c0 + c] = (r < n && j < dv ? vrow[j] : 0.0f) - ce * x[c];
     }
-    for (int e = tid; e < kChunk * kChunk; e += blockDim.x) buf[(e / kChunk) * kLd + e % kChunk] = rc[e];
+    stage_square(buf, rc);
     __syncthreads();
     const int smax = min(r | 7, n - 1);
     float vn[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int sj = 0; sj <= smax; ++sj) {
-      const float w = buf[r * kLd + sj];
-      const float4 u = *reinterpret_cast<const float4*>(rv + sj * kCols + c0);
-      vn[0] = fmaf(w, u.x, vn[0]);
-      vn[1] = fmaf(w, u.y, vn[1]);
-      vn[2] = fmaf(w, u.z, vn[2]);
-      vn[3] = fmaf(w, u.w, vn[3]);
-    }
+    fma_rv(vn, buf + r * kLd, 1, smax + 1, rv, c0);
     __syncthreads();  // every thread is done with rv and Tb
 #pragma unroll
     for (int c = 0; c < 4; ++c) rv[r * kCols + c0 + c] = vn[c];
-    for (int e = tid; e < kChunk * kChunk; e += blockDim.x) {
-      buf[(e / kChunk) * kLd + e % kChunk] = rc[kChunk * kChunk + e];
-    }
+    stage_square(buf, rc + kChunk * kChunk);
     __syncthreads();
     // 3. O = co Y + P Vn
     float o[4] = {co * y[0], co * y[1], co * y[2], co * y[3]};
-    for (int sj = 0; sj <= smax; ++sj) {
-      const float w = buf[r * kLd + sj];
-      const float4 u = *reinterpret_cast<const float4*>(rv + sj * kCols + c0);
-      o[0] = fmaf(w, u.x, o[0]);
-      o[1] = fmaf(w, u.y, o[1]);
-      o[2] = fmaf(w, u.z, o[2]);
-      o[3] = fmaf(w, u.w, o[3]);
-    }
+    fma_rv(o, buf + r * kLd, 1, smax + 1, rv, c0);
     if (r < n) {
       float* orow = out + (static_cast<long long>(t0 + r) * v_heads + h) * dv;
 #pragma unroll
@@ -419,14 +425,7 @@ extern "C" __global__ void __launch_bounds__(FT_LINEAR_CHUNK_THREADS)
       const int i = i0 + r;
       if (i < dk) {
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int sj = 0; sj < n; ++sj) {
-          const float w = buf[sj * kLd + r];
-          const float4 u = *reinterpret_cast<const float4*>(rv + sj * kCols + c0);
-          acc[0] = fmaf(w, u.x, acc[0]);
-          acc[1] = fmaf(w, u.y, acc[1]);
-          acc[2] = fmaf(w, u.z, acc[2]);
-          acc[3] = fmaf(w, u.w, acc[3]);
-        }
+        fma_rv(acc, buf + r, kLd, n, rv, c0);
         float4* sp = reinterpret_cast<float4*>(s + i * kCols + c0);
         const float4 sv = *sp;
         *sp = make_float4(fmaf(cd, sv.x, acc[0]), fmaf(cd, sv.y, acc[1]), fmaf(cd, sv.z, acc[2]),
