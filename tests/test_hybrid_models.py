@@ -292,6 +292,29 @@ def test_anchors_keep_the_states(hybrid, tmp_path):
     assert got == _fresh(hybrid, ids[:n] + [1], 2) and damaged.anchors.get(aid) is None
 
 
+@pytest.mark.parametrize("on_disk", [True, False])
+def test_anchor_states_count_against_host_memory(hybrid, tmp_path, on_disk):
+    """An anchor's linear-attention states are host memory: past ``host_bytes`` the least recently used anchor
+    leaves the device for its files (then restores from them) or, without a directory, is deleted."""
+    from freetoken.device import get_device
+
+    _, _, tokens, _, _ = hybrid
+    greedy = SamplingParams(temperature=0)
+    model = Model(_decoder(hybrid, get_device("cpu"), ctx=256))
+    store = model.use_anchor_dir(tmp_path if on_disk else None, host_bytes=model.decoder.state_bytes() * 3 // 2)
+    ids = tokens[:14].tolist()
+    list(model.generate(ids, max_tokens=1, sampling=greedy, boundaries=[8, 14]))
+    first, second = model.stats.anchors_made
+    assert store.get(second).tier == "device" and store.host_bytes_held() <= store.host_bytes
+    if not on_disk:
+        assert store.get(first) is None
+        return
+    assert store.get(first).tier == "disk"
+    later = ids[:8] + [5, 6]
+    assert list(model.generate(later, max_tokens=3, sampling=greedy, anchor=first)) == _fresh(hybrid, later, 3)
+    assert model.stats.anchor == first and model.stats.cached_tokens == 8
+
+
 def test_state_bytes(hybrid):
     from freetoken.device import get_device
 

@@ -493,7 +493,8 @@ class AnchorStore:
     def _enforce_budgets(self, keep: Anchor | None = None) -> None:
         """Device anchors over ``device_blocks`` distinct blocks spill to host, least recently used first (the
         newest too when it alone is over: the prefix cache still has its blocks while nobody needs the room);
-        host copies over ``host_bytes`` go, least recently used first, except ``keep``'s."""
+        host copies over ``host_bytes`` go, least recently used first, except ``keep``'s (a device anchor's
+        linear-attention states are host memory too: such an anchor leaves the device for its files, or goes)."""
         by_age = sorted(self.anchors.values(), key=lambda a: a.last_use)
         for a in by_age:
             if len(set(self.held_blocks())) <= self.device_blocks:
@@ -503,13 +504,15 @@ class AnchorStore:
         for a in by_age:
             if self.host_bytes_held() <= self.host_bytes:
                 break
-            if a.where == "device" and a.id in self._state_host and a is not keep:
-                self._to_host(a)  # its states are host memory: it leaves the device for lower tiers as a whole
-            if a.where == "host" and a is not keep:
-                if a.path is not None:
-                    self._drop_host(a)  # on disk: only the host copy goes
-                else:
-                    self.delete(a.id)
+            if a is keep or a.where == "disk" or (a.where == "device" and a.id not in self._state_host):
+                continue  # no host memory to give back
+            if a.path is None:
+                self.delete(a.id)
+            elif a.where == "host":
+                self._drop_host(a)  # on disk: only the host copy goes
+            else:  # a device anchor with states: to its files as a whole (no copy to host memory on the way)
+                self._let_go(a)
+                a.where = "disk"
 
     def spill(self, n: int) -> int:
         """Reclaimer of the pool: move the least recently used device anchor to host memory; returns the references

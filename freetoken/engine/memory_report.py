@@ -23,9 +23,7 @@ def memory_breakdown(model) -> dict[str, int]:
     out.update(model.experts.memory())
     out["KV pool"] = int(dec.pool.nbytes) if dec.pool is not None else 0
     if getattr(dec, "recurrent", False):  # the linear-attention layers' states: live, snapshots, earlier sequences'
-        cache = getattr(model, "_state_cache", None)
-        out["linear-attention states"] = dec.state_bytes() * (1 + dec.kept_snapshots) + (
-            cache.nbytes if cache is not None else 0)
+        out["linear-attention states"] = dec.state_bytes() * (1 + dec.kept_snapshots) + model.state_cache.nbytes
     return out
 
 

@@ -50,7 +50,6 @@ class StateCache:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = int(max_bytes)
         self._entries: OrderedDict[tuple, StateEntry] = OrderedDict()  # least recently used first
-        self.hits = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -96,7 +95,6 @@ class StateCache:
                 found = e
         if found is not None:
             self._entries.move_to_end(self._key(found.tokens))
-            self.hits += 1
         return found
 
     def clear(self) -> None:
