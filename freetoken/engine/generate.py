@@ -190,6 +190,31 @@ class Model:
                 if m and not self.state_cache.has(self.cached_ids[:m]):
                     self.state_cache.put(self.cached_ids[:m], self.decoder.export_states(m))
 
+    def _anchor_candidate(self, ids: Sequence[int], anchor, boundaries: Sequence[int], st: GenerationStats):
+        """(store, target, cand): the anchor to try, ``anchor`` (an Anchor or an id) or else the longest one at
+        ``boundaries``, and the Anchor it names (None: none to try; an unknown id is refused into ``st``)."""
+        store = self._anchors if anchor is None else self.anchors
+        target = anchor
+        if target is None and store is not None and boundaries:
+            target = store.best_prefix(ids, boundaries)
+        cand = store.get(target) if isinstance(target, str) else target
+        if target is not None and cand is None:
+            st.anchor_refused = store.refuse(target, "no such anchor")[1]
+        return store, target, cand
+
+    def _restore_anchor(self, store, target, cand, ids: Sequence[int], limit: int, blocks, n: int,
+                        st: GenerationStats, states_out: dict | None = None) -> int:
+        """Restore ``cand`` (``target``: how it was named) into the decoder's sequence after the store's checks,
+        over the first ``n`` tokens' prefix-cache ``blocks``; what came of it goes into ``st``, the expert
+        residency it recorded is re-admitted when :attr:`restore_residency`. Returns the tokens restored (0:
+        refused)."""
+        keep, why = store.restore(target, ids, self.decoder.kv, limit, have=blocks, have_tokens=n,
+                                  states_out=states_out)
+        st.anchor, st.anchor_refused = (cand.id, None) if why is None else (None, why)
+        if why is None and self.restore_residency and cand.residency and hasattr(self.experts, "residency"):
+            self.experts.restore_residency(cand.residency)
+        return keep
+
     def _reuse_recurrent(self, ids: Sequence[int], anchor, boundaries: Sequence[int], st: GenerationStats) -> int:
         """:meth:`_reuse` for a decoder with linear-attention layers: the longest prefix of ``ids`` whose states are
         at hand as well as its KV rows, from the decoder's own sequence (no copy), an anchor (the one named, or the
@@ -197,17 +222,12 @@ class Model:
         cache's KV blocks)."""
         limit = len(ids) - 1
         own = self._own_resume(ids)
-        store = self._anchors if anchor is None else self.anchors
-        target = anchor
-        if target is None and store is not None and boundaries:  # one that ends before the prompt's last token
-            target = store.best_prefix(ids, [b for b in boundaries if b <= limit])
-        cand = store.get(target) if isinstance(target, str) else target
+        # at a boundary: one that ends before the prompt's last token (the states hold the token they end at)
+        store, target, cand = self._anchor_candidate(ids, anchor, [b for b in boundaries if b <= limit], st)
         cached = self._state_cache.best(ids, limit) if self._state_cache is not None else None
         elsewhere = max(cached.length if cached is not None else 0,
                         cand.length if cand is not None and cand.length <= limit else 0)
         if anchor is None and own and own >= elsewhere:  # the decoder's own sequence serves best
-            if target is not None and cand is None:
-                st.anchor_refused = store.refuse(target, "no such anchor")[1]
             self.decoder.length = own  # (what is cut off is dropped: keeping it would share the last block)
             return own
         self._retire()
@@ -217,13 +237,10 @@ class Model:
         try:
             self.decoder.reset()  # the old sequence is in the prefix caches now
             keep = 0
-            if target is not None and cand is None:
-                st.anchor_refused = store.refuse(target, "no such anchor")[1]
-            elif cand is not None:
+            if cand is not None:
                 states = {}
-                keep, why = store.restore(target, ids, seq, limit, have=blocks, have_tokens=n, states_out=states)
-                st.anchor, st.anchor_refused = (cand.id, None) if why is None else (None, why)
-                if why is None:
+                keep = self._restore_anchor(store, target, cand, ids, limit, blocks, n, st, states)
+                if keep:
                     self.decoder.import_states(states)
             entry = self.state_cache.best(ids, min(n, limit))  # states whose KV rows the match covers
             if entry is not None and entry.length > keep:
@@ -246,19 +263,10 @@ class Model:
         pool.retain(blocks)  # the match is held while room is made below (what else the tree holds may go)
         try:
             seq.reset()  # the old sequence is in the prefix cache: what of it nobody needs can be evicted now
-            store = self._anchors if anchor is None else self.anchors
-            target = anchor  # an Anchor or an id: the caller's, else the longest anchor at one of the boundaries
-            if target is None and store is not None and boundaries:
-                target = store.best_prefix(ids, boundaries)
+            store, target, cand = self._anchor_candidate(ids, anchor, boundaries, st)
             keep = 0
-            cand = store.get(target) if isinstance(target, str) else target
-            if target is not None and cand is None:
-                st.anchor_refused = store.refuse(target, "no such anchor")[1]
-            elif cand is not None and (anchor is not None or min(cand.length, limit) > n):
-                keep, why = store.restore(target, ids, seq, limit, have=blocks, have_tokens=n)
-                st.anchor, st.anchor_refused = (cand.id, None) if why is None else (None, why)
-                if why is None and self.restore_residency and cand.residency and hasattr(self.experts, "residency"):
-                    self.experts.restore_residency(cand.residency)
+            if cand is not None and (anchor is not None or min(cand.length, limit) > n):
+                keep = self._restore_anchor(store, target, cand, ids, limit, blocks, n, st)
             if n > keep:
                 seq.adopt(blocks, n)
                 keep = n
