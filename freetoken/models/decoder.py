@@ -364,9 +364,9 @@ class MoeDecoder:
                              f"{self.resume_points()})")
         out = {}
         for i, st in enumerate(states):
-            if st is not None:  # copies: on the cpu device to_host returns the live arrays themselves
-                out[f"conv.{i}"] = np.array(self.dev.to_host(st.conv), np.float32)
-                out[f"rec.{i}"] = np.array(self.dev.to_host(st.rec), np.float32)
+            if st is not None:  # copied once into new arrays (to_host without out= is the live array on cpu)
+                for name, a in ((f"conv.{i}", st.conv), (f"rec.{i}", st.rec)):
+                    out[name] = self.dev.to_host(a, out=np.empty(a.shape, np.float32))
         return out
 
     def import_states(self, arrays: dict[str, np.ndarray]) -> None:
