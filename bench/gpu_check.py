@@ -65,7 +65,17 @@ def main(argv: list[str] | None = None) -> int:
                              "default: on for gpu, off for emu)")
     parser.add_argument("--synthetic", default=None, metavar="GGUF",
                         help="with --model-check: also time decode on this GGUF (bench/make_synthetic_gguf.py)")
+    parser.add_argument("--archs", default="all", choices=["all", "native"],
+                        help="compile every source for every target architecture (all, the default: what CI "
+                             "checks) or only for this device (native: a lent GPU's minutes go to running)")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="compile the sources in N processes (NVRTC is single-threaded; default 1)")
+    parser.add_argument("--only", default=None, metavar="REGEX", help="run only the cases whose name matches")
+    parser.add_argument("--deadline-s", type=float, default=None, metavar="S",
+                        help="start no case after S seconds from the start; the cases left are listed as not run")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
 
     from freetoken.device import device_status, get_device
     from freetoken.device.nvrtc import TARGET_ARCHS, compile_cubin
@@ -82,11 +92,20 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     sources = sorted(cuda_dir().glob("*.cu"))
-    for src in sources:  # every source for every target (cached), then this card's build through the device
-        for arch in TARGET_ARCHS:
-            compile_cubin(src.read_text(), src.name, arch)
+    archs = TARGET_ARCHS if args.archs == "all" else ((dev.arch,) if dev.kind == "gpu" else ())
+    jobs = [(src, arch) for src in sources for arch in archs]
+    if args.jobs > 1 and jobs:  # fill the cubin cache in parallel; the loads below then read it
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(args.jobs) as pool:
+            # longest first, so the biggest source does not start last
+            jobs.sort(key=lambda j: -j[0].stat().st_size)
+            list(pool.map(_compile_one, [(str(src), arch) for src, arch in jobs]))
+    for src, arch in jobs:
+        compile_cubin(src.read_text(), src.name, arch)
+    for src in sources:  # this device's build (the gpu device compiles for its card, emu with g++)
         dev.load_cuda(src.name)
-    print(f"compiled {len(sources)} sources for {', '.join(TARGET_ARCHS)} and {dev.kind} "
+    print(f"compiled {len(sources)} sources for {', '.join(archs) or 'no NVRTC target'} and {dev.kind} "
           f"in {time.perf_counter() - t0:.1f}s")
     if dev.kind == "gpu":
         import cupy
@@ -103,7 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     rng = np.random.default_rng(2026)
     cases = [c for c in CASES if not c.cpu_only]  # (after the others: their draws leave the earlier data as it was)
+    if args.only:
+        import re
+
+        cases = [c for c in cases if re.search(args.only, c.name)]
+    not_run = []
     for case in cases:
+        if args.deadline_s is not None and time.perf_counter() - t0 > args.deadline_s:
+            not_run.append(case.name)
+            continue
         inputs = case.make(rng, size)
         state = case.setup(dev, inputs)
         case.launch(dev, state)
@@ -122,9 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         gbs = case.bytes_moved(inputs) / (ms * 1e-3) / 1e9
         tflops = case.flops(inputs) / (ms * 1e-3) / 1e12
         print(f"{case.name:<22} {err:>10.2e} {status:>6} {ms * 1e3:>9.1f}us {gbs:>9.2f} {gbs / copy_bw:>7.1%} "
-              f"{tflops:>8.3f}")
-    print(f"\n{len(cases) - failed}/{len(cases)} kernels match their NumPy reference "
+              f"{tflops:>8.3f}", flush=True)
+    ran = len(cases) - len(not_run)
+    print(f"\n{ran - failed}/{ran} kernels match their NumPy reference "
           f"({size} shapes, median of {args.reps}; times include the op's Python launch overhead)")
+    if not_run:
+        print(f"{len(not_run)} cases not run (--deadline-s {args.deadline_s:g}): {', '.join(not_run)}")
     if args.model_check if args.model_check is not None else dev.kind == "gpu":
         import os
 
@@ -133,6 +163,15 @@ def main(argv: list[str] | None = None) -> int:
 
         failed += model_check(dev.kind, args.synthetic)
     return 1 if failed else 0
+
+
+def _compile_one(job: tuple[str, str]) -> None:
+    from pathlib import Path
+
+    from freetoken.device.nvrtc import compile_cubin
+
+    src = Path(job[0])
+    compile_cubin(src.read_text(), src.name, job[1])
 
 
 if __name__ == "__main__":

@@ -70,3 +70,27 @@ def cuda_include_dirs() -> list[Path]:
             if inc.is_dir():
                 dirs.append(inc)
     return dirs
+
+
+def cuda_runtime_include_dir() -> Path | None:
+    """The one directory holding the CUDA runtime headers NVRTC needs (cuda_fp16.h, cuda_bf16.h, cuda_fp8.h).
+
+    In order: the CUDA 12 header wheel (``nvidia/cuda_runtime/include``), CUDA 13's single-tree wheels
+    (``nvidia/cu13/include``), then a system toolkit (``$CUDA_PATH``, ``$CUDA_HOME``, ``/usr/local/cuda``). Only
+    one is used, so headers of two CUDA versions are never mixed."""
+    candidates = []
+    try:
+        import nvidia
+
+        for base in nvidia.__path__:
+            candidates += [Path(base) / "cuda_runtime" / "include", Path(base) / "cu13" / "include"]
+    except ImportError:
+        pass
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(var):
+            candidates.append(Path(os.environ[var]) / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    for inc in candidates:
+        if (inc / "cuda_fp16.h").is_file():
+            return inc
+    return None

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Sequence
 
 from freetoken.device.constants import define_options
-from freetoken.paths import cache_dir, cuda_dir, cuda_include_dirs
+from freetoken.paths import cache_dir, cuda_dir, cuda_runtime_include_dir
 
 #: The architectures every source must compile for: A100/3090 (80/86), 4090 (89), H100 (90), 5090 (120).
 TARGET_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_120")
@@ -40,7 +40,9 @@ def base_options(arch: str) -> list[str]:
     """The options the gpu device compiles with for ``arch`` (``"sm_86"``): the shared constants
     (:func:`freetoken.device.constants.define_options`) included."""
     opts = ["-std=c++17", f"--gpu-architecture={arch}", f"-I{cuda_dir()}", "-DNDEBUG", *define_options()]
-    opts += [f"-I{d}" for d in cuda_include_dirs() if d.parent.name == "cuda_runtime"]
+    runtime_headers = cuda_runtime_include_dir()
+    if runtime_headers is not None:
+        opts.append(f"-I{runtime_headers}")
     return opts
 
 
