@@ -7,11 +7,13 @@
 # packages it lacks travel as wheels in .whl/ (gguf and blake3 today; see the device notes) and are installed
 # into /tmp/site. Each step runs under its share of SECONDS, counted from the start, and writes into $OUT
 # (./gpu-session without one), so a step cut short still leaves what it printed:
-#   1. what the machine has (GPU, driver, CUDA, package versions); a Numba warm-up starts in the background,
+#   1. what the machine has (GPU, driver, CUDA, package versions); a plain checkout gets freetoken.cpu_kernels
+#      mapped in (bench/checkout_finder.py as sitecustomize); a Numba warm-up starts in the background,
 #      so the CPU reference model of step 3 does not compile its kernels on the clock of the GPU steps;
 #   2. bench/gpu_check.py's kernel table, compiled for this card only with parallel NVRTC (CI compiles every
 #      target); failing cases are rerun with FREETOKEN_NO_MMA=1 (passing then points at the tensor-core path);
-#   3. the end-to-end check (bench/gpu_model_check.py): logits against the cpu device, decode rates, bench bw;
+#   3. host cost per launch (bench/launch_overhead.py), then the end-to-end check (bench/gpu_model_check.py):
+#      logits against the cpu device, decode rates, bench bw;
 #   4. the pytest cases marked gpu in the device-parametrized test modules, with the time left.
 set -u
 BUDGET=${1:-540}
@@ -26,6 +28,10 @@ step "1. the machine"
 if compgen -G ".whl/*.whl" >/dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+if ! $PY -c "import freetoken.cpu_kernels" 2>/dev/null; then  # a plain checkout: map cpu_kernels/ in
+    mkdir -p /tmp/ft_site && cp bench/checkout_finder.py /tmp/ft_site/sitecustomize.py
+    export PYTHONPATH="/tmp/ft_site:$PYTHONPATH" FREETOKEN_CHECKOUT=$PWD
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 | tee "$OUT/machine.txt"
 $PY - <<'EOF' 2>&1 | tee -a "$OUT/machine.txt"
@@ -53,8 +59,8 @@ EOF
 WARM=$!
 
 step "2. kernel table (bench/gpu_check.py)"
-timeout $(( $(left) - 240 )) $PY bench/gpu_check.py --archs native --jobs 12 --no-model-check \
-    --deadline-s $(( $(left) - 300 )) 2>&1 | tee "$OUT/gpu_check.txt"
+timeout $(( $(left) - 150 )) $PY bench/gpu_check.py --archs native --jobs 12 --no-model-check \
+    --deadline-s $(( $(left) - 180 )) 2>&1 | tee "$OUT/gpu_check.txt"
 FAILED=$(awk '$3 == "FAIL" {print $1}' "$OUT/gpu_check.txt" | paste -sd'|')
 if [ -n "$FAILED" ] && [ "$(left)" -gt 200 ]; then
     step "2b. the failing cases with FREETOKEN_NO_MMA=1: $FAILED"
@@ -62,16 +68,19 @@ if [ -n "$FAILED" ] && [ "$(left)" -gt 200 ]; then
         2>&1 | tee "$OUT/gpu_check_no_mma.txt"
 fi
 
+step "2c. launch overhead (bench/launch_overhead.py)"
+timeout 40 $PY bench/launch_overhead.py 2>&1 | tee "$OUT/launch_overhead.txt"
+
 step "3. end to end (bench/gpu_model_check.py)"
-timeout $(( $(left) > 150 ? $(left) - 90 : 60 )) tail --pid=$WARM -f /dev/null
+timeout $(( $(left) > 150 ? $(left) - 90 : 30 )) tail --pid=$WARM -f /dev/null
 cat "$OUT/numba_warmup.txt"
-timeout $(( $(left) - 70 )) $PY -c "
+timeout $(( $(left) > 110 ? $(left) - 60 : 50 )) $PY -c "
 import sys; sys.path.insert(0, 'bench')
 from gpu_model_check import run
 sys.exit(min(run('gpu'), 1))" 2>&1 | tee "$OUT/model_check.txt"
 
 step "4. pytest -m gpu"
-if [ "$(left)" -gt 40 ]; then
+if [ "$(left)" -gt 30 ]; then
     timeout $(( $(left) - 10 )) $PY -m pytest -q -m gpu -p no:cacheprovider -n 8 --durations=0 \
         --junitxml "$OUT/gpu_tests.xml" tests/test_kernel_parity.py tests/test_model_parity.py tests/test_cache.py \
         tests/test_cache_semantics.py tests/test_expert_runner.py tests/test_latent_attention.py tests/test_linear.py \

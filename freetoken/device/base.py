@@ -117,10 +117,16 @@ class Device(ABC):
     def from_dlpack(self, x: Any):
         """View an array from another framework (anything with ``__dlpack__`` on this device) as ``xp``."""
 
-    def as_array(self, x: Any):
-        """``x`` if it already is an ``xp`` array, else its DLPack view; a clear error if neither works."""
+    def as_array(self, x: Any, *, copy_host: bool = False):
+        """``x`` if it already is an ``xp`` array, else its DLPack view; a clear error if neither works.
+
+        ``copy_host``: ``x`` is only read, so a host NumPy array is copied to this device (a GPU cannot view host
+        memory through DLPack). Outputs and arrays a kernel updates in place never take that path: a copy would
+        drop what the kernel writes."""
         if isinstance(x, self.xp.ndarray):
             return x
+        if copy_host and isinstance(x, np.ndarray):
+            return self.asarray(x)
         if hasattr(x, "__dlpack__"):
             try:
                 return self.from_dlpack(x)
@@ -154,9 +160,16 @@ class Device(ABC):
         )
 
     def load_cuda(self, file_name: str, options: Sequence[str] = ()):
-        """Load ``cuda/<file_name>`` as a module (compiled once, cached on disk)."""
-        path: Path = cuda_source(file_name)
-        return self.load_module(path.read_text(), options, name=file_name)
+        """Load ``cuda/<file_name>`` as a module (compiled once, cached on disk).
+
+        Every kernel launch asks for its module here, so the answer is kept per (file, options): reading the
+        source and hashing it for :meth:`load_module`'s key cost ~40 us a launch, more than a decode kernel."""
+        key = (file_name, tuple(options))
+        loaded = self.__dict__.setdefault("_cuda_files", {})
+        if key not in loaded:
+            path: Path = cuda_source(file_name)
+            loaded[key] = self.load_module(path.read_text(), options, name=file_name)
+        return loaded[key]
 
     def __repr__(self) -> str:
         return f"<freetoken device {self.kind}>"

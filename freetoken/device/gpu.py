@@ -92,6 +92,7 @@ class GpuDevice(Device):
         self.compute_capability = (major, minor)
         self.arch = nvrtc.best_arch(major, minor)
         self._modules: dict[tuple, GpuModule] = {}
+        self._unified_addressing = bool(cupy.cuda.runtime.getDeviceProperties(index)["unifiedAddressing"])
         self.activate()
 
     def activate(self) -> None:
@@ -118,7 +119,16 @@ class GpuDevice(Device):
         mem = pinned_memory.PinnedMemory(max(nbytes, 1), runtime.hostAllocMapped | runtime.hostAllocPortable)
         ptr = pinned_memory.PinnedMemoryPointer(mem, 0)
         host = np.ndarray(shape, dtype=dtype, buffer=ptr)  # the ndarray keeps the allocation alive
-        return PinnedArray(host, runtime.hostGetDevicePointer(mem.ptr, 0), owner=mem)
+        return PinnedArray(host, self._mapped_device_pointer(mem.ptr), owner=mem)
+
+    def _mapped_device_pointer(self, host_ptr: int) -> int:
+        """The device address of mapped pinned memory. Under unified virtual addressing (every 64-bit platform
+        CUDA 12+ supports) it is the host address itself, which is what cudaHostGetDevicePointer returns there;
+        CuPy 14 no longer wraps that call. (Found on the first lent GPU: CuPy 14 for CUDA 12 and 13 both lack it.)"""
+        if not self._unified_addressing:
+            raise RuntimeError(f"gpu {self.index}: mapped pinned memory needs unified virtual addressing, "
+                               "which this device does not report")
+        return host_ptr
 
     def from_dlpack(self, x):
         return self.cupy.from_dlpack(x)

@@ -24,8 +24,9 @@ def resolve(device: Device | str | None) -> Device:
 
 
 def as_input(dev: Device, x, name: str, dtype=None, ndim: int | None = None):
-    """``x`` as a contiguous array on ``dev`` (DLPack accepted) with the stated dtype and rank."""
-    a = dev.as_array(x)
+    """``x`` as a contiguous array on ``dev`` (DLPack accepted; a host array copied to a GPU) with the stated dtype
+    and rank."""
+    a = dev.as_array(x, copy_host=True)
     if dtype is not None and a.dtype != np.dtype(dtype):
         raise TypeError(f"{name} must be {np.dtype(dtype)}, got {a.dtype}")
     if ndim is not None and a.ndim != ndim:

@@ -67,7 +67,7 @@ def _checked(dev, x, w, storage: str, bias):
         raise ValueError(f"unknown storage {storage!r}; choose {_STORAGE_NAMES}")
     x = as_input(dev, x, "x", np.float32, 2)
     want = STORAGE_DTYPES[storage]
-    w = dev.as_array(w)
+    w = dev.as_array(w, copy_host=True)
     if w.dtype != want:
         what = "uint16 (bf16 bits)" if storage == "bf16" else str(want)
         raise TypeError(f"w must be {what} for storage {storage!r}, got {w.dtype}")

@@ -41,7 +41,7 @@ def rms_norm(x, weight, eps: float, *, out=None, device=None, checked: bool = Fa
         _run(device, x, weight, np.float32(eps), out)
         return out
     dev = resolve(device)
-    x, weight = dev.as_array(x), dev.as_array(weight)
+    x, weight = dev.as_array(x, copy_host=True), dev.as_array(weight, copy_host=True)
     if dev.kind == "cpu":
         if (x.dtype == np.float32 and weight.dtype == np.float32 and 1 <= weight.ndim <= x.ndim
                 and x.shape[x.ndim - weight.ndim:] == weight.shape and x.size):
@@ -115,7 +115,7 @@ def add_rms_norm(x, y, weight, eps: float, *, out=None, device=None, checked: bo
         _run(device, x, weight, np.float32(eps), out, y)
         return out
     dev = resolve(device)
-    x, y, weight = dev.as_array(x), dev.as_array(y), dev.as_array(weight)
+    x, y, weight = dev.as_array(x), dev.as_array(y), dev.as_array(weight, copy_host=True)
     if x.dtype != np.float32 or y.dtype != np.float32 or weight.dtype != np.float32:
         raise TypeError(f"x, y and weight must be float32, got {x.dtype}, {y.dtype} and {weight.dtype}")
     if tuple(y.shape) != tuple(x.shape):

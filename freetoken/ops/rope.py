@@ -38,7 +38,7 @@ def rope(x, cos, sin, *, out=None, device=None):
     and falls back to array ops for inputs outside that contract; gpu/emu run ``rope_f32`` and refuse them.
     """
     dev = resolve(device)
-    x, cos, sin = dev.as_array(x), dev.as_array(cos), dev.as_array(sin)
+    x, cos, sin = (dev.as_array(a, copy_host=True) for a in (x, cos, sin))
     if dev.kind == "cpu":
         if (x.ndim == 3 and x.shape[-1] % 2 == 0 and x.dtype == np.float32 and cos.dtype == sin.dtype == np.float32
                 and cos.shape == sin.shape == (x.shape[0], x.shape[2])):

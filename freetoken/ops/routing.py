@@ -36,7 +36,7 @@ def route_softmax_topk(logits, k: int, renormalize: bool, *, out_ids=None, out_w
         _run(device, logits, k, renormalize, out_ids, out_weights)
         return out_ids, out_weights
     dev = resolve(device)
-    logits = dev.as_array(logits)
+    logits = dev.as_array(logits, copy_host=True)
     if logits.ndim != 2:
         raise ValueError(f"logits must be [T, E], got shape {tuple(logits.shape)}")
     rows, n = logits.shape
