@@ -15,6 +15,7 @@
 #   3. host cost per launch (bench/launch_overhead.py), then the end-to-end check (bench/gpu_model_check.py):
 #      logits against the cpu device, decode rates, bench bw;
 #   4. the pytest cases marked gpu in the device-parametrized test modules, with the time left.
+# Record what it shows in bench/GPU_RESULTS.md (the only record of freetoken on real GPUs).
 set -u
 BUDGET=${1:-540}
 OUT=${OUT:-$PWD/gpu-session}
