@@ -100,6 +100,25 @@ def test_every_tensor_kept_in_its_stored_type(quantized_file):
         assert {"q4_k", "q5_k", "q6_k", "q8_0"} <= held
 
 
+def test_ftw_from_the_file_keeps_every_tensor_as_stored(quantized_file, tmp_path):
+    """GGUF -> FTW (docs/ftw.md): the k-quant matrices move as their blocks and each layer's expert formats as
+    records, bit for bit, so the FTW file runs to the GGUF file's logits exactly."""
+    from freetoken.convert.ftw_export import write_ftw
+    from freetoken.engine.sources import open_source
+    from freetoken.loaders.ftw_file import FTWFile
+
+    mix, path = quantized_file
+    out = write_ftw(open_source(path), tmp_path / f"{mix}.ftw")
+    gguf_model = load(path, device="cpu")
+    model = load(out, device="cpu")
+    assert [lay.name for lay in model.experts.layouts] == [lay.name for lay in gguf_model.experts.layouts]
+    held = _assert_dense_types_kept(model, path, mix)
+    assert held == _assert_dense_types_kept(gguf_model, path, mix)
+    assert {t.storage for t in FTWFile(out).tensors.values()} - {"bf16", "f16", "f32"} <= held | {"q8_0"}
+    tokens = _tokens()
+    np.testing.assert_array_equal(_logits(model, tokens), _logits(gguf_model, tokens))
+
+
 def _dense_linears(model):
     from freetoken.engine.memory_report import _linears
 

@@ -132,7 +132,7 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
 def context_kwargs(args: argparse.Namespace) -> dict:
     """The :func:`freetoken.load` keywords of :func:`add_context_args`' flags."""
     return dict(ctx=args.ctx, kv_dtype=args.kv_dtype, kv_memory=args.kv_memory, prefill_chunk=args.prefill_chunk,
-                allow_widen=getattr(args, "allow_widen", False))
+                allow_widen=getattr(args, "allow_widen", False), verify=getattr(args, "verify", "full"))
 
 
 def read_prompt_file(path: str) -> str:
@@ -177,6 +177,9 @@ def add_model_args(p: argparse.ArgumentParser, max_tokens: int, what: str) -> No
                         "8-bit blocks and uses int8 "
                         "dot products (llama.cpp's rounding), f32 keeps float32 (exact, slower); auto: q8 where the "
                         "CPU has AVX2 or AVX-512 VNNI (default)")
+    p.add_argument("--verify", default="full", choices=["full", "sample", "none"],
+                   help="an FTW file's checksums, checked as its data is read: every tensor and expert record "
+                        "(full, the default), every tensor and one record in 16 (sample), or none")
     p.add_argument("--allow-widen", action="store_true",
                    help="load a GGUF file whose non-expert matrices are in a block type freetoken does not keep "
                         "(Q5_0, Q3_K, IQ2_XXS, ...) by widening them to float32 (default: refuse, naming the tensor)")

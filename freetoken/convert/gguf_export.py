@@ -37,6 +37,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from freetoken.convert.atomic import atomic_output
 from freetoken.formats import MATRICES
 from freetoken.loaders.errors import LoadError
 from freetoken.models.config import HYBRID_FAMILIES, ModelConfig
@@ -415,32 +416,6 @@ def check_output(out: Path, inputs: Path, force: bool = False) -> None:
         raise ValueError(f"{out}: the directory {target.parent} is not writable")
 
 
-def _partial_name(out: Path, pid: int) -> Path:
-    return out.with_name(f".{out.name}.partial-{pid}")
-
-
-def remove_stale_partials(out: Path) -> list[Path]:
-    """Delete the temporary files that killed earlier conversions to ``out`` left (their process is gone)."""
-    removed = []
-    for p in out.parent.glob(f".{out.name}.partial-*"):
-        pid = p.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # a live conversion's file
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # another user's live process
-        try:
-            p.unlink()
-            removed.append(p)
-        except OSError:
-            pass
-    return removed
-
-
 def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, experts: str = "q4_0", other: str = "f16",
                 progress: bool = False, force: bool = False) -> Path:
     """Write ``model_dir`` (an HF MoE checkpoint: bf16/f16/f32 or block FP8) as a GGUF file at ``out``.
@@ -500,12 +475,7 @@ def write_gguf(cfg: ModelConfig, weights, out: str | os.PathLike, experts: str =
         if _matrix_type(type_name, shape) != type_name:
             raise ValueError(f"{tname}: rows of {shape[-1]} are not whole {type_name} blocks")
 
-    if not out.parent.is_dir():
-        raise ValueError(f"{out}: the directory {out.parent} does not exist")
-    remove_stale_partials(out)
-    tmp = _partial_name(out, os.getpid())
-    restore = _sigterm_as_exit()
-    try:
+    with atomic_output(out) as tmp:
         writer = gguf.GGUFWriter(tmp, ARCHS[cfg.family])
         _write_metadata(writer, cfg, name, experts, rope_sections)
         if tokenizer is not None:
@@ -533,29 +503,7 @@ def write_gguf(cfg: ModelConfig, weights, out: str | os.PathLike, experts: str =
                 raise ValueError(f"{tname}: expected shape {list(shape)}, got {list(data.shape)}")
             writer.write_tensor_data(_encode(np.asarray(data, np.float32), type_name))
         writer.close()
-        os.replace(tmp, out)
-    finally:
-        restore()
-        if tmp.exists():
-            tmp.unlink()
     return out
-
-
-def _sigterm_as_exit():
-    """While a file is written, SIGTERM raises SystemExit so the ``finally`` that removes the temporary file runs
-    (the main thread only; SIGKILL cannot be caught: the next run removes what it leaves). Returns the function
-    that restores the previous handler."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-
-    def on_term(signum, frame):
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, on_term)
-    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def _model_name(src: Path, config: dict) -> str:

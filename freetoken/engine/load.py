@@ -12,6 +12,7 @@ from freetoken.engine.context import kv_load_bytes
 from freetoken.engine.generate import Model
 from freetoken.engine.options import ExpertOptions, LoadOptions
 from freetoken.loaders import LoadError, SafetensorsDir
+from freetoken.loaders.ftw_file import is_ftw
 from freetoken.models import from_hf
 from freetoken.models.weights import HFWeights, check_hf_tensors
 
@@ -34,10 +35,11 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
          kv_dtype: str = "bf16", kv_memory: int | None = None, prefill_chunk: int | None = None,
          progress: bool = False, cache_slots: int | None = None, moe_mode: str = "gpu",
          pcie_gbps: float | None = None, cpu_gbps: float | None = None, future_value: float = 0.0,
-         prefetch: bool = False, cpu_activations: str = "auto", allow_widen: bool = False,
+         prefetch: bool = False, cpu_activations: str = "auto", allow_widen: bool = False, verify: str = "full",
          options: LoadOptions | None = None) -> Model:
     """Load a model: an HF directory (``config.json`` + safetensors + ``tokenizer.json``, or Kimi-K2's
-    ``tiktoken.model``; bf16/f16/f32 or block FP8) or a GGUF file; None: the bundled model.
+    ``tiktoken.model``; bf16/f16/f32 or block FP8), a GGUF file or an FTW file (docs/ftw.md; ``verify``: its
+    checksums, "full", "sample" or "none"); None: the bundled model.
 
     ``expert_format``: the :mod:`freetoken.formats` name the routed experts run in; default: as stored (bf16 for
     unquantized HF checkpoints, fp8_block for block-FP8 ones, q4_0/mxfp4 for such GGUF files). On gpu/emu the
@@ -61,7 +63,7 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
     used). Every kernel is compiled (or loaded from the on-disk caches) before this returns."""
     if options is None:
         options = LoadOptions(expert_format=expert_format, ctx=ctx, kv_dtype=kv_dtype, kv_memory=kv_memory,
-                              prefill_chunk=prefill_chunk, progress=progress, allow_widen=allow_widen,
+                              prefill_chunk=prefill_chunk, progress=progress, allow_widen=allow_widen, verify=verify,
                               experts=ExpertOptions(mode=moe_mode, cache_slots=cache_slots, pcie_gbps=pcie_gbps,
                                                     cpu_gbps=cpu_gbps, future_value=future_value,
                                                     prefetch=prefetch, cpu_activations=cpu_activations))
@@ -69,22 +71,20 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
     if not p.exists():
         raise LoadError(str(p), "no such model directory or file")
     dev = get_device(device)
+    if p.is_file() and is_ftw(p):
+        from freetoken.engine.sources import ftw_tokenizer_side, open_ftw
+
+        ftw, src = open_ftw(p, options.verify)
+        check_ftw_memory(ftw, src, kv_load_bytes(src.cfg, dev.kind, options), options.expert_format)
+        decoder = build_decoder(src.cfg, src.weights, dev, options)
+        tokenizer, eos, template = ftw_tokenizer_side(src, p)
+        return Model(decoder, tokenizer, eos, chat_template=template, weight_files=[p])
     if p.is_file():
         from freetoken.engine.load_gguf import load_gguf
 
         decoder, tokenizer, eos, template = load_gguf(p, dev, options)
         return Model(decoder, tokenizer, eos, chat_template=template, weight_files=[p])
-    sd = SafetensorsDir(p)
-    q = sd.quantization()
-    cfg = from_hf(sd.config, str(p / "config.json"))
-    mxfp4 = q.method == "mxfp4" and cfg.family == "gpt_oss"  # gpt-oss' release format: MXFP4 experts
-    if not mxfp4 and (q.method not in ("none", "fp8_block") or q.expert_format not in ("bf16", "fp8_block")):
-        raise LoadError(str(p / "config.json"), f"{q.method} checkpoints are not supported by the runner yet "
-                        "(bf16/f16/f32, block-FP8 and gpt-oss MXFP4 checkpoints are; their experts load through "
-                        "freetoken.formats)")
-    check_hf_tensors(cfg, sd, q.method == "fp8_block", kv_load_bytes(cfg, dev.kind, options), options.expert_format,
-                     mxfp4=mxfp4)
-    weights = HFWeights(cfg, sd.get, sd.has, fp8_block=q.method == "fp8_block", where=str(p), mxfp4=mxfp4)
+    cfg, weights, sd = open_hf_dir(p, kv_load_bytes_for(dev.kind, options), options.expert_format)
     decoder = build_decoder(cfg, weights, dev, options)
     tokenizer = None
     if (p / "tokenizer.json").is_file():
@@ -99,3 +99,40 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
     chat_template = ChatTemplate.from_dir(p) if tokenizer is not None else None
     return Model(decoder, tokenizer, _eos_ids(sd.config, p, tokenizer), chat_template=chat_template,
                  weight_files=sd.files())
+
+
+def kv_load_bytes_for(kind: str, options: LoadOptions):
+    """The KV pool bytes a load on a ``kind`` device counts in its host-memory check (a function of the config)."""
+    return lambda cfg: kv_load_bytes(cfg, kind, options)
+
+
+def open_hf_dir(p: Path, kv_bytes, expert_format: str | None):
+    """(config, weights, its :class:`SafetensorsDir`) of an HF checkpoint directory, its tensors checked by name
+    and shape (``kv_bytes``: the KV pool bytes the host-memory check counts, or a function of the config giving
+    them)."""
+    sd = SafetensorsDir(p)
+    q = sd.quantization()
+    cfg = from_hf(sd.config, str(p / "config.json"))
+    mxfp4 = q.method == "mxfp4" and cfg.family == "gpt_oss"  # gpt-oss' release format: MXFP4 experts
+    if not mxfp4 and (q.method not in ("none", "fp8_block") or q.expert_format not in ("bf16", "fp8_block")):
+        raise LoadError(str(p / "config.json"), f"{q.method} checkpoints are not supported by the runner yet "
+                        "(bf16/f16/f32, block-FP8 and gpt-oss MXFP4 checkpoints are; their experts load through "
+                        "freetoken.formats)")
+    check_hf_tensors(cfg, sd, q.method == "fp8_block", kv_bytes(cfg) if callable(kv_bytes) else kv_bytes,
+                     expert_format, mxfp4=mxfp4)
+    weights = HFWeights(cfg, sd.get, sd.has, fp8_block=q.method == "fp8_block", where=str(p), mxfp4=mxfp4)
+    return cfg, weights, sd
+
+
+def check_ftw_memory(ftw, src, kv_bytes: int, expert_format: str | None) -> int:
+    """Refuse an FTW load whose host allocations exceed the memory available (as the HF and GGUF loads do)."""
+    from freetoken.loaders.ftw_file import FLOAT_STORAGES
+    from freetoken.loaders.memory import check_load_bytes
+    from freetoken.models.weights import expert_layouts, load_bytes
+
+    dense = sum(4 * t.nbytes // FLOAT_STORAGES[t.storage].itemsize if t.storage in FLOAT_STORAGES else t.nbytes
+                for t in ftw.tensors.values())
+    need = load_bytes(src.cfg, dense, expert_format, kv_bytes, expert_layouts(src.cfg, src.weights, expert_format))
+    if expert_format is None:
+        need["float32 experts of one layer while quantized"] = 0  # the records move as stored
+    return check_load_bytes(ftw.path, need)

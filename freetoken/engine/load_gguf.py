@@ -158,16 +158,14 @@ def _check_expert_types(gf: GGUFFile, cfg: ModelConfig, w: GGUFWeights) -> None:
                                          "size in host memory", name)
 
 
-def load_gguf(path: Path, device, options):
-    """(decoder, tokenizer or None, eos ids, :class:`ChatTemplate` or None) of a GGUF file loaded as ``options``
-    (:class:`freetoken.engine.options.LoadOptions`) say."""
+def open_gguf(path: Path, kv_bytes, expert_format: str | None, allow_widen: bool = False):
+    """(config, weights, tokenizer or None, eos ids, :class:`ChatTemplate` or None) of a GGUF file, every tensor the
+    decoder reads checked first (``kv_bytes``: the KV pool bytes the host-memory check counts, or a function of the
+    config giving them)."""
     gf = GGUFFile(path, archs=tuple(GGUF_FAMILIES))
     cfg = from_gguf(gf)
     weights = GGUFWeights(cfg, gf)
-    from freetoken.engine.context import kv_load_bytes
-
-    check_tensors(gf, cfg, weights, kv_load_bytes(cfg, device.kind, options), options.expert_format,
-                  options.allow_widen)
+    check_tensors(gf, cfg, weights, kv_bytes(cfg) if callable(kv_bytes) else kv_bytes, expert_format, allow_widen)
     meta = gf.tokenizer_meta() if gf.has_meta("tokenizer.ggml.model") else None
     tokenizer = None
     if meta is not None:
@@ -182,7 +180,16 @@ def load_gguf(path: Path, device, options):
         special = {f"{k}_token": meta["tokens"][meta[f"{k}_token_id"]] for k in ("bos", "eos")
                    if meta.get(f"{k}_token_id") is not None}
         template = ChatTemplate(meta["chat_template"], special, name=f"{path.name}: tokenizer.chat_template")
-    from freetoken.engine.build import build_decoder
+    return cfg, weights, tokenizer, eos, template
 
+
+def load_gguf(path: Path, device, options):
+    """(decoder, tokenizer or None, eos ids, :class:`ChatTemplate` or None) of a GGUF file loaded as ``options``
+    (:class:`freetoken.engine.options.LoadOptions`) say."""
+    from freetoken.engine.build import build_decoder
+    from freetoken.engine.context import kv_load_bytes
+
+    cfg, weights, tokenizer, eos, template = open_gguf(
+        path, lambda c: kv_load_bytes(c, device.kind, options), options.expert_format, options.allow_widen)
     decoder = build_decoder(cfg, weights, device, options)
     return decoder, tokenizer, eos, template

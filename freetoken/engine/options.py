@@ -75,7 +75,9 @@ class LoadOptions:
     the model runs (None: the model's ``max_position_embeddings``, capped by the pool). ``prefill_chunk``: prompt
     tokens per forward pass (None: sized from the model's activations). ``progress``: progress lines on stderr while
     loading and preparing kernels. ``allow_widen``: a GGUF file's non-expert matrices in a block type no dense storage
-    keeps are widened to float32 instead of refused."""
+    keeps are widened to float32 instead of refused. ``verify``: an FTW file's checksums, checked as its data is
+    read: "full" (every tensor and record, the default: xxh3 hashes faster than a disk reads), "sample" (every
+    tensor, one record in 16) or "none"."""
 
     expert_format: str | None = None
     kv_dtype: str = "bf16"
@@ -84,9 +86,12 @@ class LoadOptions:
     prefill_chunk: int | None = None
     progress: bool = False
     allow_widen: bool = False
+    verify: str = "full"
     experts: ExpertOptions = field(default_factory=ExpertOptions)
 
     def __post_init__(self):
+        if self.verify not in ("full", "sample", "none"):
+            raise ValueError(f"verify {self.verify!r}: choose one of full, sample, none")
         if self.kv_dtype not in KV_KINDS:
             raise ValueError(f"kv dtype {self.kv_dtype!r}: choose one of {', '.join(KV_KINDS)}")
         _positive("kv_memory", self.kv_memory, integer=True)

@@ -1,0 +1,129 @@
+"""An FTW file as decoder weights (:class:`FTWWeights`), and its model config.
+
+An FTW file stores the decoder's own view of a model: its :class:`ModelConfig` fields, every tensor under the
+canonical key the decoder reads (``embed``, ``blk.3.q_proj``, ...) in HF order, already past the per-source fixes
+the HF and GGUF readers apply (fused projections split, llama's rotary rows unpermuted, ...), and the routed
+experts as records in the host pool's layout. So one reader serves every family and every source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import numpy as np
+
+from freetoken.formats import RecordLayout
+from freetoken.loaders.errors import LoadError
+from freetoken.loaders.ftw_file import FLOAT_STORAGES, FTWFile
+from freetoken.models.config import ModelConfig
+from freetoken.models.qmatrix import QuantizedMatrix
+from freetoken.models.weights import Weights
+
+
+def tensor_name(key: str, layer: int | None = None) -> str:
+    """The FTW name of the decoder's weight ``key`` (of ``layer``)."""
+    return key if layer is None else f"blk.{layer}.{key}"
+
+
+def config_to_json(cfg: ModelConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_json(d: dict, where: str) -> ModelConfig:
+    """The :class:`ModelConfig` an FTW index holds; unknown or missing fields are refused by name."""
+    if not isinstance(d, dict):
+        raise LoadError(where, "model_config is not an object", "index")
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise LoadError(where, f"model_config has fields this freetoken does not know: {unknown} (a newer writer?)",
+                        "index")
+    hints = typing.get_type_hints(ModelConfig)
+    kw = {}
+    for name, value in d.items():
+        if typing.get_origin(hints[name]) is tuple and isinstance(value, list):
+            value = tuple(value)
+        kw[name] = value
+    try:
+        return ModelConfig(**kw)
+    except TypeError as e:
+        raise LoadError(where, f"model_config: {e}", "index") from None
+
+
+def float_tensor(data: np.ndarray, storage: str, shape: tuple[int, ...]) -> np.ndarray:
+    """float32 values of a stored float tensor (``data``: its bytes)."""
+    a = data.view(FLOAT_STORAGES[storage]).reshape(shape)
+    if storage == "bf16":
+        return (a.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return a.astype(np.float32)
+
+
+class FTWWeights(Weights):
+    """Weights read from an :class:`FTWFile` (tensors as the index lists them, experts from their records)."""
+
+    def __init__(self, cfg: ModelConfig, ftw: FTWFile):
+        self.cfg, self.ftw = cfg, ftw
+        self._moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
+        ftw.check_experts(self._moe, cfg.num_experts)
+        self._formats = {i: self._layer_formats(i) for i in self._moe}
+        first = self._formats[self._moe[0]] if self._moe else None
+        self.native_expert_format = None if first is None else first[0] if first[0] == first[1] else "+".join(first)
+
+    def _layer_formats(self, layer: int) -> tuple[str, str]:
+        formats = {(r.fmt, r.down_fmt) for (lay, _), r in self.ftw.records.items() if lay == layer}
+        if len(formats) != 1:
+            raise LoadError(str(self.ftw.path), f"MoE layer {layer} mixes expert formats ({sorted(formats)}); this "
+                                                "freetoken runs one record layout per layer", f"layer {layer}")
+        return next(iter(formats))
+
+    def name(self, key: str, layer: int | None = None) -> str:
+        return tensor_name(key, layer)
+
+    def has(self, key: str, layer: int | None = None) -> bool:
+        return tensor_name(key, layer) in self.ftw.tensors
+
+    def _entry(self, key: str, layer: int | None):
+        name = tensor_name(key, layer)
+        if name not in self.ftw.tensors:
+            raise LoadError(str(self.ftw.path), f"no tensor {name!r} in the file", name)
+        return self.ftw.tensors[name]
+
+    def quantized_kind(self, key: str, layer: int | None = None) -> str | None:
+        if not self.has(key, layer):
+            return None
+        t = self._entry(key, layer)
+        return None if t.storage in FLOAT_STORAGES else t.storage
+
+    def get_matrix(self, key: str, layer: int | None = None) -> np.ndarray | QuantizedMatrix:
+        t = self._entry(key, layer)
+        data = self.ftw.tensor_bytes(t.name)
+        if t.storage in FLOAT_STORAGES:
+            return float_tensor(data, t.storage, t.shape)
+        blocks = np.array(data).reshape(t.shape[0], -1)  # a host copy, as the GGUF reader makes one
+        return QuantizedMatrix(t.storage, blocks, t.shape)
+
+    def get(self, key: str, layer: int | None = None) -> np.ndarray:
+        w = self.get_matrix(key, layer)
+        return w.dequantize() if isinstance(w, QuantizedMatrix) else w
+
+    def native_expert_formats(self, layer: int) -> tuple[str, str] | None:
+        return self._formats.get(layer)
+
+    def expert_banks(self, layer: int, layout: RecordLayout) -> dict[str, np.ndarray]:
+        """The layer's banks [E, ...]: copied record by record when ``layout`` is the stored one, else decoded
+        and quantized to ``layout`` (a load with another ``expert_format``)."""
+        stored = self.ftw.layout_of(self.ftw.records[(layer, 0)])
+        if layout.bias != stored.bias or (layout.hidden, layout.inter) != (stored.hidden, stored.inter):
+            raise LoadError(str(self.ftw.path), f"layer {layer}: the records are {stored}, the decoder wants {layout}",
+                            f"layer {layer}")
+        e = self.cfg.num_experts
+        banks = {s.name: np.empty((e, *s.shape), s.dtype) for s in stored.bank_specs()}
+        for expert in range(e):
+            for name, a in self.ftw.record_banks(layer, expert).items():
+                banks[name][expert] = a
+        if layout == stored:
+            return banks
+        f = stored.dequantize(banks)
+        biases = {m: f[f"{m}.b"] for m in ("gate", "up", "down")} if layout.bias else None
+        return layout.quantize(f["gate"], f["up"], f["down"], biases)
