@@ -16,7 +16,8 @@ Commands:
   serve   an OpenAI-compatible HTTP server (chat and text completions, streaming, metrics) for coding agents
   info    what this machine offers: devices, GPU and PCIe link, CPU SIMD, library versions, cache dir
   bench   measure this machine: `bench bw` stores PCIe/CPU bandwidth for --moe-mode auto
-  convert write an HF MoE checkpoint as a GGUF file (q4_0 experts) for llama.cpp and freetoken
+  convert write an HF MoE checkpoint as a GGUF file (q4_0 experts), or any model as an FTW file (docs/ftw.md)
+  perplexity  a model's perplexity on a text file, measured as llama.cpp's perplexity tool does
   trace   routing traces: synthesise, summarise, and replay them through expert-cache policies
 """
 
@@ -116,8 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_trace_parser(sub)
     from freetoken.cli.convert import add_convert_parser
+    from freetoken.cli.perplexity import add_perplexity_parser
 
     add_convert_parser(sub)
+    add_perplexity_parser(sub)
     add_bench_parser(sub)
     from freetoken.cli.chat import add_chat_parser
 

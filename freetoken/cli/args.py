@@ -156,7 +156,7 @@ def add_model_args(p: argparse.ArgumentParser, max_tokens: int, what: str) -> No
     """--model, --device, --max-tokens (default ``max_tokens``; ``what`` says per what), sampling, --cache-slots,
     --cpu-activations, and the context flags (:func:`add_context_args`)."""
     p.add_argument("--model", default=None,
-                   help="HF model directory or GGUF file of a Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5, "
+                   help="HF model directory, GGUF file or FTW file of a Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4.5, "
                         "gpt-oss, DeepSeek-V2/V3 (Kimi-K2), Qwen3-Next or Qwen3.5/3.6-MoE model (default: the "
                         "bundled model)")
     p.add_argument("--device", default="auto", choices=["auto", "gpu", "cpu", "emu"],
