@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -18,6 +18,8 @@ class Perplexity:
     tokens: int  # scored tokens
     chunks: int
     ctx: int
+    #: -log p of every scored token, in order (two runs on the same text compare token by token: a paired error)
+    per_token: np.ndarray = field(default=None, repr=False)
 
     @property
     def ppl(self) -> float:
@@ -62,4 +64,4 @@ def perplexity(model, ids: list[int] | np.ndarray, ctx: int = 512, max_chunks: i
             progress(c + 1, chunks, math.exp(float(np.concatenate(nll).mean())))
     all_nll = np.concatenate(nll)
     se = float(all_nll.std(ddof=1) / math.sqrt(len(all_nll))) if len(all_nll) > 1 else 0.0
-    return Perplexity(float(all_nll.mean()), se, len(all_nll), chunks, ctx)
+    return Perplexity(float(all_nll.mean()), se, len(all_nll), chunks, ctx, all_nll)
