@@ -1,4 +1,4 @@
-"""Mutated safetensors, GGUF, config.json and trace files: every outcome is a load or a clear error (issue 20).
+"""Mutated safetensors, GGUF, config.json, trace and FTW files: every outcome is a load or a clear error (issue 20).
 
 Hypothesis picks input numbers; :class:`freetoken.testing.fuzz.Mutator` turns each into a mutated file (a header
 field, a length, an offset, a dtype, a shape, a JSON value, a trace array...) and a fork server loads it as a user
@@ -48,7 +48,7 @@ def test_seed_loads(harness, kind):
     """The unmutated seeds load (so mutations start from a valid file)."""
     mutator, server, _ = harness
     path = {"safetensors": mutator.seeds.hf_dir, "config": mutator.seeds.hf_dir, "gguf": mutator.seeds.gguf,
-            "trace": mutator.seeds.trace}[kind]
+            "trace": mutator.seeds.trace, "ftw": mutator.seeds.ftw}[kind]
     assert server.run(kind, path)[0] == "ok"
 
 
@@ -74,3 +74,9 @@ def test_fuzz_config(harness, n):
 @given(n=st.integers(0, 2**31 - 1))
 def test_fuzz_trace(harness, n):
     check(harness, "trace", n)
+
+
+@_settings()
+@given(n=st.integers(0, 2**31 - 1))
+def test_fuzz_ftw(harness, n):
+    check(harness, "ftw", n)

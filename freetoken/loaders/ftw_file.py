@@ -93,9 +93,15 @@ class RecordEntry:
         return f"expert record (layer {self.layer}, expert {self.expert})"
 
 
+def _hex128(v, what: str) -> str:
+    if not isinstance(v, str) or len(v) != 32 or any(c not in "0123456789abcdef" for c in v):
+        raise ValueError(f"{what} must be 32 lowercase hex digits, got {v!r:.40}")
+    return v
+
+
 def _int(v, what: str, lo: int = 0) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-        raise ValueError(f"{what} must be an integer >= {lo}, got {v!r}")
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < 2**62:
+        raise ValueError(f"{what} must be an integer in [{lo}, 2^62), got {v!r:.40}")
     return v
 
 
@@ -157,8 +163,10 @@ class FTWFile:
             if not isinstance(name, str) or name in self.tensors:
                 raise ValueError(f"{what}: name {name!r} missing or repeated")
             shape = tuple(_int(d, f"{name}: shape", 1) for d in t["shape"])
-            self.tensors[name] = TensorEntry(name, str(t["storage"]), shape, _int(t["offset"], f"{name}: offset"),
-                                             _int(t["bytes"], f"{name}: bytes"), str(t["xxh3"]))
+            if not isinstance(t["storage"], str):
+                raise ValueError(f"{name}: storage must be a string")
+            self.tensors[name] = TensorEntry(name, t["storage"], shape, _int(t["offset"], f"{name}: offset"),
+                                             _int(t["bytes"], f"{name}: bytes"), _hex128(t["xxh3"], f"{name}: xxh3"))
         self.records: dict[tuple[int, int], RecordEntry] = {}
         for i, r in enumerate(ix["records"]):
             key = (_int(r["layer"], f"records[{i}].layer"), _int(r["expert"], f"records[{i}].expert"))
@@ -168,10 +176,25 @@ class FTWFile:
                 if f not in FORMAT_CODES:
                     raise ValueError(f"records[{i}]: unknown expert format {f!r}")
             self.records[key] = RecordEntry(*key, r["format"], r["down_format"], _int(r["offset"], "offset"),
-                                            _int(r["bytes"], "bytes"), str(r["xxh3"]))
+                                            _int(r["bytes"], "bytes"), _hex128(r["xxh3"], f"records[{i}].xxh3"))
+        from freetoken.device.constants import ACTIVATIONS
+
         lay = ix["record_layout"]
         self.hidden, self.inter = _int(lay["hidden"], "hidden", 1), _int(lay["inter"], "inter", 1)
-        self.bias, self.act = bool(lay["bias"]), str(lay["act"])
+        self.bias, self.act = lay["bias"], lay["act"]
+        if not isinstance(self.bias, bool) or self.act not in ACTIVATIONS:
+            raise ValueError(f"record_layout: bias must be true or false and act one of {', '.join(ACTIVATIONS)}")
+        for name, value in (("tokenizer", ix.get("tokenizer")), ("source", ix.get("source"))):
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string or null")
+        eos = ix.get("eos_ids") or []
+        if not isinstance(eos, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                for i in eos):
+            raise ValueError("eos_ids must be a list of token ids")
+        tpl = ix.get("chat_template")
+        if tpl is not None and not (isinstance(tpl, dict) and isinstance(tpl.get("source"), str) and tpl["source"]
+                                    and isinstance(tpl.get("special_tokens") or {}, dict)):
+            raise ValueError("chat_template must be null or {source: non-empty text, special_tokens: {...}}")
 
     def _check_layout(self) -> None:
         """Sizes against shapes and formats, every entry aligned and inside the data area, none overlapping."""
@@ -187,7 +210,10 @@ class FTWFile:
                                 t.name)
             spans.append((t.offset, t.nbytes, f"tensor {t.name}"))
         for r in self.records.values():
-            want = RECORD_HEADER_BYTES + self.layout_of(r).record_bytes
+            try:
+                want = RECORD_HEADER_BYTES + self.layout_of(r).record_bytes
+            except ValueError as e:  # the formats do not fit the record layout's shape
+                raise LoadError(where, f"{r.what}: {e}", r.what) from None
             if r.nbytes != want:
                 raise LoadError(where, f"{r.what}: {r.nbytes} bytes, its formats take {want}", r.what)
             spans.append((r.offset, r.nbytes, r.what))

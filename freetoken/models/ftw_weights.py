@@ -9,6 +9,7 @@ experts as records in the host pool's layout. So one reader serves every family 
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 
 import numpy as np
@@ -30,8 +31,45 @@ def config_to_json(cfg: ModelConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
+#: Upper bound of an FTW config's integers (every size the decoder allocates from is far below it).
+_MAX_INT = 2**31 - 1
+
+
+def _field_value(name: str, hint, value, where: str):
+    """``value`` as ``name``'s type (``hint``), or a LoadError naming the field."""
+    def bad(why):
+        raise LoadError(where, f"model_config.{name}: {why}, got {value!r:.60}", "index")
+
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        if not isinstance(value, list):
+            bad("expected an array")
+        (item, _) = typing.get_args(hint)
+        return tuple(_field_value(f"{name}[]", item, v, where) for v in value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            bad("expected true or false")
+    elif hint is int:
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _MAX_INT:
+            bad(f"expected an integer in [0, {_MAX_INT}]")
+    elif hint is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            bad("expected a finite number")
+        value = float(value)
+    elif hint is str:
+        if not isinstance(value, str):
+            bad("expected a string")
+    elif value is not None and not isinstance(value, dict):  # rope_scaling: dict | None
+        bad("expected an object or null")
+    return value
+
+
 def config_from_json(d: dict, where: str) -> ModelConfig:
-    """The :class:`ModelConfig` an FTW index holds; unknown or missing fields are refused by name."""
+    """The :class:`ModelConfig` an FTW index holds, every field type- and range-checked (unknown or missing fields,
+    an unknown family or RoPE variant refused by name, as LoadError / ConfigError naming the file)."""
+    from freetoken.models.config import FAMILIES, ConfigError
+    from freetoken.models.rope import rope_frequencies
+
     if not isinstance(d, dict):
         raise LoadError(where, "model_config is not an object", "index")
     fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
@@ -39,16 +77,25 @@ def config_from_json(d: dict, where: str) -> ModelConfig:
     if unknown:
         raise LoadError(where, f"model_config has fields this freetoken does not know: {unknown} (a newer writer?)",
                         "index")
+    missing = sorted(n for n, f in fields.items() if n not in d and f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING)
+    if missing:
+        raise LoadError(where, f"model_config lacks {missing}", "index")
     hints = typing.get_type_hints(ModelConfig)
-    kw = {}
-    for name, value in d.items():
-        if typing.get_origin(hints[name]) is tuple and isinstance(value, list):
-            value = tuple(value)
-        kw[name] = value
+    kw = {name: _field_value(name, hints[name], value, where) for name, value in d.items()}
+    if kw["family"] not in set(FAMILIES.values()):
+        raise LoadError(where, f"model_config.family {kw['family']!r} is not a family this freetoken runs", "index")
+    for name in ("vocab_size", "hidden", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        if kw[name] < 1:
+            raise LoadError(where, f"model_config.{name} must be at least 1, got {kw[name]}", "index")
     try:
-        return ModelConfig(**kw)
-    except TypeError as e:
-        raise LoadError(where, f"model_config: {e}", "index") from None
+        cfg = ModelConfig(**kw)
+        rope_frequencies(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    except (ValueError, TypeError, KeyError, ZeroDivisionError, OverflowError) as e:
+        raise LoadError(where, f"model_config: {type(e).__name__}: {e}", "index") from None
+    return cfg
 
 
 def float_tensor(data: np.ndarray, storage: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -65,10 +112,40 @@ class FTWWeights(Weights):
     def __init__(self, cfg: ModelConfig, ftw: FTWFile):
         self.cfg, self.ftw = cfg, ftw
         self._moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
+        self._check_tensors()
+        where = str(ftw.path)
+        if self._moe and (ftw.hidden, ftw.inter, ftw.bias, ftw.act) != (cfg.hidden, cfg.moe_inter, cfg.expert_bias,
+                                                                      cfg.expert_act):
+            raise LoadError(where, f"record_layout (hidden {ftw.hidden}, inter {ftw.inter}, bias {ftw.bias}, "
+                                   f"{ftw.act}) differs from the model config's experts (hidden {cfg.hidden}, inter "
+                                   f"{cfg.moe_inter}, bias {cfg.expert_bias}, {cfg.expert_act})", "index")
         ftw.check_experts(self._moe, cfg.num_experts)
         self._formats = {i: self._layer_formats(i) for i in self._moe}
         first = self._formats[self._moe[0]] if self._moe else None
         self.native_expert_format = None if first is None else first[0] if first[0] == first[1] else "+".join(first)
+
+    def _check_tensors(self) -> None:
+        """Every tensor the decoder reads is in the file with the shape the config gives it; nothing else is."""
+        from freetoken.models.weights import global_shapes, layer_shapes
+
+        where = str(self.ftw.path)
+        want = {}
+        for layer in (None, *range(self.cfg.num_layers)):
+            shapes = global_shapes(self.cfg) if layer is None else dict(layer_shapes(self.cfg, layer))
+            if "lin_ba" in shapes:  # stored apart, as the decoder reads them (decoder_keys in the writer)
+                rows, h = shapes.pop("lin_ba")
+                shapes.update(lin_b=(rows // 2, h), lin_a=(rows // 2, h))
+            want.update({tensor_name(k, layer): tuple(v) for k, v in shapes.items()})
+        for name, shape in want.items():
+            t = self.ftw.tensors.get(name)
+            if t is None:
+                raise LoadError(where, f"no tensor {name!r}, which the model config needs", name)
+            if t.shape != shape:
+                raise LoadError(where, f"tensor {name}: shape {list(t.shape)}, the model config gives "
+                                       f"{list(shape)}", name)
+        stray = sorted(set(self.ftw.tensors) - set(want))
+        if stray:
+            raise LoadError(where, f"tensors the model config has no use for: {stray[:5]}", stray[0])
 
     def _layer_formats(self, layer: int) -> tuple[str, str]:
         formats = {(r.fmt, r.down_fmt) for (lay, _), r in self.ftw.records.items() if lay == layer}

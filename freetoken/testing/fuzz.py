@@ -40,7 +40,7 @@ import numpy as np
 # fork server below).
 os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 
-KINDS = ("safetensors", "gguf", "config", "trace")
+KINDS = ("safetensors", "gguf", "config", "trace", "ftw")
 OUTCOMES = ("ok", "clear", "other", "hang", "memory", "crash")
 
 #: The tiny checkpoint's config: layer 0 MoE (4 experts, top-2), layer 1 dense; q/k norms per head.
@@ -60,6 +60,7 @@ class Seeds:
     hf_dir: Path  # config.json, model.safetensors, tokenizer.json, tokenizer_config.json
     gguf: Path
     trace: Path
+    ftw: Path
 
 
 def _tiny_tensors(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
@@ -107,6 +108,7 @@ def make_seeds(root: str | os.PathLike) -> Seeds:
     hf = root / "tiny-qwen3moe"
     gguf = root / "tiny-qwen3moe.gguf"
     trace = root / "tiny.trace.npz"
+    ftw = root / "tiny-qwen3moe.ftw"
     if not (hf / "model.safetensors").is_file():
         hf.mkdir(parents=True, exist_ok=True)
         (hf / "config.json").write_text(json.dumps(TINY_CONFIG, indent=1))
@@ -127,7 +129,12 @@ def make_seeds(root: str | os.PathLike) -> Seeds:
             for _ in range(6):
                 rec.add_decode_step([np.argsort(rng.random((1, 8)), axis=1)[:, :2] for _ in range(2)])
         rec.save(trace)
-    return Seeds(root, hf, gguf, trace)
+    if not ftw.is_file():
+        from freetoken.convert.ftw_export import write_ftw
+        from freetoken.engine.sources import open_source
+
+        write_ftw(open_source(hf), ftw)
+    return Seeds(root, hf, gguf, trace, ftw)
 
 
 # ---- mutations ---------------------------------------------------------------------------------------------
@@ -497,6 +504,60 @@ def mutate_trace(data_path: Path, rng: random.Random, out: Path) -> None:
             zf.writestr(k + ".npy", _npy_bytes(np.asarray(v), lie.get(k)))
 
 
+def mutate_ftw(data: bytes, rng: random.Random) -> bytes:
+    """An FTW file (docs/ftw.md) damaged as a disk or a buggy writer would: bytes flipped or cut anywhere (the
+    checksums must catch them), a preamble field changed, or an index value changed with the index checksum and
+    the file length made consistent again (so the structural checks, not the checksum, must refuse it)."""
+    from freetoken.loaders.ftw_file import PREAMBLE, checksum
+
+    op = rng.random()
+    if op < 0.25:
+        return _byte_mutation(data, rng)
+    magic, version, off, n, isum, size, align = PREAMBLE.unpack(data[:PREAMBLE.size])
+    if op < 0.4:
+        fields = [magic, version, off, n, isum, size, align]
+        i = rng.choice((1, 2, 3, 5, 6))
+        width = 32 if i in (1, 6) else 64
+        fields[i] = rng.choice([v for v in INTERESTING_INTS if 0 <= v < 2**width])
+        return PREAMBLE.pack(*fields) + data[PREAMBLE.size:]
+    index = json.loads(data[off:off + n])
+    for _ in range(rng.choice((1, 1, 2, 3))):
+        _mutate_json_leaf(index, rng)
+    try:
+        raw = dumps(index).encode()
+    except (ValueError, OverflowError):
+        raw = json.dumps(index, allow_nan=True).encode()
+    return (PREAMBLE.pack(magic, version, off, len(raw), bytes.fromhex(checksum(raw)), off + len(raw), align)
+            + data[PREAMBLE.size:off] + raw)
+
+
+def _mutate_json_leaf(obj, rng: random.Random) -> None:
+    """Change, drop or duplicate one value somewhere inside ``obj`` (a dict or list), in place."""
+    path = []
+    node = obj
+    while isinstance(node, (dict, list)) and node and rng.random() < 0.85:
+        key = rng.choice(list(node)) if isinstance(node, dict) else rng.randrange(len(node))
+        path.append((node, key))
+        node = node[key]
+    if not path:
+        return
+    parent, key = path[-1]
+    op = rng.randrange(6)
+    if op == 0 and isinstance(parent, dict):
+        del parent[key]
+    elif op == 0:
+        parent.pop(key)
+    elif op == 1 and isinstance(parent, list):
+        parent.insert(key, json.loads(json.dumps(parent[key])))  # a duplicate: two records or tensors alike
+    elif op == 2 and isinstance(parent[key], int) and not isinstance(parent[key], bool):
+        v = parent[key]
+        parent[key] = rng.choice([v + 1, v - 1, v + 4096, v - 4096, v * 2, v // 2, -v])
+    elif op == 3:
+        parent[key] = rng.choice(INTERESTING_INTS)
+    else:
+        parent[key] = rng.choice(INTERESTING_JSON)
+
+
 # ---- inputs and loads --------------------------------------------------------------------------------------
 
 
@@ -510,6 +571,7 @@ class Mutator:
         self.config = (seeds.hf_dir / "config.json").read_bytes()
         self.gguf = seeds.gguf.read_bytes()
         self.slots = gguf_slots(self.gguf)
+        self.ftw = seeds.ftw.read_bytes()
 
     def _hf_copy(self, workdir: Path) -> Path:
         d = workdir / "model"
@@ -536,6 +598,10 @@ class Mutator:
         if kind == "gguf":
             p = workdir / "model.gguf"
             p.write_bytes(mutate_gguf(self.gguf, rng, self.slots))
+            return p
+        if kind == "ftw":
+            p = workdir / "model.ftw"
+            p.write_bytes(mutate_ftw(self.ftw, rng))
             return p
         if kind == "trace":
             p = workdir / "trace.npz"
@@ -658,7 +724,8 @@ def warm_up(seeds: Seeds) -> None:
     """Load every seed once in this process, so forked children inherit compiled kernels and imports; and run the
     dense product once per weight storage and shape class (a mutated GGUF may turn a seed matrix into another
     storage: compiling its kernel in a child took ~10 s, the hang timeout)."""
-    for kind, path in (("safetensors", seeds.hf_dir), ("gguf", seeds.gguf), ("trace", seeds.trace)):
+    for kind, path in (("safetensors", seeds.hf_dir), ("gguf", seeds.gguf), ("trace", seeds.trace),
+                       ("ftw", seeds.ftw)):
         load_input(kind, path)
     from freetoken import ops
     from freetoken.ops.dense import BLOCK_STORAGES, STORAGE_DTYPES, k_multiple, row_bytes
