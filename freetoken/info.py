@@ -23,8 +23,12 @@ def _version(dist: str) -> str | None:
 
 
 def library_versions() -> dict[str, str | None]:
-    v = {name: _version(name) for name in ("numpy", "numba", "cupy-cuda12x", "ml-dtypes", "gguf", "safetensors",
-                                            "tokenizers", "nvidia-cuda-nvrtc-cu12")}
+    v = {name: _version(name) for name in ("numpy", "numba", "ml-dtypes", "gguf", "safetensors", "tokenizers")}
+    # CuPy and NVRTC come as CUDA 12 or CUDA 13 wheels (a lent H200 had cupy-cuda13x): report what is installed
+    cupy_dists = [d for d in ("cupy-cuda12x", "cupy-cuda13x", "cupy") if _version(d)]
+    v["cupy"] = f"{_version(cupy_dists[0])} ({cupy_dists[0]})" if cupy_dists else None
+    nvrtc_dists = [d for d in ("nvidia-cuda-nvrtc-cu12", "nvidia-cuda-nvrtc") if _version(d)]
+    v["nvrtc wheel"] = f"{_version(nvrtc_dists[0])} ({nvrtc_dists[0]})" if nvrtc_dists else None
     try:
         from freetoken.device.nvrtc import nvrtc_version
 
