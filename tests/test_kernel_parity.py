@@ -169,6 +169,11 @@ def test_qdense_odd_base_and_special_scales(device):
         x = rng.standard_normal((3, k), dtype=np.float32)
         got = device.to_host(dense_gemv(device.asarray(x), dw, kind, device=device))
         check_dense(got, x, blocks_dequantized(w, kind, k), None)
+        # x 4 bytes past an allocation (not 16-byte aligned: scalar x loads) gives the same sums bit for bit
+        xbuf = device.asarray(np.concatenate([np.zeros(1, np.float32), x.reshape(-1)]))
+        aligned = device.to_host(dense_gemv(device.asarray(x), device.asarray(w), kind, device=device))
+        np.testing.assert_array_equal(
+            device.to_host(dense_gemv(xbuf[1:].reshape(x.shape), device.asarray(w), kind, device=device)), aligned)
         np.testing.assert_array_equal(device.to_host(dense_dequant(dw, kind, k, device=device)),
                                       blocks_dequantized(w, kind, k))
         ws = w.copy()
