@@ -200,7 +200,7 @@ def test_sixteen_concurrent_streams_get_their_own_answers(server):
 def test_a_killed_client_frees_the_engine(server):
     script = (f"import openai, sys\n"
               f"c = openai.OpenAI(base_url='{server.url}/v1', api_key='{KEY}', max_retries=0)\n"
-              f"for chunk in c.chat.completions.create(model='{MODEL}', stream=True, max_tokens=400,\n"
+              f"for chunk in c.chat.completions.create(model='{MODEL}', stream=True, max_tokens=4000,\n"
               f"        temperature=1.0, messages=[{{'role': 'user', 'content': 'import os'}}]):\n"
               f"    print('chunk', flush=True)\n")
     kill_mid_stream(server, script, "chunk")

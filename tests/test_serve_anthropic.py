@@ -244,7 +244,7 @@ def test_errors_through_the_client(server):
 def test_a_killed_streaming_client_frees_the_engine(server):
     script = (f"import anthropic\n"
               f"c = anthropic.Anthropic(base_url='{server.url}', api_key='{KEY}', max_retries=0)\n"
-              f"with c.messages.stream(model='{MODEL}', max_tokens=400, extra_body={{'temperature': 1.0}},\n"
+              f"with c.messages.stream(model='{MODEL}', max_tokens=4000, extra_body={{'temperature': 1.0}},\n"
               f"        messages=[{{'role': 'user', 'content': 'import os'}}]) as s:\n"
               f"    for text in s.text_stream:\n"
               f"        print('text', flush=True)\n")
