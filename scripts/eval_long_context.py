@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from extend_default_model import DEFAULT_DIR, bucket_table, loss_by_position, parse_buckets  # noqa: E402
+from hf_attn_temperature import patch, set_temperature  # noqa: E402
 
 
 def held_out_modules(tok, ctx: int, limit: int) -> list[tuple[Path, np.ndarray]]:
@@ -56,6 +57,15 @@ def held_out_modules(tok, ctx: int, limit: int) -> list[tuple[Path, np.ndarray]]
             if len(out) == limit:
                 break
     return out
+
+
+def training_held_out(tok, seed: int = 1234, val_frac: float = 0.02) -> np.ndarray:
+    """The token stream of the first stage's held-out stdlib files (its seed and split)."""
+    from train_default_model import collect_files, encode_stream, read_text, split_files
+
+    pairs = [(f, read_text(f)) for f in collect_files(Path(sysconfig.get_paths()["stdlib"]))]
+    _, val = split_files([(f, t) for f, t in pairs if t is not None], val_frac, seed)
+    return encode_stream(tok, [t for _, t in val])
 
 
 @torch.no_grad()
@@ -81,6 +91,13 @@ def main(argv=None) -> int:
     ap.add_argument("--cyclic", type=int, default=0, metavar="N", help="also the cyclic measure over the first N "
                     "tokens of the modules' stream (0: not)")
     ap.add_argument("--eval-stride", type=int, default=1024, help="the cyclic windows' spacing (divides --ctx)")
+    ap.add_argument("--training-held-out", action="store_true", help="also the cyclic measure over the first "
+                    "stage's held-out files (extend_default_model's own measure)")
+    ap.add_argument("--no-docs", action="store_true", help="skip the from-the-start and from-inside measures")
+    ap.add_argument("--attn-scale", type=float, default=None, help="the query temperature's scale (0: off; "
+                    "default: the model config's attn_scale)")
+    ap.add_argument("--floor-scale", type=int, default=None, help="the query temperature's floor_scale (default: "
+                    "the model config's, else 1024)")
     args = ap.parse_args(argv)
     buckets = parse_buckets(args.buckets, args.ctx)
 
@@ -92,7 +109,15 @@ def main(argv=None) -> int:
     docs = held_out_modules(tok, args.ctx, args.files)
     if not docs:
         raise SystemExit(f"no stdlib test module has {args.ctx + 1} tokens")
+    patch()  # the engine's query temperature at far positions, when the config has it
     model = Qwen3MoeForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa").eval()
+    if args.attn_scale is not None or args.floor_scale is not None:
+        cfg = model.config
+        on = getattr(cfg, "attn_temperature_tuning", False)
+        scale = args.attn_scale if args.attn_scale is not None else (cfg.attn_scale if on else 0.0)
+        set_temperature(cfg, args.floor_scale or getattr(cfg, "floor_scale", 1024), scale)
+    if getattr(model.config, "attn_temperature_tuning", False):
+        print(f"# query temperature: attn_scale {model.config.attn_scale:g}, floor_scale {model.config.floor_scale}")
     if model.config.max_position_embeddings < args.ctx:
         print(f"note: the model's max_position_embeddings is {model.config.max_position_embeddings}, "
               f"less than --ctx {args.ctx}")
@@ -108,9 +133,14 @@ def main(argv=None) -> int:
     print(f"# {args.model}: {len(docs)} stdlib test modules of >= {args.ctx + 1:,} tokens ({tokens:,} tokens in "
           f"all); {len(inside)} long enough for a window from inside")
     t0 = time.time()
-    rows = {f"from the start ({len(starts)} modules)": nll_at_positions(model, starts)}
-    if inside:
-        rows[f"from inside ({len(inside)} modules)"] = nll_at_positions(model, inside)
+    rows = {}
+    if args.training_held_out:
+        rows["first stage's held-out files, cyclic"] = loss_by_position(model, training_held_out(tok), args.ctx,
+                                                                        args.eval_stride)
+    if not args.no_docs:
+        rows[f"from the start ({len(starts)} modules)"] = nll_at_positions(model, starts)
+        if inside:
+            rows[f"from inside ({len(inside)} modules)"] = nll_at_positions(model, inside)
     if args.cyclic:
         eot = tok.token_to_id("<|endoftext|>")
         stream = np.concatenate([np.append(ids, eot) for _, ids in docs])[:args.cyclic]

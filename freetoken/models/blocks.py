@@ -142,10 +142,11 @@ class Attention:
         gate = self.out_gate.nbytes if self.out_gate is not None else 0
         return self.qkv.nbytes + self.o_proj.nbytes + gate + sum(int(w.nbytes) for w in extra if w is not None)
 
-    def __call__(self, x, kv, start: int, cos, sin):
+    def __call__(self, x, kv, start: int, cos, sin, q_scale=None):
         """``x [T, hidden]`` at positions ``start ..`` with ``cos``/``sin`` their RoPE rows; appends the T keys and
         values to ``kv`` (the layer's :class:`freetoken.models.kv.LayerKV`, positions up to ``start + T`` already
-        allocated); returns the output projection ``[T, hidden]``."""
+        allocated); returns the output projection ``[T, hidden]``. ``q_scale`` ``[T]`` (device float32, or None):
+        each roped query's factor (:func:`freetoken.models.rope.query_temperature`)."""
         t, dev = x.shape[0], self.dev
         qkv = self.qkv(x)  # biases included
         qk = self.qk
@@ -161,6 +162,8 @@ class Attention:
             q, k = qk[:, :self.heads], qk[:, self.heads:]
             xp = dev.xp
             q, k, v = xp.ascontiguousarray(q), xp.ascontiguousarray(k), xp.ascontiguousarray(v)
+        if q_scale is not None:
+            q *= q_scale[:, None, None]
         ops.kv_store(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, kv.block_table, start, device=dev, checked=True)
         a = ops.paged_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, kv.block_table, start, window=self.window,
                                 sinks=self.sinks, out=self.scratch.get("att", (t, self.heads * dim)),
@@ -223,7 +226,9 @@ class GatedDeltaNet:
     def new_state(self) -> LinearState:
         return LinearState(self.dev, self.taps, self.channels, self.v_heads, self.k_dim, self.v_dim)
 
-    def __call__(self, x, state: LinearState, start: int, cos, sin):
+    def __call__(self, x, state: LinearState, start: int, cos, sin, q_scale=None):
+        """The layer's output ``[T, hidden]``; the state advances by the T tokens (``cos``/``sin``/``q_scale``: the
+        attention layers' position rows, which a recurrence does not use)."""
         t, dev, xp = x.shape[0], self.dev, self.dev.xp
         c, hv, dv = self.channels, self.v_heads, self.v_dim
         proj = self.inp(x)  # [T, C + Hv*Dv + 2 Hv]: q|k|v, z, b, a
@@ -307,7 +312,7 @@ class LatentAttention:
         vecs = [self.kv_a_norm, *halves] + ([] if self.q_a_norm is None else [self.q_a_norm])
         return sum(m.nbytes for m in mats) + sum(int(v.nbytes) for v in vecs)
 
-    def __call__(self, x, kv, start: int, cos, sin):
+    def __call__(self, x, kv, start: int, cos, sin, q_scale=None):
         """As :meth:`Attention.__call__`, with ``kv`` the layer's latent pool (keys only) and ``cos``/``sin`` the
         rope part's RoPE rows."""
         t, dev, xp = x.shape[0], self.dev, self.xp
@@ -332,6 +337,8 @@ class LatentAttention:
         else:
             q_cat[:, :, :rank] = xp.matmul(q[:, :, :nope].transpose(1, 0, 2), self.w_uk).transpose(1, 0, 2)
         q_cat[:, :, rank:] = qk_rope[:, :h]
+        if q_scale is not None:
+            q_cat *= q_scale[:, None, None]
         a = ops.latent_attention(q_cat, kv.k, kv.k_scale, kv.block_table, start, rank, scale=self.scale,
                                  out=self.scratch.get("latent_att", (t, h * rank)), device=dev, checked=True)
         if self.uv_rows is not None:
@@ -451,10 +458,10 @@ class DecoderLayer:
         self.eps, self.dev = eps, device
         self.scratch = scratch if scratch is not None else Scratch(device)
 
-    def __call__(self, x, kv, start: int, cos, sin) -> None:
+    def __call__(self, x, kv, start: int, cos, sin, q_scale=None) -> None:
         """Updates the residual stream ``x [T, hidden]`` (float32, C-contiguous) in place."""
         dev = self.dev
         h = ops.rms_norm(x, self.attn_norm, self.eps, out=self.scratch.get("h", x.shape), device=dev, checked=True)
-        a = self.attention(h, kv, start, cos, sin)
+        a = self.attention(h, kv, start, cos, sin, q_scale)
         ops.add_rms_norm(x, a, self.mlp_norm, self.eps, out=h, device=dev, checked=True)  # x += a; h = norm(x)
         x += self.mlp(h)

@@ -85,6 +85,12 @@ class ModelConfig:
     #: gpt-oss' attention sinks: a learned logit per query head (weight key ``attn_sinks`` ``[H]``) in each layer's
     #: softmax denominator.
     attention_sinks: bool = False
+    #: Llama 4's attention temperature tuning (config ``attn_temperature_tuning``, ``attn_scale``, ``floor_scale``;
+    #: GGUF ``{arch}.attention.temperature_scale`` / ``temperature_length``): the query at position ``p`` is scaled
+    #: by ``1 + attn_temperature_scale * ln(1 + floor((p + 1) / attn_temperature_floor))``, which sharpens attention
+    #: as the context grows past what training saw. 0: off.
+    attn_temperature_scale: float = 0.0
+    attn_temperature_floor: int = 8192
     #: "softmax" or "sigmoid_group" (:data:`ROUTERS`); the latter's expert groups, groups in play and weight scale.
     router: str = "softmax"
     n_group: int = 1
@@ -183,6 +189,9 @@ class ModelConfig:
             bad(f"{len(self.sliding_windows)} sliding windows for {self.num_layers} layers (each >= 0)")
         if self.head_dim % 2 and not self.mla:
             bad(f"head_dim {self.head_dim} is odd (RoPE rotates pairs)")
+        if not (0.0 <= self.attn_temperature_scale <= 10.0 and 1 <= self.attn_temperature_floor <= MAX_POSITIONS):
+            bad(f"attention temperature: scale {self.attn_temperature_scale} (in [0, 10]) and floor "
+                f"{self.attn_temperature_floor} (in [1, {MAX_POSITIONS}])")
         if self.mla:
             from freetoken.device.constants import LATENT_MAX_DIM
 
@@ -411,8 +420,16 @@ def from_hf(cfg: dict, where: str = "config.json") -> ModelConfig:
         qk_norm=qk_norm, qkv_bias=family == "qwen2_moe" or f.bool("attention_bias", False), shared_inter=shared,
         moe_layers=moe_layers, tie_word_embeddings=f.bool("tie_word_embeddings", False),
         max_position=f.int("max_position_embeddings", default=32768, hi=MAX_POSITIONS), rotary_dim=rotary_dim,
-        **groups,
+        **_temperature_fields(f), **groups,
     ))
+
+
+def _temperature_fields(f: Fields) -> dict:
+    """Llama 4's query temperature, when the config turns it on (transformers' defaults: scale 0.1, floor 8192)."""
+    if not f.bool("attn_temperature_tuning", False):
+        return {}
+    return dict(attn_temperature_scale=f.float("attn_scale", default=0.1, lo=0.0, lo_open=False, hi=10.0),
+                attn_temperature_floor=f.int("floor_scale", default=8192, hi=MAX_POSITIONS))
 
 
 def _mla_fields(f: Fields) -> dict:
@@ -743,4 +760,7 @@ def from_gguf(gf) -> ModelConfig:
         qk_norm=qk_norm, qkv_bias=qkv_bias, shared_inter=int(shared_inter),
         moe_layers=moe_layers, tie_word_embeddings=not gf.has("output.weight"),
         max_position=m.int(f"{arch}.context_length", default=32768, hi=MAX_POSITIONS), **router, **mla, **hybrid,
+        attn_temperature_scale=m.float(f"{arch}.attention.temperature_scale", default=0.0, lo=0.0, lo_open=False,
+                                       hi=10.0),
+        attn_temperature_floor=m.int(f"{arch}.attention.temperature_length", default=8192, hi=MAX_POSITIONS),
     ))

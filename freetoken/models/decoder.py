@@ -43,7 +43,7 @@ from freetoken.models.experts import ExpertRunner
 from freetoken.models.kv import KVPool, KVSequence
 from freetoken.models.linear import Linear
 from freetoken.models.qmatrix import QuantizedMatrix
-from freetoken.models.rope import partial_rotary_order, rope_tables
+from freetoken.models.rope import partial_rotary_order, query_temperature, rope_tables
 from freetoken.models.scratch import Scratch
 from freetoken.models.weights import HFWeights, Weights
 
@@ -276,6 +276,10 @@ class MoeDecoder:
         else:
             self.rope_cos, self.rope_sin = rope_tables(self.xp, np.arange(ctx), cfg.head_dim, cfg.rope_theta,
                                                        cfg.rope_scaling, cfg.max_position, cfg.rope_dim)
+        self.query_scale = None  # Llama 4's attention temperature, when the model has it
+        if cfg.attn_temperature_scale > 0:
+            self.query_scale = self.xp.asarray(query_temperature(np.arange(ctx), cfg.attn_temperature_floor,
+                                                                 cfg.attn_temperature_scale))
 
     def _sequence(self) -> KVSequence:
         if self.kv is None:
@@ -470,8 +474,9 @@ class MoeDecoder:
                 self.experts.begin(c1 - c0, first=c0 == 0)
                 x = xp.asarray(self.embed[tokens[c0:c1]])
                 cos, sin = self.rope_cos[pos:start + c1], self.rope_sin[pos:start + c1]
+                q_scale = None if self.query_scale is None else self.query_scale[pos:start + c1]
                 for layer, layer_kv in zip(self.layers, self._layer_kv, strict=True):
-                    layer(x, layer_kv, pos, cos, sin)
+                    layer(x, layer_kv, pos, cos, sin, q_scale)
                 self.experts.end()
                 kv.length = start + c1
                 every = self.snapshot_every

@@ -90,3 +90,13 @@ def partial_rotary_order(head_dim: int, rotary_dim: int) -> np.ndarray:
     passed = list(range(rotary_dim, head_dim))
     first, second = passed[:half - rh], passed[half - rh:]
     return np.asarray([*range(rh), *first, *range(rh, rotary_dim), *second], np.int64)
+
+
+def query_temperature(positions, floor_scale: int, attn_scale: float) -> np.ndarray:
+    """Llama 4's attention temperature tuning: the factor ``1 + attn_scale * ln(1 + floor((p + 1) / floor_scale))``
+    each query at position ``p`` is multiplied by (after RoPE), float32. It is 1 up to position ``floor_scale - 2``
+    and then grows with the log of the context: softmax over more keys flattens, and a larger logit scale at far
+    positions keeps attention as sharp as training left it (transformers' Llama 4 and llama.cpp compute the same
+    factor)."""
+    p = np.asarray(positions, np.float64)
+    return (1.0 + attn_scale * np.log1p(np.floor((p + 1.0) / floor_scale))).astype(np.float32)
