@@ -4,6 +4,8 @@ with the same semantics (see ``cache_admit`` there and the CacheModel reference 
 import numba as nb
 import numpy as np
 
+from freetoken.device.constants import NO_ROUTE
+
 _NO_KEY = np.int64(0x7FFFFFFFFFFFFFFF)
 
 
@@ -13,7 +15,8 @@ def cache_admit(ids, layer, experts, slot_for_id, id_of_slot, recency, pinned, c
     """Admit one layer's routed ids (``ids`` int32, any shape, C-contiguous: expert indices, rewritten in place to slot
     ids). The clock advances once; hits refresh their slot's recency; the misses, in increasing flat-id order, each
     take the slot of lowest recency that is not pinned and holds no id active in this call (ties: lowest slot); the
-    victim's old owner loses its mapping; worklist[2 i] = slot, [2 i + 1] = flat id. err: max with 1 (an id out of
+    victim's old owner loses its mapping; worklist[2 i] = slot, [2 i + 1] = flat id. A pair whose id is ``NO_ROUTE``
+    is left out (slot ``NO_ROUTE``, no error). err: max with 1 (an id out of
     [0, experts): its pair gets slot -1) and 2 (no victim left). ``count`` = 0 leaves hits/misses alone."""
     flat_ids = ids.reshape(-1)
     pairs = flat_ids.size
@@ -23,7 +26,9 @@ def cache_admit(ids, layer, experts, slot_for_id, id_of_slot, recency, pinned, c
     valid = 0
     for p in range(pairs):
         e = flat_ids[p]
-        if e < 0 or e >= experts:
+        if e == NO_ROUTE:  # routed to another format's experts: left out, no error
+            flat[p] = -1
+        elif e < 0 or e >= experts:
             err[0] = max(err[0], 1)
             flat[p] = -1
         else:

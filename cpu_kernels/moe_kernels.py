@@ -46,7 +46,7 @@ from freetoken.cpu_kernels.moe_rows_q8 import (
 from freetoken.cpu_kernels.q8_act import quantize_row
 from freetoken.cpu_kernels.serial_copy import serial_copy
 
-from freetoken.device.constants import ACT_SWIGLU, GPT_OSS_ALPHA, GPT_OSS_LIMIT
+from freetoken.device.constants import ACT_SWIGLU, GPT_OSS_ALPHA, GPT_OSS_LIMIT, NO_ROUTE
 
 #: Rows of the gate/up matrices per work item (one int8 panel).
 ROWS_GATE_UP = PANEL_ROWS
@@ -64,18 +64,28 @@ def group_pairs(ids, weights, num_experts):
     """Unique experts (ascending) and their tokens; duplicate (token, expert) pairs merged by summing weights.
 
     Returns ``uniq [U]``, ``poff [U + 1]`` (pairs of ``uniq[u]`` are ``poff[u]:poff[u + 1]``), ``ptok [P]``,
-    ``pw [P]`` (float32) and ``bad``: -1, or the flat position ``t * k + j`` of the first out-of-range id.
+    ``pw [P]`` (float32) and ``bad``: -1, or the flat position ``t * k + j`` of the first out-of-range id. Pairs whose
+    id is ``NO_ROUTE`` are left out.
     """
     t_count, k = ids.shape
-    m = t_count * k
-    keys = np.empty(m, np.int64)
+    keys = np.empty(t_count * k, np.int64)
+    wsrc = np.empty(t_count * k, np.int64)  # each kept pair's flat position, for its weight
+    m = 0
     for t in range(t_count):
         for j in range(k):
             e = ids[t, j]
+            if e == NO_ROUTE:  # routed to another format's experts: this call skips it
+                continue
             if e < 0 or e >= num_experts:
-                return (np.empty(0, np.int32), np.empty(1, np.int32), np.empty(0, np.int32),
+                return (np.empty(0, np.int32), np.zeros(1, np.int32), np.empty(0, np.int32),
                         np.empty(0, np.float32), np.int64(t * k + j))
-            keys[t * k + j] = np.int64(e) * t_count + t
+            keys[m] = np.int64(e) * t_count + t
+            wsrc[m] = t * k + j
+            m += 1
+    if m == 0:
+        return (np.empty(0, np.int32), np.zeros(1, np.int32), np.empty(0, np.int32), np.empty(0, np.float32),
+                np.int64(-1))
+    keys = keys[:m]
     order = np.argsort(keys, kind="mergesort")
     uniq = np.empty(m, np.int32)
     poff = np.empty(m + 1, np.int32)
@@ -87,7 +97,7 @@ def group_pairs(ids, weights, num_experts):
     for q in range(m):
         i = order[q]
         key = keys[i]
-        w = weights[i // k, i % k]
+        w = weights[wsrc[i] // k, wsrc[i] % k]
         if key == prev_key:
             pw[p] += w
             continue

@@ -41,6 +41,7 @@ __device__ __forceinline__ Argmin warp_argmin(Argmin v) {
 // refresh their slot's recency; then the misses, in increasing flat-id order, each take the slot with the lowest
 // recency that is not pinned and holds no id active in this call (recency == clock marks those), ties to the
 // lowest slot; the victim's old owner loses its mapping. worklist[2 * i] = slot, [2 * i + 1] = source flat id.
+// A pair whose id is FT_NO_ROUTE is left out (slot FT_NO_ROUTE, no error).
 // err: 1 an id out of [0, E) (its pair gets slot -1), 2 no victim left (too few slots). count = 0 leaves the
 // per-layer hit/miss counters alone (prefetch admissions).
 extern "C" __global__ void __launch_bounds__(1024) cache_admit(
@@ -64,7 +65,9 @@ extern "C" __global__ void __launch_bounds__(1024) cache_admit(
   }
   for (int p = tid; p < pairs; p += nt) {
     const int e = ids[p];
-    if (e < 0 || e >= experts) {
+    if (e == FT_NO_ROUTE) {
+      flat[p] = -1;  // a pair routed elsewhere (another format's experts): no admission, slot FT_NO_ROUTE
+    } else if (e < 0 || e >= experts) {
       atomicMax(err, FT_CACHE_ERR_ID_RANGE);
       flat[p] = -1;
     } else {
@@ -130,7 +133,7 @@ extern "C" __global__ void __launch_bounds__(1024) cache_admit(
     ++n_miss;
     __syncthreads();
   }
-  for (int p = tid; p < pairs; p += nt) ids[p] = flat[p] >= 0 ? slot_for_id[flat[p]] : -1;
+  for (int p = tid; p < pairs; p += nt) ids[p] = flat[p] >= 0 ? slot_for_id[flat[p]] : FT_NO_ROUTE;
   if (tid == 0) {
     *n_work = n_miss_done;
     if (count) {  // 0 for a prefetch: its admissions are not the layer's hits and misses

@@ -1,7 +1,7 @@
 // moe_plan.cu: group (token, k) pairs by expert slot for the routed-expert kernels, and merge their outputs.
 //
 // A counting sort in fixed-size buffers (graph-capturable, no host synchronisation):
-//   moe_plan_count   counts[slot] += 1 for every pair          (counts zeroed by the caller)
+//   moe_plan_count   counts[slot] += 1 for every pair          (counts zeroed by the caller; FT_NO_ROUTE pairs skipped)
 //   moe_plan_scan    one block: offsets per slot, the unique slots in increasing order, prefill tiles
 //   moe_plan_scatter pair_list[offset[slot] + cursor[slot]++] = pair
 // The order of pairs within one slot depends on timing, but every pair's output is computed alone and written
@@ -15,7 +15,7 @@ extern "C" __global__ void moe_plan_count(const int* __restrict__ ids, int pairs
   const int s = ids[p];
   if (s >= 0 && s < slots) {
     atomicAdd(&counts[s], 1);
-  } else {
+  } else if (s != FT_NO_ROUTE) {
     atomicMax(bad_id, p + 1);  // 1 + the largest offending pair; 0 when all ids are valid
   }
 }
@@ -88,7 +88,8 @@ extern "C" __global__ void moe_plan_scatter(const int* __restrict__ ids, int pai
   pair_list[slot_off[s] + atomicAdd(&cursor[s], 1)] = p;
 }
 
-// y[t, c] = sum_j weights[t, j] * o[(t * k + j), c], j in order; pairs with an invalid id contribute nothing.
+// y[t, c] = sum_j weights[t, j] * o[(t * k + j), c], j in order; pairs with an invalid id (FT_NO_ROUTE: routed to
+// another format's experts) contribute nothing.
 extern "C" __global__ void moe_combine(const float* __restrict__ o, const int* __restrict__ ids,
                                        const float* __restrict__ weights, int tokens, int k, int hidden, int slots,
                                        float* __restrict__ y) {

@@ -58,6 +58,10 @@ CACHE_MAX_BANKS = 16
 BANK_TABLE = np.dtype([("src", np.uint64, CACHE_MAX_BANKS), ("dst", np.uint64, CACHE_MAX_BANKS),
                        ("bytes", np.uint64, CACHE_MAX_BANKS), ("dst_stride", np.uint64, CACHE_MAX_BANKS),
                        ("first", np.int64), ("n", np.int32)], align=True)
+#: The id of a routed pair that goes nowhere (FT_NO_ROUTE): admission leaves it unmapped and the expert kernels skip
+#: it (it adds nothing to its token's output). A layer whose experts are in several formats runs once per format
+#: with the other formats' pairs marked so.
+NO_ROUTE = -1
 #: Error codes of cache_admit (and its Numba twin).
 CACHE_ERR_ID_RANGE = 1
 CACHE_ERR_NO_VICTIM = 2
@@ -144,6 +148,7 @@ CUDA_DEFINES: dict[str, str] = {
     **{f"FT_FMT_{name.upper()}": str(code) for name, code in FORMAT_CODES.items()},
     "FT_CACHE_MAX_PAIRS": str(CACHE_MAX_PAIRS),
     "FT_CACHE_MAX_BANKS": str(CACHE_MAX_BANKS),
+    "FT_NO_ROUTE": str(NO_ROUTE),
     "FT_CACHE_ERR_ID_RANGE": str(CACHE_ERR_ID_RANGE),
     "FT_CACHE_ERR_NO_VICTIM": str(CACHE_ERR_NO_VICTIM),
     "FT_DENSE_MAX_T": str(DENSE_MAX_TOKENS),

@@ -18,6 +18,7 @@ from freetoken.device.constants import (
     DECODE_MAX_TOKENS,
     DECODE_ROWS,
     EXPERT_BANKS,
+    NO_ROUTE,
     PLAN,
     PREFILL_ROWS,
     TILE_M,
@@ -75,7 +76,8 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
     Parameters
     ----------
     x : [T, H] float32 or bf16 (``ml_dtypes.bfloat16``, or uint16 bf16 bits where the array library has no bf16)
-    ids : int32 [T, k] slot ids: indices into the leading dimension of every bank
+    ids : int32 [T, k] slot ids: indices into the leading dimension of every bank; ``NO_ROUTE`` (-1) marks a pair
+        this call skips (routed to experts in another format): it adds nothing to its token's output
     weights : float32 [T, k] routing weights
     banks : record banks on the device (``layout.bank_specs()``; leading dimension = slots)
     layout : the record layout (format, H, I, biases)
@@ -132,7 +134,7 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
         forward = cpu_module("moe_experts").forward
 
         if validate:
-            bad = np.argwhere((ids < 0) | (ids >= slots))
+            bad = np.argwhere(((ids < 0) | (ids >= slots)) & (ids != NO_ROUTE))
             if bad.size:
                 t, j = (int(v) for v in bad[0])
                 raise ValueError(f"ids[{t}, {j}] = {int(ids[t, j])} is not a slot (there are {slots})")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from freetoken import formats, ops
+from freetoken.device.constants import NO_ROUTE
 from freetoken.formats import RecordLayout
 from freetoken.ops.cache import CopyTable
 from freetoken.testing.cases.base import KernelCase
@@ -71,7 +72,8 @@ def _make_cache_case(fmt_name: str, what: str):
 
 # ---- the ops alone, on every device (cpu: the Numba twin), against CacheModel --------------------------------------
 def _make_sequence(rng, size):
-    """A sequence of admissions (repeated ids within a call, pinned slots) with prefill borrows in between."""
+    """A sequence of admissions (repeated ids within a call, pinned slots, ``NO_ROUTE`` pairs) with prefill borrows in
+    between."""
     layers, experts, slots, calls = (3, 16, 40, 30) if size == "small" else (4, 128, 1024, 200)
     k, tokens = (6, 2) if size == "small" else (8, 4)
     steps = []
@@ -80,6 +82,8 @@ def _make_sequence(rng, size):
             steps.append(("borrow", i % layers, (i // 11) % 2 * experts))
         else:
             ids = rng.integers(0, experts, (tokens, k)).astype(np.int32)  # duplicates across tokens: one record
+            if i % 5 == 2:  # pairs routed to another format's experts: left out, no error (all of them in call 7)
+                ids[(rng.random(ids.shape) < 0.4) | (i == 7)] = NO_ROUTE
             steps.append(("admit", i % layers, ids, i % 7 != 3))  # every 7th a prefetch (not counted)
     pins = [(layers - 1, 1, slots - 1), (0, 2, slots - 2)]  # (layer, expert, slot)
     return {"layers": layers, "experts": experts, "slots": slots, "steps": steps, "pins": pins}

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from freetoken.device.constants import NO_ROUTE
+
 
 class CacheModel:
     def __init__(self, num_layers: int, num_experts: int, slots: int):
@@ -40,12 +42,13 @@ class CacheModel:
         slot that is not pinned and holds no id active in this call (ties: lowest slot); empty slots have -1.
         """
         ids = np.asarray(ids)
-        if ((ids < 0) | (ids >= self.num_experts)).any():
+        routed = ids != NO_ROUTE  # the other pairs go to another format's experts: left out
+        if ((ids[routed] < 0) | (ids[routed] >= self.num_experts)).any():
             raise ValueError("expert id out of range")
         self.clock += 1
         now = self.clock
         flat = layer * self.num_experts + ids.astype(np.int64)
-        active = np.unique(flat)
+        active = np.unique(flat[routed])
         missing = []
         for f in active:
             s = self.slot_for_id[f]
@@ -65,7 +68,7 @@ class CacheModel:
             work.append((v, f))
         self.hits[layer] += len(active) - len(missing)
         self.misses[layer] += len(missing)
-        return self.slot_for_id[flat].astype(np.int32), work
+        return np.where(routed, self.slot_for_id[np.where(routed, flat, 0)], NO_ROUTE).astype(np.int32), work
 
     def borrow(self, layer: int, first: int) -> list[tuple[int, int]]:
         """Prefill borrows slots [first, first + E) for ``layer``; returns the copy worklist."""

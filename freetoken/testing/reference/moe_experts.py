@@ -1,14 +1,14 @@
 """NumPy reference of the routed-expert forward (the MoE FFN), the oracle of every expert kernel.
 
 ``y[t] = sum_j weights[t, j] * (down[e] @ act(gate[e] @ x[t] + gb[e], up[e] @ x[t] + ub[e]) + db[e])`` with
-``e = ids[t, j]``, computed in float64 from the dequantized record.
+``e = ids[t, j]``, computed in float64 from the dequantized record; a pair whose id is ``NO_ROUTE`` adds nothing.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from freetoken.device.constants import ACT_SWIGLU, GPT_OSS_ALPHA, GPT_OSS_LIMIT, activation_code
+from freetoken.device.constants import ACT_SWIGLU, GPT_OSS_ALPHA, GPT_OSS_LIMIT, NO_ROUTE, activation_code
 
 
 def apply_activation(gate: np.ndarray, up: np.ndarray, act: str) -> np.ndarray:
@@ -89,7 +89,7 @@ def moe_forward_reference(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, d
     ids = np.asarray(ids)
     weights = np.asarray(weights, np.float64)
     y = np.zeros(x.shape, np.float64)
-    for e in np.unique(ids):  # every pair routed to expert e at once
+    for e in np.unique(ids[ids != NO_ROUTE]):  # every pair routed to expert e at once (NO_ROUTE: to none)
         t, j = np.nonzero(ids == e)
         xs = x[t]
         g = xs @ deq["gate"][e].astype(np.float64).T
