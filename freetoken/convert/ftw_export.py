@@ -5,7 +5,8 @@ Tensors are stored under the decoder's canonical keys: a matrix the source keeps
 (a GGUF Q4_K attention matrix, a block-FP8 projection) as those blocks, bit for bit; every other tensor as float,
 in the narrowest of bf16, f16 and f32 that holds its values exactly (an HF bf16 checkpoint stays bf16). Routed
 experts are written one record per expert, in the formats the source stores them in, or quantized to
-``expert_format`` (with :mod:`freetoken.formats`). The file appears only when complete (:mod:`.atomic`).
+``expert_format`` (with :mod:`freetoken.formats`), or each in the format an ``expert_plan`` names for it
+(:mod:`.expert_plan`). The file appears only when complete (:mod:`.atomic`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from freetoken.convert.atomic import atomic_output
 from freetoken.formats import RecordLayout
+from freetoken.formats.parts import ExpertParts
 from freetoken.loaders.ftw_file import (
     ALIGN,
     RECORD_HEADER_BYTES,
@@ -104,16 +106,30 @@ class _Writer:
 
 
 def write_ftw(source: FTWSource, out: str | Path, expert_format: str | None = None, progress: bool = False,
-              force: bool = False) -> Path:
-    """Write ``source`` as the FTW file ``out``; returns its path."""
+              force: bool = False, expert_plan: list[list[str]] | None = None) -> Path:
+    """Write ``source`` as the FTW file ``out``; returns its path. ``expert_plan`` (one list of E format names per
+    MoE layer, in MoE-layer order; see :mod:`freetoken.convert.expert_plan`) writes each expert's record in its
+    planned format instead of one format for all."""
     out = Path(out)
     if out.exists() and not force:
         raise ValueError(f"{out}: exists; pass --force to replace it")
+    if expert_format is not None and expert_plan is not None:
+        raise ValueError("give an expert format or an expert plan, not both")
     cfg, weights = source.cfg, source.weights
-    layouts = expert_layouts(cfg, weights, expert_format)
     moe = [i for i in range(cfg.num_layers) if cfg.is_moe(i)]
+    if expert_plan is None:
+        # a source layer that mixes formats (an FTW file) keeps each expert's own
+        per_expert = [[lay.layouts[lay.part_of(int(lay.local_of[e]))] for e in range(cfg.num_experts)]
+                      if isinstance(lay, ExpertParts) else [lay] * cfg.num_experts
+                      for lay in expert_layouts(cfg, weights, expert_format)]
+    else:
+        from freetoken.convert.expert_plan import check_plan, format_layouts
+
+        check_plan(expert_plan, len(moe), cfg.num_experts)
+        by_name = format_layouts(cfg, [f for row in expert_plan for f in row])
+        per_expert = [[by_name[f] for f in row] for row in expert_plan]
     plan = _tensor_plan(cfg, weights)
-    steps = [("tensor", p) for p in plan] + [("layer", (i, lay)) for i, lay in zip(moe, layouts, strict=True)]
+    steps = [("tensor", p) for p in plan] + [("layer", (i, lay)) for i, lay in zip(moe, per_expert, strict=True)]
     if progress:
         from tqdm import tqdm
 
@@ -126,7 +142,7 @@ def write_ftw(source: FTWSource, out: str | Path, expert_format: str | None = No
                 name, fetch = item
                 tensors.append(_write_tensor(w, name, fetch()))
             else:
-                records += _write_layer(w, weights, *item, cfg.num_experts)
+                records += _write_layer(w, weights, *item)
         index = {"format": "ftw", "version": VERSION, "writer": f"freetoken {__version__}",
                  "source": source.name, "model_config": config_to_json(cfg),
                  "tokenizer": source.tokenizer_json, "eos_ids": [int(i) for i in source.eos_ids],
@@ -154,17 +170,21 @@ def _write_tensor(w: _Writer, name: str, value) -> dict:
             "xxh3": checksum(np.ascontiguousarray(data))}
 
 
-def _write_layer(w: _Writer, weights: Weights, layer: int, layout: RecordLayout, num_experts: int) -> list[dict]:
+def _write_layer(w: _Writer, weights: Weights, layer: int, layouts: list[RecordLayout]) -> list[dict]:
+    """Write ``layer``'s expert records, expert ``e`` in ``layouts[e]``: the source's banks are fetched (and
+    quantized) once per distinct layout, and each record takes its expert's rows of its own layout's banks."""
     from freetoken.formats.base import ALIGNMENT
 
-    banks = weights.expert_banks(layer, layout)
-    layout.check(banks)
-    specs = layout.bank_specs()
+    banks, specs = {}, {}
+    for layout in dict.fromkeys(layouts):  # distinct layouts, first-use order
+        banks[layout] = weights.expert_banks(layer, layout)
+        layout.check(banks[layout])
+        specs[layout] = layout.bank_specs()
     out = []
-    for e in range(num_experts):
+    for e, layout in enumerate(layouts):
         parts = []
-        for s in specs:
-            row = np.ascontiguousarray(banks[s.name][e])
+        for s in specs[layout]:
+            row = np.ascontiguousarray(banks[layout][s.name][e])
             parts.append(row)
             pad = -row.nbytes % ALIGNMENT
             if pad:
