@@ -88,8 +88,14 @@ class ExpertCache:
         self.prefill_worklists = [xp.empty(2 * e, np.int32) for _ in range(2)]
         self.prefill_n_work = [xp.empty(1, np.int32) for _ in range(2)]
         self.transfer = dev.stream()
-        self._copy_tables = [self._layer_copy_table(layer) for layer in range(self.num_layers)]
-        self._worklist_layer = 0  # the layer of the last admission: its worklist's records
+        # per layer, one copy table per part (a layer whose experts are in several layouts has several)
+        self._copy_tables = [[self._layer_copy_table(layer, g) for g in range(len(pool.parts[layer].layouts))]
+                             for layer in range(self.num_layers)]
+        # a mixed layer's prefill copies: each part's slice of the borrowed worklist, with its own count
+        self._part_counts = {(layer, g): xp.asarray(np.array([hi - lo], np.int32))
+                             for layer, parts in enumerate(pool.parts) if parts.mixed
+                             for g, (lo, hi) in enumerate(parts.bounds)}
+        self._worklist_layer = (0, 0)  # the (layer, part) of the last admission: its worklist's records
         self.reset()
 
     # ---- state ---------------------------------------------------------------------------------------------
@@ -125,10 +131,12 @@ class ExpertCache:
                              f"no slot left to evict: {self.slots} slots, {len(self._pinned_slots)} pinned")
 
     # ---- decode ----------------------------------------------------------------------------------------------
-    def admit(self, layer: int, ids, stream=None, count: bool = True) -> None:
-        """Rewrite ``ids`` (int32 [T, k] on the device, expert indices of ``layer``) in place to slot ids.
+    def admit(self, layer: int, ids, stream=None, count: bool = True, part: int = 0) -> None:
+        """Rewrite ``ids`` (int32 [T, k] on the device, local expert ids of ``layer``, or ``NO_ROUTE``) in place to
+        slot ids (``NO_ROUTE`` pairs stay so).
 
-        ``count=False`` (a prefetch) leaves the per-layer hit/miss statistics unchanged."""
+        ``count=False`` (a prefetch) leaves the per-layer hit/miss statistics unchanged. ``part``: the part of a
+        mixed layer every id belongs to (its records are the ones :meth:`copy_missing` then copies)."""
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} out of range ({self.num_layers} MoE layers)")
         if ids.dtype != np.int32 or not ids.flags.c_contiguous:
@@ -139,27 +147,28 @@ class ExpertCache:
         cache_admit(ids, layer, self.num_experts, self.slot_for_id, self.id_of_slot, self.recency, self.pinned,
                     self.clock, self.worklist, self.n_work, self.hits, self.misses, self.err, count=count,
                     stream=stream, device=self.device)
-        self._worklist_layer = layer
+        self._worklist_layer = (layer, part)
 
     def copy_missing(self, stream=None) -> None:
         """Copy the records the last :meth:`admit` missed from the host pool into their slots."""
-        self._copy(self.worklist, self.n_work, self.max_active, stream, self._worklist_layer)
+        self._copy(self.worklist, self.n_work, self.max_active, stream, *self._worklist_layer)
 
-    def _copy(self, worklist, n_work, max_items: int, stream, layer: int) -> None:
-        cache_copy(worklist, n_work, self._copy_tables[layer], max_items, stream=stream, device=self.device)
+    def _copy(self, worklist, n_work, max_items: int, stream, layer: int, part: int = 0) -> None:
+        cache_copy(worklist, n_work, self._copy_tables[layer][part], max_items, stream=stream, device=self.device)
 
-    def _layer_copy_table(self, layer: int) -> CopyTable:
-        rows, first = self.pool.layer_rows(layer)
-        slot = self.layer_slot_banks(layer)
-        return CopyTable(self.device, [(rows[s.name], slot[s.name]) for s in self.pool.layouts[layer].bank_specs()],
-                         first)
+    def _layer_copy_table(self, layer: int, part: int) -> CopyTable:
+        rows, first = self.pool.layer_rows(layer, part)
+        slot = self.layer_slot_banks(layer, part)
+        specs = self.pool.parts[layer].layouts[part].bank_specs()
+        return CopyTable(self.device, [(rows[s.name], slot[s.name]) for s in specs], first)
 
-    def layer_slot_banks(self, layer: int) -> dict:
-        """The slot banks as MoE layer ``layer``'s record layout reads them: [slots, ...] by bank name (views of
-        slot rows sized for the largest layout when the layers differ)."""
-        return self.group_slot_banks[self.pool.group_of(layer)]
+    def layer_slot_banks(self, layer: int, part: int = 0) -> dict:
+        """The slot banks as MoE layer ``layer``'s record layout (of its part ``part``) reads them: [slots, ...] by
+        bank name (views of slot rows sized for the largest layout when the layers differ)."""
+        return self.group_slot_banks[self.pool.group_of(layer, part)]
 
     def layer_record_bytes(self, layer: int) -> int:
+        """Bytes of the layer's largest record."""
         return self.pool.layouts[layer].record_bytes
 
     # ---- prefill ---------------------------------------------------------------------------------------------
@@ -189,9 +198,14 @@ class ExpertCache:
         wl, nw = self.prefill_worklists[b], self.prefill_n_work[b]
         cache_borrow_layer(layer, first, self.num_experts, self.slot_for_id, self.id_of_slot, self.recency, wl, nw,
                            stream=self.transfer, device=self.device)
-        self._copy(wl, nw, self.num_experts, self.transfer, layer)
+        parts = self.pool.parts[layer]
+        if not parts.mixed:
+            self._copy(wl, nw, self.num_experts, self.transfer, layer)
+        else:  # the worklist lists local ids 0 .. E - 1 in order: each part's records are one slice of it
+            for g, (lo, hi) in enumerate(parts.bounds):
+                self._copy(wl[2 * lo:], self._part_counts[(layer, g)], hi - lo, self.transfer, layer, g)
         self._ready[b] = self.device.event().record(self.transfer)
-        self.prefill_bytes += self.num_experts * self.layer_record_bytes(layer)
+        self.prefill_bytes += parts.host_bytes
         return first
 
     def wait_layer(self, layer: int, stream=None) -> int:
@@ -235,7 +249,8 @@ class ExpertCache:
             self.pinned[slot:slot + 1] = 1
             self.recency[slot:slot + 1] = self.clock
             work = self.device.asarray(np.array([slot, f], np.int32))
-            self._copy(work, self.device.asarray(np.array([1], np.int32)), 1, None, layer)
+            self._copy(work, self.device.asarray(np.array([1], np.int32)), 1, None, layer,
+                       self.pool.parts[layer].part_of(e))
             self._pinned_slots.append(slot)
         self.device.synchronize()
 
@@ -260,9 +275,10 @@ class ExpertCache:
             if ios[s] < 0:
                 raise AssertionError(f"pinned slot {s} is empty")
         for s in np.nonzero(ios >= 0)[0]:
-            layer = int(ios[s]) // self.num_experts
+            layer, local = divmod(int(ios[s]), self.num_experts)
+            part = self.pool.parts[layer].part_of(local)
             for name, host in self.pool.record(int(ios[s])).items():
-                row = dev.to_host(self.layer_slot_banks(layer)[name][int(s)])
+                row = dev.to_host(self.layer_slot_banks(layer, part)[name][int(s)])
                 if not np.array_equal(np.ascontiguousarray(row).view(np.uint8), host.view(np.uint8)):
                     raise AssertionError(f"slot {s} bank {name}: bytes differ from host record {ios[s]}")
 

@@ -7,7 +7,9 @@ no second full copy of the experts is ever held in RAM.
 
 Layers may differ in layout (a GGUF Q4_K_M file keeps some layers' down matrices in Q6_K, others in Q4_K): then each
 distinct layout has its own arrays, holding the rows of its layers in layer order, and exactly sized (no host byte is
-spent on padding a smaller record to a larger one). :meth:`layer_rows` says where a layer's records are.
+spent on padding a smaller record to a larger one). :meth:`layer_rows` says where a layer's records are. A layer may
+also keep its experts in several layouts (an FTW file's hot experts in fp8, the rest in 4 bits:
+:class:`freetoken.formats.parts.ExpertParts`): each part's records are rows of its layout's arrays, exactly sized too.
 """
 
 from __future__ import annotations
@@ -15,32 +17,44 @@ from __future__ import annotations
 import numpy as np
 
 from freetoken.formats import RecordLayout
+from freetoken.formats.parts import ExpertParts, as_parts
 
 
 class HostPool:
-    """``layouts``: one :class:`RecordLayout` for every layer, or a list of one per layer."""
+    """``layouts``: one :class:`RecordLayout` for every layer, or a list of one per layer, each a layout or an
+    :class:`ExpertParts` (a layer whose experts are in several layouts: each part's records are rows of its layout's
+    arrays, in the part's local-id order)."""
 
-    def __init__(self, device, layouts: RecordLayout | list[RecordLayout], num_layers: int, num_experts: int):
+    def __init__(self, device, layouts: RecordLayout | list[RecordLayout | ExpertParts], num_layers: int,
+                 num_experts: int):
         if num_layers < 1 or num_experts < 1:
             raise ValueError(f"a host pool needs layers and experts, got {num_layers} x {num_experts}")
         layouts = [layouts] * num_layers if isinstance(layouts, RecordLayout) else list(layouts)
         if len(layouts) != num_layers:
             raise ValueError(f"{len(layouts)} record layouts for {num_layers} layers")
         self.device = device
-        self.layouts = layouts
+        #: Each layer's experts by layout (one part unless the layer mixes formats).
+        self.parts = [as_parts(lay, num_experts) for lay in layouts]
+        if any(p.num_experts != num_experts for p in self.parts):
+            raise ValueError(f"every layer needs {num_experts} experts")
+        #: Each layer's largest record layout (its only one unless it mixes formats).
+        self.layouts = [p.largest for p in self.parts]
         self.num_layers = num_layers
         self.num_experts = num_experts
-        #: The distinct layouts, in order of first use; layer l's records are rows ``_row0[l] ..`` of group
-        #: ``_group[l]``'s arrays.
-        self.groups: list[RecordLayout] = list(dict.fromkeys(layouts))
-        self._group = [self.groups.index(lay) for lay in layouts]
+        #: The distinct layouts, in order of first use; part g of layer l's records are rows ``_row0[l][g] ..`` of
+        #: group ``_group[l][g]``'s arrays.
+        self.groups: list[RecordLayout] = list(dict.fromkeys(lay for p in self.parts for lay in p.layouts))
+        self._group = [[self.groups.index(lay) for lay in p.layouts] for p in self.parts]
         seen = [0] * len(self.groups)
         self._row0 = []
-        for g in self._group:
-            self._row0.append(seen[g] * num_experts)
-            seen[g] += 1
-        self.group_banks = [{s.name: device.pinned_empty((n * num_experts, *s.shape), s.dtype)
-                             for s in lay.bank_specs()} for lay, n in zip(self.groups, seen, strict=True)]
+        for p, groups in zip(self.parts, self._group, strict=True):
+            rows = []
+            for g, (lo, hi) in zip(groups, p.bounds, strict=True):
+                rows.append(seen[g])
+                seen[g] += hi - lo
+            self._row0.append(rows)
+        self.group_banks = [{s.name: device.pinned_empty((n, *s.shape), s.dtype) for s in lay.bank_specs()}
+                            for lay, n in zip(self.groups, seen, strict=True)]
         for banks in self.group_banks:
             for b in banks.values():
                 b.host[...] = 0
@@ -50,6 +64,11 @@ class HostPool:
         """Every layer in one layout (then :attr:`layout`, :attr:`specs`, :attr:`banks` and :meth:`host` cover all
         layers, indexed by flat id)."""
         return len(self.groups) == 1
+
+    @property
+    def mixed(self) -> bool:
+        """Some layer keeps its experts in several layouts."""
+        return any(p.mixed for p in self.parts)
 
     def _single(self, what: str):
         if not self.uniform:
@@ -82,31 +101,36 @@ class HostPool:
         """The NumPy view of bank ``name``: [L * E, ...] (a pool whose layers share one layout)."""
         return self.banks[name].host
 
-    def group_of(self, layer: int) -> int:
-        """The index in :attr:`groups` of ``layer``'s layout."""
+    def group_of(self, layer: int, part: int = 0) -> int:
+        """The index in :attr:`groups` of the layout of ``layer``'s part ``part``."""
         self._check_layer(layer)
-        return self._group[layer]
+        return self._group[layer][part]
 
-    def layer_rows(self, layer: int) -> tuple[dict, int]:
-        """(the bank arrays holding ``layer``'s records, by name; the flat id of their row 0): record ``f`` of the
-        layer is row ``f - first`` of each array."""
+    def layer_rows(self, layer: int, part: int = 0) -> tuple[dict, int]:
+        """(the bank arrays holding part ``part`` of ``layer``'s records, by name; the flat id of their row 0): the
+        record of flat id ``f = layer * E + local`` (``local`` in the part's range) is row ``f - first`` of each
+        array."""
         self._check_layer(layer)
-        return self.group_banks[self._group[layer]], layer * self.num_experts - self._row0[layer]
+        lo = self.parts[layer].bounds[part][0]
+        return self.group_banks[self._group[layer][part]], layer * self.num_experts + lo - self._row0[layer][part]
 
-    def layer_banks(self, layer: int) -> dict[str, np.ndarray]:
-        """NumPy views of ``layer``'s records, [E, ...] by bank name."""
+    def layer_banks(self, layer: int, part: int = 0) -> dict[str, np.ndarray]:
+        """NumPy views of part ``part`` of ``layer``'s records, [experts of the part, ...] by bank name, in local-id
+        order (all E experts, in expert order, for a layer of one layout)."""
         self._check_layer(layer)
-        r0, e = self._row0[layer], self.num_experts
-        return {name: b.host[r0:r0 + e] for name, b in self.group_banks[self._group[layer]].items()}
+        lo, hi = self.parts[layer].bounds[part]
+        r0 = self._row0[layer][part]
+        return {name: b.host[r0:r0 + hi - lo] for name, b in self.group_banks[self._group[layer][part]].items()}
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} out of range (the pool has {self.num_layers})")
 
-    def write(self, layer: int, name: str, values: np.ndarray) -> None:
-        """Store bank ``name`` of every expert of ``layer`` (``values``: [E, ...] of the bank's dtype)."""
+    def write(self, layer: int, name: str, values: np.ndarray, part: int = 0) -> None:
+        """Store bank ``name`` of every expert of ``layer``'s part ``part`` (``values``: [experts of the part, ...] of
+        the bank's dtype, in local-id order)."""
         self._check_layer(layer)
-        banks = self.layer_banks(layer)
+        banks = self.layer_banks(layer, part)
         if name not in banks:
             raise KeyError(f"layer {layer}'s record layout has no bank {name!r} (banks: {sorted(banks)})")
         dst = banks[name]
@@ -116,17 +140,19 @@ class HostPool:
                              f"got {values.dtype} {list(values.shape)}")
         dst[...] = values
 
-    def write_layer(self, layer: int, banks: dict[str, np.ndarray]) -> None:
-        """Store every bank of one layer (a ``RecordLayout.quantize`` result for that layer's experts)."""
+    def write_layer(self, layer: int, banks: dict[str, np.ndarray], part: int = 0) -> None:
+        """Store every bank of one layer's part (a ``RecordLayout.quantize`` result for those experts)."""
         self._check_layer(layer)
-        specs = self.layouts[layer].bank_specs()
+        specs = self.parts[layer].layouts[part].bank_specs()
         missing = [s.name for s in specs if s.name not in banks]
         if missing:
             raise ValueError(f"layer {layer}: banks missing {missing}")
         for s in specs:
-            self.write(layer, s.name, banks[s.name])
+            self.write(layer, s.name, banks[s.name], part)
 
     def record(self, flat_id: int) -> dict[str, np.ndarray]:
-        """The host rows of one record (views)."""
-        layer, e = divmod(int(flat_id), self.num_experts)
-        return {name: b[e] for name, b in self.layer_banks(layer).items()}
+        """The host rows of one record (views; ``flat_id = layer * E + local id``)."""
+        layer, local = divmod(int(flat_id), self.num_experts)
+        part = self.parts[layer].part_of(local)
+        lo = self.parts[layer].bounds[part][0]
+        return {name: b[local - lo] for name, b in self.layer_banks(layer, part).items()}

@@ -76,11 +76,11 @@ def bytes_by_type(model) -> dict[str, dict[str, int]]:
         if n:
             out[group][kind] = out[group].get(kind, 0) + int(n)
 
-    e = dec.cfg.num_experts
-    for layout in experts.layouts:
-        for spec in layout.bank_specs():
-            matrix, bank = spec.name.split(".")
-            add("experts (host)", "f32" if bank == "b" else layout.format_of(matrix).name, e * spec.nbytes)
+    for parts in experts.parts:
+        for layout, ids in zip(parts.layouts, parts.experts, strict=True):
+            for spec in layout.bank_specs():
+                matrix, bank = spec.name.split(".")
+                add("experts (host)", "f32" if bank == "b" else layout.format_of(matrix).name, ids.size * spec.nbytes)
     emb = dec.embed
     for lin in _linears(dec, set()):
         if not (lin is dec.lm_head and dec.head_is_embedding):  # counted once, as the embedding

@@ -176,7 +176,12 @@ def _mlp(cfg: ModelConfig, t: _Tensors, i: int, dev, experts: ExpertRunner, moe_
     if cfg.shared_inter:
         inp = ("shared_gate", "shared_up", "shared_sigmoid") if cfg.shared_gated else ("shared_gate", "shared_up")
         shared = SharedExpert(t.linear(inp, i), t.linear(("shared_down",), i), dev, gated=cfg.shared_gated)
-    experts.load_layer(moe_index, t.weights.expert_banks(i, experts.layouts[moe_index]))
+    parts = experts.parts[moe_index]
+    if not parts.mixed:
+        experts.load_layer(moe_index, t.weights.expert_banks(i, parts.layouts[0]))
+    else:  # an FTW layer whose experts are in several formats: each part's records in its own layout
+        for g, (layout, ids) in enumerate(zip(parts.layouts, parts.experts, strict=True)):
+            experts.load_layer(moe_index, t.weights.expert_banks(i, layout, ids), part=g)
     return MoeMLP(router, experts, moe_index, shared, dev)
 
 

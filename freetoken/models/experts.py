@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from freetoken.formats import RecordLayout
+from freetoken.formats.parts import ExpertParts
 
 
 class ExpertRunner(ABC):
@@ -19,14 +20,18 @@ class ExpertRunner(ABC):
     :meth:`end`; a prompt run in chunks is one such pass per chunk, the first with ``first=True``, the next ones with
     ``first=False`` (the same prompt goes on). ``layouts[m]`` is the record layout (expert formats and shape) MoE
     layer m's experts are held in: one for every layer, or per layer (a GGUF Q4_K_M file keeps some layers' down
-    matrices in Q6_K); ``layout`` is the one with the largest record."""
+    matrices in Q6_K); ``layout`` is the one with the largest record. ``parts[m]`` says how layer m's experts are
+    held by layout: one part of all E experts, or (an FTW file that mixes formats in a layer) several, each a layout
+    and its experts."""
 
     layouts: list[RecordLayout]
     layout: RecordLayout
+    parts: list[ExpertParts]
 
     @abstractmethod
-    def load_layer(self, layer: int, banks: dict) -> None:
-        """Take MoE layer ``layer``'s expert records (host banks ``[E, ...]`` per ``layouts[layer].bank_specs()``)."""
+    def load_layer(self, layer: int, banks: dict, part: int = 0) -> None:
+        """Take MoE layer ``layer``'s expert records of part ``part`` (host banks ``[n, ...]`` per the part's
+        layout's ``bank_specs()``, rows in the order of ``parts[layer].experts[part]``)."""
 
     def begin(self, tokens: int, first: bool = True) -> None:  # noqa: B027 - runners without per-pass state
         """A forward pass of ``tokens`` tokens starts (a prompt, a chunk of one, or a decode step); ``first``: False

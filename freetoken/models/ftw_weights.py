@@ -15,6 +15,7 @@ import typing
 import numpy as np
 
 from freetoken.formats import RecordLayout
+from freetoken.formats.parts import ExpertParts
 from freetoken.loaders.errors import LoadError
 from freetoken.loaders.ftw_file import FLOAT_STORAGES, FTWFile
 from freetoken.models.config import ModelConfig
@@ -120,9 +121,19 @@ class FTWWeights(Weights):
                                    f"{ftw.act}) differs from the model config's experts (hidden {cfg.hidden}, inter "
                                    f"{cfg.moe_inter}, bias {cfg.expert_bias}, {cfg.expert_act})", "index")
         ftw.check_experts(self._moe, cfg.num_experts)
-        self._formats = {i: self._layer_formats(i) for i in self._moe}
-        first = self._formats[self._moe[0]] if self._moe else None
-        self.native_expert_format = None if first is None else first[0] if first[0] == first[1] else "+".join(first)
+        self._parts = {i: self._layer_parts(i) for i in self._moe}
+        first = self._parts[self._moe[0]] if self._moe else None
+        if first is not None and not first.mixed:
+            lay = first.layouts[0]
+            self.native_expert_format = lay.fmt.name if lay.down_fmt is None else lay.name
+
+    def _layer_parts(self, layer: int) -> ExpertParts:
+        """The layer's experts grouped by their records' layouts (one part unless the file mixes formats there)."""
+        by_layout: dict = {}
+        for e in range(self.cfg.num_experts):
+            by_layout.setdefault(self.ftw.layout_of(self.ftw.records[(layer, e)]), []).append(e)
+        # the part order fixes the local numbering: the layout of expert 0 first, then by first expert
+        return ExpertParts([(lay, np.asarray(ids)) for lay, ids in by_layout.items()])
 
     def _check_tensors(self) -> None:
         """Every tensor the decoder reads is in the file with the shape the config gives it; nothing else is."""
@@ -146,13 +157,6 @@ class FTWWeights(Weights):
         stray = sorted(set(self.ftw.tensors) - set(want))
         if stray:
             raise LoadError(where, f"tensors the model config has no use for: {stray[:5]}", stray[0])
-
-    def _layer_formats(self, layer: int) -> tuple[str, str]:
-        formats = {(r.fmt, r.down_fmt) for (lay, _), r in self.ftw.records.items() if lay == layer}
-        if len(formats) != 1:
-            raise LoadError(str(self.ftw.path), f"MoE layer {layer} mixes expert formats ({sorted(formats)}); this "
-                                                "freetoken runs one record layout per layer", f"layer {layer}")
-        return next(iter(formats))
 
     def name(self, key: str, layer: int | None = None) -> str:
         return tensor_name(key, layer)
@@ -185,22 +189,39 @@ class FTWWeights(Weights):
         return w.dequantize() if isinstance(w, QuantizedMatrix) else w
 
     def native_expert_formats(self, layer: int) -> tuple[str, str] | None:
-        return self._formats.get(layer)
+        parts = self._parts.get(layer)
+        if parts is None or parts.mixed:
+            return None
+        lay = parts.layouts[0]
+        return lay.fmt.name, lay.format_of("down").name
 
-    def expert_banks(self, layer: int, layout: RecordLayout) -> dict[str, np.ndarray]:
-        """The layer's banks [E, ...]: copied record by record when ``layout`` is the stored one, else decoded
-        and quantized to ``layout`` (a load with another ``expert_format``)."""
-        stored = self.ftw.layout_of(self.ftw.records[(layer, 0)])
-        if layout.bias != stored.bias or (layout.hidden, layout.inter) != (stored.hidden, stored.inter):
-            raise LoadError(str(self.ftw.path), f"layer {layer}: the records are {stored}, the decoder wants {layout}",
-                            f"layer {layer}")
-        e = self.cfg.num_experts
-        banks = {s.name: np.empty((e, *s.shape), s.dtype) for s in stored.bank_specs()}
-        for expert in range(e):
-            for name, a in self.ftw.record_banks(layer, expert).items():
-                banks[name][expert] = a
-        if layout == stored:
-            return banks
-        f = stored.dequantize(banks)
-        biases = {m: f[f"{m}.b"] for m in ("gate", "up", "down")} if layout.bias else None
-        return layout.quantize(f["gate"], f["up"], f["down"], biases)
+    def expert_parts(self, layer: int) -> ExpertParts | None:
+        """The layer's parts when its records mix formats, else None."""
+        parts = self._parts.get(layer)
+        return parts if parts is not None and parts.mixed else None
+
+    def expert_banks(self, layer: int, layout: RecordLayout, experts=None) -> dict[str, np.ndarray]:
+        """Banks [n, ...] of ``experts`` (default: all, in order): copied record by record where a record is stored
+        in ``layout``, else decoded and quantized to ``layout`` (a load with another ``expert_format``, or a mixed
+        layer's records brought to one layout)."""
+        ids = np.arange(self.cfg.num_experts) if experts is None else np.asarray(experts, np.int64).reshape(-1)
+        stored = [self.ftw.layout_of(self.ftw.records[(layer, int(e))]) for e in ids]
+        for lay in stored:
+            if layout.bias != lay.bias or (layout.hidden, layout.inter) != (lay.hidden, lay.inter):
+                raise LoadError(str(self.ftw.path), f"layer {layer}: the records are {lay}, the decoder wants "
+                                                    f"{layout}", f"layer {layer}")
+        out = {s.name: np.empty((ids.size, *s.shape), s.dtype) for s in layout.bank_specs()}
+        convert = [j for j, lay in enumerate(stored) if lay != layout]
+        for j, e in enumerate(ids):
+            if stored[j] == layout:
+                for name, a in self.ftw.record_banks(layer, int(e)).items():
+                    out[name][j] = a
+        for lay in dict.fromkeys(stored[j] for j in convert):  # each stored layout's records decoded together
+            rows = [j for j in convert if stored[j] == lay]
+            banks = {s.name: np.stack([self.ftw.record_banks(layer, int(ids[j]))[s.name] for j in rows])
+                     for s in lay.bank_specs()}
+            f = lay.dequantize(banks)
+            biases = {m: f[f"{m}.b"] for m in ("gate", "up", "down")} if layout.bias else None
+            for name, a in layout.quantize(f["gate"], f["up"], f["down"], biases).items():
+                out[name][rows] = a
+        return out

@@ -48,6 +48,7 @@ import re
 import numpy as np
 
 from freetoken.formats import MATRICES, RecordLayout
+from freetoken.formats.parts import ExpertParts
 from freetoken.loaders.errors import LoadError
 from freetoken.models.config import ModelConfig
 from freetoken.models.qmatrix import QuantizedMatrix, from_hf_fp8
@@ -236,7 +237,7 @@ def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_bytes(cfg: ModelConfig, dense_bytes: int, expert_format: str | None, kv_bytes: int = 0,
-               layouts: list[RecordLayout] | None = None) -> dict[str, int]:
+               layouts: list[RecordLayout | ExpertParts] | None = None) -> dict[str, int]:
     """What a load allocates on the host, by kind: ``dense_bytes`` (the non-expert weights as the decoder holds
     them), the expert banks (of ``layouts``, one per MoE layer, when given; else every layer in ``expert_format``),
     one layer's float32 expert matrices while they are quantized (callers zero this entry when the experts move as
@@ -246,7 +247,7 @@ def load_bytes(cfg: ModelConfig, dense_bytes: int, expert_format: str | None, kv
     moe = sum(cfg.moe_layers)
     e, h, i = cfg.num_experts, cfg.hidden, cfg.moe_inter
     if layouts is not None:
-        banks = e * sum(lay.record_bytes for lay in layouts)
+        banks = sum(lay.host_bytes if isinstance(lay, ExpertParts) else e * lay.record_bytes for lay in layouts)
     else:
         try:
             banks = moe * e * RecordLayout(formats.get(expert_format or "bf16"), h, i).record_bytes
@@ -430,19 +431,29 @@ class Weights:
         f = self.native_expert_format
         return None if f is None else (f, f)
 
+    def expert_parts(self, layer: int) -> ExpertParts | None:
+        """MoE layer ``layer``'s experts by stored layout when they are in several (an FTW file's mixed layer), else
+        None."""
+        return None
+
     def expert_banks(self, layer: int, layout: RecordLayout) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
 
-def expert_layouts(cfg: ModelConfig, weights: Weights, expert_format: str | None = None) -> list[RecordLayout]:
+def expert_layouts(cfg: ModelConfig, weights: Weights,
+                   expert_format: str | None = None) -> list[RecordLayout | ExpertParts]:
     """The record layout of every MoE layer, in order: ``expert_format`` (quantized from the stored values) for all
     layers when given, else each layer's stored formats (a GGUF Q4_K_M file: q4_k gate/up, q6_k or q4_k down
-    depending on the layer), else bf16."""
+    depending on the layer; an FTW layer that mixes formats: its :class:`ExpertParts`), else bf16."""
     from freetoken import formats
 
     out = []
     for i in range(cfg.num_layers):
         if not cfg.is_moe(i):
+            continue
+        parts = None if expert_format else weights.expert_parts(i)
+        if parts is not None:
+            out.append(parts)
             continue
         native = None if expert_format else weights.native_expert_formats(i)
         up, down = native or (expert_format or "bf16",) * 2

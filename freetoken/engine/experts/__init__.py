@@ -18,11 +18,11 @@ from freetoken.engine.options import ExpertOptions
 def make_runner(device, layouts, num_layers: int, num_experts: int, top_k: int,
                 opts: ExpertOptions | None = None) -> RunnerBase:
     """The runner of ``num_layers`` MoE layers on ``device`` (``layouts``: one :class:`RecordLayout` for every layer,
-    or a list, one per layer): the host device reads experts in place, a device with its own memory (gpu, or emu
-    standing in for one) caches them."""
+    or a list, one per layer, each a layout or an :class:`~freetoken.formats.parts.ExpertParts`): the host device
+    reads experts in place, a device with its own memory (gpu, or emu standing in for one) caches them."""
     opts = opts or ExpertOptions()
     if device.kind == "cpu" or num_layers == 0:
-        return HostExperts(device, layouts, num_layers, opts.cpu_activations)
+        return HostExperts(device, layouts, num_layers, num_experts, opts.cpu_activations)
     return CachedExperts(device, layouts, num_layers, num_experts, top_k, opts)
 
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
+
+from freetoken.device.constants import NO_ROUTE
 from freetoken.formats import RecordLayout
+from freetoken.formats.parts import ExpertParts, as_parts
 from freetoken.models.experts import ExpertRunner
 
 
@@ -11,15 +15,32 @@ class RunnerBase(ExpertRunner):
     layer order; a prompt run in chunks: all of its chunks, concatenated per layer), for routing traces and
     hot-expert counts."""
 
-    def __init__(self, device, layouts: RecordLayout | list[RecordLayout], num_layers: int):
+    def __init__(self, device, layouts: RecordLayout | list[RecordLayout | ExpertParts], num_layers: int,
+                 num_experts: int):
         single = layouts if isinstance(layouts, RecordLayout) else None
         layouts = [single] * num_layers if single else list(layouts)
         if len(layouts) != num_layers:
             raise ValueError(f"{len(layouts)} record layouts for {num_layers} MoE layers")
-        self.dev, self.layouts, self.num_layers = device, layouts, num_layers
+        self.dev, self.num_layers = device, num_layers
+        #: Each layer's experts by record layout (one part unless the layer mixes formats).
+        self.parts = [as_parts(lay, num_experts) for lay in layouts]
+        #: Each layer's largest record layout (its only one unless the layer mixes formats).
+        self.layouts = [p.largest for p in self.parts]
+        self.mixed = any(p.mixed for p in self.parts)
+        # a mixed layer's expert -> local id table on the device (ExpertParts: each part one range of local ids)
+        self._local = [device.asarray(p.local_of) if p.mixed else None for p in self.parts]
         # the largest record: what slot sizes and per-record cost estimates go by (None without MoE layers)
-        self.layout = single or max(layouts, key=lambda lay: lay.record_bytes, default=None)
+        self.layout = single or max(self.layouts, key=lambda lay: lay.record_bytes, default=None)
         self._routing: list[list] = [[]]  # per chunk of the last pass: the ids of every MoE layer
+
+    def part_ids(self, layer: int, ids, part: int, shift: int = 0):
+        """The routed expert ids ``ids`` of a mixed layer as its part ``part`` runs them: the part's pairs as local id
+        + ``shift`` (int32), every other pair ``NO_ROUTE``."""
+        xp = self.dev.xp
+        local = xp.take(self._local[layer], ids)
+        lo, hi = self.parts[layer].bounds[part]
+        inside = (local >= lo) & (local < hi)
+        return xp.ascontiguousarray(xp.where(inside, local + np.int32(shift), np.int32(NO_ROUTE)).astype(np.int32))
 
     def begin(self, tokens: int, first: bool = True) -> None:
         if first:
@@ -48,8 +69,9 @@ class RunnerBase(ExpertRunner):
         return f"experts: read in place from host memory ({self.formats_name()})"
 
     def formats_name(self) -> str:
-        """The record formats, "q4_0" or, when layers differ, "q4_k+q6_k / q4_k" (each distinct layout once)."""
-        return " / ".join(dict.fromkeys(lay.name for lay in self.layouts)) or "none"
+        """The record formats, "q4_0" or, when layers differ, "q4_k+q6_k / q4_k" (each distinct layout once; a mixed
+        layer as its parts, "fp8_block x2 + mxfp4 x14")."""
+        return " / ".join(dict.fromkeys(p.name for p in self.parts)) or "none"
 
     def memory(self) -> dict[str, int]:
         """Bytes the runner holds, by what they are (the memory report of ``run`` and ``chat``)."""

@@ -33,9 +33,9 @@ class CachedExperts(RunnerBase):
     """The expert cache of ``num_layers`` MoE layers x ``num_experts`` experts run as ``opts`` says."""
 
     def __init__(self, device, layouts, num_layers: int, num_experts: int, top_k: int, opts: ExpertOptions):
-        super().__init__(device, layouts, num_layers)
+        super().__init__(device, layouts, num_layers, num_experts)
         self.top_k, self.opts = top_k, opts
-        pool = HostPool(device, self.layouts, num_layers, num_experts)  # filled layer by layer by load_layer
+        pool = HostPool(device, self.parts, num_layers, num_experts)  # filled layer by layer by load_layer
         slots = opts.cache_slots or max(num_layers * num_experts, 2 * num_experts)
         self.cache = ExpertCache(pool, slots, max_active=min(1024, opts.max_decode_tokens * top_k))
         # decode's plan and expert buffers, allocated once over the slot banks (see ops.moe_experts), per layout
@@ -54,6 +54,13 @@ class CachedExperts(RunnerBase):
         opts = self.opts
         self.mode, oracle, self.policy_note = resolve_mode(opts.mode, self.dev, self.layout.fmt.name,
                                                            make_oracle(opts.pcie_gbps, opts.cpu_gbps))
+        if self.mixed and self.mode != "gpu":
+            # the miss split plans one record layout per layer; a layer of several formats fetches its misses
+            if opts.mode != "auto":
+                raise ValueError(f"--moe-mode {opts.mode}: this model has MoE layers whose experts are in several "
+                                 "formats, which run with --moe-mode gpu (every miss fetched) for now")
+            self.mode = "gpu"
+            self.policy_note = "layers of several expert formats: every miss fetched"
         if self.cpu_share is not None:
             self.cpu_share.close()
         self.split = self.cpu_share = None
@@ -67,8 +74,8 @@ class CachedExperts(RunnerBase):
         if self.opts.prefetch:
             self.prefetch = NextLayerPrefetch(self.dev, self.num_layers, predict)
 
-    def load_layer(self, layer: int, banks: dict) -> None:
-        self.cache.pool.write_layer(layer, banks)  # the host pool: the authoritative copy
+    def load_layer(self, layer: int, banks: dict, part: int = 0) -> None:
+        self.cache.pool.write_layer(layer, banks, part)  # the host pool: the authoritative copy
 
     # ---- a forward pass --------------------------------------------------------------------------------------
     def begin(self, tokens: int, first: bool = True) -> None:
@@ -96,45 +103,70 @@ class CachedExperts(RunnerBase):
             return self._run_streaming(layer, h, ids, weights)
         if self.prefetch is not None:
             self.prefetch.score(layer, ids)
+        if self.parts[layer].mixed:
+            return self._run_parts(layer, h, ids, weights)
         if self.split is None:
             slots = ids.copy()  # admission rewrites in place; ``ids`` stays the routing record
             self._admit_and_copy(layer, slots, h)
             return self._experts(layer, h, slots, weights)
         return self._run_split(layer, h, ids, weights)
 
-    def _experts(self, layer: int, h, slots, weights):
-        return ops.moe_experts(h, slots, weights, self.cache.layer_slot_banks(layer), self.layouts[layer],
-                               device=self.dev, validate=False,
-                               workspace=self.workspaces[self.cache.pool.group_of(layer)])
+    def _run_parts(self, layer: int, h, ids, weights):
+        """A decode step of a layer whose experts are in several formats: each part admits its own pairs (the others
+        are NO_ROUTE), copies its misses with its layout's table and runs its layout's kernels; the outputs add."""
+        y = None
+        last = len(self.parts[layer].layouts) - 1
+        for g in range(last + 1):
+            slots = self.part_ids(layer, ids, g)  # a new array: ``ids`` stays the routing record
+            self._admit_and_copy(layer, slots, h, part=g, prefetch=g == last)
+            yg = self._experts(layer, h, slots, weights, g)
+            y = yg if y is None else y + yg
+        return y
+
+    def _experts(self, layer: int, h, slots, weights, part: int = 0):
+        return ops.moe_experts(h, slots, weights, self.cache.layer_slot_banks(layer, part),
+                               self.parts[layer].layouts[part], device=self.dev, validate=False,
+                               workspace=self.workspaces[self.cache.pool.group_of(layer, part)])
 
     def _run_streaming(self, layer: int, h, ids, weights):
         cache = self.cache
         if layer + 1 < cache.num_layers:
             self._prefill_layer(layer + 1)  # overlaps this layer's compute
         first = cache.wait_layer(layer)
-        y = ops.moe_experts(h, ids + np.int32(first), weights, cache.layer_slot_banks(layer), self.layouts[layer],
-                            device=self.dev, validate=False)
+        parts = self.parts[layer]
+        if not parts.mixed:
+            y = ops.moe_experts(h, ids + np.int32(first), weights, cache.layer_slot_banks(layer), self.layouts[layer],
+                                device=self.dev, validate=False)
+        else:  # the buffer holds the layer's records by local id: each part reads its own through its layout
+            y = None
+            for g, layout in enumerate(parts.layouts):
+                yg = ops.moe_experts(h, self.part_ids(layer, ids, g, first), weights, cache.layer_slot_banks(layer, g),
+                                     layout, device=self.dev, validate=False)
+                y = yg if y is None else y + yg
         cache.release_layer(layer)
         return y
 
-    def _admit_and_copy(self, layer: int, slots, h, timed_bytes: int = 0, experts=None):
+    def _admit_and_copy(self, layer: int, slots, h, timed_bytes: int = 0, experts=None, part: int = 0,
+                        prefetch: bool = True):
         """The one decode admission: the pending prefetch lands first, ``slots`` (expert ids, device int32 ``[T,
-        k]``) are admitted and rewritten to slots (``experts``: their unique ids on the host, for the split's
-        shadow), the misses are copied in, and the next layer's prefetch is issued. Returns the copy's (start event,
-        end event, bytes) when ``timed_bytes`` (an oracle sample)."""
+        k]``; of a mixed layer: its part ``part``'s local ids, others NO_ROUTE) are admitted and rewritten to slots
+        (``experts``: their unique ids on the host, for the split's shadow), the misses are copied in, and (with
+        ``prefetch``) the next layer's prefetch is issued. Returns the copy's (start event, end event, bytes) when
+        ``timed_bytes`` (an oracle sample)."""
         self._wait_prefetch()
-        self.cache.admit(layer, slots)
+        self.cache.admit(layer, slots, part=part)
         if self.split is not None:
             self.split.admitted(layer, experts)
         start = self.dev.event().record() if timed_bytes else None
         self.cache.copy_missing()
         timing = (start, self.dev.event().record(), timed_bytes) if timed_bytes else None
-        self._prefetch_next(layer, h)
+        if prefetch:
+            self._prefetch_next(layer, h)
         return timing
 
     def _prefetch_next(self, layer: int, h) -> None:
-        if self.prefetch is None:
-            return
+        if self.prefetch is None or (layer + 1 < self.num_layers and self.parts[layer + 1].mixed):
+            return  # a mixed next layer's predicted experts would need one admission per part: not prefetched
         # The prefetch's victims are the least recent slots not predicted; this layer's slots (just admitted, the
         # most recent) are taken only when fewer older slots exist, and its expert kernel would then read records
         # being overwritten. Prefetch only when the older slots certainly suffice (a, b <= min(T k, E) slots for
@@ -208,6 +240,11 @@ class CachedExperts(RunnerBase):
     def pin_hot(self, counts, n: int):
         from freetoken.policy.pinning import pin_hot, pin_order
 
+        if self.mixed:  # the cache numbers a mixed layer's experts by local id
+            counts = np.array(counts, copy=True)
+            for layer, parts in enumerate(self.parts):
+                if parts.mixed:
+                    counts[layer, parts.local_of] = np.asarray(counts[layer]).copy()
         pinned = pin_hot(self.cache, counts, n)
         if self.split is not None:  # the split's shadow takes the same pins in the same slots
             for layer, experts in pin_order(pinned):
