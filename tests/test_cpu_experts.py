@@ -208,8 +208,16 @@ def test_ids_out_of_range():
     weights = np.ones((2, 2), np.float32)
     with pytest.raises(ValueError, match=r"ids\[1, 0\] = 3 is out of range"):
         forward("q4_0", x, np.array([[0, 1], [3, 0]], np.int32), weights, banks, 64, 32, ACT_SWIGLU, out)
-    with pytest.raises(ValueError, match=r"ids\[0, 1\] = -1 is out of range"):
-        forward("q4_0", x, np.array([[0, -1], [1, 2]], np.int32), weights, banks, 64, 32, ACT_SWIGLU, out)
+    with pytest.raises(ValueError, match=r"ids\[0, 1\] = -2 is out of range"):
+        forward("q4_0", x, np.array([[0, -2], [1, 2]], np.int32), weights, banks, 64, 32, ACT_SWIGLU, out)
+    # -1 is NO_ROUTE: the pair is skipped (a mixed-format layer's pair of another part), not refused
+    x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+    skipped = np.zeros((2, 64), np.float32)
+    forward("q4_0", x, np.array([[0, -1], [-1, -1]], np.int32), weights, banks, 64, 32, ACT_SWIGLU, skipped)
+    alone = np.zeros((2, 64), np.float32)
+    forward("q4_0", x, np.array([[0], [0]], np.int32), weights[:, :1], banks, 64, 32, ACT_SWIGLU, alone)
+    np.testing.assert_array_equal(skipped[0], alone[0])
+    assert not skipped[1].any()
 
 
 def test_input_validation():
