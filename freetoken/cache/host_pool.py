@@ -65,11 +65,6 @@ class HostPool:
         layers, indexed by flat id)."""
         return len(self.groups) == 1
 
-    @property
-    def mixed(self) -> bool:
-        """Some layer keeps its experts in several layouts."""
-        return any(p.mixed for p in self.parts)
-
     def _single(self, what: str):
         if not self.uniform:
             raise ValueError(f"{what}: the layers of this pool differ in layout; use layer_rows / layer_banks")

@@ -33,8 +33,7 @@ class ExpertParts:
         if not np.array_equal(np.sort(order), np.arange(e)):
             raise ValueError(f"the parts' experts are not each of 0 .. {e - 1} once")
         self.num_experts = e
-        #: Local id -> expert, and expert -> local id (int32, for the device gather).
-        self.order = order
+        #: Expert -> local id (int32, for the device gather).
         self.local_of = np.empty(e, np.int32)
         self.local_of[order] = np.arange(e, dtype=np.int32)
         ends = np.cumsum([x.size for x in self.experts])

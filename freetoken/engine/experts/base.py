@@ -33,14 +33,20 @@ class RunnerBase(ExpertRunner):
         self.layout = single or max(self.layouts, key=lambda lay: lay.record_bytes, default=None)
         self._routing: list[list] = [[]]  # per chunk of the last pass: the ids of every MoE layer
 
-    def part_ids(self, layer: int, ids, part: int, shift: int = 0):
-        """The routed expert ids ``ids`` of a mixed layer as its part ``part`` runs them: the part's pairs as local id
-        + ``shift`` (int32), every other pair ``NO_ROUTE``."""
+    def run_parts(self, layer: int, ids, run, offset: int = 0, relative: bool = False):
+        """The sum over the parts g of a mixed layer of ``run(g, part_ids)``: ``part_ids`` (int32, like ``ids``) holds
+        part g's pairs as local id + ``offset`` (minus the part's first local id when ``relative``: rows of the
+        part's own banks) and every other pair ``NO_ROUTE``. The local ids are gathered once per call."""
         xp = self.dev.xp
         local = xp.take(self._local[layer], ids)
-        lo, hi = self.parts[layer].bounds[part]
-        inside = (local >= lo) & (local < hi)
-        return xp.ascontiguousarray(xp.where(inside, local + np.int32(shift), np.int32(NO_ROUTE)).astype(np.int32))
+        y = None
+        for g, (lo, hi) in enumerate(self.parts[layer].bounds):
+            shift = np.int32(offset - (lo if relative else 0))
+            part_ids = xp.ascontiguousarray(xp.where((local >= lo) & (local < hi), local + shift,
+                                                     np.int32(NO_ROUTE)).astype(np.int32))
+            yg = run(g, part_ids)
+            y = yg if y is None else y + yg
+        return y
 
     def begin(self, tokens: int, first: bool = True) -> None:
         if first:

@@ -114,14 +114,13 @@ class CachedExperts(RunnerBase):
     def _run_parts(self, layer: int, h, ids, weights):
         """A decode step of a layer whose experts are in several formats: each part admits its own pairs (the others
         are NO_ROUTE), copies its misses with its layout's table and runs its layout's kernels; the outputs add."""
-        y = None
         last = len(self.parts[layer].layouts) - 1
-        for g in range(last + 1):
-            slots = self.part_ids(layer, ids, g)  # a new array: ``ids`` stays the routing record
+
+        def run(g, slots):  # ``slots`` is a new array: ``ids`` stays the routing record
             self._admit_and_copy(layer, slots, h, part=g, prefetch=g == last)
-            yg = self._experts(layer, h, slots, weights, g)
-            y = yg if y is None else y + yg
-        return y
+            return self._experts(layer, h, slots, weights, g)
+
+        return self.run_parts(layer, ids, run)
 
     def _experts(self, layer: int, h, slots, weights, part: int = 0):
         return ops.moe_experts(h, slots, weights, self.cache.layer_slot_banks(layer, part),
@@ -138,11 +137,9 @@ class CachedExperts(RunnerBase):
             y = ops.moe_experts(h, ids + np.int32(first), weights, cache.layer_slot_banks(layer), self.layouts[layer],
                                 device=self.dev, validate=False)
         else:  # the buffer holds the layer's records by local id: each part reads its own through its layout
-            y = None
-            for g, layout in enumerate(parts.layouts):
-                yg = ops.moe_experts(h, self.part_ids(layer, ids, g, first), weights, cache.layer_slot_banks(layer, g),
-                                     layout, device=self.dev, validate=False)
-                y = yg if y is None else y + yg
+            y = self.run_parts(layer, ids, lambda g, part_ids: ops.moe_experts(
+                h, part_ids, weights, cache.layer_slot_banks(layer, g), parts.layouts[g], device=self.dev,
+                validate=False), offset=first)
         cache.release_layer(layer)
         return y
 

@@ -33,10 +33,6 @@ class HostExperts(RunnerBase):
         if not parts.mixed:
             return ops.moe_experts(h, ids, weights, self.banks[layer][0], parts.layouts[0], device=self.dev,
                                    validate=False, activations=self.activations, checked=True)
-        y = None
-        for g, layout in enumerate(parts.layouts):
-            part_ids = self.part_ids(layer, ids, g, -parts.bounds[g][0])  # rows of the part's own banks
-            yg = ops.moe_experts(h, part_ids, weights, self.banks[layer][g], layout, device=self.dev, validate=False,
-                                 activations=self.activations, checked=True)
-            y = yg if y is None else y + yg
-        return y
+        return self.run_parts(layer, ids, lambda g, part_ids: ops.moe_experts(
+            h, part_ids, weights, self.banks[layer][g], parts.layouts[g], device=self.dev, validate=False,
+            activations=self.activations, checked=True), relative=True)
