@@ -58,10 +58,11 @@ class MissSplitter:
         return uniq, resident, on_cpu
 
     # ---- keeping the shadow in step with the device cache ------------------------------------------------------
-    def admitted(self, layer: int, experts, count: bool = True) -> None:
-        """The device admitted ``experts`` of ``layer`` (the GPU share of a call; ``count=False``: a prefetch).
-        Called after every :meth:`plan`, also when every expert went to the CPU."""
-        self.shadow.admitted(layer, experts, count)
+    def admitted(self, layer: int, experts, count: bool = True, end_call: bool = True) -> None:
+        """The device admitted ``experts`` of ``layer`` (the GPU share of a call; ``count=False``: a prefetch;
+        ``end_call=False``: one part of a layer admitted per format, more parts to come). Called after every
+        :meth:`plan`, also when every expert went to the CPU."""
+        self.shadow.admitted(layer, experts, count, end_call)
 
     def prefill_layer(self, layer: int) -> None:
         self.shadow.prefill_layer(layer)

@@ -152,10 +152,11 @@ def _split(slot_of, owner, nxt, prv, rec, pinned, touched, meta, last_used, pf_m
 
 @nb.njit(cache=True)
 def _admit(slot_of, owner, nxt, prv, rec, pinned, touched, meta, last_used, pf_mark, n_reacc, n_within, acc,
-           experts, n, layer, num_experts, step, count, routed, nr):  # pragma: no cover - compiled
+           experts, n, layer, num_experts, step, count, routed, nr, end_call):  # pragma: no cover - compiled
     """Mirror one device admission of ``experts[:n]`` of ``layer``; feed the estimator (``routed[:nr]``: the
-    experts routed in the call). Returns how many misses were admitted; -1 for an id out of range; -2 when the
-    slots cannot hold the misses (the device's error 2: the ones before are admitted, as there)."""
+    experts routed in the call; ``end_call`` False: a call admitted in parts, more to come, so only the hits are
+    counted now). Returns how many misses were admitted; -1 for an id out of range; -2 when the slots cannot hold
+    the misses (the device's error 2: the ones before are admitted, as there)."""
     st = (slot_of, owner, nxt, prv, rec, pinned, touched, meta)
     est = (last_used, pf_mark, n_reacc, n_within, acc)
     flat = np.empty(max(n, 1), np.int64)
@@ -183,7 +184,7 @@ def _admit(slot_of, owner, nxt, prv, rec, pinned, touched, meta, last_used, pf_m
     k = lru_insert(st, misses, m, False, evicted)
     fv_evicted(est, evicted, k, step, True)
     if count:
-        fv_end_call(est, routed_flat, nrf, step, h - hpf)
+        fv_end_call(est, routed_flat, nrf if end_call else 0, step, h - hpf)
     else:
         fv_prefetched(est, misses, k)
     lru_end(st)
@@ -273,22 +274,27 @@ class MissPolicy:
                 self._evicted[0] = old
                 fv_evicted(self._est, self._evicted, 1, self.step, False)
 
-    def admitted(self, layer: int, experts, count: bool = True) -> None:
+    def admitted(self, layer: int, experts, count: bool = True, end_call: bool = True) -> None:
         """Mirror a device admission of ``experts`` of ``layer`` (``cache.admit``; duplicates are fine): a demand
         admission (``count=True``: the GPU share of a call, the hits and the fetched misses) or a prefetch
         (``count=False``). A demand admission ends the call for the estimator, whose re-use statistics count every
         expert routed in it: those passed to the :meth:`split` just before for this layer (the CPU share
-        included), else ``experts``. Call it after every split, also when no expert stays on the GPU (the device
-        admission may be skipped then: an empty call changes no recency order). Raises ValueError when the slots
-        cannot hold the admission (the device would report "no slot left to evict")."""
+        included), else ``experts``. A layer whose experts are in several formats is admitted once per part, as on
+        the device: every part's admission but the last passes ``end_call=False``. Call it after every split, also
+        when no expert stays on the GPU (the device admission may be skipped then: an empty call changes no recency
+        order). Raises ValueError when the slots cannot hold the admission (the device would report "no slot left
+        to evict")."""
         self._check_layer(layer)
         e = np.asarray(experts, np.int64).reshape(-1)
         routed = _NONE
-        if count and self._pending is not None and self._pending[0] == layer:
-            routed = self._pending[1]
-        self._pending = None
+        if count and end_call:
+            if self._pending is not None and self._pending[0] == layer:
+                routed = self._pending[1]
+            self._pending = None
+        elif not count:
+            self._pending = None
         k = _admit(*self._st, *self._est, e, e.shape[0], layer, self.num_experts, self.step, count, routed,
-                   routed.shape[0])
+                   routed.shape[0], end_call)
         if k == -1:
             raise ValueError(f"expert ids must be in [0, {self.num_experts})")
         if k == -2:

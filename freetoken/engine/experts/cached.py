@@ -21,6 +21,7 @@ import numpy as np
 
 from freetoken import ops
 from freetoken.cache import ExpertCache, HostPool
+from freetoken.device.constants import NO_ROUTE
 from freetoken.engine.experts.base import RunnerBase
 from freetoken.engine.experts.cpu_share import CpuShare, substitute
 from freetoken.engine.experts.prefetch import NextLayerPrefetch
@@ -54,13 +55,6 @@ class CachedExperts(RunnerBase):
         opts = self.opts
         self.mode, oracle, self.policy_note = resolve_mode(opts.mode, self.dev, self.layout.fmt.name,
                                                            make_oracle(opts.pcie_gbps, opts.cpu_gbps))
-        if self.mixed and self.mode != "gpu":
-            # the miss split plans one record layout per layer; a layer of several formats fetches its misses
-            if opts.mode != "auto":
-                raise ValueError(f"--moe-mode {opts.mode}: this model has MoE layers whose experts are in several "
-                                 "formats, which run with --moe-mode gpu (every miss fetched) for now")
-            self.mode = "gpu"
-            self.policy_note = "layers of several expert formats: every miss fetched"
         if self.cpu_share is not None:
             self.cpu_share.close()
         self.split = self.cpu_share = None
@@ -103,13 +97,13 @@ class CachedExperts(RunnerBase):
             return self._run_streaming(layer, h, ids, weights)
         if self.prefetch is not None:
             self.prefetch.score(layer, ids)
+        if self.split is not None:
+            return self._run_split(layer, h, ids, weights)
         if self.parts[layer].mixed:
             return self._run_parts(layer, h, ids, weights)
-        if self.split is None:
-            slots = ids.copy()  # admission rewrites in place; ``ids`` stays the routing record
-            self._admit_and_copy(layer, slots, h)
-            return self._experts(layer, h, slots, weights)
-        return self._run_split(layer, h, ids, weights)
+        slots = ids.copy()  # admission rewrites in place; ``ids`` stays the routing record
+        self._admit_and_copy(layer, slots, h)
+        return self._experts(layer, h, slots, weights)
 
     def _run_parts(self, layer: int, h, ids, weights):
         """A decode step of a layer whose experts are in several formats: each part admits its own pairs (the others
@@ -144,16 +138,17 @@ class CachedExperts(RunnerBase):
         return y
 
     def _admit_and_copy(self, layer: int, slots, h, timed_bytes: int = 0, experts=None, part: int = 0,
-                        prefetch: bool = True):
+                        prefetch: bool = True, end_call: bool = True):
         """The one decode admission: the pending prefetch lands first, ``slots`` (expert ids, device int32 ``[T,
         k]``; of a mixed layer: its part ``part``'s local ids, others NO_ROUTE) are admitted and rewritten to slots
         (``experts``: their unique ids on the host, for the split's shadow), the misses are copied in, and (with
         ``prefetch``) the next layer's prefetch is issued. Returns the copy's (start event, end event, bytes) when
-        ``timed_bytes`` (an oracle sample)."""
+        ``timed_bytes`` (an oracle sample); ``end_call`` False: more parts of this layer's call follow (the split's
+        shadow)."""
         self._wait_prefetch()
         self.cache.admit(layer, slots, part=part)
         if self.split is not None:
-            self.split.admitted(layer, experts)
+            self.split.admitted(layer, experts, end_call=end_call)
         start = self.dev.event().record() if timed_bytes else None
         self.cache.copy_missing()
         timing = (start, self.dev.event().record(), timed_bytes) if timed_bytes else None
@@ -162,8 +157,8 @@ class CachedExperts(RunnerBase):
         return timing
 
     def _prefetch_next(self, layer: int, h) -> None:
-        if self.prefetch is None or (layer + 1 < self.num_layers and self.parts[layer + 1].mixed):
-            return  # a mixed next layer's predicted experts would need one admission per part: not prefetched
+        if self.prefetch is None:
+            return
         # The prefetch's victims are the least recent slots not predicted; this layer's slots (just admitted, the
         # most recent) are taken only when fewer older slots exist, and its expert kernel would then read records
         # being overwritten. Prefetch only when the older slots certainly suffice (a, b <= min(T k, E) slots for
@@ -175,11 +170,19 @@ class CachedExperts(RunnerBase):
         if predicted is None:
             return
         pred, pred_host = predicted
-        slots = pred.astype(np.int32, copy=True)
-        self.cache.admit(layer + 1, slots, count=False)  # a prefetch: not a hit or a miss of the statistics
-        if self.split is not None:
-            self.split.admitted(layer + 1, pred_host, count=False)
-        self.cache.copy_missing(stream=self.cache.transfer)
+        target, parts = layer + 1, self.parts[layer + 1]
+        if not parts.mixed:
+            batches = [(0, pred.astype(np.int32, copy=True), pred_host)]
+        else:  # one admission per part, as a decode step of that layer does
+            local = parts.local_of[pred_host]
+            batches = [(g, self.dev.asarray(np.where((local >= lo) & (local < hi), local, NO_ROUTE).astype(np.int32)),
+                        local[(local >= lo) & (local < hi)]) for g, (lo, hi) in enumerate(parts.bounds)
+                       if ((local >= lo) & (local < hi)).any()]
+        for g, slots, experts in batches:
+            self.cache.admit(target, slots, count=False, part=g)  # a prefetch: not a hit or a miss of the statistics
+            if self.split is not None:
+                self.split.admitted(target, experts, count=False)
+            self.cache.copy_missing(stream=self.cache.transfer)
         self._prefetch_event = self.dev.event().record(self.cache.transfer)
 
     def _wait_prefetch(self) -> None:
@@ -190,23 +193,41 @@ class CachedExperts(RunnerBase):
     def _run_split(self, layer: int, h, ids, weights):
         dev = self.dev
         self.cpu_share.harvest()
+        parts = self.parts[layer]
         ids_host = np.asarray(dev.to_host(ids), np.int32)
+        if parts.mixed:  # the cache, its shadow and the CPU share number a mixed layer's experts by local id
+            ids_host = parts.local_of[ids_host].astype(np.int32)
         w_host = np.asarray(dev.to_host(weights), np.float32)
         uniq, resident, on_cpu = self.split.plan(layer, ids_host)
         cpu_pair = np.isin(ids_host, uniq[on_cpu]) if on_cpu.any() else np.zeros(ids_host.shape, bool)
         job = self.cpu_share.submit(layer, h, ids_host, w_host, cpu_pair) if cpu_pair.any() else None  # starts first
-        y = timing = None
+        y, timings = None, []
         gpu_pair = ~cpu_pair
-        if gpu_pair.any():
+        fetch = ~resident & ~on_cpu
+        if not gpu_pair.any():
+            self.split.admitted(layer, uniq[:0])  # every expert on the CPU: the call still ends for the estimator
+        elif not parts.mixed:
             slots, wg = substitute(ids_host, w_host, gpu_pair)
             slots_dev = dev.asarray(slots)
-            fetched = int((~resident & ~on_cpu).sum())
-            timing = self._admit_and_copy(layer, slots_dev, h, fetched * self.layouts[layer].record_bytes,
-                                          uniq[~on_cpu])
+            nbytes = int(fetch.sum()) * self.layouts[layer].record_bytes
+            timings.append(self._admit_and_copy(layer, slots_dev, h, nbytes, uniq[~on_cpu]))
             y = self._experts(layer, h, slots_dev, dev.asarray(wg))
-        else:
-            self.split.admitted(layer, uniq[:0])  # every expert on the CPU: the call still ends for the estimator
-        if timing is not None:  # the copy's event-timed duration is the oracle's PCIe sample
+        else:  # each part with GPU pairs admitted, copied and computed in its layout; the shadow follows part by part
+            todo = [(g, lo, hi) for g, (lo, hi) in enumerate(parts.bounds)
+                    if (gpu_pair & (ids_host >= lo) & (ids_host < hi)).any()]
+            for i, (g, lo, hi) in enumerate(todo):
+                mine = gpu_pair & (ids_host >= lo) & (ids_host < hi)
+                slots_dev = dev.asarray(np.where(mine, ids_host, NO_ROUTE).astype(np.int32))
+                in_part = (uniq >= lo) & (uniq < hi)
+                nbytes = int((fetch & in_part).sum()) * parts.layouts[g].record_bytes
+                last = i == len(todo) - 1
+                timings.append(self._admit_and_copy(layer, slots_dev, h, nbytes, uniq[~on_cpu & in_part], part=g,
+                                                    prefetch=last, end_call=last))
+                yg = self._experts(layer, h, slots_dev, weights, g)
+                y = yg if y is None else y + yg
+        for timing in timings:  # each copy's event-timed duration is an oracle PCIe sample
+            if timing is None:
+                continue
             start, stop, nbytes = timing
             stop.synchronize()
             self.split.oracle.add_copy(nbytes, start.elapsed_ms(stop) / 1e3)

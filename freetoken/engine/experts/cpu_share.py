@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from freetoken.device.constants import activation_code
+from freetoken.device.constants import NO_ROUTE, activation_code
 
 
 def substitute(ids: np.ndarray, w: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -40,7 +40,9 @@ class CpuShare:
     def __init__(self, device, pool, max_rows: int, oracle, activations: str = "auto"):
         self.dev, self.pool, self.oracle = device, pool, oracle
         self.activations = activations
-        self.host_banks = [pool.layer_banks(layer) for layer in range(pool.num_layers)]  # [E, ...] views
+        # per layer, per part: [experts of the part, ...] views in local-id order (one part: all E, by expert id)
+        self.host_banks = [[pool.layer_banks(layer, g) for g in range(len(pool.parts[layer].layouts))]
+                           for layer in range(pool.num_layers)]
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freetoken-cpu-experts")
         hidden = pool.layouts[0].hidden
         self._x_pinned = device.pinned_empty((max_rows, hidden), np.float32)
@@ -53,24 +55,41 @@ class CpuShare:
 
     def submit(self, layer: int, h, ids_host: np.ndarray, w_host: np.ndarray, cpu_pair: np.ndarray) -> Future:
         """Start the pairs ``cpu_pair`` (bool ``[T, k]``) of MoE layer ``layer`` on the worker: the tokens that have
-        one, with their other pairs at weight 0. The future's result is (token indices, partial outputs)."""
+        one, with their other pairs at weight 0 (a layer of several formats: ``ids_host`` are local ids, as the
+        cache numbers them, and each part runs its layout's kernel over its pairs, the others skipped). The
+        future's result is (token indices, partial outputs)."""
         tokens = np.flatnonzero(cpu_pair.any(axis=1)).astype(np.int64)
         t0 = time.perf_counter()
         x = self.dev.to_host(h[self.dev.asarray(tokens)], out=self._x_pinned.host[: tokens.size])
         self._x_seconds = time.perf_counter() - t0
-        ids_c, w_c = substitute(ids_host[tokens], w_host[tokens], cpu_pair[tokens])
-        layout = self.pool.layouts[layer]
-        nbytes = len(np.unique(ids_host[cpu_pair])) * layout.record_bytes
+        parts = self.pool.parts[layer]
+        if not parts.mixed:
+            ids_c, w_c = substitute(ids_host[tokens], w_host[tokens], cpu_pair[tokens])
+            jobs = [(0, ids_c, w_c, len(np.unique(ids_host[cpu_pair])))]
+        else:
+            ids_t, w_c, keep = ids_host[tokens], np.ascontiguousarray(w_host[tokens], np.float32), cpu_pair[tokens]
+            jobs = []
+            for g, (lo, hi) in enumerate(parts.bounds):
+                mine = keep & (ids_t >= lo) & (ids_t < hi)
+                if mine.any():  # rows of the part's own banks; the other pairs are skipped by the kernel
+                    ids_g = np.where(mine, ids_t - lo, NO_ROUTE).astype(np.int32)
+                    jobs.append((g, ids_g, w_c, len(np.unique(ids_t[mine]))))
 
         def work():
             from freetoken.cpu_kernels.moe_experts import forward
 
             out = self._y_pinned.host[: tokens.size]
-            t0 = time.perf_counter()
-            forward(layout.fmt.name, x, ids_c, w_c, self.host_banks[layer], layout.hidden, layout.inter,
-                    activation_code(layout.act), out, activations=self.activations,
-                    down_fmt_name=layout.format_of("down").name)
-            self.oracle.add_cpu(layout.fmt.name, nbytes, time.perf_counter() - t0)
+            part_out = np.empty_like(out) if len(jobs) > 1 else None
+            for i, (g, ids_g, w_g, n_experts) in enumerate(jobs):
+                layout = parts.layouts[g]
+                dst = out if i == 0 else part_out
+                t0 = time.perf_counter()
+                forward(layout.fmt.name, x, ids_g, w_g, self.host_banks[layer][g], layout.hidden, layout.inter,
+                        activation_code(layout.act), dst, activations=self.activations,
+                        down_fmt_name=layout.format_of("down").name)
+                if i:
+                    out += part_out
+                self.oracle.add_cpu(layout.fmt.name, n_experts * layout.record_bytes, time.perf_counter() - t0)
             return tokens, out
 
         return self._worker.submit(work)
