@@ -27,12 +27,18 @@ Per-expert formats (FTW only; one of these policies, or --expert-format, not bot
       quantization NMSE (worst of gate, up and down against the source's values) is at most E, else the last
 The plan (experts per format, average bits per expert weight) is printed before the file is written.
 
+Shards (FTW only): --shard-size 5GB writes OUTPUT.ftw as NAME-00001-of-0000N.ftw ... (NAME: OUTPUT without .ftw),
+each holding whole tensors and expert records up to that size (KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB of
+1024); one file when the model fits in one shard. The set appears only when every shard is complete; any shard or
+OUTPUT itself (the set's name) loads it.
+
 Examples: freetoken convert path/to/Qwen3-30B-A3B qwen3-30b-a3b-q4_0.gguf
           freetoken convert path/to/Qwen3-30B-A3B qwen3-30b-a3b.ftw --expert-format mxfp4
           freetoken convert path/to/Qwen3-30B-A3B qwen3-30b-a3b.ftw --hot fp8_block --cold mxfp4 \\
               --hot-fraction 0.1 --trace qwen3-30b-a3b-trace.npz
           freetoken convert path/to/Qwen3-30B-A3B qwen3-30b-a3b.ftw --max-nmse 0.005
           freetoken convert qwen3-30b-a3b-q4_k_m.gguf qwen3-30b-a3b-q4_k_m.ftw
+          freetoken convert path/to/DeepSeek-V3 deepseek-v3.ftw --shard-size 5GB
 """
 
 #: The flags of each per-expert policy: hot/cold needs all four.
@@ -55,6 +61,8 @@ def _policy(args: argparse.Namespace) -> str | None:
         raise ValueError(f"{' and '.join(policies)} are exclusive: give one way to choose the expert formats")
     if policies and not args.output.endswith(".ftw"):
         raise ValueError(f"{policies[0]} is for .ftw outputs; a GGUF output takes --experts")
+    if args.shard_size is not None and not args.output.endswith(".ftw"):
+        raise ValueError("--shard-size is for .ftw outputs")
     return "hot_cold" if given else "error_budget" if args.max_nmse is not None else None
 
 
@@ -76,11 +84,12 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if args.output.endswith(".ftw"):
         from pathlib import Path
 
-        from freetoken.convert.ftw_export import write_ftw
+        from freetoken.convert.ftw_export import existing_outputs, write_ftw
         from freetoken.engine.sources import open_source
 
-        if Path(args.output).exists() and not args.force:  # before planning, which may read every expert
-            raise ValueError(f"{args.output}: exists; pass --force to replace it")
+        replaced = existing_outputs(Path(args.output))
+        if replaced and not args.force:  # before planning, which may read every expert
+            raise ValueError(f"{replaced[0]}: exists; pass --force to replace it")
         src = open_source(args.model)
         plan = None
         if policy is not None:
@@ -89,8 +98,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             plan = _expert_plan(args, policy, src)
             print(plan_summary(plan, format_layouts(src.cfg, [f for row in plan for f in row])), flush=True)
         out = write_ftw(src, args.output, expert_format=args.expert_format, progress=sys.stderr.isatty(),
-                        force=args.force, expert_plan=plan)
-        print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+                        force=args.force, expert_plan=plan, shard_bytes=args.shard_size)
+        _print_written(out)
         return 0
     from freetoken.convert.gguf_export import export_gguf
 
@@ -98,6 +107,25 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                       force=args.force)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
     return 0
+
+
+def _print_written(out) -> None:
+    """The file written, or each shard of the set with its size and what it holds."""
+    from freetoken.loaders.ftw_file import FTWFile
+
+    ftw = FTWFile(out, verify="none")  # the index only: a look at what was written, not a reload
+    try:
+        total = sum(p.stat().st_size for p in ftw.shards)
+        if len(ftw.shards) == 1:
+            print(f"wrote {out} ({total / 2**20:.1f} MiB)")
+            return
+        print(f"wrote {len(ftw.shards)} shards, {total / 2**20:.1f} MiB in all:")
+        for i, p in enumerate(ftw.shards):
+            tensors = sum(t.shard == i for t in ftw.tensors.values())
+            records = sum(r.shard == i for r in ftw.records.values())
+            print(f"  {p} ({p.stat().st_size / 2**20:.1f} MiB: {tensors} tensors, {records} expert records)")
+    finally:
+        ftw.close()
 
 
 def _format_list(text: str) -> list[str]:
@@ -113,6 +141,23 @@ def _format_list(text: str) -> list[str]:
 
 
 _format_list.__name__ = "format list"
+
+#: Below this a --shard-size is a slip (``5`` for ``5GB``), not a plan: thousands of files.
+MIN_SHARD_SIZE = 2**20
+
+
+def _shard_size(text: str) -> int:
+    """An argparse type: a shard size (a size as --kv-memory takes, at least MIN_SHARD_SIZE)."""
+    from freetoken.cli.args import size
+
+    n = size(text)
+    if n < MIN_SHARD_SIZE:
+        raise argparse.ArgumentTypeError(f"a shard of {n} bytes is too small (at least 1MiB; e.g. 5GB), got "
+                                         f"{text!r}")
+    return n
+
+
+_shard_size.__name__ = "shard size"
 
 
 def add_convert_parser(sub) -> None:
@@ -143,5 +188,8 @@ def add_convert_parser(sub) -> None:
     p.add_argument("--experts", default="q4_0", choices=EXPERT_TYPES, help="routed-expert type (default q4_0)")
     p.add_argument("--other", default="f16", choices=OTHER_TYPES,
                    help="type of the other matrices (default f16)")
+    p.add_argument("--shard-size", default=None, type=_shard_size, metavar="SIZE",
+                   help="FTW output: write shards of at most SIZE bytes of weights each (5GB, 4GiB, 500MB; at least "
+                        "1MiB), NAME-00001-of-0000N.ftw ... (default: one file)")
     p.add_argument("--force", action="store_true", help="replace OUTPUT if it exists (never one of the inputs)")
     p.set_defaults(func=_cmd_convert)

@@ -6,30 +6,24 @@ Tensors are stored under the decoder's canonical keys: a matrix the source keeps
 in the narrowest of bf16, f16 and f32 that holds its values exactly (an HF bf16 checkpoint stays bf16). Routed
 experts are written one record per expert, in the formats the source stores them in, or quantized to
 ``expert_format`` (with :mod:`freetoken.formats`), or each in the format an ``expert_plan`` names for it
-(:mod:`.expert_plan`). The file appears only when complete (:mod:`.atomic`).
+(:mod:`.expert_plan`). With ``shard_bytes`` the model is written as a set of shards of about that size
+(:mod:`.ftw_output`). The file, or every shard of the set, appears only when all are complete (:mod:`.atomic`).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from freetoken.convert.atomic import atomic_output
+from freetoken.convert.atomic import atomic_set
+from freetoken.convert.ftw_output import FTWOutput, check_shard_bytes
 from freetoken.formats import RecordLayout
 from freetoken.formats.parts import ExpertParts
-from freetoken.loaders.ftw_file import (
-    ALIGN,
-    RECORD_HEADER_BYTES,
-    VERSION,
-    aligned,
-    checksum,
-    record_header,
-    write_preamble,
-)
+from freetoken.loaders.ftw_file import RECORD_HEADER_BYTES, VERSION, checksum, record_header
+from freetoken.loaders.ftw_shards import set_files
 from freetoken.models.config import ModelConfig
 from freetoken.models.ftw_weights import config_to_json, tensor_name
 from freetoken.models.qmatrix import QuantizedMatrix
@@ -89,30 +83,24 @@ def _tensor_plan(cfg: ModelConfig, weights: Weights) -> list[tuple[str, Callable
     return plan
 
 
-class _Writer:
-    def __init__(self, f):
-        self.f, self.at = f, ALIGN
-
-    def put(self, *parts: bytes | np.ndarray) -> tuple[int, int]:
-        """Write ``parts`` at the next aligned offset; (offset, bytes)."""
-        self.f.seek(self.at)
-        n = 0
-        for p in parts:
-            b = memoryview(np.ascontiguousarray(p)).cast("B") if isinstance(p, np.ndarray) else p
-            self.f.write(b)
-            n += len(b)
-        offset, self.at = self.at, aligned(self.at + n)
-        return offset, n
+def existing_outputs(out: Path) -> list[Path]:
+    """What a conversion to ``out`` would replace: the file itself and the shards of any set written as ``out``."""
+    return ([out] if out.exists() else []) + set_files(out)
 
 
 def write_ftw(source: FTWSource, out: str | Path, expert_format: str | None = None, progress: bool = False,
-              force: bool = False, expert_plan: list[list[str]] | None = None) -> Path:
+              force: bool = False, expert_plan: list[list[str]] | None = None,
+              shard_bytes: int | None = None) -> Path:
     """Write ``source`` as the FTW file ``out``; returns its path. ``expert_plan`` (one list of E format names per
     MoE layer, in MoE-layer order; see :mod:`freetoken.convert.expert_plan`) writes each expert's record in its
-    planned format instead of one format for all."""
+    planned format instead of one format for all. ``shard_bytes``: write a set of shards ``NAME-00001-of-0000N.ftw``
+    (``out`` is ``NAME.ftw``) of at most that many bytes of tensors and records each (the index comes on top; an
+    item larger than that gets a shard of its own), and return shard 1's path; one file when all fits in one."""
     out = Path(out)
-    if out.exists() and not force:
-        raise ValueError(f"{out}: exists; pass --force to replace it")
+    check_shard_bytes(shard_bytes)
+    replaced = existing_outputs(out)
+    if replaced and not force:
+        raise ValueError(f"{replaced[0]}: exists; pass --force to replace it")
     if expert_format is not None and expert_plan is not None:
         raise ValueError("give an expert format or an expert plan, not both")
     cfg, weights = source.cfg, source.weights
@@ -134,43 +122,43 @@ def write_ftw(source: FTWSource, out: str | Path, expert_format: str | None = No
         from tqdm import tqdm
 
         steps = tqdm(steps, desc=f"writing {out.name}", unit="step", leave=False)
-    tensors, records = [], []
-    with atomic_output(out) as tmp, open(tmp, "w+b") as f:
-        w = _Writer(f)
-        for kind, item in steps:
-            if kind == "tensor":
-                name, fetch = item
-                tensors.append(_write_tensor(w, name, fetch()))
-            else:
-                records += _write_layer(w, weights, *item)
-        index = {"format": "ftw", "version": VERSION, "writer": f"freetoken {__version__}",
-                 "source": source.name, "model_config": config_to_json(cfg),
+    with atomic_set(out) as files:
+        w = FTWOutput(files, shard_bytes)
+        try:
+            for kind, item in steps:
+                if kind == "tensor":
+                    name, fetch = item
+                    _write_tensor(w, name, fetch())
+                else:
+                    _write_layer(w, weights, *item)
+                if progress and shard_bytes is not None:
+                    steps.set_postfix_str(f"shard {len(w.shards)}", refresh=False)
+        finally:
+            w.abandon()
+        head = {"format": "ftw", "version": VERSION, "writer": f"freetoken {__version__}"}
+        model = {"source": source.name, "model_config": config_to_json(cfg),
                  "tokenizer": source.tokenizer_json, "eos_ids": [int(i) for i in source.eos_ids],
                  "chat_template": source.chat_template,
                  "record_layout": {"hidden": cfg.hidden, "inter": cfg.moe_inter, "bias": cfg.expert_bias,
-                                   "act": cfg.expert_act},
-                 "tensors": tensors, "records": records}
-        raw = json.dumps(index, separators=(",", ":")).encode()
-        index_offset, index_bytes = w.put(raw)
-        end = index_offset + index_bytes
-        f.truncate(end)
-        write_preamble(f, index_offset, index_bytes, checksum(raw), end)
-        f.flush()
-    return out
+                                   "act": cfg.expert_act}}
+        written = w.finish(head, model, out)
+    for old in set(replaced) - set(written):  # --force: a set of another shard count, or a single file, goes
+        old.unlink(missing_ok=True)
+    return written[0]
 
 
-def _write_tensor(w: _Writer, name: str, value) -> dict:
+def _write_tensor(w: FTWOutput, name: str, value) -> None:
     if isinstance(value, QuantizedMatrix):
         storage, data, shape = value.kind, value.blocks, value.shape
     else:
         storage, data = compact_float(value)
         shape = tuple(value.shape)
-    offset, n = w.put(data)
-    return {"name": name, "storage": storage, "shape": [int(d) for d in shape], "offset": offset, "bytes": n,
-            "xxh3": checksum(np.ascontiguousarray(data))}
+    shard, offset, n = w.put(data)
+    shard.tensors.append({"name": name, "storage": storage, "shape": [int(d) for d in shape], "offset": offset,
+                          "bytes": n, "xxh3": checksum(np.ascontiguousarray(data))})
 
 
-def _write_layer(w: _Writer, weights: Weights, layer: int, layouts: list[RecordLayout]) -> list[dict]:
+def _write_layer(w: FTWOutput, weights: Weights, layer: int, layouts: list[RecordLayout]) -> None:
     """Write ``layer``'s expert records, expert ``e`` in ``layouts[e]``: the source's banks are fetched (and
     quantized) once per distinct layout, and each record takes its expert's rows of its own layout's banks."""
     from freetoken.formats.base import ALIGNMENT
@@ -180,7 +168,6 @@ def _write_layer(w: _Writer, weights: Weights, layer: int, layouts: list[RecordL
         banks[layout] = weights.expert_banks(layer, layout)
         layout.check(banks[layout])
         specs[layout] = layout.bank_specs()
-    out = []
     for e, layout in enumerate(layouts):
         parts = []
         for s in specs[layout]:
@@ -192,8 +179,8 @@ def _write_layer(w: _Writer, weights: Weights, layer: int, layouts: list[RecordL
         payload = b"".join(memoryview(p).cast("B") if isinstance(p, np.ndarray) else p for p in parts)
         head = record_header(layout.fmt.name, layout.format_of("down").name, layout.bias, layer, e, len(payload))
         sum_ = checksum(head, payload)
-        offset, n = w.put(head, bytes.fromhex(sum_), payload)
+        shard, offset, n = w.put(head, bytes.fromhex(sum_), payload)
         assert n == RECORD_HEADER_BYTES + layout.record_bytes
-        out.append({"layer": layer, "expert": e, "format": layout.fmt.name,
-                    "down_format": layout.format_of("down").name, "offset": offset, "bytes": n, "xxh3": sum_})
-    return out
+        shard.records.append({"layer": layer, "expert": e, "format": layout.fmt.name,
+                              "down_format": layout.format_of("down").name, "offset": offset, "bytes": n,
+                              "xxh3": sum_})

@@ -38,8 +38,9 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
          prefetch: bool = False, cpu_activations: str = "auto", allow_widen: bool = False, verify: str = "full",
          options: LoadOptions | None = None) -> Model:
     """Load a model: an HF directory (``config.json`` + safetensors + ``tokenizer.json``, or Kimi-K2's
-    ``tiktoken.model``; bf16/f16/f32 or block FP8), a GGUF file or an FTW file (docs/ftw.md; ``verify``: its
-    checksums, "full", "sample" or "none"); None: the bundled model.
+    ``tiktoken.model``; bf16/f16/f32 or block FP8), a GGUF file or an FTW file (docs/ftw.md; a sharded set by any
+    shard or the name it was written as; ``verify``: its checksums, "full", "sample" or "none"); None: the
+    bundled model.
 
     ``expert_format``: the :mod:`freetoken.formats` name the routed experts run in; default: as stored (bf16 for
     unquantized HF checkpoints, fp8_block for block-FP8 ones, q4_0/mxfp4 for such GGUF files). On gpu/emu the
@@ -68,17 +69,18 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
                                                     cpu_gbps=cpu_gbps, future_value=future_value,
                                                     prefetch=prefetch, cpu_activations=cpu_activations))
     p = Path(path) if path is not None else DEFAULT_MODEL
-    if not p.exists():
+    ftw_model = is_ftw(p)  # a file, or a sharded set by the name it was written as (which is no file)
+    if not p.exists() and not ftw_model:
         raise LoadError(str(p), "no such model directory or file")
     dev = get_device(device)
-    if p.is_file() and is_ftw(p):
+    if ftw_model:
         from freetoken.engine.sources import ftw_tokenizer_side, open_ftw
 
         ftw, src = open_ftw(p, options.verify)
         check_ftw_memory(ftw, src, kv_load_bytes(src.cfg, dev.kind, options), options.expert_format)
         decoder = build_decoder(src.cfg, src.weights, dev, options)
         tokenizer, eos, template = ftw_tokenizer_side(src, p)
-        return Model(decoder, tokenizer, eos, chat_template=template, weight_files=[p])
+        return Model(decoder, tokenizer, eos, chat_template=template, weight_files=ftw.shards)
     if p.is_file():
         from freetoken.engine.load_gguf import load_gguf
 

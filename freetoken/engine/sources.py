@@ -13,7 +13,8 @@ from freetoken.models.ftw_weights import FTWWeights, config_from_json
 
 
 def open_ftw(path: Path, verify: str = "full") -> tuple[FTWFile, FTWSource]:
-    """(the file, its source: config, weights and tokenizer side) of an FTW file, its index checked."""
+    """(the file, its source: config, weights and tokenizer side) of an FTW file or sharded set, its index (every
+    shard's) checked."""
     ftw = FTWFile(path, verify=verify)
     cfg = config_from_json(ftw.index["model_config"], str(path))
     ix = ftw.index
@@ -45,9 +46,10 @@ def open_source(path: str | Path, allow_widen: bool = False) -> FTWSource:
     from freetoken.engine.load import DEFAULT_MODEL, _eos_ids
 
     p = Path(path) if path is not None else DEFAULT_MODEL
-    if not p.exists():
+    ftw_model = is_ftw(p)  # a file, or a sharded set by the name it was written as (which is no file)
+    if not p.exists() and not ftw_model:
         raise LoadError(str(p), "no such model directory or file")
-    if p.is_file() and is_ftw(p):
+    if ftw_model:
         src = open_ftw(p)[1]
         src.name = f"{p.name}, from {src.name}" if src.name else p.name  # the chain of conversions
         return src

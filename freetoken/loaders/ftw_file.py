@@ -10,6 +10,10 @@ host pool's record layout, so loading an expert is one contiguous read and one c
 MoE layer has all its experts) and refuses a bad file with a :class:`LoadError` naming the file and the tensor or
 record. Checksums are verified as data is read (``verify``: "full" every tensor and record, "sample" every
 tensor and one record in 16, "none").
+
+A big model is a set of shards, each an FTW file of this structure holding whole tensors and records
+(:mod:`.ftw_shards` finds and ties them together); :class:`FTWFile` reads a set as one model, each tensor and
+record from the file that holds it.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ class TensorEntry:
     offset: int
     nbytes: int
     xxh3: str
+    shard: int = 0  # which file of a sharded set holds it (0: the first, or the only one)
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ class RecordEntry:
     offset: int
     nbytes: int  # header + payload
     xxh3: str
+    shard: int = 0
 
     @property
     def what(self) -> str:
@@ -105,18 +111,16 @@ def _int(v, what: str, lo: int = 0) -> int:
     return v
 
 
-class FTWFile:
-    """An FTW file, its index read and checked (not its data: that is checked as it is read)."""
+class FilePart:
+    """One file of a model (the whole model, or one shard of a set): its preamble checked, its index's checksum
+    verified and its JSON parsed, its bytes mapped. What the index holds is checked by :class:`FTWFile`."""
 
-    def __init__(self, path: str | Path, verify: str = "full"):
-        if verify not in VERIFY_MODES:
-            raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
-        self.path = Path(path)
-        self.verify = verify
-        where = str(self.path)
+    def __init__(self, path: Path):
+        self.path = path
+        where = str(path)
         try:
-            size = self.path.stat().st_size
-            with open(self.path, "rb") as f:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
                 pre = f.read(PREAMBLE.size)
         except OSError as e:
             raise LoadError(where, f"cannot read the file ({e.strerror or e})") from None
@@ -132,51 +136,67 @@ class FTWFile:
                                    "something was appended")
         if index_offset % ALIGN or index_offset < ALIGN or index_offset + index_bytes > size:
             raise LoadError(where, f"the index ({index_bytes} bytes at {index_offset}) is not inside the file")
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        raw = self._map[index_offset:index_offset + index_bytes]
-        if bytes.fromhex(checksum(raw)) != index_sum:
+        self.map = np.memmap(path, dtype=np.uint8, mode="r")
+        raw = self.map[index_offset:index_offset + index_bytes]
+        self.index_sum = checksum(raw)
+        if bytes.fromhex(self.index_sum) != index_sum:
             raise LoadError(where, "the index's checksum does not match: the index is damaged", "index")
-        self.data_end = index_offset
+        self.size, self.data_end = size, index_offset
         try:
             self.index = json.loads(bytes(raw).decode("utf-8"))
-            self._read_index()
-        except LoadError:
-            raise
-        except (ValueError, KeyError, TypeError) as e:
+            if not isinstance(self.index, dict) or self.index.get("format") != "ftw":
+                raise ValueError('the index is not an FTW index (no "format": "ftw")')
+            if self.index.get("version") != VERSION:
+                raise ValueError(f"index version {self.index.get('version')!r}, preamble version {VERSION}")
+        except ValueError as e:
             raise LoadError(where, f"malformed index: {e}", "index") from None
-        self._check_layout()
+
+    def close(self) -> None:
+        mm = getattr(self.map, "_mmap", None)
+        self.map = None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:  # views still alive: the mapping goes with the last of them
+                pass
+
+
+class FTWFile:
+    """An FTW model, one file or a set of shards (docs/ftw.md), its index read and checked (not its data: that is
+    checked as it is read). ``path``: the file, any shard of a set, or the name the set was written as
+    (``model.ftw`` for ``model-00001-of-00003.ftw`` ...). ``path`` becomes the file holding the model's config (a
+    set's shard 1), ``index`` its index, and ``shards`` lists every file; ``tensors`` and ``records`` cover them
+    all, each entry knowing its shard."""
+
+    def __init__(self, path: str | Path, verify: str = "full"):
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+        from freetoken.loaders.ftw_shards import open_parts
+
+        self.verify = verify
+        self._parts: list[FilePart] = open_parts(Path(path))
+        first = self._parts[0]
+        self.path, self.index = first.path, first.index
+        self.shards = [p.path for p in self._parts]
+        self.tensors: dict[str, TensorEntry] = {}
+        self.records: dict[tuple[int, int], RecordEntry] = {}
+        for i, part in enumerate(self._parts):
+            try:
+                if i == 0:
+                    self._read_model(part.index)
+                entries = self._read_tables(part, i)
+            except LoadError:
+                raise
+            except (ValueError, KeyError, TypeError) as e:
+                raise LoadError(str(part.path), f"malformed index: {e}", "index") from None
+            self._check_layout(part, entries)
 
     # ---- the index ---------------------------------------------------------------------------------------
-    def _read_index(self) -> None:
-        ix = self.index
-        if not isinstance(ix, dict) or ix.get("format") != "ftw":
-            raise ValueError('the index is not an FTW index (no "format": "ftw")')
-        if ix.get("version") != VERSION:
-            raise ValueError(f"index version {ix.get('version')!r}, preamble version {VERSION}")
+    def _read_model(self, ix: dict) -> None:
+        """The model's side of the index (a set's shard 1 only): config, record layout, tokenizer side."""
         for k in ("model_config", "tensors", "records", "record_layout"):
             if k not in ix:
                 raise KeyError(f"missing {k!r}")
-        self.tensors: dict[str, TensorEntry] = {}
-        for i, t in enumerate(ix["tensors"]):
-            what = f"tensors[{i}]"
-            name = t["name"]
-            if not isinstance(name, str) or name in self.tensors:
-                raise ValueError(f"{what}: name {name!r} missing or repeated")
-            shape = tuple(_int(d, f"{name}: shape", 1) for d in t["shape"])
-            if not isinstance(t["storage"], str):
-                raise ValueError(f"{name}: storage must be a string")
-            self.tensors[name] = TensorEntry(name, t["storage"], shape, _int(t["offset"], f"{name}: offset"),
-                                             _int(t["bytes"], f"{name}: bytes"), _hex128(t["xxh3"], f"{name}: xxh3"))
-        self.records: dict[tuple[int, int], RecordEntry] = {}
-        for i, r in enumerate(ix["records"]):
-            key = (_int(r["layer"], f"records[{i}].layer"), _int(r["expert"], f"records[{i}].expert"))
-            if key in self.records:
-                raise ValueError(f"records[{i}]: a second record for layer {key[0]}, expert {key[1]}")
-            for f in (r["format"], r["down_format"]):
-                if f not in FORMAT_CODES:
-                    raise ValueError(f"records[{i}]: unknown expert format {f!r}")
-            self.records[key] = RecordEntry(*key, r["format"], r["down_format"], _int(r["offset"], "offset"),
-                                            _int(r["bytes"], "bytes"), _hex128(r["xxh3"], f"records[{i}].xxh3"))
         from freetoken.device.constants import ACTIVATIONS
 
         lay = ix["record_layout"]
@@ -196,11 +216,58 @@ class FTWFile:
                                     and isinstance(tpl.get("special_tokens") or {}, dict)):
             raise ValueError("chat_template must be null or {source: non-empty text, special_tokens: {...}}")
 
-    def _check_layout(self) -> None:
-        """Sizes against shapes and formats, every entry aligned and inside the data area, none overlapping."""
-        where = str(self.path)
+    def _read_tables(self, part: FilePart, shard: int) -> list[TensorEntry | RecordEntry]:
+        """The tensors and records ``part`` holds, added to the model's tables (and returned); an entry another
+        shard already holds is refused (each tensor and record lives in exactly one file)."""
+        ix = part.index
+        entries: list[TensorEntry | RecordEntry] = []
+        for k in ("tensors", "records"):
+            if not isinstance(ix.get(k), list):
+                raise ValueError(f"{k!r} missing or not a list")
+        names: set[str] = set()
+        for i, t in enumerate(ix["tensors"]):
+            what = f"tensors[{i}]"
+            name = t["name"]
+            if not isinstance(name, str) or name in names:
+                raise ValueError(f"{what}: name {name!r} missing or repeated")
+            names.add(name)
+            shape = tuple(_int(d, f"{name}: shape", 1) for d in t["shape"])
+            if not isinstance(t["storage"], str):
+                raise ValueError(f"{name}: storage must be a string")
+            self._no_other_copy(self.tensors.get(name), part, f"tensor {name}", name)
+            self.tensors[name] = TensorEntry(name, t["storage"], shape, _int(t["offset"], f"{name}: offset"),
+                                             _int(t["bytes"], f"{name}: bytes"), _hex128(t["xxh3"], f"{name}: xxh3"),
+                                             shard)
+            entries.append(self.tensors[name])
+        keys: set[tuple[int, int]] = set()
+        for i, r in enumerate(ix["records"]):
+            key = (_int(r["layer"], f"records[{i}].layer"), _int(r["expert"], f"records[{i}].expert"))
+            if key in keys:
+                raise ValueError(f"records[{i}]: a second record for layer {key[0]}, expert {key[1]}")
+            keys.add(key)
+            for f in (r["format"], r["down_format"]):
+                if f not in FORMAT_CODES:
+                    raise ValueError(f"records[{i}]: unknown expert format {f!r}")
+            entry = RecordEntry(*key, r["format"], r["down_format"], _int(r["offset"], "offset"),
+                                _int(r["bytes"], "bytes"), _hex128(r["xxh3"], f"records[{i}].xxh3"), shard)
+            self._no_other_copy(self.records.get(key), part, entry.what, entry.what)
+            self.records[key] = entry
+            entries.append(entry)
+        return entries
+
+    def _no_other_copy(self, other, part: FilePart, what: str, name: str) -> None:
+        if other is not None:
+            raise LoadError(str(part.path), f"{what} is in this shard and in {self.shards[other.shard].name}: "
+                                            "each lives in one shard", name)
+
+    def _check_layout(self, part: FilePart, entries: list[TensorEntry | RecordEntry]) -> None:
+        """Sizes against shapes and formats, every entry of ``part`` aligned and inside its data area, none
+        overlapping (so no tensor or record runs on into another file)."""
+        where = str(part.path)
         spans = []
-        for t in self.tensors.values():
+        for t in entries:
+            if isinstance(t, RecordEntry):
+                continue
             if t.storage in FLOAT_STORAGES:
                 want = int(np.prod(t.shape)) * FLOAT_STORAGES[t.storage].itemsize
             else:
@@ -209,7 +276,9 @@ class FTWFile:
                 raise LoadError(where, f"tensor {t.name}: {t.nbytes} bytes, {t.storage} {list(t.shape)} takes {want}",
                                 t.name)
             spans.append((t.offset, t.nbytes, f"tensor {t.name}"))
-        for r in self.records.values():
+        for r in entries:
+            if isinstance(r, TensorEntry):
+                continue
             try:
                 want = RECORD_HEADER_BYTES + self.layout_of(r).record_bytes
             except ValueError as e:  # the formats do not fit the record layout's shape
@@ -223,10 +292,14 @@ class FTWFile:
                 raise LoadError(where, f"{what} starts at {offset}, not on a {ALIGN}-byte boundary", what)
             if offset < end:
                 raise LoadError(where, f"{what} (at {offset}) overlaps the preamble or the entry before it", what)
-            if offset + nbytes > self.data_end:
+            if offset + nbytes > part.data_end:
                 raise LoadError(where, f"{what} ({nbytes} bytes at {offset}) runs past the data (the index is at "
-                                       f"{self.data_end})", what)
+                                       f"{part.data_end})", what)
             end = offset + nbytes
+
+    def file_of(self, entry: TensorEntry | RecordEntry) -> Path:
+        """The file (shard) holding a tensor or record."""
+        return self._parts[entry.shard].path
 
     def check_experts(self, moe_layers: list[int], num_experts: int) -> None:
         """Every MoE layer has exactly ``num_experts`` records and no other layer has any."""
@@ -245,18 +318,20 @@ class FTWFile:
             raise LoadError(where, f"expert records for layers that are not MoE layers: {sorted(have)}")
 
     # ---- data --------------------------------------------------------------------------------------------
-    def _checked(self, offset: int, nbytes: int, want: str, what: str, header: bytes = b"") -> np.ndarray:
-        data = self._map[offset:offset + nbytes]
+    def _checked(self, part: FilePart, offset: int, nbytes: int, want: str, what: str,
+                 header: bytes = b"") -> np.ndarray:
+        data = part.map[offset:offset + nbytes]
         if checksum(header, data) != want:
-            raise LoadError(str(self.path), f"{what}: checksum mismatch (the file is damaged)", what)
+            raise LoadError(str(part.path), f"{what}: checksum mismatch (the file is damaged)", what)
         return data
 
     def tensor_bytes(self, name: str) -> np.ndarray:
-        """A tensor's stored bytes (uint8, a read-only view of the file), checksum verified unless verify="none"."""
+        """A tensor's stored bytes (uint8, a read-only view of its file), checksum verified unless verify="none"."""
         t = self.tensors[name]
+        part = self._parts[t.shard]
         if self.verify == "none":
-            return self._map[t.offset:t.offset + t.nbytes]
-        return self._checked(t.offset, t.nbytes, t.xxh3, f"tensor {name}")
+            return part.map[t.offset:t.offset + t.nbytes]
+        return self._checked(part, t.offset, t.nbytes, t.xxh3, f"tensor {name}")
 
     def layout_of(self, r: RecordEntry):
         from freetoken import formats
@@ -266,21 +341,22 @@ class FTWFile:
                             down_fmt=formats.get(r.down_fmt))
 
     def record_payload(self, layer: int, expert: int) -> np.ndarray:
-        """An expert's banks as stored (uint8 view of the file, ``layout_of(record).record_bytes`` long), its header
+        """An expert's banks as stored (uint8 view of its file, ``layout_of(record).record_bytes`` long), its header
         checked against the index and its checksum verified as ``verify`` says."""
         r = self.records[(layer, expert)]
-        head = bytes(self._map[r.offset:r.offset + RECORD_HEADER_BYTES])
+        part = self._parts[r.shard]
+        where = str(part.path)
+        head = bytes(part.map[r.offset:r.offset + RECORD_HEADER_BYTES])
         want = record_header(r.fmt, r.down_fmt, self.bias, layer, expert, r.nbytes - RECORD_HEADER_BYTES)
         if head[:_CHECKSUM_AT] != want:
-            raise LoadError(str(self.path), f"{r.what}: its header does not match the index (damaged or misplaced)",
-                            r.what)
+            raise LoadError(where, f"{r.what}: its header does not match the index (damaged or misplaced)", r.what)
         if head[_CHECKSUM_AT:] != bytes.fromhex(r.xxh3):
-            raise LoadError(str(self.path), f"{r.what}: the checksum in its header differs from the index's", r.what)
+            raise LoadError(where, f"{r.what}: the checksum in its header differs from the index's", r.what)
         lo, hi = r.offset + RECORD_HEADER_BYTES, r.offset + r.nbytes
         sampled = (layer * 1_000_003 + expert) % SAMPLE_EVERY == 0
         if self.verify == "full" or (self.verify == "sample" and sampled):
-            return self._checked(lo, hi - lo, r.xxh3, r.what, header=head[:_CHECKSUM_AT])
-        return self._map[lo:hi]
+            return self._checked(part, lo, hi - lo, r.xxh3, r.what, header=head[:_CHECKSUM_AT])
+        return part.map[lo:hi]
 
     def record_banks(self, layer: int, expert: int) -> dict[str, np.ndarray]:
         """One expert's banks by name (views of the file), as ``RecordLayout.bank_specs`` lays them out."""
@@ -295,13 +371,8 @@ class FTWFile:
         return out
 
     def close(self) -> None:
-        mm = getattr(self._map, "_mmap", None)
-        self._map = None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:  # views still alive: the mapping goes with the last of them
-                pass
+        for part in self._parts:
+            part.close()
 
 
 def _quantized_bytes(t: TensorEntry, where: str) -> int:
@@ -322,13 +393,20 @@ def write_preamble(f, index_offset: int, index_bytes: int, index_sum: str, file_
 
 
 def is_ftw(path: str | Path) -> bool:
-    """Whether ``path`` is a file that starts with the FTW magic."""
+    """Whether ``path`` is a file that starts with the FTW magic (a whole model or any shard of a set), or names a
+    sharded set by the name it was written as (``model.ftw`` for ``model-00001-of-00003.ftw`` ...)."""
+    from freetoken.loaders.ftw_shards import first_shards
+
     p = Path(path)
     if not p.is_file():
-        return False
+        if p.exists():
+            return False
+        found = first_shards(p)
+        if not found:
+            return False
+        p = found[0]
     try:
         with open(p, "rb") as f:
             return f.read(4) == MAGIC
     except OSError:
         return False
-

@@ -152,8 +152,8 @@ class FTWWeights(Weights):
             if t is None:
                 raise LoadError(where, f"no tensor {name!r}, which the model config needs", name)
             if t.shape != shape:
-                raise LoadError(where, f"tensor {name}: shape {list(t.shape)}, the model config gives "
-                                       f"{list(shape)}", name)
+                raise LoadError(str(self.ftw.file_of(t)), f"tensor {name}: shape {list(t.shape)}, the model config "
+                                                          f"gives {list(shape)}", name)
         stray = sorted(set(self.ftw.tensors) - set(want))
         if stray:
             raise LoadError(where, f"tensors the model config has no use for: {stray[:5]}", stray[0])
