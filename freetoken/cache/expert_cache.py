@@ -18,6 +18,12 @@ Prefill streams whole layers through two buffers borrowed from the first 2E slot
         cache.release_layer(l)                      # the buffer may be refilled once these kernels finish
 
 Statistics count unique active records per admit call (a record used by several tokens is one hit or miss).
+
+Over a :class:`~freetoken.cache.host_tier.HostTier` (``--host-memory`` below the routed experts) a record the cache
+misses may not be in host memory either: :meth:`ExpertCache.copy_missing` reads the worklist back (a synchronisation
+per admission), has the tier bring its records into host rows and rewrites each item's source to its row before the
+copy (the copy tables' ``first`` is 0); :meth:`ExpertCache.prefetch_layer` brings the whole layer in first. The copy
+kernels are unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from freetoken.cache.host_pool import HostPool
+from freetoken.cache.host_tier import HostTier
 from freetoken.device.constants import BANK_TABLE, CACHE_ERR_ID_RANGE
 from freetoken.device.constants import CACHE_MAX_BANKS as MAX_BANKS
 from freetoken.device.constants import CACHE_MAX_PAIRS as MAX_ACTIVE
@@ -42,13 +49,13 @@ class ExpertCache:
 
     Parameters
     ----------
-    pool : the host pool (authoritative records)
+    pool : the host pool (authoritative records), or a :class:`HostTier` over the weight file
     slots : number of device slots
     max_active : the most routed pairs one admit call may carry (tokens x top-k), at most 1024
     prefill_overlap : reserve the first 2E slots as prefill's double buffers
     """
 
-    def __init__(self, pool: HostPool, slots: int, *, max_active: int, prefill_overlap: bool = True):
+    def __init__(self, pool: HostPool | HostTier, slots: int, *, max_active: int, prefill_overlap: bool = True):
         dev = pool.device
         if dev.kind == "cpu":
             raise ValueError("the expert cache runs on the gpu or emu device; the cpu device reads the host pool")
@@ -66,6 +73,10 @@ class ExpertCache:
         if max(len(lay.bank_specs()) for lay in pool.groups) > MAX_BANKS:
             raise ValueError(f"record layouts of more than {MAX_BANKS} banks are not supported")
         self.device, self.pool, self.slots = dev, pool, slots
+        #: The host tier the records come from when host memory holds only some of them (else None).
+        self.tier = pool if isinstance(pool, HostTier) else None
+        self._tier_worklists = [None, None]  # prefill's worklists with host rows as sources (kept until copied)
+        self._staged = None  # stage_missing's answer for the last admission (None: not staged)
         self.num_layers, self.num_experts = pool.num_layers, e
         self.max_active, self.prefill_overlap = max_active, prefill_overlap
         xp = dev.xp
@@ -148,10 +159,46 @@ class ExpertCache:
                     self.clock, self.worklist, self.n_work, self.hits, self.misses, self.err, count=count,
                     stream=stream, device=self.device)
         self._worklist_layer = (layer, part)
+        self._staged = None
+
+    def stage_missing(self, stream=None) -> bool:
+        """Over a host tier: bring the records the last :meth:`admit` missed into host memory and point the worklist
+        at their rows (``stream``: the one :meth:`copy_missing` will run on), so that a timed copy times the copy
+        alone. Returns whether there is anything to copy (always True without a tier). :meth:`copy_missing` does
+        it when it was not done."""
+        if self.tier is None:
+            return True
+        if self._staged is None:
+            self._staged = self._tier_sources(stream, *self._worklist_layer)
+        return self._staged
 
     def copy_missing(self, stream=None) -> None:
-        """Copy the records the last :meth:`admit` missed from the host pool into their slots."""
+        """Copy the records the last :meth:`admit` missed from the host pool into their slots (over a host tier:
+        :meth:`stage_missing` first)."""
+        staged = self.stage_missing(stream)
+        self._staged = None
+        if not staged:
+            return
         self._copy(self.worklist, self.n_work, self.max_active, stream, *self._worklist_layer)
+        if self.tier is not None:
+            self.tier.fence(self.device.event().record(stream))
+
+    def _tier_sources(self, stream, layer: int, part: int = 0) -> bool:
+        """The last admission's missed records into host memory and each worklist source rewritten to its host row
+        (on the current stream; ``stream`` then waits for it). False when nothing was missed."""
+        dev = self.device
+        n = int(dev.to_host(self.n_work)[0])  # waits for the admission: the one synchronisation of this mode
+        if n == 0:
+            return False
+        wl = np.array(dev.to_host(self.worklist[:2 * n]), np.int32).reshape(n, 2)
+        flat = wl[:, 1].astype(np.int64)
+        if (flat // self.num_experts != layer).any():
+            raise CacheError(f"the worklist of an admission of layer {layer} lists records of other layers")
+        wl[:, 1] = self.tier.ensure(layer, flat % self.num_experts)
+        self.worklist[:2 * n] = dev.asarray(wl.reshape(-1))
+        if stream is not None:
+            stream.wait_event(dev.event().record())
+        return True
 
     def _copy(self, worklist, n_work, max_items: int, stream, layer: int, part: int = 0) -> None:
         cache_copy(worklist, n_work, self._copy_tables[layer][part], max_items, stream=stream, device=self.device)
@@ -198,6 +245,12 @@ class ExpertCache:
         wl, nw = self.prefill_worklists[b], self.prefill_n_work[b]
         cache_borrow_layer(layer, first, self.num_experts, self.slot_for_id, self.id_of_slot, self.recency, wl, nw,
                            stream=self.transfer, device=self.device)
+        if self.tier is not None:  # the whole layer into host memory; the copies read it from its rows
+            e = self.num_experts
+            rows = self.tier.ensure(layer, np.arange(e))
+            wl = self.device.asarray(np.stack([first + np.arange(e, dtype=np.int32), rows], axis=1).reshape(-1))
+            self._tier_worklists[b] = wl
+            self.transfer.wait_event(self.device.event().record())
         parts = self.pool.parts[layer]
         if not parts.mixed:
             self._copy(wl, nw, self.num_experts, self.transfer, layer)
@@ -205,6 +258,8 @@ class ExpertCache:
             for g, (lo, hi) in enumerate(parts.bounds):
                 self._copy(wl[2 * lo:], self._part_counts[(layer, g)], hi - lo, self.transfer, layer, g)
         self._ready[b] = self.device.event().record(self.transfer)
+        if self.tier is not None:
+            self.tier.fence(self._ready[b])
         self.prefill_bytes += parts.host_bytes
         return first
 
@@ -248,7 +303,8 @@ class ExpertCache:
             self.slot_for_id[f:f + 1] = slot
             self.pinned[slot:slot + 1] = 1
             self.recency[slot:slot + 1] = self.clock
-            work = self.device.asarray(np.array([slot, f], np.int32))
+            src = f if self.tier is None else int(self.tier.ensure(layer, [e])[0])
+            work = self.device.asarray(np.array([slot, src], np.int32))
             self._copy(work, self.device.asarray(np.array([1], np.int32)), 1, None, layer,
                        self.pool.parts[layer].part_of(e))
             self._pinned_slots.append(slot)

@@ -85,6 +85,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"routing trace: {rec.num_steps} decode steps -> {args.record_trace}", file=sys.stderr)
     print(f"[{kind}] {memory_line(model)}", file=sys.stderr)
     print(f"[{kind}] {types_line(model)}", file=sys.stderr)
+    if model.experts.tier is not None:  # the host tier over the FTW file (--host-memory)
+        print(f"[{kind}] {model.experts.tier_report()}", file=sys.stderr)
     if args.verbose:
         print(f"[{kind}] {breakdown_line(model)}", file=sys.stderr)
     return 0

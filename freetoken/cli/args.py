@@ -132,7 +132,8 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
 def context_kwargs(args: argparse.Namespace) -> dict:
     """The :func:`freetoken.load` keywords of :func:`add_context_args`' flags."""
     return dict(ctx=args.ctx, kv_dtype=args.kv_dtype, kv_memory=args.kv_memory, prefill_chunk=args.prefill_chunk,
-                allow_widen=getattr(args, "allow_widen", False), verify=getattr(args, "verify", "full"))
+                allow_widen=getattr(args, "allow_widen", False), verify=getattr(args, "verify", "full"),
+                host_memory=getattr(args, "host_memory", None))
 
 
 def read_prompt_file(path: str) -> str:
@@ -177,6 +178,11 @@ def add_model_args(p: argparse.ArgumentParser, max_tokens: int, what: str) -> No
                         "8-bit blocks and uses int8 "
                         "dot products (llama.cpp's rounding), f32 keeps float32 (exact, slower); auto: q8 where the "
                         "CPU has AVX2 or AVX-512 VNNI (default)")
+    p.add_argument("--host-memory", type=size, default=None, metavar="SIZE",
+                   help="host memory for the routed experts, e.g. 8GB or 512MiB (default: all of them). Below what "
+                        "they take, an FTW file's expert records are read from disk as steps need them into a host "
+                        "tier of SIZE (least recently used records make room; at least two MoE layers' records); "
+                        "other model files are refused: freetoken convert them to FTW first")
     p.add_argument("--verify", default="full", choices=["full", "sample", "none"],
                    help="an FTW file's checksums, checked as its data is read: every tensor and expert record "
                         "(full, the default), every tensor and one record in 16 (sample), or none")

@@ -90,6 +90,8 @@ def _report_memory(model, verbose: bool) -> None:
     kind = model.decoder.dev.kind
     print(f"[{kind}] {memory_line(model)}", file=sys.stderr)
     print(f"[{kind}] {types_line(model)}", file=sys.stderr)
+    if model.experts.tier is not None:
+        print(f"[{kind}] {model.experts.tier_report()}", file=sys.stderr)
     if verbose:
         print(f"[{kind}] {breakdown_line(model)}", file=sys.stderr)
 

@@ -51,8 +51,11 @@ def _cmd_timing(args: argparse.Namespace, trace) -> int:
         raise ValueError("the time model needs both --pcie and --cpu (GB/s)")
     do_sweep = args.sweep or bool(args.plot)
     modes = args.modes or list(MODES)
+    if (args.host_memory is None) != (args.disk is None):
+        raise ValueError("the disk tier needs both --host-memory (SIZE) and --disk (GB/s)")
     kw = dict(window=args.window, future_value=args.future_value, layer_s=args.layer_us * 1e-6,
-              predictor=args.predictor, prefetch_n=args.prefetch_n, prefill_borrow=not args.no_prefill_borrow)
+              predictor=args.predictor, prefetch_n=args.prefetch_n, prefill_borrow=not args.no_prefill_borrow,
+              host_memory=args.host_memory, disk_gbps=args.disk)
     results, rows = [], []
     for slots in args.slots:
         results += time_modes(trace, slots, args.pcie, args.cpu, args.gpu, modes=modes, **kw)
@@ -91,7 +94,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from freetoken.sim.simulate import format_table, simulate
     from freetoken.trace.format import load_trace
 
-    timing = args.pcie is not None or args.cpu is not None or args.sweep
+    timing = args.pcie is not None or args.cpu is not None or args.sweep or args.host_memory is not None \
+        or args.disk is not None
     trace = load_trace(args.trace)
     if timing:
         return _cmd_timing(args, trace)
@@ -134,7 +138,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def add_trace_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``trace`` (with ``simulate``, ``synth``, ``info``) on ``subparsers``; returns its parser."""
-    from freetoken.cli.args import count, future_value, real
+    from freetoken.cli.args import count, future_value, real, size
     from freetoken.sim.policies import DEFAULT_POLICIES, POLICIES
     from freetoken.sim.timing import ALL_MODES
 
@@ -194,6 +198,11 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
                     help="experts predicted per call (default top_k x tokens)")
     tm.add_argument("--modes", type=_name_list(ALL_MODES, "mode"), default=None, metavar="M[,M...]",
                     help="modes (default fetch_all,cpu_all,qstar,qstar_prefetch; also fetch_all_prefetch)")
+    tm.add_argument("--host-memory", type=size, default=None, metavar="SIZE",
+                    help="host memory for the expert records (e.g. 8GB); below the model's records, a disk tier: "
+                         "records a call misses are read from disk when host memory does not hold them (with --disk)")
+    tm.add_argument("--disk", type=gbps, default=None, metavar="GBPS",
+                    help="disk read bandwidth, GB/s (the disk tier of --host-memory)")
     tm.add_argument("--sweep", action="store_true",
                     help="also sweep PCIe = 0.25x .. 4x the CPU bandwidth (9 geometric steps) and print tokens/s")
     sim.set_defaults(func=_cmd_simulate)

@@ -36,7 +36,9 @@ def build_decoder(cfg: ModelConfig, weights: Weights | Callable[[str], np.ndarra
     if not isinstance(weights, Weights):
         weights = HFWeights(cfg, weights)
     layouts = expert_layouts(cfg, weights, options.expert_format)
-    runner = make_runner(device, layouts, sum(cfg.moe_layers), cfg.num_experts, cfg.top_k, options.experts)
+    reader = host_tier_reader(cfg, weights, layouts, options)
+    runner = make_runner(device, layouts, sum(cfg.moe_layers), cfg.num_experts, cfg.top_k, options.experts,
+                         reader=reader)
     decoder = MoeDecoder(cfg, weights, device, runner, progress=options.progress)
     plan = plan_context(cfg, device, options)
     pool = KVPool(device, len(cfg.kv_layers), cfg.kv_cache_heads, cfg.kv_cache_dim, plan.num_blocks, plan.kind,
@@ -48,6 +50,41 @@ def build_decoder(cfg: ModelConfig, weights: Weights | Callable[[str], np.ndarra
     if warm_up:
         warm_up_kernels(decoder, options.experts.max_decode_tokens + 1, progress=options.progress)
     return decoder
+
+
+def host_tier_reader(cfg: ModelConfig, weights: Weights, layouts, options: LoadOptions):
+    """The record reader of a host tier when ``options.experts.host_memory`` is below the routed experts' bytes
+    (None when they fit, or no budget is given). Refused (ValueError): a source other than an FTW file (its experts
+    cannot be read one at a time cheaply), an ``expert_format`` other than the stored one (every read would
+    re-quantize), a budget under two layers' records."""
+    from freetoken.cache.host_tier import minimum_bytes
+    from freetoken.formats.parts import as_parts
+    from freetoken.loaders.memory import gib
+
+    budget = options.experts.host_memory
+    if budget is None or not layouts:
+        return None
+    parts = [as_parts(lay, cfg.num_experts) for lay in layouts]
+    total = sum(p.host_bytes for p in parts)
+    if budget >= total:
+        return None  # everything fits: the host pool as always
+    from freetoken.models.ftw_weights import FTWWeights
+
+    what = f"--host-memory {gib(budget)} is less than the routed experts' {gib(total)}"
+    if not isinstance(weights, FTWWeights):
+        raise ValueError(f"{what}: only an FTW file's experts can be read from disk one at a time; convert the model "
+                         "first (freetoken convert MODEL OUT.ftw) and load OUT.ftw")
+    if layouts != expert_layouts(cfg, weights, None):
+        raise ValueError(f"{what}: records are read from the file as stored, and --expert-format "
+                         f"{options.expert_format} would re-quantize every read; convert the file with --expert-format "
+                         f"{options.expert_format} instead")
+    least = minimum_bytes(parts)
+    if budget < least:
+        raise ValueError(f"{what}, and a host tier needs at least {gib(least)} ({least} bytes): the routed experts of "
+                         "two MoE layers (a prompt streams whole layers through host memory)")
+    from freetoken.loaders.ftw_records import FTWRecordReader
+
+    return FTWRecordReader(weights.ftw, [i for i in range(cfg.num_layers) if cfg.is_moe(i)])
 
 
 #: A warm-up prompt longer than this runs every prompt path (expert prefill kernels, streamed layers, chunked dense

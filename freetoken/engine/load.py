@@ -36,7 +36,7 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
          progress: bool = False, cache_slots: int | None = None, moe_mode: str = "gpu",
          pcie_gbps: float | None = None, cpu_gbps: float | None = None, future_value: float = 0.0,
          prefetch: bool = False, cpu_activations: str = "auto", allow_widen: bool = False, verify: str = "full",
-         options: LoadOptions | None = None) -> Model:
+         host_memory: int | None = None, options: LoadOptions | None = None) -> Model:
     """Load a model: an HF directory (``config.json`` + safetensors + ``tokenizer.json``, or Kimi-K2's
     ``tiktoken.model``; bf16/f16/f32 or block FP8), a GGUF file or an FTW file (docs/ftw.md; a sharded set by any
     shard or the name it was written as; ``verify``: its checksums, "full", "sample" or "none"); None: the
@@ -58,7 +58,9 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
     ``cpu_activations``: experts on the CPU (4-bit, q8_0 and k-quant formats) with 8-bit activations and int8 dots
     ("q8") or float32 ("f32");
     "auto": q8 where the CPU has AVX2 or AVX-512 VNNI. ``allow_widen``: a GGUF file's non-expert matrices in a block
-    type no dense storage keeps (Q5_0, Q3_K, ...) are widened to float32 instead of refused.
+    type no dense storage keeps (Q5_0, Q3_K, ...) are widened to float32 instead of refused. ``host_memory``: bytes
+    of host memory for the routed experts (default: all of them); below what they take, an FTW file's records are
+    read from the file as steps need them into a host tier of that size (other sources are refused: convert first).
 
     ``options``: all of the above as one :class:`freetoken.engine.options.LoadOptions` (then the keywords are not
     used). Every kernel is compiled (or loaded from the on-disk caches) before this returns."""
@@ -67,7 +69,8 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
                               prefill_chunk=prefill_chunk, progress=progress, allow_widen=allow_widen, verify=verify,
                               experts=ExpertOptions(mode=moe_mode, cache_slots=cache_slots, pcie_gbps=pcie_gbps,
                                                     cpu_gbps=cpu_gbps, future_value=future_value,
-                                                    prefetch=prefetch, cpu_activations=cpu_activations))
+                                                    prefetch=prefetch, cpu_activations=cpu_activations,
+                                                    host_memory=host_memory))
     p = Path(path) if path is not None else DEFAULT_MODEL
     ftw_model = is_ftw(p)  # a file, or a sharded set by the name it was written as (which is no file)
     if not p.exists() and not ftw_model:
@@ -77,7 +80,8 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
         from freetoken.engine.sources import ftw_tokenizer_side, open_ftw
 
         ftw, src = open_ftw(p, options.verify)
-        check_ftw_memory(ftw, src, kv_load_bytes(src.cfg, dev.kind, options), options.expert_format)
+        check_ftw_memory(ftw, src, kv_load_bytes(src.cfg, dev.kind, options), options.expert_format,
+                         options.experts.host_memory)
         decoder = build_decoder(src.cfg, src.weights, dev, options)
         tokenizer, eos, template = ftw_tokenizer_side(src, p)
         return Model(decoder, tokenizer, eos, chat_template=template, weight_files=ftw.shards)
@@ -126,8 +130,9 @@ def open_hf_dir(p: Path, kv_bytes, expert_format: str | None):
     return cfg, weights, sd
 
 
-def check_ftw_memory(ftw, src, kv_bytes: int, expert_format: str | None) -> int:
-    """Refuse an FTW load whose host allocations exceed the memory available (as the HF and GGUF loads do)."""
+def check_ftw_memory(ftw, src, kv_bytes: int, expert_format: str | None, host_memory: int | None = None) -> int:
+    """Refuse an FTW load whose host allocations exceed the memory available (as the HF and GGUF loads do);
+    ``host_memory``: the routed experts take at most that much (a host tier over the file)."""
     from freetoken.loaders.ftw_file import FLOAT_STORAGES
     from freetoken.loaders.memory import check_load_bytes
     from freetoken.models.weights import expert_layouts, load_bytes
@@ -137,4 +142,6 @@ def check_ftw_memory(ftw, src, kv_bytes: int, expert_format: str | None) -> int:
     need = load_bytes(src.cfg, dense, expert_format, kv_bytes, expert_layouts(src.cfg, src.weights, expert_format))
     if expert_format is None:
         need["float32 experts of one layer while quantized"] = 0  # the records move as stored
+    if host_memory is not None:
+        need["expert banks"] = min(need["expert banks"], int(host_memory))
     return check_load_bytes(ftw.path, need)

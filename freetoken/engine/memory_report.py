@@ -28,8 +28,8 @@ def memory_breakdown(model) -> dict[str, int]:
 
 
 def memory_line(model) -> str:
-    """One line: weights (dense, embedding and expert banks), expert slots, KV pool (kind, tokens used of the
-    context), peak host RSS."""
+    """One line: weights (dense, embedding and expert banks: with a host tier, its rows), expert slots, KV pool
+    (kind, tokens used of the context), peak host RSS."""
     parts = memory_breakdown(model)
     slots = parts.get("expert slots", 0)
     states = parts.get("linear-attention states")

@@ -39,7 +39,9 @@ class ExpertOptions:
     ``cpu_activations``: experts computed on the CPU (the cpu device, and misses computed by the CPU) in a format
     with an int8 path (the 4-bit formats, q8_0, the k-quants) take
     their token vectors as 8-bit blocks with int8 dot products ("q8", llama.cpp's q8_0 rounding) or as float32
-    ("f32", the reference path); "auto" is q8 where the CPU has AVX2 or AVX-512 VNNI."""
+    ("f32", the reference path); "auto" is q8 where the CPU has AVX2 or AVX-512 VNNI. ``host_memory``: bytes of
+    host memory for the routed experts' records (None: all of them); below what they take, an FTW file's records
+    are read from the file as steps need them into a host tier of that size (:class:`freetoken.cache.HostTier`)."""
 
     mode: str = "gpu"
     cache_slots: int | None = None
@@ -49,6 +51,7 @@ class ExpertOptions:
     prefetch: bool = False
     max_decode_tokens: int = 16
     cpu_activations: str = "auto"
+    host_memory: int | None = None
 
     def __post_init__(self):
         if self.cpu_activations not in CPU_ACTIVATIONS:
@@ -56,6 +59,7 @@ class ExpertOptions:
         if self.mode not in MOE_MODES:
             raise ValueError(f"moe mode {self.mode!r}: choose one of {', '.join(MOE_MODES)}")
         _positive("cache_slots", self.cache_slots, integer=True)
+        _positive("host_memory", self.host_memory, integer=True)
         _positive("pcie_gbps", self.pcie_gbps)
         _positive("cpu_gbps", self.cpu_gbps)
         fv = self.future_value

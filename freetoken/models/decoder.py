@@ -177,7 +177,9 @@ def _mlp(cfg: ModelConfig, t: _Tensors, i: int, dev, experts: ExpertRunner, moe_
         inp = ("shared_gate", "shared_up", "shared_sigmoid") if cfg.shared_gated else ("shared_gate", "shared_up")
         shared = SharedExpert(t.linear(inp, i), t.linear(("shared_down",), i), dev, gated=cfg.shared_gated)
     parts = experts.parts[moe_index]
-    if not parts.mixed:
+    if experts.reads_own_experts:  # a host tier: the records are read from the file when a step needs them
+        pass
+    elif not parts.mixed:
         experts.load_layer(moe_index, t.weights.expert_banks(i, parts.layouts[0]))
     else:  # an FTW layer whose experts are in several formats: each part's records in its own layout
         for g, (layout, ids) in enumerate(zip(parts.layouts, parts.experts, strict=True)):

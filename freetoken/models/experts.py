@@ -27,6 +27,9 @@ class ExpertRunner(ABC):
     layouts: list[RecordLayout]
     layout: RecordLayout
     parts: list[ExpertParts]
+    #: True when the runner reads its expert records itself (a host tier over the weight file, ``--host-memory``):
+    #: the model then does not hand it the layers' banks at load (:meth:`load_layer` is not called).
+    reads_own_experts: bool = False
 
     @abstractmethod
     def load_layer(self, layer: int, banks: dict, part: int = 0) -> None:

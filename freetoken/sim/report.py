@@ -33,6 +33,9 @@ def format_timing(results: Sequence) -> str:
         body.append((r.mode, str(r.slots), f"{r.tokens_per_s:,.2f}", _us(r.step_s), _us(r.transfer_s),
                      _us(r.prefetch_s), _us(r.cpu_s), _us(r.gpu_s), _us(r.stall_s), f"{100 * r.hit_rate:.1f}%",
                      f"{r.fetched:,}", f"{r.cpu_experts:,}", "; ".join(note)))
+        if r.host_rows:
+            note.insert(0, f"disk {_us(r.disk_s)} us ({r.disk_reads:.2f} records read) per step")
+            body[-1] = (*body[-1][:-1], "; ".join(note))
     out = text_table(header, body, left={0, 12}, groups=[r.slots for r in results])
     if results:
         r0 = results[0]
@@ -40,6 +43,9 @@ def format_timing(results: Sequence) -> str:
         out.append(f"PCIe {r0.pcie_gbps:g} GB/s, CPU {r0.cpu_gbps:g} GB/s, GPU {r0.gpu_gbps:g} GB/s; "
                    f"{r0.steps:,} decode steps scored ({r0.window}), {r0.tokens_per_step} token(s) per step; "
                    "times are per decode step; step = gpu + stall")
+        if r0.host_rows:
+            out.append(f"disk tier: host memory holds {r0.host_rows:,} records, disk {r0.disk_gbps:g} GB/s; the disk "
+                       "reads are part of stall")
     return "\n".join(s.rstrip() for s in out)
 
 

@@ -24,6 +24,19 @@ Per call (decode step t, MoE layer l) with h hits and m misses, q of them fetche
 ``layer_s`` is the non-expert GPU time per layer (attention, router, shared expert, norms) and ``step_s`` the per
 step rest (embedding, LM head, sampling); both default to 0, which isolates the expert phase.
 
+The disk tier (``host_memory`` below the model's records, ``--host-memory`` at run time): host memory holds
+``host_rows = host_memory // record_bytes`` records in an LRU of its own (:mod:`freetoken.policy.lru`, the same
+rules as the device's), which sees only what must be in host memory: a call's misses (fetched or computed on the
+CPU; hits on the GPU never touch it) and prefetched records. Each of them not in host memory is read from disk
+first, ``disk_s = record_bytes / disk bandwidth + disk_latency_s`` each, serially and on the critical path (the
+runtime reads the admission's worklist back and reads the records before it copies them)::
+
+    call time   = layer_s + reads x disk_s + critical(q),   stall += reads x disk_s
+
+A segment start (a prompt) streams every layer's records through the tier in layer order, untimed (decode steps are
+what is scored), so the tier starts a segment's decode holding the last layers. ``disk_s`` and ``disk_reads`` are
+reported per step.
+
 Prefetch: the transfer stream is idle from the end of call l's demand copies (``q x`` after its routing) until the
 next call's routing (``critical + layer_s`` after it), so ``floor((critical + layer_s - q x) / x)`` prefetched
 copies fit without delaying any demand copy. For the next call's predicted set (``h'`` of them resident, ``m'``
@@ -143,6 +156,10 @@ class ModeTiming:
     predictor: str = ""
     prediction: PredictorScore | None = None
     per_step: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)  # seconds, every trace step
+    host_rows: int = 0  # records host memory holds (0: all: no disk tier)
+    disk_gbps: float = 0.0
+    disk_s: float = 0.0  # reading records from disk (on the critical path, part of stall_s)
+    disk_reads: float = 0.0  # records read from disk per decode step
 
     @property
     def tokens_per_s(self) -> float:
@@ -161,7 +178,8 @@ class ModeTiming:
                                              "cpu_gbps", "gpu_gbps", "tokens_per_s", "step_s", "transfer_s",
                                              "prefetch_s", "cpu_s", "gpu_s", "stall_s", "accesses", "hits",
                                              "misses", "fetched", "cpu_experts", "prefetched", "prefetch_used",
-                                             "hit_rate", "future_value", "predictor")}
+                                             "hit_rate", "future_value", "predictor", "host_rows", "disk_gbps",
+                                             "disk_s", "disk_reads")}
         if self.prediction is not None:
             row["precision"] = self.prediction.precision
             row["recall"] = self.prediction.recall
@@ -177,10 +195,29 @@ def _prefetch_n(trace: Trace, prefetch_n: int | None) -> int:
     return int(prefetch_n) if prefetch_n is not None else min(trace.num_experts, trace.top_k * trace.tokens)
 
 
+def host_rows_for(trace: Trace, host_memory: int | None) -> int:
+    """Records a host budget of ``host_memory`` bytes holds, 0 when it holds every record of the trace's model (no
+    disk tier) or no budget is given; a budget under two layers' records is refused (ValueError naming the
+    minimum), as the runtime refuses it."""
+    if host_memory is None:
+        return 0
+    rows = int(host_memory) // int(trace.record_bytes)
+    if rows >= trace.num_flat:
+        return 0
+    least = 2 * trace.num_experts
+    if rows < least:
+        raise ValueError(f"a host memory of {int(host_memory):,} bytes holds {rows} records; the disk tier needs at "
+                         f"least two layers' records: {least} x {trace.record_bytes:,} = "
+                         f"{least * trace.record_bytes:,} bytes")
+    return rows
+
+
 def run_kernel(trace: Trace, mode: str, slots: int, costs: StepCosts, *, future_value, layer_s, step_s, pred,
-               prefill_borrow, prior_hits=PRIOR_HITS, prior_weight=PRIOR_WEIGHT, qdiag=None) -> np.ndarray:
+               prefill_borrow, prior_hits=PRIOR_HITS, prior_weight=PRIOR_WEIGHT, qdiag=None, host_rows: int = 0,
+               disk_s: float = 0.0) -> np.ndarray:
     """One mode over the whole trace: the kernel's per-step accumulators float64 [len(FIELDS), steps] (see
-    :mod:`freetoken.sim.timing_kernel`). ``pred``: predictions [steps, L, n] or None."""
+    :mod:`freetoken.sim.timing_kernel`). ``pred``: predictions [steps, L, n] or None. ``host_rows`` > 0: a disk
+    tier of that many records, each read in ``disk_s`` seconds."""
     _check_mode(mode)
     slots = check_slots(slots)
     p = prepare(trace)
@@ -202,7 +239,7 @@ def run_kernel(trace: Trace, mode: str, slots: int, costs: StepCosts, *, future_
                           float(costs.cpu_s), float(costs.gpu_s), float(costs.cpu_handoff_s),
                           float(costs.cpu_token_s), float(layer_s), float(step_s), kind, fv,
                           marginal_hit_value(costs), float(prior_hits), float(prior_weight), MAX_HITS,
-                          np.ascontiguousarray(pred, np.int32), use_pf, diag)
+                          np.ascontiguousarray(pred, np.int32), use_pf, diag, int(host_rows), float(disk_s))
 
 
 def resolve_predictions(trace: Trace, predictor: str | np.ndarray, prefetch_n: int | None):
@@ -223,6 +260,7 @@ def time_modes(trace: Trace, slots: int, pcie_gbps: float, cpu_gbps: float, gpu_
                prefetch_n: int | None = None, prefill_borrow: bool = True,
                copy_latency_s: float = DEFAULT_COPY_LATENCY_S, cpu_handoff_s: float = DEFAULT_CPU_HANDOFF_S,
                cpu_token_s: float = 0.0, prior_hits: float = PRIOR_HITS, prior_weight: float = PRIOR_WEIGHT,
+               host_memory: int | None = None, disk_gbps: float | None = None, disk_latency_s: float = 0.0,
                _pred=None) -> list[ModeTiming]:
     """Model each decode step's time for every mode at one bandwidth point; see the module docstring.
 
@@ -231,8 +269,13 @@ def time_modes(trace: Trace, slots: int, pcie_gbps: float, cpu_gbps: float, gpu_
     lifetime) or a fixed number of seconds per fetched expert; ``prior_weight`` / ``prior_hits`` are their priors.
     ``predictor``: a :data:`freetoken.sim.predict.PREDICTORS` name (``coact`` learns on the first half of the
     trace) or a predictions array ``[steps, L, n]``; ``prefetch_n`` experts are predicted per call (default
-    top_k x tokens). Raises ValueError on bad arguments.
+    top_k x tokens). ``host_memory`` (bytes) below the model's records with ``disk_gbps``: the disk tier (see the
+    module docstring; ``disk_latency_s`` per record read). Raises ValueError on bad arguments.
     """
+    host_rows = host_rows_for(trace, host_memory)
+    if host_rows and not (disk_gbps is not None and disk_gbps > 0):
+        raise ValueError("a host memory below the model's records needs the disk bandwidth (disk_gbps > 0)")
+    disk_s = trace.record_bytes / (disk_gbps * 1e9) + disk_latency_s if host_rows else 0.0
     if window not in WINDOWS:
         raise ValueError(f"unknown window {window!r} (expected one of {', '.join(WINDOWS)})")
     for mode in modes:
@@ -251,7 +294,8 @@ def time_modes(trace: Trace, slots: int, pcie_gbps: float, cpu_gbps: float, gpu_
     n = max(t1 - t0, 0)
     for mode in modes:
         acc = run_kernel(trace, mode, slots, costs, future_value=future_value, layer_s=layer_s, step_s=step_s,
-                         pred=pred, prefill_borrow=prefill_borrow, prior_hits=prior_hits, prior_weight=prior_weight)
+                         pred=pred, prefill_borrow=prefill_borrow, prior_hits=prior_hits, prior_weight=prior_weight,
+                         host_rows=host_rows, disk_s=disk_s)
         w = acc[:, t0:t1]
         mean = w.mean(axis=1) if n else np.zeros(len(FIELDS))
         tot = w.sum(axis=1)
@@ -263,7 +307,9 @@ def time_modes(trace: Trace, slots: int, pcie_gbps: float, cpu_gbps: float, gpu_
             gpu_s=float(mean[4]), stall_s=float(mean[5]), accesses=accesses, hits=int(tot[6]), misses=int(tot[7]),
             fetched=int(tot[8]), prefetched=int(tot[9]), prefetch_used=int(tot[10]),
             future_value=fv_name if mode.startswith("qstar") else "", predictor=pname if pf else "",
-            prediction=score if pf else None, per_step=acc[0].copy()))
+            prediction=score if pf else None, per_step=acc[0].copy(), host_rows=host_rows,
+            disk_gbps=float(disk_gbps or 0.0) if host_rows else 0.0, disk_s=float(mean[11]),
+            disk_reads=float(mean[12])))
     return out
 
 

@@ -21,26 +21,40 @@ from freetoken.policy.estimators import (
     fv_pool,
     fv_prefetched,
 )
-from freetoken.policy.lru import SLOT_OF, lru_borrow, lru_end, lru_insert, lru_lookup, lru_new, sort_ids
+from freetoken.policy.lru import SLOT_OF, lru_admit, lru_borrow, lru_end, lru_insert, lru_lookup, lru_new, sort_ids
 from freetoken.policy.qstar import best_q, best_q_values, critical_path, order_misses
 
 #: The kernel's per-step accumulators, in row order.
 FIELDS = ("time", "transfer", "prefetch", "cpu", "gpu", "stall", "hits", "misses", "fetched", "prefetched",
-          "prefetch_used")
+          "prefetch_used", "disk", "disk_reads")
 #: Mode codes: which misses are fetched.
 FETCH_ALL, CPU_ALL, QSTAR = 0, 1, 2
 
 
 @nb.njit(cache=True)
+def cap_of(width, npred, borrow_n):  # pragma: no cover - compiled
+    return max(width, npred, borrow_n, 1)
+
+
+@nb.njit(cache=True)
 def timing_kernel(active, counts, tokcnt, seg_start, slots, num_flat, num_experts, borrow_n, mode, x, c, g, hand,
                   ctok, layer_s, step_s, fv_kind, fv_fixed, s_hit, prior_hits, prior_weight, max_hits, pred,
-                  use_pf, qdiag):  # pragma: no cover - compiled
+                  use_pf, qdiag, host_rows, disk_s):  # pragma: no cover - compiled
     """float64 [len(FIELDS), steps]: the per-step sums of every call. ``mode``: FETCH_ALL, CPU_ALL or QSTAR;
     ``fv_kind``: FV_FIXED (``fv_fixed`` seconds), FV_AUTO or FV_GLOBAL; ``pred`` int32 [steps, L, n] predicted
     experts (-1 padded), used when ``use_pf``; ``qdiag`` float64 [steps, L, 3] or empty: per call, critical(q*),
-    critical(0), critical(m) on the same cache state."""
+    critical(0), critical(m) on the same cache state. ``host_rows`` > 0: host memory holds that many records (a
+    host tier, its own LRU): every miss of a call (fetched or computed on the CPU) and every prefetched record is
+    looked up there first, and each one not there is read from disk in ``disk_s`` seconds, on the critical path
+    before the call's copies and CPU work; a segment start (a prompt) streams every layer's records through it."""
     steps, layers, width = active.shape
-    out = np.zeros((11, steps))
+    out = np.zeros((13, steps))
+    use_tier = host_rows > 0
+    hst = lru_new(num_flat, max(host_rows, 1))
+    hcap = max(cap_of(width, pred.shape[2], borrow_n), num_experts)
+    hids = np.empty(hcap, np.int32)
+    hscratch = np.empty(hcap, np.int32)
+    hevicted = np.empty(hcap, np.int32)
     st = lru_new(num_flat, slots)
     slot_of = st[SLOT_OF]
     est = fv_new(num_flat)
@@ -66,6 +80,11 @@ def timing_kernel(active, counts, tokcnt, seg_start, slots, num_flat, num_expert
         if seg_start[t]:  # prefill borrows slots [0, 2E): owners evicted, least recent
             k = lru_borrow(st, 0, borrow_n, evicted)
             fv_evicted(est, evicted, k, t, False)
+            if use_tier:  # the prompt streams every layer through host memory (not timed: decode steps are)
+                for layer in range(layers):
+                    for e in range(num_experts):
+                        hids[e] = layer * num_experts + e
+                    lru_admit(hst, hids, num_experts, hscratch, hevicted)
         step_time = step_s
         step_gpu = step_s
         for layer in range(layers):
@@ -103,6 +122,15 @@ def timing_kernel(active, counts, tokcnt, seg_start, slots, num_flat, num_expert
             else:
                 fv = fv_fixed if fv_kind == FV_FIXED else fv_global_value(est, prior_hits, s_hit)
                 q = best_q(x, c, g, hand, ctok, m, h, tok_ord, fv)
+            if use_tier and m > 0:  # every miss needs its record in host memory: read from disk if not there
+                for i in range(m):
+                    hids[i] = miss_id[i]
+                sort_ids(hids, m)
+                dm = lru_admit(hst, hids, m, hscratch, hevicted)
+                step_time += dm * disk_s
+                out[5, t] += dm * disk_s
+                out[11, t] += dm * disk_s
+                out[12, t] += dm
             rest = 0
             for i in range(q, m):
                 rest += tok_ord[i]
@@ -200,6 +228,14 @@ def timing_kernel(active, counts, tokcnt, seg_start, slots, num_flat, num_expert
             fv_evicted(est, evicted, nadm, t, True)
             fv_prefetched(est, fetch, nadm)
             lru_end(st)
+            if use_tier and nadm > 0:  # the prefetched records are read into host memory first (on the host)
+                for i in range(nadm):
+                    hids[i] = fetch[i]
+                dm = lru_admit(hst, hids, nadm, hscratch, hevicted)
+                step_time += dm * disk_s
+                out[5, t] += dm * disk_s
+                out[11, t] += dm * disk_s
+                out[12, t] += dm
             out[2, t] += nadm * x
             out[9, t] += nadm
         out[0, t] = step_time

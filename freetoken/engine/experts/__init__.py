@@ -16,14 +16,17 @@ from freetoken.engine.options import ExpertOptions
 
 
 def make_runner(device, layouts, num_layers: int, num_experts: int, top_k: int,
-                opts: ExpertOptions | None = None) -> RunnerBase:
+                opts: ExpertOptions | None = None, reader=None) -> RunnerBase:
     """The runner of ``num_layers`` MoE layers on ``device`` (``layouts``: one :class:`RecordLayout` for every layer,
     or a list, one per layer, each a layout or an :class:`~freetoken.formats.parts.ExpertParts`): the host device
-    reads experts in place, a device with its own memory (gpu, or emu standing in for one) caches them."""
+    reads experts in place, a device with its own memory (gpu, or emu standing in for one) caches them. ``reader``
+    (an FTW file's :class:`~freetoken.loaders.ftw_records.FTWRecordReader`): host memory holds ``opts.host_memory``
+    bytes of records, a :class:`~freetoken.cache.HostTier` over the file, instead of every record."""
     opts = opts or ExpertOptions()
     if device.kind == "cpu" or num_layers == 0:
-        return HostExperts(device, layouts, num_layers, num_experts, opts.cpu_activations)
-    return CachedExperts(device, layouts, num_layers, num_experts, top_k, opts)
+        return HostExperts(device, layouts, num_layers, num_experts, opts.cpu_activations, reader=reader,
+                           host_memory=opts.host_memory)
+    return CachedExperts(device, layouts, num_layers, num_experts, top_k, opts, reader=reader)
 
 
 __all__ = ["CachedExperts", "HostExperts", "RunnerBase", "make_runner"]

@@ -65,6 +65,19 @@ class RunnerBase(ExpertRunner):
 
     # ---- what a run reports -------------------------------------------------------------------------------------
     mode = "cpu"
+    #: The host tier (``--host-memory`` below the routed experts: :class:`freetoken.cache.HostTier`), else None.
+    tier = None
+
+    def tier_report(self) -> str:
+        """The host tier's line (rows, budget, hit rate, bytes read from disk), '' without a tier."""
+        return self.tier.report() if self.tier is not None else ""
+
+    def tier_counters(self) -> dict[str, int]:
+        if self.tier is None:
+            return {}
+        st = self.tier.stats()
+        return {"host_tier_hits": st["hits"], "host_tier_reads": st["misses"], "host_tier_evictions": st["evictions"],
+                "host_tier_bytes_read": st["bytes_read"]}
 
     def counters(self) -> dict[str, int]:
         """Counters since load (or the last :meth:`reset`), as numbers; none for a runner that keeps none."""

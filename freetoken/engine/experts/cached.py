@@ -13,6 +13,11 @@ keeps :class:`freetoken.cache.ExpertCache` slots shared by all MoE layers. Per f
   to the host, so its steps need no synchronisation;
 * with ``--prefetch`` each admission is followed by the next layer's predicted admission on the transfer stream
   (:class:`NextLayerPrefetch`).
+
+With ``--host-memory`` below the routed experts the host pool is a :class:`freetoken.cache.HostTier` over the FTW
+file: each admission's missed records are read into host rows before they are copied (the cache reads its worklist
+back: one synchronisation per MoE layer), the CPU share ensures and pins its records, and a streamed prompt reads
+layer m+1 into host memory after layer m's kernels are issued, so the disk read overlaps them.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from freetoken import ops
-from freetoken.cache import ExpertCache, HostPool
+from freetoken.cache import ExpertCache, HostPool, HostTier
 from freetoken.device.constants import NO_ROUTE
 from freetoken.engine.experts.base import RunnerBase
 from freetoken.engine.experts.cpu_share import CpuShare, substitute
@@ -33,10 +38,15 @@ from freetoken.policy.runtime import make_oracle, resolve_mode
 class CachedExperts(RunnerBase):
     """The expert cache of ``num_layers`` MoE layers x ``num_experts`` experts run as ``opts`` says."""
 
-    def __init__(self, device, layouts, num_layers: int, num_experts: int, top_k: int, opts: ExpertOptions):
+    def __init__(self, device, layouts, num_layers: int, num_experts: int, top_k: int, opts: ExpertOptions,
+                 reader=None):
         super().__init__(device, layouts, num_layers, num_experts)
         self.top_k, self.opts = top_k, opts
-        pool = HostPool(device, self.parts, num_layers, num_experts)  # filled layer by layer by load_layer
+        if reader is None:
+            pool = HostPool(device, self.parts, num_layers, num_experts)  # filled layer by layer by load_layer
+        else:  # host memory holds opts.host_memory bytes of records, read from the file as steps need them
+            pool = self.tier = HostTier(device, self.parts, num_layers, num_experts, reader, opts.host_memory)
+            self.reads_own_experts = True
         slots = opts.cache_slots or max(num_layers * num_experts, 2 * num_experts)
         self.cache = ExpertCache(pool, slots, max_active=min(1024, opts.max_decode_tokens * top_k))
         # decode's plan and expert buffers, allocated once over the slot banks (see ops.moe_experts), per layout
@@ -123,8 +133,10 @@ class CachedExperts(RunnerBase):
 
     def _run_streaming(self, layer: int, h, ids, weights):
         cache = self.cache
-        if layer + 1 < cache.num_layers:
+        ahead = layer + 1 < cache.num_layers
+        if ahead and self.tier is None:
             self._prefill_layer(layer + 1)  # overlaps this layer's compute
+            ahead = False
         first = cache.wait_layer(layer)
         parts = self.parts[layer]
         if not parts.mixed:
@@ -135,6 +147,8 @@ class CachedExperts(RunnerBase):
                 h, part_ids, weights, cache.layer_slot_banks(layer, g), parts.layouts[g], device=self.dev,
                 validate=False), offset=first)
         cache.release_layer(layer)
+        if ahead:  # a host tier: the next layer is read from disk (on the host) while this layer's kernels run
+            self._prefill_layer(layer + 1)
         return y
 
     def _admit_and_copy(self, layer: int, slots, h, timed_bytes: int = 0, experts=None, part: int = 0,
@@ -239,12 +253,14 @@ class CachedExperts(RunnerBase):
 
     # ---- state, counters, report -----------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
-        return {"expert banks (host pool)": int(self.cache.pool.nbytes),
-                "expert slots": int(self.cache.slot_nbytes)}
+        host = "expert rows (host tier)" if self.tier is not None else "expert banks (host pool)"
+        return {host: int(self.cache.pool.nbytes), "expert slots": int(self.cache.slot_nbytes)}
 
     def reset(self) -> None:
         self.dev.synchronize()
         self.cache.reset()
+        if self.tier is not None:  # its rows stay valid: only the counters start again
+            self.tier.reset_stats()
         self._prefetch_event = None
         self._pinned = 0
         if self.prefetch is not None:
@@ -312,6 +328,7 @@ class CachedExperts(RunnerBase):
             out.update(split_hits=st["hits"], split_fetched=st["fetched"], split_cpu=st["cpu"])
         if self.prefetch is not None:
             out.update({f"prefetch_{k}": v for k, v in self.prefetch.stats.items()})
+        out.update(self.tier_counters())
         return out
 
     def summary(self) -> str:

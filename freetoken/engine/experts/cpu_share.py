@@ -6,6 +6,9 @@ Hand-off: the activations of the tokens with a CPU pair go to a page-locked buff
 :meth:`CpuShare.merge` adds them on the device AFTER the GPU share's output: a fixed order, so the result does not
 depend on which side finished first. The oracle gets the kernel's bandwidth and the hand-off's duration (read at
 the next call, when the merge is long done: no synchronisation on the hot path).
+
+Over a host tier (``--host-memory``) the job's records are ensured in host memory and pinned before it starts (the
+GPU share's reads cannot evict them) and unpinned at the merge; the kernels read the tier's arrays by host row.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from freetoken.cache import HostTier
 from freetoken.device.constants import NO_ROUTE, activation_code
 
 
@@ -40,9 +44,12 @@ class CpuShare:
     def __init__(self, device, pool, max_rows: int, oracle, activations: str = "auto"):
         self.dev, self.pool, self.oracle = device, pool, oracle
         self.activations = activations
-        # per layer, per part: [experts of the part, ...] views in local-id order (one part: all E, by expert id)
-        self.host_banks = [[pool.layer_banks(layer, g) for g in range(len(pool.parts[layer].layouts))]
-                           for layer in range(pool.num_layers)]
+        self.tier = pool if isinstance(pool, HostTier) else None
+        # per layer, per part: [experts of the part, ...] views in local-id order (one part: all E, by expert id);
+        # over a tier: the arrays of the part's layout group, read by host row
+        self.host_banks = [[pool.layer_banks(layer, g) if self.tier is None else
+                            self.tier.group_host_banks(self.tier.group_of(layer, g))
+                            for g in range(len(pool.parts[layer].layouts))] for layer in range(pool.num_layers)]
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="freetoken-cpu-experts")
         hidden = pool.layouts[0].hidden
         self._x_pinned = device.pinned_empty((max_rows, hidden), np.float32)
@@ -63,8 +70,12 @@ class CpuShare:
         x = self.dev.to_host(h[self.dev.asarray(tokens)], out=self._x_pinned.host[: tokens.size])
         self._x_seconds = time.perf_counter() - t0
         parts = self.pool.parts[layer]
+        pins = []  # over a tier: the local ids whose rows stay pinned until the merge
         if not parts.mixed:
             ids_c, w_c = substitute(ids_host[tokens], w_host[tokens], cpu_pair[tokens])
+            if self.tier is not None:
+                pins.append(ids_c.copy())
+                ids_c = self.tier.ensure(layer, ids_c, pin=True)
             jobs = [(0, ids_c, w_c, len(np.unique(ids_host[cpu_pair])))]
         else:
             ids_t, w_c, keep = ids_host[tokens], np.ascontiguousarray(w_host[tokens], np.float32), cpu_pair[tokens]
@@ -72,7 +83,12 @@ class CpuShare:
             for g, (lo, hi) in enumerate(parts.bounds):
                 mine = keep & (ids_t >= lo) & (ids_t < hi)
                 if mine.any():  # rows of the part's own banks; the other pairs are skipped by the kernel
-                    ids_g = np.where(mine, ids_t - lo, NO_ROUTE).astype(np.int32)
+                    if self.tier is None:
+                        ids_g = np.where(mine, ids_t - lo, NO_ROUTE).astype(np.int32)
+                    else:
+                        pins.append(ids_t[mine].copy())
+                        ids_g = np.full(ids_t.shape, NO_ROUTE, np.int32)
+                        ids_g[mine] = self.tier.ensure(layer, ids_t[mine], pin=True)
                     jobs.append((g, ids_g, w_c, len(np.unique(ids_t[mine]))))
 
         def work():
@@ -92,12 +108,19 @@ class CpuShare:
                 self.oracle.add_cpu(layout.fmt.name, n_experts * layout.record_bytes, time.perf_counter() - t0)
             return tokens, out
 
-        return self._worker.submit(work)
+        future = self._worker.submit(work)
+        future.tier_pins = (layer, pins)
+        return future
 
     def merge(self, job: Future, y, h):
         """``y`` (the GPU share's output, or None when every pair ran on the CPU) plus the CPU share's partials."""
         dev, xp = self.dev, self.dev.xp
-        tokens, part = job.result()
+        try:
+            tokens, part = job.result()
+        finally:
+            layer, pins = getattr(job, "tier_pins", (0, []))
+            for ids in pins:
+                self.tier.unpin(layer, ids)
         start = dev.event().record()
         part_dev = dev.asarray(part)
         if y is None:
