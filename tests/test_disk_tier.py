@@ -85,11 +85,14 @@ def test_a_budget_that_holds_everything_changes_nothing(files):
     np.testing.assert_array_equal(got, ref)
 
 
-def test_emu_gpu_mode_with_a_small_cache_is_bit_exact(files):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_emu_gpu_mode_with_a_small_cache_is_bit_exact(files, prefetch):
     budget = 3 * EXPERTS * _record_bytes(files["q4_0"])
-    _, ref = _run(files["q4_0"], "emu", cache_slots=40)
-    model, got = _run(files["q4_0"], "emu", cache_slots=40, host_memory=budget)
+    _, ref = _run(files["q4_0"], "emu", cache_slots=40, prefetch=prefetch)
+    model, got = _run(files["q4_0"], "emu", cache_slots=40, host_memory=budget, prefetch=prefetch)
     _check_tier(model, budget)
+    if prefetch:  # the next layer's predicted records staged from the file too, on the transfer stream
+        assert model.experts.prefetch.stats["predicted"] > 0
     # the GPU cache's admissions do not depend on the tier, and a slot gets the same bytes from a host row
     np.testing.assert_array_equal(got, ref)
     model.experts.cache.check_invariants()  # every slot equals its record (read from disk when not in host memory)
