@@ -14,7 +14,7 @@ from freetoken.policy import scored as SC
 from freetoken.policy.lfu_decay import lfu_decay_new
 from freetoken.policy.lru import OWNER as LRU_OWNER
 from freetoken.policy.lru import lru_admit, lru_borrow, lru_new
-from freetoken.policy.next_use import RECOMMENDED, next_use_new
+from freetoken.policy.next_use import PRIOR_ONLY, RECOMMENDED, next_use_new
 from freetoken.policy.scored import (
     BYPASSED,
     OWNER,
@@ -134,6 +134,44 @@ def test_next_use_returns_beat_recency_hand_example():
     assert sorted(lru[LRU_OWNER].tolist()) == [1, 2, 3]
 
 
+def test_next_use_long_memory_hand_example():
+    """1 layer x 8 experts, 2 slots, rho = 0. Id 0 returns at t1, t3, t5 then idles; id 1 comes once, at t6. At t9
+    (id 2 misses) both are idle: the short memory alone (half-life 1) rates id 1 higher (it is more recent) and
+    evicts id 0, as LRU would; with the long memory (half-life 64, weight 0.8) id 0's three returns outweigh id 1's
+    recency and id 1 goes. The rates, as the docstring's rule computes them, decide it."""
+    calls = [[0], [], [0], [], [0], [1], [], []]
+    short = next_use_new(1, 8, 2, half_life=1.0, rho=0.0)
+    mixed = next_use_new(1, 8, 2, half_life=1.0, rho=0.0, long_weight=0.8, long_half_life=64.0)
+    for st in (short, mixed):
+        for ids in calls:
+            _admit(st, 0, *ids)
+        assert sorted(st[OWNER].tolist()) == [0, 1]
+    dp, dp2 = decay_table(1.0), decay_table(64.0)
+    q, q2 = 1.0 - dp[1], 1.0 - dp2[1]
+    # counts at the last access: id 0 at t5 (t1, t3, t5), id 1 at t6 (once); ages at t9: 4 and 3
+    c0, c0l = 1.0 + (1.0 + dp[2]) * dp[2], 1.0 + (1.0 + dp2[2]) * dp2[2]
+    r0s, r1s = q * (c0 * dp[4]), q * dp[3]
+    r0m = 0.2 * r0s + 0.8 * (q2 * (c0l * dp2[4]))
+    r1m = 0.2 * r1s + 0.8 * (q2 * dp2[3])
+    assert r0s < r1s and r0m > r1m
+    slot0 = int(short[SLOT_OF][0])
+    assert _admit(short, 0, 2) == [0] and short[OWNER][slot0] == 2
+    assert _admit(mixed, 0, 2) == [1] and sorted(mixed[OWNER].tolist()) == [0, 2]
+
+
+def test_long_memory_off_is_the_old_policy():
+    """long_weight 0 leaves every decision as without the long memory (its counts are kept but never read)."""
+    t = make_trace(num_layers=3, num_experts=10, top_k=2, steps=120, segments=3, locality=0.5, seed=5)
+    a = P.next_use(t, 12, window="all", bypass=True, prior_weight=1.0, prior_keep=0.5)
+    b = P.next_use(t, 12, window="all", bypass=True, prior_weight=1.0, prior_keep=0.5, long_half_life=3.0,
+                   long_prior_keep=0.0)
+    c = P.next_use(t, 12, window="all", bypass=True, prior_weight=1.0, prior_keep=0.5, long_weight=0.5)
+    assert (a.misses, a.loads) == (b.misses, b.loads)
+    assert (a.misses, a.loads) != (c.misses, c.loads)
+    with pytest.raises(ValueError, match="long_weight"):
+        next_use_new(2, 4, 4, long_weight=1.5)
+
+
 def test_no_victim_raises_and_pins():
     st = next_use_new(1, 4, 2)
     assert scored_pin(st, 3) == -1 and scored_pin(st, 3) == -2
@@ -154,13 +192,17 @@ class RefModel:
     """The rules of the module docstrings, written out per miss with an argmin over slots."""
 
     def __init__(self, kind, L, E, S, half_life, bypass, cycle, rho=1.0, kappa=1.0, id_decay=1.0,
-                 global_decay=1.0, load_weight=0.0, prior_weight=0.0, prior_keep=1.0):
+                 global_decay=1.0, load_weight=0.0, prior_weight=0.0, prior_keep=1.0, long_weight=0.0,
+                 long_half_life=64.0, long_prior_keep=1.0):
         self.kind, self.L, self.E, self.S = kind, L, E, S
         self.dp = decay_table(half_life).tolist()
         self.q = 1.0 - self.dp[1]
         self.bypass, self.cycle = bypass, cycle
         self.rho, self.kappa, self.gamma, self.gamma_g, self.omega = rho, kappa, id_decay, global_decay, load_weight
         self.prior_weight, self.prior_keep = prior_weight, prior_keep
+        self.beta, self.dp2, self.keep2 = long_weight, decay_table(long_half_life).tolist(), long_prior_keep
+        self.q2 = 1.0 - self.dp2[1]
+        self.c4 = [0.0] * (L * E)
         n = L * E
         self.owner, self.slot_of, self.stamp, self.pinned = [-1] * S, [-1] * n, [-1] * S, [False] * S
         self.last, self.c1, self.c2, self.c3 = [0] * n, [0.0] * n, [0.0] * n, [0.0] * n
@@ -170,6 +212,9 @@ class RefModel:
     def _dp(self, k):
         return self.dp[min(k, len(self.dp) - 1)]
 
+    def _dp2(self, k):
+        return self.dp2[min(k, len(self.dp2) - 1)]
+
     def key(self, o, c):
         lo = o // self.E
         a = self.lclock[lo] - self.last[o]
@@ -177,6 +222,8 @@ class RefModel:
         if self.kind == SC.KIND_LFU_DECAY:
             return t
         r = self.q * t
+        if self.beta != 0.0:
+            r = (1.0 - self.beta) * r + self.beta * (self.q2 * (self.c4[o] * self._dp2(a)))
         w = 1.0 / (r + self.itau)
         d = (lo - c - 1 + self.L) % self.L + 1 if self.cycle else self.L
         if a == 0:
@@ -201,6 +248,7 @@ class RefModel:
                     self.c2[f] = self.gamma * self.c2[f] + cont
                     self.c3[f] = self.gamma * self.c3[f] + 1.0
                 self.c1[f] = (self.rho if cont else 1.0) + self.c1[f] * self._dp(g)
+                self.c4[f] = (self.rho if cont else 1.0) + self.c4[f] * self._dp2(g)
             self.last[f] = now
             if self.slot_of[f] >= 0:
                 self.stamp[self.slot_of[f]] = self.clock
@@ -242,8 +290,10 @@ class RefModel:
         for e in range(self.E):
             f = layer * self.E + e
             t = self.c1[f] * self._dp(now - self.last[f])
+            t2 = self.c4[f] * self._dp2(now - self.last[f])
             p = min(1.0, k_eff * counts[e] / total)
             self.c1[f] = self.prior_keep * t + self.prior_weight * p * (1.0 / self.q)
+            self.c4[f] = self.keep2 * t2 + self.prior_weight * p * (1.0 / self.q2)
             self.last[f] = now
 
     def pin(self, f):
@@ -267,6 +317,9 @@ def _configs():
         ("nu", True, dict(half_life=8.0, **nu), {}),
         ("nu", True, dict(half_life=16.0, cycle=False, **nu), {}),
         ("nu", True, dict(half_life=8.0, prior_weight=0.5, prior_keep=0.5, **nu), {"prior": True}),
+        ("nu", True, dict(half_life=4.0, long_weight=0.35, long_half_life=32.0, prior_weight=0.5, prior_keep=0.5,
+                          long_prior_keep=0.0, **nu), {"prior": True}),
+        ("nu", False, dict(half_life=4.0, long_weight=1.0, long_half_life=16.0, **nu), {}),
     ]
 
 
@@ -279,7 +332,8 @@ def _make(kind, bypass, kw, L, E, S):
         p = st[SC.PARAMS]
         ref = RefModel(SC.KIND_NEXT_USE, L, E, S, kw["half_life"], bypass, kw.get("cycle", True), kw["rho"],
                        kw["kappa"], kw["id_decay"], p[SC.GLOBAL_DECAY], p[SC.LOAD_WEIGHT],
-                       kw.get("prior_weight", 0.0), kw.get("prior_keep", 1.0))
+                       kw.get("prior_weight", 0.0), kw.get("prior_keep", 1.0), kw.get("long_weight", 0.0),
+                       kw.get("long_half_life", 64.0), kw.get("long_prior_keep", 1.0))
     return st, ref
 
 
@@ -337,7 +391,8 @@ def _states(trace, slots):
         "lfu_decay+bypass": lfu_decay_new(L, E, slots, bypass=True),
         "next_use": next_use_new(L, E, slots),
         "next_use+bypass": next_use_new(L, E, slots, bypass=True),
-        "next_use+bypass+prior": next_use_new(L, E, slots, **RECOMMENDED),
+        "next_use+bypass+prior": next_use_new(L, E, slots, **PRIOR_ONLY),
+        "default": next_use_new(L, E, slots, **RECOMMENDED),
     }
 
 
@@ -388,7 +443,7 @@ def test_replay_equals_whole_calls_and_capacity(tokens):
         np.testing.assert_array_equal(lds, l2, err_msg=name)
         for x, y in zip(a, b, strict=True):
             np.testing.assert_array_equal(x, y, err_msg=name)
-        assert (lds <= mis).all() and ("bypass" in name or name == "next_use+bypass+prior" or (lds == mis).all())
+        assert (lds <= mis).all() and ("bypass" in name or name == "default" or (lds == mis).all())
         # and the simulator's rows count the same
         r = P.POLICIES[name](t, slots, window="all")
         assert (r.misses, r.loads) == (int(mis.sum()), int(lds.sum())), name
@@ -398,7 +453,7 @@ def test_bypass_never_loads():
     t = make_trace(num_layers=3, num_experts=12, top_k=3, steps=150, segments=2, locality=0.4, seed=4)
     p = prepare(t)
     slots = 6  # less than a step's 9 accesses: next_use bypasses only when every eligible id is that recent
-    for name in ("lfu_decay+bypass", "next_use+bypass", "next_use+bypass+prior"):
+    for name in ("lfu_decay+bypass", "next_use+bypass", "next_use+bypass+prior", "default"):
         st = _states(t, slots)[name]
         ev = np.empty(8, np.int32)
         bypassed = 0
@@ -419,7 +474,7 @@ def test_bypass_never_loads():
 
 
 @pytest.mark.parametrize("name", ["lru", "lfu_decay", "lfu_decay+bypass", "next_use", "next_use+bypass",
-                                  "next_use+bypass+prior"])
+                                  "next_use+bypass+prior", "default"])
 def test_policies_are_online(name):
     """Changing a trace's future (decode routing and prefill counts from step T on) leaves every decision before T
     as it was."""
@@ -461,11 +516,13 @@ def test_lower_bound_and_recommended_row():
     t = make_trace(num_layers=4, num_experts=16, top_k=2, steps=200, segments=3, locality=0.6, seed=2)
     for slots in (8, 16, 32):
         rows = simulate(t, [slots], window="all", policies=["lfu_decay", "lfu_decay+bypass", "next_use",
-                                                            "next_use+bypass", "next_use+bypass+prior", "belady_start"])
+                                                            "next_use+bypass", "next_use+bypass+prior", "default",
+                                                            "belady_start"])
         bound = rows[-1]["misses"]
         for r in rows[:-1]:
             assert r["misses"] >= bound and r["loads"] <= r["misses"] + slots, r
         assert rows[4]["policy"] == "next_use+bypass+prior" and "next_use+bypass+prior" in rows[4]["note"]
+        assert rows[5]["policy"] == "default" and "long" in rows[5]["note"]
     no_borrow = simulate(t, [16], policies=["next_use"], prefill_borrow=False)[0]
     assert "no prefill borrowing" in no_borrow["note"]
     with pytest.raises(ValueError, match="at least as many slots"):
@@ -478,10 +535,11 @@ def test_cli_lists_and_plots_the_new_policies(tmp_path, capsys):
     save_trace(path, t)
     png = tmp_path / "m.png"
     assert trace_main(["trace", "simulate", str(path), "--slots", "6,12", "--policies",
-                       "lru,lfu_decay,lfu_decay+bypass,next_use,next_use+bypass,next_use+bypass+prior,belady_start",
+                       "lru,lfu_decay,lfu_decay+bypass,next_use,next_use+bypass,next_use+bypass+prior,default,"
+                       "belady_start",
                        "--plot", str(png)]) == 0
     out = capsys.readouterr().out
-    for name in ("lfu_decay+bypass", "next_use+bypass", "next_use+bypass+prior"):
+    for name in ("lfu_decay+bypass", "next_use+bypass", "next_use+bypass+prior", "default"):
         assert name in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit):

@@ -15,25 +15,40 @@ would stay. An id used at its layer's latest call (age 0) is **protected**: it i
 eligible (its run may go on; evicting it is what makes a cache of about one step's accesses worse than LRU). The
 victim is the unprotected resident with the largest expected wait, else the protected one with the largest.
 
+**Long memory** (optional, on in :data:`RECOMMENDED`): a second return count ``c4``, kept exactly as ``c1`` but
+with a long half-life ``Hl2``, and the rate is the mix ``r = (1 - beta) * r_short + beta * r_long``. A short
+half-life tracks the drift of real routing within a prompt (recency: the return probability of the bundled model's
+experts falls from 0.30 at 2 steps idle to 0.03 at 32); a long one estimates the small rates of the rarely used
+experts, which decide what a large cache keeps (synthetic traces, stationary within a segment, want half-lives of
+64-128 steps). The mix keeps the short count's ranking among recently used ids and the long count's among the idle
+ones; the prefill prior seeds ``c4`` too, with its own keep (``long_prior_keep``: 0 forgets the previous segment's
+long rates when a new prompt's prefill arrives).
+
 The rules (for the device port; the call order, stamps, empty slots and borrow are those of
 :mod:`~freetoken.policy.scored`; all arithmetic in doubles, in the order written, no fused multiply-add):
 
 * state: per flat id ``last`` int64 (layer clock of its last access, 0: never), ``c1`` (decayed return count at
-  that access), ``c2`` (decayed continuation count), ``c3`` (decayed re-access count); per layer ``lclock``; per
+  that access), ``c2`` (decayed continuation count), ``c3`` (decayed re-access count), ``c4`` (the long memory's
+  return count at that access); per layer ``lclock``; per
   slot ``owner``, ``stamp``, ``pinned``; globals ``gc``, ``gr`` (decayed continuations and re-accesses of all ids,
   start 0.5 and 1) and ``ld`` (average loads per call, starts at ``S / (8 L)``); the decay table ``dp`` of
   half-life ``Hl`` (:func:`~freetoken.policy.scored.decay_table`, uploaded as data; an index is clamped to its last
-  entry, 0.0); constants ``q = 1 - dp[1]`` (count -> rate), ``rho``, ``kappa``, ``gamma`` (per-id decay per
-  re-access), ``gamma_g`` (global decay per re-access), ``omega`` (loads average weight per call).
+  entry, 0.0) and ``dp2`` of half-life ``Hl2`` (the long memory's, clamped the same way); constants ``q = 1 -
+  dp[1]`` and ``q2 = 1 - dp2[1]`` (count -> rate), ``beta`` (long weight, 0: off), ``rho``, ``kappa``,
+  ``gamma`` (per-id decay per re-access), ``gamma_g`` (global decay per re-access), ``omega`` (loads average weight
+  per call).
 * a call of layer ``c`` (L layers, S slots): ``lclock[c] += 1``, ``now = lclock[c]``; each active id ``f``, in
   increasing order, ``g = now - last[f]``: if ``last[f] > 0`` (a re-access), ``cont = (g == 1)``, ``gc = gamma_g *
   gc + cont``, ``gr = gamma_g * gr + 1``, ``c2[f] = gamma * c2[f] + cont``, ``c3[f] = gamma * c3[f] + 1`` (else
-  ``cont`` = 0); then ``c1[f] = (cont ? rho : 1.0) + c1[f] * dp[min(g, K)]``; ``last[f] = now``; hits are stamped.
+  ``cont`` = 0); then ``c1[f] = (cont ? rho : 1.0) + c1[f] * dp[min(g, K)]``, ``c4[f] = (cont ? rho : 1.0) +
+  c4[f] * dp2[min(g, K2)]``; ``last[f] = now``; hits are stamped.
 * values fixed for the call's victims: ``pbar = gc / gr``; ``tau = clamp(ld > 0 ? S / (L * ld) : 1e6, 1, 1e6)``;
   ``itau = 1.0 / tau``.
 * the keep key of a resident ``o``, layer ``lo = o / E``, age ``a = lclock[lo] - last[o]``::
 
-      r = q * (c1[o] * dp[min(a, K)]);   w = 1.0 / (r + itau)
+      r = q * (c1[o] * dp[min(a, K)])
+      beta != 0:  r = ((1.0 - beta) * r) + (beta * (q2 * (c4[o] * dp2[min(a, K2)])))
+      w = 1.0 / (r + itau)
       d = cycle ? (lo - c - 1 + L) % L + 1 : L
       a >= 1:  key = -((L * (w - 1.0)) + d)
       a == 0:  p = (c2[o] + kappa * pbar) / (c3[o] + kappa);  key = 2^40 - ((((1.0 - p) * L) * w) + d)
@@ -51,8 +66,9 @@ The rules (for the device port; the call order, stamps, empty slots and borrow a
 * after the call: ``ld = (1 - omega) * ld + omega * (misses admitted by the call)``.
 * ``prior`` (optional, at a segment start, after the borrow): each layer's prefill routing counts seed the return
   counts (:func:`~freetoken.policy.scored.scored_prefill`: ``c1 = keep * (c1 * dp[age]) + (weight * p) * (1.0 /
-  q)`` with ``p`` the expert's share of the prefill routing times tokens x top-k, capped at 1; ``last = now``). It
-  learns only from the past: the prefill runs before the segment's decode steps.
+  q)`` with ``p`` the expert's share of the prefill routing times tokens x top-k, capped at 1, and ``c4 = keep2 *
+  (c4 * dp2[age]) + (weight * p) * (1.0 / q2)``; ``last = now``). It learns only from the past: the prefill runs
+  before the segment's decode steps.
 
 Per access O(1) on per-id arrays and three global doubles; per call with misses one O(slots) scan (or one argmin
 per miss).
@@ -61,7 +77,8 @@ Functions (those of :mod:`~freetoken.policy.scored` under this policy's names): 
 :func:`next_use_admit` (one whole call), :func:`next_use_borrow`, :func:`next_use_prefill`, :func:`next_use_pin`,
 :func:`next_use_replay_calls` (a trace's calls, for the simulator). :data:`DEFAULT_PARAMS` are the hyperparameters
 tuned by ``bench/policy_eval.py`` on its tuning traces; :data:`RECOMMENDED` is the configuration recommended as the
-runtime's default policy (the simulator's ``next_use+bypass+prior`` row).
+runtime's default policy (the simulator's ``default`` row; :data:`PRIOR_ONLY`, the previous one, is its
+``next_use+bypass+prior`` row).
 """
 
 from __future__ import annotations
@@ -84,8 +101,14 @@ DEFAULT_PARAMS = {"half_life": 16.0, "rho": 0.6, "kappa": 2.0, "id_decay": 0.9, 
                   "load_half_life": 32.0, "cycle": True}
 #: the prefill prior's defaults (weight 0 and keep 1 disable it; tuned after DEFAULT_PARAMS, with bypass)
 DEFAULT_PRIOR = {"prior_weight": 1.0, "prior_keep": 0.5}
-#: the configuration recommended as the runtime default (the simulator's ``next_use+bypass+prior`` policy)
-RECOMMENDED = {**DEFAULT_PARAMS, **DEFAULT_PRIOR, "bypass": True}
+#: the long memory (off by default in :func:`next_use_new`; tuned by bench/policy_eval.py on its tuning traces with
+#: bypass and the prior): with it the short half-life drops to 8 steps
+DEFAULT_LONG = {"half_life": 8.0, "long_weight": 0.35, "long_half_life": 64.0, "long_prior_keep": 0.0}
+#: the configuration recommended as the runtime default (the simulator's ``default`` policy): bypass, the prefill
+#: prior and the long memory
+RECOMMENDED = {**DEFAULT_PARAMS, **DEFAULT_PRIOR, **DEFAULT_LONG, "bypass": True}
+#: the previous recommendation (the simulator's ``next_use+bypass+prior`` row): no long memory
+PRIOR_ONLY = {**DEFAULT_PARAMS, **DEFAULT_PRIOR, "bypass": True}
 
 next_use_admit = scored_admit
 next_use_borrow = scored_borrow
@@ -99,7 +122,9 @@ def next_use_new(num_layers: int, num_experts: int, slots: int, half_life: float
                  id_decay: float = DEFAULT_PARAMS["id_decay"],
                  global_half_life: float = DEFAULT_PARAMS["global_half_life"],
                  load_half_life: float = DEFAULT_PARAMS["load_half_life"], bypass: bool = False,
-                 cycle: bool = DEFAULT_PARAMS["cycle"], prior_weight: float = 0.0, prior_keep: float = 1.0) -> tuple:
+                 cycle: bool = DEFAULT_PARAMS["cycle"], prior_weight: float = 0.0, prior_keep: float = 1.0,
+                 long_weight: float = 0.0, long_half_life: float = DEFAULT_LONG["long_half_life"],
+                 long_prior_keep: float = 1.0) -> tuple:
     """A fresh next_use state: ``slots`` empty slots for ``num_layers x num_experts`` flat ids.
 
     ``half_life``: of the return count (steps of an id's layer); ``rho``: what a continuation adds to it (a return
@@ -108,7 +133,8 @@ def next_use_new(num_layers: int, num_experts: int, slots: int, half_life: float
     continuation fraction, in re-accesses; ``load_half_life``: of the loads average behind the horizon, in steps;
     ``bypass``: admit a miss only when it is expected back before its victim; ``cycle``: count the calls until the
     id's layer comes round (off: every id waits L calls); ``prior_weight``, ``prior_keep``: the prefill prior
-    (:func:`next_use_prefill`; weight 0 and keep 1: none)."""
+    (:func:`next_use_prefill`; weight 0 and keep 1: none); ``long_weight`` (0: off), ``long_half_life``,
+    ``long_prior_keep``: the long memory (its share of the rate, its half-life, what the prefill prior keeps of it)."""
     if rho < 0 or not kappa > 0 or not 0.0 <= id_decay <= 1.0:
         raise ValueError("rho must be >= 0, kappa > 0, id_decay in [0, 1]")
     if not (global_half_life > 0 and load_half_life > 0):
@@ -118,4 +144,5 @@ def next_use_new(num_layers: int, num_experts: int, slots: int, half_life: float
     return scored_new(KIND_NEXT_USE, num_layers, num_experts, slots, half_life, bypass=bypass, cycle=cycle, rho=rho,
                       kappa=kappa, id_decay=id_decay, global_decay=math.exp2(-1.0 / global_half_life),
                       load_weight=1.0 - math.exp2(-1.0 / (load_half_life * num_layers)),
-                      prior_weight=prior_weight, prior_keep=prior_keep)
+                      prior_weight=prior_weight, prior_keep=prior_keep, long_weight=long_weight,
+                      long_half_life=long_half_life, long_prior_keep=long_prior_keep)

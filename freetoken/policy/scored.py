@@ -39,8 +39,11 @@ functions::
     dp          float64 [K]   the decay table (:func:`decay_table`), uploaded as data
     lclock      int64   [L]   per-layer call counts
     glob        float64 [3]   next_use's global estimates [continuations, re-accesses, loads per call]
-    params      float64 [8]   [rate scale, rho, kappa, id decay, global decay, load weight, prior weight, prior keep]
+    params      float64 [10]  [rate scale, rho, kappa, id decay, global decay, load weight, prior weight, prior keep,
+                               long weight, long prior keep]
     meta        int64   [7]   [call clock, kind, E, L, bypass, cycle, pinned count]
+    c4          float64 [N]   next_use's long-memory return count (the decay table dp2)
+    dp2         float64 [K2]  the long memory's decay table
 
 Every operation is O(1) per active id plus one O(slots) scan per call that has misses; a borrow is O(borrowed), a
 prefill prior O(E). :func:`scored_replay_calls` replays a trace's calls with the state unpacked once.
@@ -55,10 +58,10 @@ import numpy as np
 
 from freetoken.policy.lru import map_slot, unmap_slot
 
-SLOT_OF, OWNER, STAMP, PINNED, LAST, C1, C2, C3, DP, LCLOCK, GLOB, PARAMS, META = range(13)
+SLOT_OF, OWNER, STAMP, PINNED, LAST, C1, C2, C3, DP, LCLOCK, GLOB, PARAMS, META, C4, DP2 = range(15)
 CLOCK, KIND, NUM_EXPERTS, NUM_LAYERS, BYPASS, CYCLE, N_PINNED = range(7)
 G_CONT, G_REUSE, G_LOADS = range(3)
-RATE, RHO, KAPPA, ID_DECAY, GLOBAL_DECAY, LOAD_WEIGHT, PRIOR_WEIGHT, PRIOR_KEEP = range(8)
+RATE, RHO, KAPPA, ID_DECAY, GLOBAL_DECAY, LOAD_WEIGHT, PRIOR_WEIGHT, PRIOR_KEEP, LONG_WEIGHT, LONG_KEEP = range(10)
 KIND_LFU_DECAY, KIND_NEXT_USE = 0, 1
 #: decay tables run out after this many half-lives (2 ** -64 of a count is nothing)
 TABLE_HALF_LIVES = 64
@@ -88,7 +91,8 @@ def decay_table(half_life: float) -> np.ndarray:
 def scored_new(kind: int, num_layers: int, num_experts: int, slots: int, half_life: float, bypass: bool = False,
                cycle: bool = False, rho: float = 1.0, kappa: float = 0.0, id_decay: float = 1.0,
                global_decay: float = 1.0, load_weight: float = 0.0, prior_weight: float = 0.0,
-               prior_keep: float = 1.0) -> tuple:
+               prior_keep: float = 1.0, long_weight: float = 0.0, long_half_life: float = 64.0,
+               long_prior_keep: float = 1.0) -> tuple:
     """A fresh state: ``slots`` empty slots for the flat ids of ``num_layers x num_experts``. The policy modules'
     ``*_new`` functions fill in the parameters; see their docstrings."""
     if kind not in (KIND_LFU_DECAY, KIND_NEXT_USE):
@@ -97,14 +101,18 @@ def scored_new(kind: int, num_layers: int, num_experts: int, slots: int, half_li
         raise ValueError("num_layers and num_experts must be >= 1, slots >= 0")
     n = num_layers * num_experts
     dp = decay_table(half_life)
-    params = np.array([1.0 - dp[1], rho, kappa, id_decay, global_decay, load_weight, prior_weight, prior_keep],
-                      np.float64)
+    if not 0.0 <= long_weight <= 1.0 or not 0.0 <= long_prior_keep <= 1.0:
+        raise ValueError("long_weight and long_prior_keep must be in [0, 1]")
+    dp2 = decay_table(long_half_life)
+    params = np.array([1.0 - dp[1], rho, kappa, id_decay, global_decay, load_weight, prior_weight, prior_keep,
+                       long_weight, long_prior_keep], np.float64)
     # loads per call such that the horizon starts at TAU_START steps
     glob = np.array([P_START, 1.0, slots / (TAU_START * num_layers)], np.float64)
     meta = np.array([0, kind, num_experts, num_layers, int(bool(bypass)), int(bool(cycle)), 0], np.int64)
     return (np.full(n, -1, np.int32), np.full(slots, -1, np.int32), np.full(slots, -1, np.int64),
             np.zeros(slots, np.uint8), np.zeros(n, np.int64), np.zeros(n, np.float64), np.zeros(n, np.float64),
-            np.zeros(n, np.float64), dp, np.zeros(num_layers, np.int64), glob, params, meta)
+            np.zeros(n, np.float64), dp, np.zeros(num_layers, np.int64), glob, params, meta,
+            np.zeros(n, np.float64), dp2)
 
 
 @nb.njit(cache=True, inline="always")
@@ -123,13 +131,18 @@ def _call_globals(glob, params, slots, num_layers):  # pragma: no cover - compil
 
 
 @nb.njit(cache=True, inline="always")
-def _key(kind, o, lo, c, num_layers, last, c1, c2, c3, dp, lclock, params, pbar, itau, cycle):  # pragma: no cover
+def _key(kind, o, lo, c, num_layers, last, c1, c2, c3, dp, lclock, params, pbar, itau, cycle, c4,
+         dp2):  # pragma: no cover - compiled
     """The keep key of id ``o`` (of layer ``lo``) for a call of layer ``c`` at the current clocks."""
     a = lclock[lo] - last[o]
     t = c1[o] * dp[min(a, dp.shape[0] - 1)]
     if kind == KIND_LFU_DECAY:
         return t
     r = params[RATE] * t
+    beta = params[LONG_WEIGHT]
+    if beta != 0.0:
+        t2 = c4[o] * dp2[min(a, dp2.shape[0] - 1)]
+        r = ((1.0 - beta) * r) + (beta * ((1.0 - dp2[1]) * t2))
     w = 1.0 / (r + itau)
     d = num_layers
     if cycle:
@@ -157,14 +170,14 @@ def keep_key(st, f, layer):  # pragma: no cover - compiled
     pbar, itau = _call_globals(st[GLOB], params, st[OWNER].shape[0], meta[NUM_LAYERS])
     lclock[layer] += 1
     k = _key(meta[KIND], f, f // e, layer, meta[NUM_LAYERS], st[LAST], st[C1], st[C2], st[C3], st[DP], lclock,
-             params, pbar, itau, meta[CYCLE] != 0)
+             params, pbar, itau, meta[CYCLE] != 0, st[C4], st[DP2])
     lclock[layer] -= 1
     return k
 
 
 @nb.njit(cache=True)
-def _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, params, meta, layer, ids, n, evicted,
-           vslot, vkey):  # pragma: no cover - compiled
+def _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, params, meta, c4, dp2, layer, ids, n,
+           evicted, vslot, vkey):  # pragma: no cover - compiled
     """:func:`scored_admit` on the unpacked state; ``vslot``/``vkey``: room for n victims."""
     kind = meta[KIND]
     num_layers = meta[NUM_LAYERS]
@@ -174,6 +187,7 @@ def _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, pa
     lclock[layer] += 1
     now = lclock[layer]
     kmax = dp.shape[0] - 1
+    kmax2 = dp2.shape[0] - 1
     rho = params[RHO]
     idd = params[ID_DECAY]
     gd = params[GLOBAL_DECAY]
@@ -196,6 +210,7 @@ def _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, pa
             if cont != 0.0:
                 inc = rho
             c1[f] = inc + c1[f] * dp[min(g, kmax)]
+            c4[f] = inc + c4[f] * dp2[min(g, kmax2)]
         last[f] = now
         s = slot_of[f]
         if s >= 0:
@@ -217,7 +232,7 @@ def _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, pa
             k = -np.inf
         else:
             k = _key(kind, o, o // meta[NUM_EXPERTS], layer, num_layers, last, c1, c2, c3, dp, lclock, params, pbar,
-                     itau, cycle)
+                     itau, cycle, c4, dp2)
         if nv == m:
             if not k < vkey[m - 1]:
                 continue
@@ -242,7 +257,8 @@ def _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, pa
         s = vslot[p]
         o = owner[s]
         if bypass and o >= 0:
-            kin = _key(kind, f, layer, layer, num_layers, last, c1, c2, c3, dp, lclock, params, pbar, itau, cycle)
+            kin = _key(kind, f, layer, layer, num_layers, last, c1, c2, c3, dp, lclock, params, pbar, itau, cycle,
+                       c4, dp2)
             if not kin > vkey[p]:
                 evicted[i] = BYPASSED
                 i += 1
@@ -261,11 +277,11 @@ def scored_admit(st, layer, ids, n, evicted):  # pragma: no cover - compiled
     """One whole call of ``layer``: its unique flat ids ``ids[:n]`` in increasing order. Returns the number of
     misses; ``evicted[i]`` (n ints of room) is what the i-th miss did: the id it evicted, -1 (it took an empty
     slot) or -2 (bypassed: not loaded). Raises when a miss finds no eligible slot (the device reports error 2)."""
-    slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, params, meta = st
+    slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, params, meta, c4, dp2 = st
     vslot = np.empty(max(n, 1), np.int32)
     vkey = np.empty(max(n, 1), np.float64)
-    return _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, params, meta, layer, ids, n,
-                  evicted, vslot, vkey)
+    return _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, params, meta, c4, dp2, layer,
+                  ids, n, evicted, vslot, vkey)
 
 
 @nb.njit(cache=True)
@@ -283,7 +299,7 @@ def scored_borrow(st, first, n, evicted):  # pragma: no cover - compiled
 
 
 @nb.njit(cache=True)
-def _prefill(last, c1, dp, lclock, params, meta, layer, counts, k_eff):  # pragma: no cover - compiled
+def _prefill(last, c1, dp, lclock, params, meta, c4, dp2, layer, counts, k_eff):  # pragma: no cover - compiled
     weight = params[PRIOR_WEIGHT]
     keep = params[PRIOR_KEEP]
     e_n = meta[NUM_EXPERTS]
@@ -294,14 +310,19 @@ def _prefill(last, c1, dp, lclock, params, meta, layer, counts, k_eff):  # pragm
         return 0
     now = lclock[layer]
     kmax = dp.shape[0] - 1
+    kmax2 = dp2.shape[0] - 1
     steady = 1.0 / params[RATE]
+    steady2 = 1.0 / (1.0 - dp2[1])
+    keep2 = params[LONG_KEEP]
     for e in range(e_n):
         f = layer * e_n + e
         t = c1[f] * dp[min(now - last[f], kmax)]
+        t2 = c4[f] * dp2[min(now - last[f], kmax2)]
         p = k_eff * counts[e] / total
         if p > 1.0:
             p = 1.0
         c1[f] = keep * t + weight * p * steady
+        c4[f] = keep2 * t2 + weight * p * steady2
         last[f] = now
     return e_n
 
@@ -314,7 +335,7 @@ def scored_prefill(st, layer, counts, k_eff):  # pragma: no cover - compiled
     ``k_eff`` = tokens per step x top-k), and ``last = now`` (its count is brought to the current layer clock). A
     layer without prefill tokens is left alone. Returns the ids touched."""
     last, c1, dp, lclock, params, meta = st[LAST], st[C1], st[DP], st[LCLOCK], st[PARAMS], st[META]
-    return _prefill(last, c1, dp, lclock, params, meta, layer, counts, k_eff)
+    return _prefill(last, c1, dp, lclock, params, meta, st[C4], st[DP2], layer, counts, k_eff)
 
 
 @nb.njit(cache=True)
@@ -342,7 +363,7 @@ def scored_replay_calls(st, active, counts, seg_start, step_segment, prefill, k_
     prefill prior, :func:`scored_prefill` of every layer with ``prefill[step_segment[t], layer]``.
     ``misses[t]`` += step t's misses, ``loads[t]`` += its admitted ones. Equivalent to :func:`scored_borrow`,
     :func:`scored_prefill` and :func:`scored_admit` per call."""
-    slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, params, meta = st
+    slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, params, meta, c4, dp2 = st
     steps, layers, width = active.shape
     evicted = np.empty(max(width, borrow_n, 1), np.int32)
     vslot = np.empty(max(width, 1), np.int32)
@@ -353,12 +374,13 @@ def scored_replay_calls(st, active, counts, seg_start, step_segment, prefill, k_
             scored_borrow(st, 0, borrow_n, evicted)
             if prior:
                 for layer in range(layers):
-                    _prefill(last, c1, dp, lclock, params, meta, layer, prefill[step_segment[t], layer], k_eff)
+                    _prefill(last, c1, dp, lclock, params, meta, c4, dp2, layer, prefill[step_segment[t], layer],
+                             k_eff)
         m_t = 0
         l_t = 0
         for layer in range(layers):
-            m = _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, params, meta, layer,
-                       active[t, layer], counts[t, layer], evicted, vslot, vkey)
+            m = _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, params, meta, c4, dp2,
+                       layer, active[t, layer], counts[t, layer], evicted, vslot, vkey)
             m_t += m
             for i in range(m):
                 if evicted[i] != BYPASSED:

@@ -14,10 +14,10 @@ Terms used throughout:
   free initial contents) are reported as loads too; the ``note`` says so.
 
 Each policy is ``policy(trace, slots, window=...) -> PolicyResult``; :data:`POLICIES` maps names to them.
-The demand policies (``lru``, ``lfu_decay``, ``next_use`` and their ``+bypass`` variants, ``next_use+bypass+prior``:
-the one recommended as the runtime's next default, :data:`freetoken.policy.next_use.RECOMMENDED`; the runtime runs
-LRU) replay the whole trace through the policy core's state machines (:mod:`freetoken.policy`), with prefill
-borrowing; :data:`BORROWING` names them.
+The demand policies (``lru``, ``lfu_decay``, ``next_use`` and their ``+bypass`` variants, ``next_use+bypass+prior``,
+and ``default``: the one recommended as the runtime's next default, :data:`freetoken.policy.next_use.RECOMMENDED`,
+next_use with bypass, the prefill prior and the long memory; the runtime runs LRU) replay the whole trace through
+the policy core's state machines (:mod:`freetoken.policy`), with prefill borrowing; :data:`BORROWING` names them.
 
 Belady is the lower bound: with its free (re)fills at the window start and at every segment start, every other
 policy here is one of the schedules it minimises over, so its misses are <= theirs on the same window (see
@@ -34,7 +34,7 @@ import numpy as np
 
 from freetoken.policy.lfu_decay import DEFAULT_HALF_LIFE, lfu_decay_new
 from freetoken.policy.lru import OWNER, lru_new, lru_replay_calls
-from freetoken.policy.next_use import RECOMMENDED, next_use_new
+from freetoken.policy.next_use import PRIOR_ONLY, RECOMMENDED, next_use_new
 from freetoken.policy.scored import scored_replay_calls
 from freetoken.trace.derived import WINDOWS, check_slots, prepare, window_steps
 from freetoken.trace.format import Trace
@@ -185,12 +185,22 @@ def lfu_decay_bypass(trace: Trace, slots: int, window: str = "second_half", pref
     return lfu_decay(trace, slots, window, prefill_borrow, half_life, bypass=True)
 
 
+def next_use_prior(trace: Trace, slots: int, window: str = "second_half",
+                   prefill_borrow: bool = True) -> PolicyResult:
+    """:func:`next_use` with bypass and the prefill prior (:data:`freetoken.policy.next_use.PRIOR_ONLY`, the
+    previous recommendation: no long memory)."""
+    r = next_use(trace, slots, window, prefill_borrow, name="next_use+bypass+prior", **PRIOR_ONLY)
+    r.note = "next_use+bypass+prior; " + r.note
+    return r
+
+
 def recommended_policy(trace: Trace, slots: int, window: str = "second_half",
                        prefill_borrow: bool = True) -> PolicyResult:
-    """The policy recommended as the runtime's next default (the device still runs LRU): :func:`next_use` with
-    :data:`freetoken.policy.next_use.RECOMMENDED` (bypass and the prefill prior)."""
-    r = next_use(trace, slots, window, prefill_borrow, name="next_use+bypass+prior", **RECOMMENDED)
-    r.note = "next_use+bypass+prior; " + r.note
+    """The policy recommended as the runtime's next default (the device still runs LRU), row ``default``:
+    :func:`next_use` with :data:`freetoken.policy.next_use.RECOMMENDED` (bypass, the prefill prior, the long
+    memory)."""
+    r = next_use(trace, slots, window, prefill_borrow, name="default", **RECOMMENDED)
+    r.note = "next_use+bypass+prior+long; " + r.note
     return r
 
 
@@ -476,7 +486,8 @@ POLICIES: dict[str, Callable[..., PolicyResult]] = {
     "lfu_decay+bypass": lfu_decay_bypass,
     "next_use": next_use,
     "next_use+bypass": next_use_bypass,
-    "next_use+bypass+prior": recommended_policy,
+    "next_use+bypass+prior": next_use_prior,
+    "default": recommended_policy,
     "static_frequency": static_frequency,
     "prefill_placement": prefill_placement,
     "routing_blind": routing_blind,
@@ -485,4 +496,5 @@ POLICIES: dict[str, Callable[..., PolicyResult]] = {
 }
 DEFAULT_POLICIES = ("lru", "static_frequency", "prefill_placement", "routing_blind", "belady")
 #: the policies that take ``prefill_borrow`` (demand policies replayed with the device's prefill borrowing)
-BORROWING = ("lru", "lfu_decay", "lfu_decay+bypass", "next_use", "next_use+bypass", "next_use+bypass+prior")
+BORROWING = ("lru", "lfu_decay", "lfu_decay+bypass", "next_use", "next_use+bypass", "next_use+bypass+prior",
+             "default")
