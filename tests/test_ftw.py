@@ -42,6 +42,24 @@ def test_bundled_model_from_ftw_is_bit_exact(bundled_ftw, kind):
     assert model.chat_template is not None and model.chat_template.source == ref.chat_template.source
 
 
+def test_records_are_copied_straight_into_the_host_pool(bundled_ftw, monkeypatch):
+    """On emu (as on a GPU) an FTW file's records go straight into the host pool's arrays: no per-layer banks are
+    handed to load_layer, and the pool holds each record's stored bytes."""
+    from freetoken.engine.experts.cached import CachedExperts
+
+    def refuse(*a, **kw):
+        raise AssertionError("an FTW load handed a layer's banks to load_layer")
+
+    monkeypatch.setattr(CachedExperts, "load_layer", refuse)
+    model = load(bundled_ftw, device="emu", ctx=64)
+    ftw = FTWFile(bundled_ftw)
+    pool, moe = model.experts.cache.pool, sorted({layer for layer, _ in ftw.records})
+    for m, layer in enumerate(moe):
+        for e in (0, pool.num_experts - 1):
+            rec = ftw.record_banks(layer, e)
+            assert all(np.array_equal(pool.layer_banks(m)[name][e], a) for name, a in rec.items())
+
+
 def test_the_file_holds_what_the_index_says(bundled_ftw):
     ftw = FTWFile(bundled_ftw)
     assert ftw.tensors["embed"].storage == "bf16"  # the checkpoint's bf16, not widened

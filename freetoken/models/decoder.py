@@ -177,13 +177,15 @@ def _mlp(cfg: ModelConfig, t: _Tensors, i: int, dev, experts: ExpertRunner, moe_
         inp = ("shared_gate", "shared_up", "shared_sigmoid") if cfg.shared_gated else ("shared_gate", "shared_up")
         shared = SharedExpert(t.linear(inp, i), t.linear(("shared_down",), i), dev, gated=cfg.shared_gated)
     parts = experts.parts[moe_index]
-    if experts.reads_own_experts:  # a host tier: the records are read from the file when a step needs them
-        pass
-    elif not parts.mixed:
-        experts.load_layer(moe_index, t.weights.expert_banks(i, parts.layouts[0]))
-    else:  # an FTW layer whose experts are in several formats: each part's records in its own layout
+    if not experts.reads_own_experts:  # (a host tier reads the records from the file when a step needs them)
         for g, (layout, ids) in enumerate(zip(parts.layouts, parts.experts, strict=True)):
-            experts.load_layer(moe_index, t.weights.expert_banks(i, layout, ids), part=g)
+            target = experts.load_target(moe_index, g) if getattr(t.weights, "fills_in_place", False) else None
+            if target is not None:  # an FTW file's records copied straight into the runner's host arrays
+                t.weights.expert_banks(i, layout, ids, out=target)
+            elif not parts.mixed:
+                experts.load_layer(moe_index, t.weights.expert_banks(i, layout))
+            else:  # an FTW layer whose experts are in several formats: each part's records in its own layout
+                experts.load_layer(moe_index, t.weights.expert_banks(i, layout, ids), part=g)
     return MoeMLP(router, experts, moe_index, shared, dev)
 
 

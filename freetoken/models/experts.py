@@ -36,6 +36,13 @@ class ExpertRunner(ABC):
         """Take MoE layer ``layer``'s expert records of part ``part`` (host banks ``[n, ...]`` per the part's
         layout's ``bank_specs()``, rows in the order of ``parts[layer].experts[part]``)."""
 
+    def load_target(self, layer: int, part: int = 0) -> dict | None:
+        """The writable host arrays (``[n, ...]`` by bank name, in :meth:`load_layer`'s row order) where the runner
+        keeps part ``part`` of MoE layer ``layer``, for a loader that can write the records there directly (an FTW
+        file's records, copied straight into the pinned host pool: no per-layer temporary); None: the loader hands
+        the banks to :meth:`load_layer`."""
+        return None
+
     def begin(self, tokens: int, first: bool = True) -> None:  # noqa: B027 - runners without per-pass state
         """A forward pass of ``tokens`` tokens starts (a prompt, a chunk of one, or a decode step); ``first``: False
         for the second and later chunks of a prompt."""

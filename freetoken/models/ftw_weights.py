@@ -200,17 +200,30 @@ class FTWWeights(Weights):
         parts = self._parts.get(layer)
         return parts if parts is not None and parts.mixed else None
 
-    def expert_banks(self, layer: int, layout: RecordLayout, experts=None) -> dict[str, np.ndarray]:
+    #: :meth:`expert_banks` takes ``out``: the records are copied into the caller's arrays (the host pool).
+    fills_in_place = True
+
+    def expert_banks(self, layer: int, layout: RecordLayout, experts=None, out: dict | None = None
+                     ) -> dict[str, np.ndarray]:
         """Banks [n, ...] of ``experts`` (default: all, in order): copied record by record where a record is stored
         in ``layout``, else decoded and quantized to ``layout`` (a load with another ``expert_format``, or a mixed
-        layer's records brought to one layout)."""
+        layer's records brought to one layout). ``out``: arrays of those shapes to write them into (then no
+        per-layer temporary is made for records stored in ``layout``), returned."""
         ids = np.arange(self.cfg.num_experts) if experts is None else np.asarray(experts, np.int64).reshape(-1)
         stored = [self.ftw.layout_of(self.ftw.records[(layer, int(e))]) for e in ids]
         for lay in stored:
             if layout.bias != lay.bias or (layout.hidden, layout.inter) != (lay.hidden, lay.inter):
                 raise LoadError(str(self.ftw.path), f"layer {layer}: the records are {lay}, the decoder wants "
                                                     f"{layout}", f"layer {layer}")
-        out = {s.name: np.empty((ids.size, *s.shape), s.dtype) for s in layout.bank_specs()}
+        if out is None:
+            out = {s.name: np.empty((ids.size, *s.shape), s.dtype) for s in layout.bank_specs()}
+        else:
+            for s in layout.bank_specs():
+                a = out.get(s.name)
+                if a is None or a.shape != (ids.size, *s.shape) or a.dtype != s.dtype:
+                    got = "missing" if a is None else f"{a.dtype} {list(a.shape)}"
+                    raise ValueError(f"layer {layer}: out[{s.name!r}] must be {s.dtype} {[ids.size, *s.shape]}, "
+                                     f"got {got}")
         convert = [j for j, lay in enumerate(stored) if lay != layout]
         for j, e in enumerate(ids):
             if stored[j] == layout:

@@ -81,6 +81,9 @@ class CachedExperts(RunnerBase):
     def load_layer(self, layer: int, banks: dict, part: int = 0) -> None:
         self.cache.pool.write_layer(layer, banks, part)  # the host pool: the authoritative copy
 
+    def load_target(self, layer: int, part: int = 0) -> dict | None:
+        return None if self.tier is not None else self.cache.pool.layer_banks(layer, part)
+
     # ---- a forward pass --------------------------------------------------------------------------------------
     def begin(self, tokens: int, first: bool = True) -> None:
         super().begin(tokens, first)
