@@ -1,6 +1,6 @@
 """Llama 4's attention temperature: each query at position p scaled by 1 + s ln(1 + floor((p + 1) / floor_scale)).
 
-The bundled model carries it (scale 0.03 from position 1023 on: its held-out loss then stops rising with position).
+The bundled model carries it (scale 0.06 from position 1023 on: its held-out loss then stops rising with position).
 Checked here: the factor against transformers' Llama 4 expression; a tiny Qwen3-MoE with the temperature switched on
 early (floor 8) against transformers' Qwen3-MoE patched to apply it (``scripts/hf_attn_temperature.py``: transformers
 ignores the keys for this family), prompt in chunks that straddle the floor and decode after it, on every device;
