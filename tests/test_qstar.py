@@ -22,7 +22,8 @@ from freetoken.sim.predict import (
     predict_previous,
     predictions,
 )
-from freetoken.trace import Trace, make_trace, prepare, save_trace
+from freetoken.trace import Trace, load_trace, make_trace, prepare, save_trace
+from freetoken.trace.derived import token_counts
 
 
 def _critical_ref(costs: StepCosts, fetched_tokens, cpu_tokens, hits: int) -> float:
@@ -369,6 +370,70 @@ def test_oracle_prefetch_never_worse():
     assert full[0].hits + full[1].prefetch_used == full[1].hits  # ... but ahead of time
 
 
+# --------------------------------------------------------------------------------- time model per cache policy
+
+
+def _policy_trace(tokens: int = 1) -> Trace:
+    return make_trace(num_layers=4, num_experts=16, top_k=2, steps=120, segments=3, locality=0.6, seed=3,
+                      tokens=tokens, record_bytes=2_000_000)
+
+
+@pytest.mark.parametrize(("tokens", "host_memory"), [(1, None), (3, 40 * 2_000_000)])
+def test_policy_time_model_lru_is_fetch_all(tokens, host_memory):
+    """The time model with the ``lru`` policy is today's ``fetch_all`` (the device LRU), bit for bit."""
+    t = _policy_trace(tokens)
+    kw = dict(layer_s=3e-5, step_s=1e-4, cpu_token_s=2e-6, host_memory=host_memory, disk_gbps=3.0)
+    for slots, window in ((8, "second_half"), (24, "all")):
+        want = TM.time_modes(t, slots, 25, 50, modes=("fetch_all",), window=window, **kw)[0]
+        got = TM.time_policies(t, slots, 25, 50, policies=("lru",), window=window, **kw)[0]
+        assert got.mode == "lru"
+        assert {**got.as_row(), "mode": ""} == {**want.as_row(), "mode": ""}
+        assert np.array_equal(got.per_step, want.per_step)
+        assert (got.disk_reads > 0) == (host_memory is not None)
+
+
+def test_policy_time_model_has_the_miss_rate_tables_decisions():
+    """Per policy, the time model's misses and fetches are the miss-rate table's misses and loads (same trace,
+    capacity, window, borrow); the bypassed misses go to the CPU."""
+    t = _policy_trace(2)
+    bypassed = 0
+    for slots, window, borrow in ((8, "second_half", True), (20, "all", False)):
+        got = TM.time_policies(t, slots, 25, 50, policies=TM.POLICY_MODES, window=window, prefill_borrow=borrow)
+        for r in got:
+            table = P.POLICIES[r.mode](t, slots, window=window, prefill_borrow=borrow)
+            assert (r.accesses, r.misses, r.fetched) == (table.accesses, table.misses, table.loads), r.mode
+            assert r.hits + r.misses == r.accesses
+            if "bypass" not in r.mode and r.mode != "default":
+                assert r.cpu_experts == 0 and r.cpu_s == 0.0
+            bypassed += r.cpu_experts
+    assert bypassed > 0  # the small cache makes the bypass policies serve misses on the CPU
+    with pytest.raises(ValueError, match="demand policies"):
+        TM.time_policies(t, 8, 25, 50, policies=("belady",))
+
+
+def test_policy_time_model_matches_literal_reference():
+    """A bypassing policy's step times written out from its decisions: per call, admitted misses fetched, bypassed
+    ones (with their tokens) on the CPU."""
+    t = _policy_trace(3)
+    costs = StepCosts.from_bandwidths(t.record_bytes, 10.0, 50.0, 900.0, 1e-5, 3e-5, 2e-6)
+    status = TM.policy_decisions(t, "default", 8)
+    p = prepare(t)
+    tok = token_counts(t)
+    want = np.zeros(t.steps)
+    for step in range(t.steps):
+        for layer in range(t.num_layers):
+            n = int(p.counts[step, layer])
+            st = status[step, layer, :n]
+            fetched = [1] * int((st == 1).sum())
+            cpu = [int(v) for v in tok[step, layer, :n][st == 2]]
+            want[step] += 4e-5 + _critical_ref(costs, fetched, cpu, int((st == 0).sum()))
+    assert (status == 2).any()
+    r = TM.time_policies(t, 8, 10.0, 50.0, policies=("default",), window="all", layer_s=4e-5, copy_latency_s=1e-5,
+                         cpu_handoff_s=3e-5, cpu_token_s=2e-6)[0]
+    np.testing.assert_allclose(r.per_step, want, rtol=1e-12)
+    assert r.cpu_s > 0 and r.cpu_experts == int((status == 2).sum())
+
+
 # ------------------------------------------------------------------------------------------------------ CLI
 
 
@@ -383,6 +448,11 @@ def test_cli_time_model(tmp_path, capsys):
         assert mode in out
     assert "coact: precision" in out and "tok/s" in out and "stall us" in out and "PCIe 25 GB/s" in out
     assert "PCIe/CPU" not in out  # no sweep asked for
+    assert "tokens/s per cache policy" not in out  # only with --policies
+    assert cli_main(["trace", "simulate", str(path), "--slots", "8,32", "--pcie", "25", "--cpu", "50",
+                     "--modes", "fetch_all", "--policies", "lru,default"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s per cache policy" in out and out.count("\ndefault ") == 2  # the default row, 2 slot counts
 
     png = tmp_path / "sweep.png"
     argv = ["trace", "simulate", str(path), "--slots", "16", "--pcie", "25", "--cpu", "50", "--sweep",
@@ -399,10 +469,21 @@ def test_cli_time_model(tmp_path, capsys):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "plot written" in out
 
     assert cli_main(["trace", "simulate", str(path), "--slots", "16", "--pcie", "25", "--cpu", "50", "--json",
-                     "--sweep", "--modes", "fetch_all,qstar"]) == 0
+                     "--sweep", "--modes", "fetch_all,qstar", "--policies", "lru,default"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [r["mode"] for r in data["timing"]] == ["fetch_all", "qstar"]
     assert len(data["sweep"]) == 2 * len(TM.SWEEP_RATIOS) and data["timing"][1]["future_value"] == "auto"
+    assert [r["policy"] for r in data["policies"]] == ["lru", "default"]
+    assert data["policies"][0]["tokens_per_s"] == data["timing"][0]["tokens_per_s"]  # lru = fetch_all
+
+    assert cli_main(["trace", "simulate", str(path), "--slots", "16", "--pcie", "25", "--cpu", "50", "--json",
+                     "--modes", "qstar", "--policies", "next_use+bypass,default"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    want = {n: P.POLICIES[n](load_trace(path), 16) for n in ("next_use+bypass", "default")}
+    assert [(r["policy"], r["misses"]) for r in data["policies"]] == [(n, w.misses) for n, w in want.items()]
+    assert cli_main(["trace", "simulate", str(path), "--slots", "16", "--pcie", "25", "--cpu", "50",
+                     "--policies", "lru,belady"]) == 2
+    assert "demand policies" in capsys.readouterr().err
 
     assert cli_main(["trace", "simulate", str(path), "--slots", "16", "--pcie", "25"]) == 2
     assert "needs both --pcie and --cpu" in capsys.readouterr().err

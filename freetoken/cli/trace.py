@@ -15,7 +15,8 @@ Routing traces and the expert-cache simulator.
 
 Subcommands:
   simulate  replay a trace through the cache policies at several slot counts; print the table (and a plot);
-            with --pcie/--cpu, model decode-step time for fetch-all, cpu-all, q* and q* + prefetch instead
+            with --pcie/--cpu, model decode-step time for fetch-all, cpu-all, q* and q* + prefetch instead,
+            (with --policies also tokens/s per cache policy)
   synth     write a synthetic trace with tunable locality
   info      summarise a trace: shape, segments, per-layer expert-usage entropy, working set
 """
@@ -45,7 +46,16 @@ def _name_list(known, what: str):
 
 def _cmd_timing(args: argparse.Namespace, trace) -> int:
     """``simulate --pcie --cpu``: the decode-step time model per mode, optionally swept over PCIe/CPU ratios."""
-    from freetoken.sim.timing import MODES, format_sweep, format_timing, sweep, time_modes
+    from freetoken.sim.timing import (
+        MODES,
+        POLICY_MODES,
+        format_policy_timing,
+        format_sweep,
+        format_timing,
+        sweep,
+        time_modes,
+        time_policies,
+    )
 
     if args.pcie is None or args.cpu is None:
         raise ValueError("the time model needs both --pcie and --cpu (GB/s)")
@@ -56,18 +66,33 @@ def _cmd_timing(args: argparse.Namespace, trace) -> int:
     kw = dict(window=args.window, future_value=args.future_value, layer_s=args.layer_us * 1e-6,
               predictor=args.predictor, prefetch_n=args.prefetch_n, prefill_borrow=not args.no_prefill_borrow,
               host_memory=args.host_memory, disk_gbps=args.disk)
-    results, rows = [], []
+    policies = args.policies or []  # the per-policy table only when asked for: the default output stays as it was
+    bad = [p for p in policies if p not in POLICY_MODES]
+    if bad:
+        raise ValueError(f"the time model replays only the demand policies ({', '.join(POLICY_MODES)}), not "
+                         f"{', '.join(bad)}")
+    pkw = dict(window=args.window, layer_s=args.layer_us * 1e-6, prefill_borrow=not args.no_prefill_borrow,
+               host_memory=args.host_memory, disk_gbps=args.disk)
+    results, rows, per_policy = [], [], []
     for slots in args.slots:
         results += time_modes(trace, slots, args.pcie, args.cpu, args.gpu, modes=modes, **kw)
+        if policies:
+            per_policy += time_policies(trace, slots, args.pcie, args.cpu, args.gpu, policies=policies, **pkw)
         if do_sweep:
             rows += sweep(trace, slots, args.cpu, modes=modes, gpu_gbps=args.gpu, **kw)
     if args.json:
         out = {"timing": [r.as_row() for r in results]}
+        if policies:
+            out["policies"] = [{**r.as_row(), "policy": r.mode,
+                                "miss_rate": r.misses / r.accesses if r.accesses else 0.0} for r in per_policy]
         if do_sweep:
             out["sweep"] = rows
         print(json.dumps(out, indent=2))
     else:
         print(format_timing(results))
+        if policies:
+            print()
+            print(format_policy_timing(per_policy))
         if do_sweep:
             print()
             print(format_sweep(rows))
@@ -91,6 +116,7 @@ def _plot(args: argparse.Namespace, plot_fn, rows, title: str) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    from freetoken.sim.policies import DEFAULT_POLICIES
     from freetoken.sim.simulate import format_table, simulate
     from freetoken.trace.format import load_trace
 
@@ -99,7 +125,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     if timing:
         return _cmd_timing(args, trace)
-    rows = simulate(trace, args.slots, window=args.window, policies=args.policies,
+    rows = simulate(trace, args.slots, window=args.window, policies=args.policies or list(DEFAULT_POLICIES),
                     prefill_borrow=not args.no_prefill_borrow)
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     if args.plot:
@@ -140,7 +166,7 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``trace`` (with ``simulate``, ``synth``, ``info``) on ``subparsers``; returns its parser."""
     from freetoken.cli.args import count, future_value, real, size
     from freetoken.sim.policies import DEFAULT_POLICIES, POLICIES
-    from freetoken.sim.timing import ALL_MODES
+    from freetoken.sim.timing import ALL_MODES, POLICY_MODES
 
     gbps = real(0.0, above=True)
 
@@ -171,9 +197,10 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
     sim.add_argument("--no-prefill-borrow", action="store_true",
                      help="lru, lfu_decay, next_use, default: do not empty the first 2*experts slots at each "
                           "segment start")
-    sim.add_argument("--policies", type=_name_list(POLICIES, "policy"), default=list(DEFAULT_POLICIES),
-                     metavar="P[,P...]",
-                     help=f"policies to run (default {','.join(DEFAULT_POLICIES)}; known: {', '.join(POLICIES)})")
+    sim.add_argument("--policies", type=_name_list(POLICIES, "policy"), default=None, metavar="P[,P...]",
+                     help=f"policies to run (default {','.join(DEFAULT_POLICIES)}; known: {', '.join(POLICIES)}); "
+                          "with --pcie/--cpu: also time these cache policies (the demand policies "
+                          f"{', '.join(POLICY_MODES)})")
     sim.add_argument("--plot", metavar="FILE.png", help="also draw miss rate against slots (needs matplotlib); with "
                                                         "--pcie/--cpu: tokens/s against the PCIe/CPU ratio per mode "
                                                         "(implies --sweep)")
@@ -181,7 +208,9 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
     tm = sim.add_argument_group("decode time model (freetoken/sim/timing.py)",
                                 "With --pcie and --cpu, model each decode step's time for fetch-all, cpu-all, q* and "
                                 "q* with prefetch instead of the policy table: estimated tokens/s and where the "
-                                "time goes, per slot count.")
+                                "time goes, per slot count; with --policies also tokens/s per cache policy: the "
+                                "policy's admitted misses fetched, its bypassed ones computed on the CPU (lru = "
+                                "fetch_all).")
     tm.add_argument("--pcie", type=gbps, metavar="GBPS", help="host-to-GPU copy bandwidth, GB/s")
     tm.add_argument("--cpu", type=gbps, metavar="GBPS", help="CPU expert bandwidth (weights streamed), GB/s")
     tm.add_argument("--gpu", type=gbps, metavar="GBPS", default=900.0, help="GPU memory bandwidth, GB/s (default 900)")

@@ -40,7 +40,7 @@ from freetoken.trace.derived import WINDOWS, check_slots, prepare, window_steps
 from freetoken.trace.format import Trace
 
 __all__ = ["BORROWING", "DEFAULT_POLICIES", "POLICIES", "WINDOWS", "PolicyResult", "belady", "belady_sequence",
-           "belady_start", "lfu_decay", "lru", "lru_replay", "next_use", "prefill_placement",
+           "belady_start", "demand_state", "lfu_decay", "lru", "lru_replay", "next_use", "prefill_placement",
            "recommended_policy", "routing_blind", "scored_replay", "static_frequency"]
 
 
@@ -498,3 +498,20 @@ DEFAULT_POLICIES = ("lru", "static_frequency", "prefill_placement", "routing_bli
 #: the policies that take ``prefill_borrow`` (demand policies replayed with the device's prefill borrowing)
 BORROWING = ("lru", "lfu_decay", "lfu_decay+bypass", "next_use", "next_use+bypass", "next_use+bypass+prior",
              "default")
+
+
+def demand_state(name: str, trace: Trace, slots: int):
+    """A fresh state of the scored demand policy ``name`` (one of :data:`BORROWING` but ``lru``) for ``trace`` and
+    ``slots``, made as its row here makes it (for the time model's per-policy replay,
+    :func:`freetoken.sim.timing.time_policies`)."""
+    slots = check_slots(slots)
+    L, E = trace.num_layers, trace.num_experts
+    if name in ("lfu_decay", "lfu_decay+bypass"):
+        return lfu_decay_new(L, E, slots, DEFAULT_HALF_LIFE, name.endswith("+bypass"))
+    if name in ("next_use", "next_use+bypass"):
+        return next_use_new(L, E, slots, bypass=name.endswith("+bypass"))
+    if name == "next_use+bypass+prior":
+        return next_use_new(L, E, slots, **PRIOR_ONLY)
+    if name == "default":
+        return next_use_new(L, E, slots, **RECOMMENDED)
+    raise ValueError(f"no scored demand policy {name!r} (known: {', '.join(BORROWING[1:])})")

@@ -52,6 +52,15 @@ The cache is the device LRU (:mod:`freetoken.policy.lru`, as :func:`freetoken.si
 recency, tie and prefill-borrow rules): ``fetch_all`` reproduces its misses exactly. Cache states differ between
 modes: fetch_all admits every miss, qstar only what it fetches, cpu_all nothing.
 
+Per cache policy (:func:`time_policies`, ``trace simulate --pcie --cpu --policies``): the modes above run the
+device LRU; a demand policy of the miss-rate table (:data:`POLICY_MODES`: ``lru``, ``lfu_decay``, ``next_use``, their
+``+bypass`` variants, ``next_use+bypass+prior``, ``default``) can replace it. Its decisions are replayed exactly as
+its miss-rate row replays them (:func:`policy_decisions`: the same misses, the admitted ones are its loads), and per
+call the misses it admits are fetched over PCIe (q = admitted) while those it bypasses are computed on the CPU and
+not cached: ``call time = layer_s + critical(q)`` with the bypassed misses (and their tokens) on the CPU path, the
+host tier as above. There is no q* split (the policy decides what is cached, so the miss counts stay the table's)
+and no prefetch. ``lru`` is ``fetch_all`` bit for bit; a policy that never bypasses is fetch_all on its own cache.
+
 The future value, and why q* is (and is not by construction) at or below both extremes:
 
 * Per call, on the same cache state and with ``future_value = 0``, ``critical(q*) <= min(critical(0),
@@ -92,7 +101,8 @@ The future value, and why q* is (and is not by construction) at or below both ex
   stays that of ``fetch_all``, and prefetched misses are hits. In ``qstar_prefetch`` the call re-decides the split
   over the misses left, so it holds per call but is measured over the trace (the tests check it).
 
-:func:`time_modes` runs the modes at one bandwidth point, :func:`sweep` over PCIe/CPU ratios (PCIe varies, the
+:func:`time_modes` runs the modes at one bandwidth point (:func:`time_policies` the cache policies,
+:func:`format_policy_timing` prints them), :func:`sweep` over PCIe/CPU ratios (PCIe varies, the
 CPU bandwidth stays); :mod:`freetoken.sim.report` prints them (:func:`format_timing`, :func:`format_sweep`). The
 kernel is :mod:`freetoken.sim.timing_kernel`.
 """
@@ -114,7 +124,16 @@ from freetoken.policy.qstar import (
 )
 from freetoken.sim.predict import PREDICTORS, PredictorScore, precision_recall, predictions
 from freetoken.sim.report import format_sweep, format_timing
-from freetoken.sim.timing_kernel import CPU_ALL, FETCH_ALL, FIELDS, QSTAR, timing_kernel
+from freetoken.sim.timing_kernel import (
+    CPU_ALL,
+    FETCH_ALL,
+    FIELDS,
+    QSTAR,
+    lru_decisions,
+    policy_timing_kernel,
+    scored_decisions,
+    timing_kernel,
+)
 from freetoken.trace.derived import WINDOWS, check_slots, prepare, token_counts, window_steps
 from freetoken.trace.format import Trace
 
@@ -122,6 +141,9 @@ MODES = ("fetch_all", "cpu_all", "qstar", "qstar_prefetch")
 ALL_MODES = (*MODES, "fetch_all_prefetch")
 MODE_CODE = {"fetch_all": FETCH_ALL, "cpu_all": CPU_ALL, "qstar": QSTAR, "qstar_prefetch": QSTAR,
              "fetch_all_prefetch": FETCH_ALL}
+#: the cache policies the time model can replay (:func:`time_policies`): the demand policies of the miss-rate table
+POLICY_MODES = ("lru", "lfu_decay", "lfu_decay+bypass", "next_use", "next_use+bypass", "next_use+bypass+prior",
+                "default")
 SWEEP_RATIOS = tuple(float(2.0 ** (e / 2)) for e in range(-4, 5))  # 0.25x .. 4x, geometric, 9 points
 
 
@@ -313,6 +335,92 @@ def time_modes(trace: Trace, slots: int, pcie_gbps: float, cpu_gbps: float, gpu_
     return out
 
 
+def policy_decisions(trace: Trace, policy: str, slots: int, prefill_borrow: bool = True) -> np.ndarray:
+    """int8 [steps, L, A] (aligned with ``prepare(trace).active``): what the cache policy ``policy`` (one of
+    :data:`POLICY_MODES`) does with each access over the whole trace: 0 hit, 1 admitted miss (fetched), 2 bypassed
+    miss (computed on the CPU, not cached). The same replay as the miss-rate table's row of that name."""
+    from freetoken.sim.policies import _demand_setup, demand_state
+
+    if policy not in POLICY_MODES:
+        raise ValueError(f"the time model replays the demand policies {', '.join(POLICY_MODES)}; got {policy!r}")
+    slots, p, borrow_n = _demand_setup(trace, slots, policy, prefill_borrow)
+    if policy == "lru":
+        return lru_decisions(p.active, p.counts, p.seg_start, slots, trace.num_flat, borrow_n)
+    st = demand_state(policy, trace, slots)
+    return scored_decisions(st, p.active, p.counts, p.seg_start,
+                            np.ascontiguousarray(trace.step_segment, np.int64),
+                            np.ascontiguousarray(trace.prefill_counts, np.float64),
+                            float(trace.tokens * trace.top_k), borrow_n)
+
+
+def time_policies(trace: Trace, slots: int, pcie_gbps: float, cpu_gbps: float, gpu_gbps: float = DEFAULT_GPU_GBPS,
+                  policies: Sequence[str] = ("lru", "default"), *, window: str = "second_half",
+                  layer_s: float = 0.0, step_s: float = 0.0, prefill_borrow: bool = True,
+                  copy_latency_s: float = DEFAULT_COPY_LATENCY_S, cpu_handoff_s: float = DEFAULT_CPU_HANDOFF_S,
+                  cpu_token_s: float = 0.0, host_memory: int | None = None, disk_gbps: float | None = None,
+                  disk_latency_s: float = 0.0) -> list[ModeTiming]:
+    """The time model with a cache policy in place of the device LRU, one :class:`ModeTiming` per policy (its
+    ``mode`` is the policy's name): the policy's decisions (:func:`policy_decisions`, those of the miss-rate
+    table) are replayed and, per call, every miss it admits is fetched over PCIe and every miss it bypasses is
+    computed on the CPU, not cached; the call time is ``critical(q)`` with q = the admitted misses (see the module
+    docstring; no q* split and no prefetch: the policy decides). ``lru`` is ``fetch_all`` exactly. Other
+    arguments as :func:`time_modes`'s."""
+    host_rows = host_rows_for(trace, host_memory)
+    if host_rows and not (disk_gbps is not None and disk_gbps > 0):
+        raise ValueError("a host memory below the model's records needs the disk bandwidth (disk_gbps > 0)")
+    disk_s = trace.record_bytes / (disk_gbps * 1e9) + disk_latency_s if host_rows else 0.0
+    if window not in WINDOWS:
+        raise ValueError(f"unknown window {window!r} (expected one of {', '.join(WINDOWS)})")
+    if layer_s < 0 or step_s < 0:
+        raise ValueError("layer_s and step_s must be >= 0")
+    for pol in policies:
+        if pol not in POLICY_MODES:
+            raise ValueError(f"the time model replays the demand policies {', '.join(POLICY_MODES)}; got {pol!r}")
+    costs = StepCosts.from_bandwidths(trace.record_bytes, pcie_gbps, cpu_gbps, gpu_gbps, copy_latency_s,
+                                      cpu_handoff_s, cpu_token_s)
+    t0, t1 = window_steps(trace, window)
+    p = prepare(trace)
+    accesses = int(p.step_offsets[t1] - p.step_offsets[t0])
+    n = max(t1 - t0, 0)
+    out = []
+    for pol in policies:
+        status = policy_decisions(trace, pol, slots, prefill_borrow)
+        acc = policy_timing_kernel(p.active, p.counts, token_counts(trace), status, p.seg_start, trace.num_flat,
+                                   trace.num_experts, float(costs.transfer_s), float(costs.cpu_s),
+                                   float(costs.gpu_s), float(costs.cpu_handoff_s), float(costs.cpu_token_s),
+                                   float(layer_s), float(step_s), int(host_rows), float(disk_s))
+        w = acc[:, t0:t1]
+        mean = w.mean(axis=1) if n else np.zeros(len(FIELDS))
+        tot = w.sum(axis=1)
+        out.append(ModeTiming(
+            mode=pol, slots=int(slots), window=window, steps=n, tokens_per_step=trace.tokens,
+            pcie_gbps=float(pcie_gbps), cpu_gbps=float(cpu_gbps), gpu_gbps=float(gpu_gbps),
+            step_s=float(mean[0]), transfer_s=float(mean[1]), prefetch_s=0.0, cpu_s=float(mean[3]),
+            gpu_s=float(mean[4]), stall_s=float(mean[5]), accesses=accesses, hits=int(tot[6]), misses=int(tot[7]),
+            fetched=int(tot[8]), prefetched=0, prefetch_used=0, future_value="", per_step=acc[0].copy(),
+            host_rows=host_rows, disk_gbps=float(disk_gbps or 0.0) if host_rows else 0.0, disk_s=float(mean[11]),
+            disk_reads=float(mean[12])))
+    return out
+
+
+def format_policy_timing(results: Sequence[ModeTiming]) -> str:
+    """A table of :func:`time_policies`: per (slots, policy) the miss rate, tokens/s and where the time goes."""
+    from freetoken.sim.table import text_table
+
+    def us(s: float) -> str:
+        return f"{s * 1e6:,.1f}"
+
+    header = ("policy", "slots", "miss rate", "misses", "fetched", "on cpu", "tok/s", "step us", "transfer us",
+              "cpu us", "stall us")
+    body = [(r.mode, str(r.slots), f"{100 * r.misses / r.accesses:.1f}%" if r.accesses else "-", f"{r.misses:,}",
+             f"{r.fetched:,}", f"{r.cpu_experts:,}", f"{r.tokens_per_s:,.2f}", us(r.step_s), us(r.transfer_s),
+             us(r.cpu_s), us(r.stall_s)) for r in results]
+    out = text_table(header, body, left={0}, groups=[r.slots for r in results])
+    out.append("tokens/s per cache policy: its admitted misses fetched over PCIe, its bypassed ones computed on the "
+               "CPU (on cpu); lru = fetch_all")
+    return "\n".join(s.rstrip() for s in out)
+
+
 def split_vs_extremes_same_state(trace: Trace, slots: int, pcie_gbps: float, cpu_gbps: float,
                                  gpu_gbps: float = DEFAULT_GPU_GBPS, *, future_value: float | str = 0.0,
                                  prefill_borrow: bool = True, copy_latency_s: float = DEFAULT_COPY_LATENCY_S,
@@ -353,6 +461,7 @@ def sweep_ratios(lo: float = 0.25, hi: float = 4.0, n: int = 9) -> tuple[float, 
     return tuple(float(v) for v in np.geomspace(lo, hi, n))
 
 
-__all__ = ["ALL_MODES", "FUTURE_VALUES", "MAX_HITS", "MODES", "PREDICTORS", "PRIOR_HITS", "PRIOR_WEIGHT",
-           "SWEEP_RATIOS", "ModeTiming", "format_sweep", "format_timing", "resolve_predictions", "run_kernel",
-           "split_vs_extremes_same_state", "sweep", "sweep_ratios", "time_modes"]
+__all__ = ["ALL_MODES", "FUTURE_VALUES", "MAX_HITS", "MODES", "POLICY_MODES", "PREDICTORS", "PRIOR_HITS",
+           "PRIOR_WEIGHT", "SWEEP_RATIOS", "ModeTiming", "format_policy_timing", "format_sweep", "format_timing",
+           "policy_decisions", "resolve_predictions", "run_kernel", "split_vs_extremes_same_state", "sweep",
+           "sweep_ratios", "time_modes", "time_policies"]

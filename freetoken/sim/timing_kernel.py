@@ -1,7 +1,8 @@
 """The decode-step time model's kernel (Numba): one pass over a trace's calls through the device LRU
 (:mod:`freetoken.policy.lru`), the q* split (:mod:`freetoken.policy.qstar`), the future-value estimators
 (:mod:`freetoken.policy.estimators`) and next-call prefetch. The model itself is described in
-:mod:`freetoken.sim.timing`, which validates the arguments and calls :func:`timing_kernel`."""
+:mod:`freetoken.sim.timing`, which validates the arguments and calls :func:`timing_kernel`; a cache policy's
+decisions (:func:`lru_decisions`, :func:`scored_decisions`) are timed by :func:`policy_timing_kernel`."""
 
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ from freetoken.policy.estimators import (
 )
 from freetoken.policy.lru import SLOT_OF, lru_admit, lru_borrow, lru_end, lru_insert, lru_lookup, lru_new, sort_ids
 from freetoken.policy.qstar import best_q, best_q_values, critical_path, order_misses
+from freetoken.policy.scored import BYPASSED as BYPASSED_ID
+from freetoken.policy.scored import PARAMS as PARAMS_S
+from freetoken.policy.scored import PRIOR_KEEP as PRIOR_KEEP_S
+from freetoken.policy.scored import PRIOR_WEIGHT as PRIOR_WEIGHT_S
+from freetoken.policy.scored import SLOT_OF as SLOT_OF_S
+from freetoken.policy.scored import scored_admit, scored_borrow, scored_prefill
 
 #: The kernel's per-step accumulators, in row order.
 FIELDS = ("time", "transfer", "prefetch", "cpu", "gpu", "stall", "hits", "misses", "fetched", "prefetched",
@@ -238,6 +245,140 @@ def timing_kernel(active, counts, tokcnt, seg_start, slots, num_flat, num_expert
                 out[12, t] += dm
             out[2, t] += nadm * x
             out[9, t] += nadm
+        out[0, t] = step_time
+        out[4, t] = step_gpu
+    return out
+
+
+# ---------------------------------------------------------------------------------- a cache policy's decisions
+
+#: what a policy did with each access of a call (:func:`lru_decisions`, :func:`scored_decisions`)
+HIT, ADMITTED, BYPASSED_MISS = 0, 1, 2
+
+
+@nb.njit(cache=True)
+def lru_decisions(active, counts, seg_start, slots, num_flat, borrow_n):  # pragma: no cover - compiled
+    """int8 [steps, L, A]: the device LRU's decision per access (HIT or ADMITTED; LRU admits every miss), replayed
+    as :func:`freetoken.policy.lru.lru_replay_calls` does (a borrow of slots [0, borrow_n) at each segment start)."""
+    steps, layers, width = active.shape
+    status = np.zeros((steps, layers, max(width, 1)), np.int8)
+    st = lru_new(num_flat, slots)
+    slot = np.empty(max(width, 1), np.int32)
+    fetch = np.empty(max(width, 1), np.int32)
+    evicted = np.empty(max(width, borrow_n, 1), np.int32)
+    for t in range(steps):
+        if seg_start[t]:
+            lru_borrow(st, 0, borrow_n, evicted)
+        for layer in range(layers):
+            cnt = counts[t, layer]
+            ids = active[t, layer]
+            lru_lookup(st, ids, cnt, slot)
+            m = 0
+            for j in range(cnt):
+                if slot[j] < 0:
+                    status[t, layer, j] = ADMITTED
+                    fetch[m] = ids[j]
+                    m += 1
+            if lru_insert(st, fetch, m, False, evicted) < m:
+                raise ValueError("no victim: too few slots for one call")
+            lru_end(st)
+    return status
+
+
+@nb.njit(cache=True)
+def scored_decisions(st, active, counts, seg_start, step_segment, prefill, k_eff, borrow_n):  # pragma: no cover
+    """int8 [steps, L, A]: a scored policy's decision per access (HIT, ADMITTED, or BYPASSED_MISS: a miss it does
+    not load), replayed exactly as :func:`freetoken.policy.scored.scored_replay_calls` does."""
+    slot_of, params = st[SLOT_OF_S], st[PARAMS_S]
+    steps, layers, width = active.shape
+    status = np.zeros((steps, layers, max(width, 1)), np.int8)
+    evicted = np.empty(max(width, borrow_n, 1), np.int32)
+    prior = params[PRIOR_WEIGHT_S] != 0.0 or params[PRIOR_KEEP_S] != 1.0
+    for t in range(steps):
+        if seg_start[t]:
+            scored_borrow(st, 0, borrow_n, evicted)
+            if prior:
+                for layer in range(layers):
+                    scored_prefill(st, layer, prefill[step_segment[t], layer], k_eff)
+        for layer in range(layers):
+            cnt = counts[t, layer]
+            ids = active[t, layer]
+            for j in range(cnt):
+                if slot_of[ids[j]] < 0:
+                    status[t, layer, j] = ADMITTED
+            m = scored_admit(st, layer, ids, cnt, evicted)
+            i = 0
+            for j in range(cnt):
+                if status[t, layer, j] == ADMITTED:
+                    if evicted[i] == BYPASSED_ID:
+                        status[t, layer, j] = BYPASSED_MISS
+                    i += 1
+            if i != m:
+                raise ValueError("scored_decisions: miss count mismatch")
+    return status
+
+
+@nb.njit(cache=True)
+def policy_timing_kernel(active, counts, tokcnt, status, seg_start, num_flat, num_experts, x, c, g, hand, ctok,
+                         layer_s, step_s, host_rows, disk_s):  # pragma: no cover - compiled
+    """float64 [len(FIELDS), steps]: :func:`timing_kernel`'s accumulators for a cache policy's decisions
+    ``status`` (:func:`lru_decisions`, :func:`scored_decisions`): per call, the admitted misses are fetched
+    (q = admitted) and the bypassed ones computed on the CPU (not cached). With LRU's decisions it is
+    ``fetch_all`` (the same expressions in the same order: bit-identical). No prefetch; the host tier as there."""
+    steps, layers, width = active.shape
+    out = np.zeros((13, steps))
+    use_tier = host_rows > 0
+    hst = lru_new(num_flat, max(host_rows, 1))
+    hcap = max(width, num_experts, 1)
+    hids = np.empty(hcap, np.int32)
+    hscratch = np.empty(hcap, np.int32)
+    hevicted = np.empty(hcap, np.int32)
+    for t in range(steps):
+        if seg_start[t] and use_tier:
+            for layer in range(layers):
+                for e in range(num_experts):
+                    hids[e] = layer * num_experts + e
+                lru_admit(hst, hids, num_experts, hscratch, hevicted)
+        step_time = step_s
+        step_gpu = step_s
+        for layer in range(layers):
+            cnt = counts[t, layer]
+            ids = active[t, layer]
+            h = 0
+            m = 0
+            q = 0
+            rest = 0
+            for j in range(cnt):
+                s = status[t, layer, j]
+                if s == HIT:
+                    h += 1
+                else:
+                    hids[m] = ids[j]
+                    m += 1
+                    if s == ADMITTED:
+                        q += 1
+                    else:
+                        rest += tokcnt[t, layer, j]
+            if use_tier and m > 0:
+                sort_ids(hids, m)
+                dm = lru_admit(hst, hids, m, hscratch, hevicted)
+                step_time += dm * disk_s
+                out[5, t] += dm * disk_s
+                out[11, t] += dm * disk_s
+                out[12, t] += dm
+            crit = critical_path(x, c, g, hand, ctok, m, h, q, rest)
+            gcomp = (h + q) * g
+            cpu = 0.0
+            if q < m:
+                cpu = hand + (m - q) * c + ctok * rest
+            step_time += layer_s + crit
+            step_gpu += layer_s + gcomp
+            out[1, t] += q * x
+            out[3, t] += cpu
+            out[5, t] += crit - gcomp
+            out[6, t] += h
+            out[7, t] += m
+            out[8, t] += q
         out[0, t] = step_time
         out[4, t] = step_gpu
     return out
