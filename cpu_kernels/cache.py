@@ -4,7 +4,16 @@ with the same semantics (see ``cache_admit`` there and the CacheModel reference 
 import numba as nb
 import numpy as np
 
-from freetoken.device.constants import NO_ROUTE
+from freetoken.device.constants import (
+    CACHE_BYPASSED,
+    NO_ROUTE,
+    SCORED_G_CONT,
+    SCORED_G_LOADS,
+    SCORED_G_REUSE,
+    SCORED_PROTECT,
+    SCORED_TAU_MAX,
+    SCORED_TAU_MIN,
+)
 
 _NO_KEY = np.int64(0x7FFFFFFFFFFFFFFF)
 
@@ -110,3 +119,147 @@ def cache_borrow_layer(layer, first, experts, slot_for_id, id_of_slot, recency, 
         recency[s] = -1
         worklist[2 * e] = s
         worklist[2 * e + 1] = layer * experts + e
+
+
+@nb.njit(error_model="numpy", cache=True, inline="always")
+def _scored_key(o, lo, c, last, c1, c2, c3, c4, dp, dp2, lclock, q, q2, kappa, long_weight, layers, cycle, pbar,
+                itau):
+    a = lclock[lo] - last[o]
+    r = q * (c1[o] * dp[min(a, dp.size - 1)])
+    if long_weight != 0.0:
+        r = ((1.0 - long_weight) * r) + (long_weight * (q2 * (c4[o] * dp2[min(a, dp2.size - 1)])))
+    w = 1.0 / (r + itau)
+    d = layers
+    if cycle:
+        d = (lo - c - 1 + layers) % layers + 1
+    if a == 0:
+        p = (c2[o] + kappa * pbar) / (c3[o] + kappa)
+        return SCORED_PROTECT - ((((1.0 - p) * layers) * w) + d)
+    return -((layers * (w - 1.0)) + d)
+
+
+@nb.njit(error_model="numpy", cache=True)
+def cache_admit_scored(ids, layer, experts, slot_for_id, id_of_slot, stamp, pinned, clock, lclock, last, c1, c2,
+                       c3, c4, dp, dp2, glob, q, q2, rho, kappa, id_decay, global_decay, load_weight, long_weight,
+                       layers, bypass, cycle, worklist, n_work, bypass_list, n_bypass, hits, misses, err, count):
+    """The scored (next_use) admission of one layer's routed ids: ``cache_admit_scored`` of ``cuda/cache.cu`` on the
+    same arrays (the ScoredConsts fields as scalars). Bypassed misses' pairs get ``CACHE_BYPASSED`` and their flat
+    ids go to ``bypass_list`` (count in ``n_bypass[0]``)."""
+    flat_ids = ids.reshape(-1)
+    pairs = flat_ids.size
+    call = clock[0] + 1
+    clock[0] = call
+    flat = np.empty(pairs, np.int64)
+    valid = 0
+    for p in range(pairs):
+        e = flat_ids[p]
+        if e == NO_ROUTE:
+            flat[p] = -1
+        elif e < 0 or e >= experts:
+            err[0] = max(err[0], 1)
+            flat[p] = -1
+        else:
+            flat[p] = layer * experts + e
+            valid += 1
+    cand = np.empty(valid, np.int64)
+    j = 0
+    for p in range(pairs):
+        if flat[p] >= 0:
+            cand[j] = flat[p]
+            j += 1
+    cand.sort()
+    active = np.empty(valid, np.int64)
+    na = 0
+    for i in range(valid):
+        if i == 0 or cand[i] != cand[i - 1]:
+            active[na] = cand[i]
+            na += 1
+    lclock[layer] += 1
+    now = lclock[layer]
+    is_hit = np.zeros(na, np.bool_)
+    for u in range(na):
+        f = active[u]
+        g = now - last[f]
+        cont = 0.0
+        if last[f] > 0:
+            if g == 1:
+                cont = 1.0
+            glob[SCORED_G_CONT] = global_decay * glob[SCORED_G_CONT] + cont
+            glob[SCORED_G_REUSE] = global_decay * glob[SCORED_G_REUSE] + 1.0
+            c2[f] = id_decay * c2[f] + cont
+            c3[f] = id_decay * c3[f] + 1.0
+        inc = 1.0
+        if cont != 0.0:
+            inc = rho
+        c1[f] = inc + c1[f] * dp[min(g, dp.size - 1)]
+        c4[f] = inc + c4[f] * dp2[min(g, dp2.size - 1)]
+        last[f] = now
+        s = slot_for_id[f]
+        if s >= 0:
+            is_hit[u] = True
+            stamp[s] = call
+    slots = id_of_slot.size
+    pbar = glob[SCORED_G_CONT] / glob[SCORED_G_REUSE]
+    ld = glob[SCORED_G_LOADS]
+    tau = SCORED_TAU_MAX
+    if ld > 0.0:
+        tau = slots / (layers * ld)
+    tau = min(max(tau, SCORED_TAU_MIN), SCORED_TAU_MAX)
+    itau = 1.0 / tau
+    n_miss = 0
+    done = 0
+    nb_ = 0
+    for u in range(na):
+        if is_hit[u]:
+            continue
+        n_miss += 1
+        f = active[u]
+        best = -1
+        best_key = np.inf
+        for s in range(slots):
+            if pinned[s] != 0 or stamp[s] == call:
+                continue
+            o = id_of_slot[s]
+            k = -np.inf
+            if o >= 0:
+                k = _scored_key(o, o // experts, layer, last, c1, c2, c3, c4, dp, dp2, lclock, q, q2, kappa,
+                                long_weight, layers, cycle != 0, pbar, itau)
+            if best < 0 or k < best_key:
+                best, best_key = s, k
+        if best < 0:
+            err[0] = max(err[0], 2)
+            continue
+        old = id_of_slot[best]
+        if bypass != 0 and old >= 0:
+            kin = _scored_key(f, layer, layer, last, c1, c2, c3, c4, dp, dp2, lclock, q, q2, kappa, long_weight,
+                              layers, cycle != 0, pbar, itau)
+            if not kin > best_key:
+                bypass_list[nb_] = f
+                nb_ += 1
+                continue
+        if old >= 0:
+            slot_for_id[old] = -1
+        id_of_slot[best] = f
+        slot_for_id[f] = best
+        stamp[best] = call
+        worklist[2 * done] = best
+        worklist[2 * done + 1] = f
+        done += 1
+    for p in range(pairs):
+        f = flat[p]
+        if f < 0:
+            flat_ids[p] = NO_ROUTE
+        elif slot_for_id[f] >= 0:
+            flat_ids[p] = slot_for_id[f]
+        else:
+            flat_ids[p] = CACHE_BYPASSED
+    n_work[0] = done
+    n_bypass[0] = nb_
+    keep = (1.0 - load_weight) * glob[SCORED_G_LOADS]
+    if n_miss == 0:
+        glob[SCORED_G_LOADS] = keep
+    else:
+        glob[SCORED_G_LOADS] = keep + load_weight * done
+    if count:
+        hits[layer] += na - n_miss
+        misses[layer] += n_miss

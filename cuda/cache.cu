@@ -203,3 +203,248 @@ extern "C" __global__ void cache_borrow_layer(int layer, int first, int experts,
   worklist[2 * e] = s;
   worklist[2 * e + 1] = layer * experts + e;
 }
+
+// ---- the scored (next_use) admission: the simulator's `default` policy on the device ----------------------------
+//
+// The rules are freetoken/policy/next_use.py's (its module docstring), on the state of freetoken/policy/scored.py:
+// per flat id last (int64 layer clock of its last access, 0: never), c1, c2, c3, c4 (doubles); per layer lclock;
+// per slot id_of_slot, stamp (the call clock of its last hit or admission), pinned; glob [3] (decayed continuations,
+// re-accesses, average loads per call). Every double operation is an explicit round-to-nearest intrinsic, in the order
+// the docstring writes it, so no multiply-add is fused and the device keys equal the reference's bit for bit.
+namespace {
+
+struct ScoredArgmin {
+  double key;  // keep key (-inf: an empty slot; +inf: not a candidate)
+  int slot;
+};
+
+__device__ __forceinline__ bool less(const ScoredArgmin& a, const ScoredArgmin& b) {
+  return a.key < b.key || (a.key == b.key && a.slot < b.slot);
+}
+
+__device__ __forceinline__ ScoredArgmin warp_argmin(ScoredArgmin v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    ScoredArgmin o;
+    o.key = __shfl_xor_sync(FT_FULL_MASK, v.key, off);
+    o.slot = __shfl_xor_sync(FT_FULL_MASK, v.slot, off);
+    if (less(o, v)) v = o;
+  }
+  return v;
+}
+
+// The constants of one scored cache (fixed per cache: passed by value, so a captured graph keeps them).
+// (The layout freetoken/device/constants.py SCORED_CONSTS packs.)
+struct ScoredConsts {
+  double q, q2, rho, kappa, id_decay, global_decay, load_weight, long_weight;
+  long long dp_last, dp2_last;  // the decay tables' last indices (an index past them is clamped)
+  int layers, bypass, cycle;
+};
+static_assert(sizeof(ScoredConsts) == FT_SCORED_CONSTS_SIZE, "ScoredConsts size differs from constants.SCORED_CONSTS");
+FT_CHECK_OFFSET(ScoredConsts, q, FT_SCORED_CONSTS_Q_OFFSET);
+FT_CHECK_OFFSET(ScoredConsts, q2, FT_SCORED_CONSTS_Q2_OFFSET);
+FT_CHECK_OFFSET(ScoredConsts, rho, FT_SCORED_CONSTS_RHO_OFFSET);
+FT_CHECK_OFFSET(ScoredConsts, kappa, FT_SCORED_CONSTS_KAPPA_OFFSET);
+FT_CHECK_OFFSET(ScoredConsts, id_decay, FT_SCORED_CONSTS_ID_DECAY_OFFSET);
+FT_CHECK_OFFSET(ScoredConsts, global_decay, FT_SCORED_CONSTS_GLOBAL_DECAY_OFFSET);
+FT_CHECK_OFFSET(ScoredConsts, load_weight, FT_SCORED_CONSTS_LOAD_WEIGHT_OFFSET);
+FT_CHECK_OFFSET(ScoredConsts, long_weight, FT_SCORED_CONSTS_LONG_WEIGHT_OFFSET);
+FT_CHECK_OFFSET(ScoredConsts, dp_last, FT_SCORED_CONSTS_DP_LAST_OFFSET);
+FT_CHECK_OFFSET(ScoredConsts, dp2_last, FT_SCORED_CONSTS_DP2_LAST_OFFSET);
+FT_CHECK_OFFSET(ScoredConsts, layers, FT_SCORED_CONSTS_LAYERS_OFFSET);
+FT_CHECK_OFFSET(ScoredConsts, bypass, FT_SCORED_CONSTS_BYPASS_OFFSET);
+FT_CHECK_OFFSET(ScoredConsts, cycle, FT_SCORED_CONSTS_CYCLE_OFFSET);
+
+__device__ __forceinline__ double dinf() { return __longlong_as_double(0x7ff0000000000000LL); }
+
+// next_use's keep key of flat id o (of layer lo) for a call of layer c at the current clocks.
+__device__ __forceinline__ double scored_key(int o, int lo, int c, const long long* last, const double* c1,
+                                             const double* c2, const double* c3, const double* c4, const double* dp,
+                                             const double* dp2, const long long* lclock, const ScoredConsts& k,
+                                             double pbar, double itau) {
+  const long long a = lclock[lo] - last[o];
+  const double t = __dmul_rn(c1[o], dp[a < k.dp_last ? a : k.dp_last]);
+  double r = __dmul_rn(k.q, t);
+  if (k.long_weight != 0.0) {
+    const double t2 = __dmul_rn(c4[o], dp2[a < k.dp2_last ? a : k.dp2_last]);
+    r = __dadd_rn(__dmul_rn(__dsub_rn(1.0, k.long_weight), r), __dmul_rn(k.long_weight, __dmul_rn(k.q2, t2)));
+  }
+  const double w = __ddiv_rn(1.0, __dadd_rn(r, itau));
+  const int d = k.cycle ? (lo - c - 1 + k.layers) % k.layers + 1 : k.layers;
+  const double L = static_cast<double>(k.layers);
+  if (a == 0) {
+    const double p = __ddiv_rn(__dadd_rn(c2[o], __dmul_rn(k.kappa, pbar)), __dadd_rn(c3[o], k.kappa));
+    double x = __dsub_rn(1.0, p);
+    x = __dmul_rn(x, L);
+    x = __dmul_rn(x, w);
+    x = __dadd_rn(x, static_cast<double>(d));
+    return __dsub_rn(FT_SCORED_PROTECT, x);
+  }
+  double x = __dsub_rn(w, 1.0);
+  x = __dmul_rn(L, x);
+  x = __dadd_rn(x, static_cast<double>(d));
+  return -x;
+}
+
+}  // namespace
+
+// The scored (next_use) admission of one layer's routed ids, in one block of up to 1024 threads (a multiple of 32).
+//
+// As cache_admit (ids rewritten in place to slots, FT_NO_ROUTE pairs left out, the worklist of (slot, flat id), the
+// error codes, count), with the policy of freetoken/policy/scored.py's scored_admit (KIND_NEXT_USE): the call clock
+// clock[0] and the layer clock lclock[layer] advance; the active ids' statistics are updated in increasing id order
+// (one thread: the global estimates are a sequential sum); hits are stamped; each miss, in increasing id order, takes
+// the eligible slot (not stamped in this call, not pinned) with the smallest (keep key, slot). With bypass, a miss
+// whose own key is not strictly greater than an owned victim's is bypassed: nothing is loaded or evicted, its pairs
+// get slot FT_CACHE_BYPASSED and its flat id goes to bypass[n_bypass[0]++] (the caller serves it from the host).
+// Then glob's loads average takes the call's admitted misses.
+extern "C" __global__ void __launch_bounds__(1024) cache_admit_scored(
+    int* __restrict__ ids, int pairs, int layer, int experts, int* __restrict__ slot_for_id,
+    int* __restrict__ id_of_slot, long long* __restrict__ stamp, const unsigned char* __restrict__ pinned, int slots,
+    long long* __restrict__ clock, long long* __restrict__ lclock, long long* __restrict__ last,
+    double* __restrict__ c1, double* __restrict__ c2, double* __restrict__ c3, double* __restrict__ c4,
+    const double* __restrict__ dp, const double* __restrict__ dp2, double* __restrict__ glob, ScoredConsts k,
+    int* __restrict__ worklist, int* __restrict__ n_work, int* __restrict__ bypass, int* __restrict__ n_bypass,
+    long long* __restrict__ hits, long long* __restrict__ misses, int* __restrict__ err, int count) {
+  __shared__ int flat[FT_CACHE_MAX_PAIRS];
+  __shared__ int lead[FT_CACHE_MAX_PAIRS];
+  __shared__ int active[FT_CACHE_MAX_PAIRS];
+  __shared__ int is_hit[FT_CACHE_MAX_PAIRS];
+  __shared__ ScoredArgmin warp_best[32];
+  __shared__ long long call;
+  __shared__ double pbar, itau;
+  __shared__ int n_active, n_miss_done, n_bypassed;
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
+
+  if (tid == 0) {
+    call = ++clock[0];
+    n_active = 0;
+    n_miss_done = 0;
+    n_bypassed = 0;
+  }
+  for (int p = tid; p < pairs; p += nt) {
+    const int e = ids[p];
+    if (e == FT_NO_ROUTE) {
+      flat[p] = -1;
+    } else if (e < 0 || e >= experts) {
+      atomicMax(err, FT_CACHE_ERR_ID_RANGE);
+      flat[p] = -1;
+    } else {
+      flat[p] = layer * experts + e;
+    }
+  }
+  __syncthreads();
+  for (int p = tid; p < pairs; p += nt) {
+    int l = flat[p] >= 0;
+    for (int q = 0; q < p && l; ++q) l = flat[q] != flat[p];
+    lead[p] = l;
+  }
+  __syncthreads();
+  for (int p = tid; p < pairs; p += nt) {
+    if (!lead[p]) continue;
+    int rank = 0;
+    for (int q = 0; q < pairs; ++q) rank += lead[q] && flat[q] < flat[p];
+    active[rank] = flat[p];
+    atomicAdd(&n_active, 1);
+  }
+  __syncthreads();
+  const int na = n_active;
+  // The statistics, in increasing id order, on one thread (glob's sums are sequential); hits are stamped.
+  if (tid == 0) {
+    const long long now = ++lclock[layer];
+    for (int u = 0; u < na; ++u) {
+      const int f = active[u];
+      const long long g = now - last[f];
+      double cont = 0.0;
+      if (last[f] > 0) {
+        if (g == 1) cont = 1.0;
+        glob[FT_SCORED_G_CONT] = __dadd_rn(__dmul_rn(k.global_decay, glob[FT_SCORED_G_CONT]), cont);
+        glob[FT_SCORED_G_REUSE] = __dadd_rn(__dmul_rn(k.global_decay, glob[FT_SCORED_G_REUSE]), 1.0);
+        c2[f] = __dadd_rn(__dmul_rn(k.id_decay, c2[f]), cont);
+        c3[f] = __dadd_rn(__dmul_rn(k.id_decay, c3[f]), 1.0);
+      }
+      const double inc = cont != 0.0 ? k.rho : 1.0;
+      c1[f] = __dadd_rn(inc, __dmul_rn(c1[f], dp[g < k.dp_last ? g : k.dp_last]));
+      c4[f] = __dadd_rn(inc, __dmul_rn(c4[f], dp2[g < k.dp2_last ? g : k.dp2_last]));
+      last[f] = now;
+      const int s = slot_for_id[f];
+      is_hit[u] = s >= 0;
+      if (s >= 0) stamp[s] = call;
+    }
+    // The values fixed for the call's victims.
+    pbar = __ddiv_rn(glob[FT_SCORED_G_CONT], glob[FT_SCORED_G_REUSE]);
+    const double ld = glob[FT_SCORED_G_LOADS];
+    double tau = FT_SCORED_TAU_MAX;
+    if (ld > 0.0) tau = __ddiv_rn(static_cast<double>(slots), __dmul_rn(static_cast<double>(k.layers), ld));
+    if (tau < FT_SCORED_TAU_MIN) tau = FT_SCORED_TAU_MIN;
+    if (tau > FT_SCORED_TAU_MAX) tau = FT_SCORED_TAU_MAX;
+    itau = __ddiv_rn(1.0, tau);
+  }
+  __syncthreads();
+  const double pb = pbar, it = itau;
+  // Misses, in increasing id order: each takes the eligible slot with the smallest (key, slot), or is bypassed.
+  int n_miss = 0;
+  for (int u = 0; u < na; ++u) {
+    if (is_hit[u]) continue;  // uniform: shared flag
+    ScoredArgmin best = {dinf(), 0x7fffffff};
+    for (int s = tid; s < slots; s += nt) {
+      if (pinned[s] || stamp[s] == call) continue;
+      const int o = id_of_slot[s];
+      const ScoredArgmin c = {o < 0 ? -dinf()
+                                    : scored_key(o, o / experts, layer, last, c1, c2, c3, c4, dp, dp2, lclock, k, pb, it),
+                              s};
+      if (less(c, best)) best = c;
+    }
+    best = warp_argmin(best);
+    if (lane == 0) warp_best[warp] = best;
+    __syncthreads();
+    if (warp == 0) {
+      ScoredArgmin b = lane < (nt >> 5) ? warp_best[lane] : ScoredArgmin{dinf(), 0x7fffffff};
+      b = warp_argmin(b);
+      if (lane == 0) {
+        const int f = active[u];
+        if (b.slot == 0x7fffffff) {
+          atomicMax(err, FT_CACHE_ERR_NO_VICTIM);
+        } else {
+          const int v = b.slot;
+          const int old = id_of_slot[v];
+          bool admit = true;
+          if (k.bypass && old >= 0) {
+            const double kin = scored_key(f, layer, layer, last, c1, c2, c3, c4, dp, dp2, lclock, k, pb, it);
+            admit = kin > b.key;
+          }
+          if (admit) {
+            if (old >= 0) slot_for_id[old] = -1;
+            id_of_slot[v] = f;
+            slot_for_id[f] = v;
+            stamp[v] = call;
+            worklist[2 * n_miss_done] = v;
+            worklist[2 * n_miss_done + 1] = f;
+            ++n_miss_done;
+          } else {
+            bypass[n_bypassed] = f;
+            ++n_bypassed;
+          }
+        }
+      }
+    }
+    ++n_miss;
+    __syncthreads();
+  }
+  for (int p = tid; p < pairs; p += nt) {
+    const int f = flat[p];
+    ids[p] = f < 0 ? FT_NO_ROUTE : slot_for_id[f] >= 0 ? slot_for_id[f] : FT_CACHE_BYPASSED;
+  }
+  if (tid == 0) {
+    *n_work = n_miss_done;
+    *n_bypass = n_bypassed;
+    // next_use's loads average: (1 - w) * ld + w * (admitted misses); a call without misses adds nothing.
+    const double keep = __dmul_rn(__dsub_rn(1.0, k.load_weight), glob[FT_SCORED_G_LOADS]);
+    glob[FT_SCORED_G_LOADS] =
+        n_miss == 0 ? keep : __dadd_rn(keep, __dmul_rn(k.load_weight, static_cast<double>(n_miss_done)));
+    if (count) {
+      hits[layer] += na - n_miss;
+      misses[layer] += n_miss;
+    }
+  }
+}

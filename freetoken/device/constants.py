@@ -65,6 +65,23 @@ NO_ROUTE = -1
 #: Error codes of cache_admit (and its Numba twin).
 CACHE_ERR_ID_RANGE = 1
 CACHE_ERR_NO_VICTIM = 2
+#: The slot id cache_admit_scored writes for a pair whose miss was bypassed (FT_CACHE_BYPASSED): not loaded, no slot;
+#: the caller serves it elsewhere (its flat id is in the admission's bypass list). scored.BYPASSED is the same value.
+CACHE_BYPASSED = -2
+#: The scored (next_use) admission's global estimates, indices into its float64 [3] array (FT_SCORED_G_*): decayed
+#: continuations, decayed re-accesses, average loads per call (freetoken/policy/scored.py uses the same).
+SCORED_G_CONT, SCORED_G_REUSE, SCORED_G_LOADS = 0, 1, 2
+#: next_use's horizon bounds in steps (FT_SCORED_TAU_MIN / _MAX) and the keep key offset of an id used at its layer's
+#: latest call (FT_SCORED_PROTECT = 2 ** 40): see freetoken/policy/next_use.py.
+SCORED_TAU_MIN, SCORED_TAU_MAX = 1.0, 1e6
+SCORED_PROTECT = float(2 ** 40)
+#: cache.cu's ScoredConsts (cache_admit_scored's per-cache constants, passed by value): the rate scales q = 1 - dp[1]
+#: and q2 = 1 - dp2[1], rho, kappa, id decay, global decay, loads weight, long weight; the decay tables' last
+#: indices; layers, bypass, cycle.
+SCORED_CONSTS = np.dtype([("q", np.float64), ("q2", np.float64), ("rho", np.float64), ("kappa", np.float64),
+                          ("id_decay", np.float64), ("global_decay", np.float64), ("load_weight", np.float64),
+                          ("long_weight", np.float64), ("dp_last", np.int64), ("dp2_last", np.int64),
+                          ("layers", np.int32), ("bypass", np.int32), ("cycle", np.int32)], align=True)
 
 # ---- dense GEMV (cuda/dense.cu) ---------------------------------------------------------------------------------
 #: The most tokens one dense_gemv call takes (FT_DENSE_MAX_T).
@@ -151,6 +168,13 @@ CUDA_DEFINES: dict[str, str] = {
     "FT_NO_ROUTE": str(NO_ROUTE),
     "FT_CACHE_ERR_ID_RANGE": str(CACHE_ERR_ID_RANGE),
     "FT_CACHE_ERR_NO_VICTIM": str(CACHE_ERR_NO_VICTIM),
+    "FT_CACHE_BYPASSED": str(CACHE_BYPASSED),
+    "FT_SCORED_G_CONT": str(SCORED_G_CONT),
+    "FT_SCORED_G_REUSE": str(SCORED_G_REUSE),
+    "FT_SCORED_G_LOADS": str(SCORED_G_LOADS),
+    "FT_SCORED_TAU_MIN": repr(float(SCORED_TAU_MIN)),
+    "FT_SCORED_TAU_MAX": repr(float(SCORED_TAU_MAX)),
+    "FT_SCORED_PROTECT": repr(float(SCORED_PROTECT)),
     "FT_DENSE_MAX_T": str(DENSE_MAX_TOKENS),
     "FT_DENSE_WARPS": str(DENSE_WARPS),
     "FT_ATT_TILE": str(ATT_TILE),
@@ -174,6 +198,7 @@ CUDA_DEFINES: dict[str, str] = {
     **_struct_defines("FT_EXPERT_BANKS", EXPERT_BANKS),
     **_struct_defines("FT_PLAN", PLAN),
     **_struct_defines("FT_BANK_TABLE", BANK_TABLE),
+    **_struct_defines("FT_SCORED_CONSTS", SCORED_CONSTS),
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from freetoken.device.constants import BANK_TABLE, CACHE_MAX_BANKS, CACHE_MAX_PAIRS
+from freetoken.device.constants import BANK_TABLE, CACHE_MAX_BANKS, CACHE_MAX_PAIRS, SCORED_CONSTS
 from freetoken.ops._common import check_int32, cpu_module, cuda_kernel, resolve
 
 
@@ -83,6 +83,44 @@ def cache_admit(ids, layer: int, experts: int, slot_for_id, id_of_slot, recency,
         (1,), (threads,), (ids, i32(pairs), check_int32("layer", layer), check_int32("experts", experts), slot_for_id,
                            id_of_slot, recency, pinned, check_int32("slots", slots), clock, worklist, n_work, hits,
                            misses, err, i32(1 if count else 0)), stream=stream)
+
+
+def cache_admit_scored(ids, layer: int, experts: int, slot_for_id, id_of_slot, stamp, pinned, clock, lclock, last, c1,
+                       c2, c3, c4, dp, dp2, glob, consts, worklist, n_work, bypass, n_bypass, hits, misses, err, *,
+                       count: bool = True, stream=None, device=None) -> None:
+    """Admit ``layer``'s routed expert ids with the scored (next_use) policy, the simulator's ``default``
+    (:mod:`freetoken.policy.next_use`; ``cache_admit_scored`` in ``cuda/cache.cu``): as :func:`cache_admit`, with
+    ``stamp`` (int64 [slots], the call clock of each slot's last hit or admission) in place of recency and the
+    policy's state on the device: ``lclock`` int64 [layers], ``last`` int64 [N], ``c1`` .. ``c4`` float64 [N], the
+    decay tables ``dp``, ``dp2`` (float64), ``glob`` float64 [3] and ``consts`` (a ``SCORED_CONSTS`` scalar: fixed per
+    cache). A bypassed miss is not loaded: its pairs get slot ``CACHE_BYPASSED`` and its flat id goes to ``bypass``
+    (int32 [pairs]) with the count in ``n_bypass`` (int32 [1])."""
+    dev = resolve(device)
+    if ids.dtype != np.int32 or not ids.flags.c_contiguous:
+        raise TypeError("ids must be a C-contiguous int32 array")
+    pairs = int(ids.size)
+    if pairs > CACHE_MAX_PAIRS:
+        raise ValueError(f"{pairs} routed pairs exceed the admission's {CACHE_MAX_PAIRS}")
+    if consts.dtype != SCORED_CONSTS:
+        raise TypeError("consts must be a SCORED_CONSTS scalar")
+    slots = int(id_of_slot.shape[0])
+    if dev.kind == "cpu":
+        admit_cpu = cpu_module("cache").cache_admit_scored
+
+        c = consts
+        admit_cpu(ids, int(layer), int(experts), slot_for_id, id_of_slot, stamp, pinned, clock, lclock, last, c1, c2,
+                  c3, c4, dp, dp2, glob, float(c["q"]), float(c["q2"]), float(c["rho"]), float(c["kappa"]),
+                  float(c["id_decay"]), float(c["global_decay"]), float(c["load_weight"]), float(c["long_weight"]),
+                  int(c["layers"]), int(c["bypass"]), int(c["cycle"]), worklist, n_work, bypass, n_bypass, hits,
+                  misses, err, 1 if count else 0)
+        return
+    threads = min(CACHE_MAX_PAIRS, 32 * -(-max(pairs, slots, 32) // 32))
+    i32 = np.int32
+    cuda_kernel(dev, "cache.cu", "cache_admit_scored")(
+        (1,), (threads,), (ids, i32(pairs), check_int32("layer", layer), check_int32("experts", experts), slot_for_id,
+                           id_of_slot, stamp, pinned, check_int32("slots", slots), clock, lclock, last, c1, c2, c3,
+                           c4, dp, dp2, glob, consts, worklist, n_work, bypass, n_bypass, hits, misses, err,
+                           i32(1 if count else 0)), stream=stream)
 
 
 def cache_copy(worklist, n_work, table: CopyTable, max_items: int, *, stream=None, device=None) -> None:

@@ -56,23 +56,32 @@ import math
 import numba as nb
 import numpy as np
 
+from freetoken.device.constants import (
+    CACHE_BYPASSED,
+    SCORED_G_CONT,
+    SCORED_G_LOADS,
+    SCORED_G_REUSE,
+    SCORED_PROTECT,
+    SCORED_TAU_MAX,
+    SCORED_TAU_MIN,
+)
 from freetoken.policy.lru import map_slot, unmap_slot
 
 SLOT_OF, OWNER, STAMP, PINNED, LAST, C1, C2, C3, DP, LCLOCK, GLOB, PARAMS, META, C4, DP2 = range(15)
 CLOCK, KIND, NUM_EXPERTS, NUM_LAYERS, BYPASS, CYCLE, N_PINNED = range(7)
-G_CONT, G_REUSE, G_LOADS = range(3)
+G_CONT, G_REUSE, G_LOADS = SCORED_G_CONT, SCORED_G_REUSE, SCORED_G_LOADS
 RATE, RHO, KAPPA, ID_DECAY, GLOBAL_DECAY, LOAD_WEIGHT, PRIOR_WEIGHT, PRIOR_KEEP, LONG_WEIGHT, LONG_KEEP = range(10)
 KIND_LFU_DECAY, KIND_NEXT_USE = 0, 1
 #: decay tables run out after this many half-lives (2 ** -64 of a count is nothing)
 TABLE_HALF_LIVES = 64
 #: next_use's horizon bounds, steps
-TAU_MIN, TAU_MAX = 1.0, 1e6
+TAU_MIN, TAU_MAX = SCORED_TAU_MIN, SCORED_TAU_MAX
 #: next_use's starting values: the continuation probability (one pseudo-observation) and the horizon (steps)
 P_START, TAU_START = 0.5, 8.0
 #: next_use's key offset of an id used at its layer's latest call (age 0): above every older id's key (|wait| <
 #: L * TAU_MAX + L < 2 ** 40 for L < 10 ** 5), so such ids are victims only when no older one is eligible
-PROTECT = float(2 ** 40)
-BYPASSED = -2  # evicted[i] of a bypassed miss
+PROTECT = SCORED_PROTECT
+BYPASSED = CACHE_BYPASSED  # evicted[i] of a bypassed miss
 
 
 def decay_table(half_life: float) -> np.ndarray:

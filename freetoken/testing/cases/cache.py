@@ -11,7 +11,7 @@ from freetoken.device.constants import NO_ROUTE
 from freetoken.formats import RecordLayout
 from freetoken.ops.cache import CopyTable
 from freetoken.testing.cases.base import KernelCase
-from freetoken.testing.reference.cache import CacheModel
+from freetoken.testing.reference.cache import CacheModel, ScoredCacheModel
 
 
 # ---- cache.cu -------------------------------------------------------------------------------------------------
@@ -195,3 +195,91 @@ CASES = CACHE_CASES + [
     KernelCase("cache_copy_banks", "cache.cu", _make_copy, _copy_setup, _copy_launch, _copy_reference,
                bytes_moved=lambda inp: inp["n"] * sum(s.shape[1] for s in inp["src"]), op="cache_copy"),
 ]
+
+
+# ---- the scored (next_use) admission against ScoredCacheModel ------------------------------------------------------
+def _make_scored(rng, size):
+    """Calls of the recommended policy (bypass, long memory) in a cache smaller than a step's ids (bypass acts), with
+    repeated ids, ``NO_ROUTE`` pairs, prefetches (not counted) and one pinned slot."""
+    layers, experts, slots, calls = (3, 8, 7, 60) if size == "small" else (4, 128, 256, 200)
+    k, tokens = (3, 2) if size == "small" else (8, 4)
+    steps = []
+    for i in range(calls):
+        ids = rng.integers(0, experts, (tokens, k)).astype(np.int32)
+        if i % 5 == 2:
+            ids[rng.random(ids.shape) < 0.4] = NO_ROUTE
+        steps.append((i % layers, ids, i % 7 != 3))
+    return {"layers": layers, "experts": experts, "slots": slots, "steps": steps, "pin": (layers - 1, 1)}
+
+
+def _scored_model(inp):
+    model = ScoredCacheModel(inp["layers"], inp["experts"], inp["slots"])
+    layer, e = inp["pin"]
+    model.pin(layer * inp["experts"] + e, inp["slots"] - 1)
+    return model
+
+
+def _scored_setup(dev, inp):
+    model = _scored_model(inp)
+    i32, i64 = np.int32, np.int64
+    n = model.num_layers * model.num_experts
+
+    def arr(a):
+        return dev.asarray(np.array(a, copy=True))
+
+    return {"sfi": arr(model.slot_for_id), "ios": arr(model.id_of_slot), "stamp": arr(model.stamp),
+            "pin": arr(model.pinned.astype(np.uint8)), "clock": arr(np.zeros(1, i64)), "lclock": arr(model.lclock),
+            "last": arr(model.last), **{c: arr(getattr(model, c)) for c in ("c1", "c2", "c3", "c4")},
+            "dp": arr(model.dp), "dp2": arr(model.dp2), "glob": arr(model.glob), "consts": model.consts(),
+            "work": arr(np.full(2 * n, -7, i32)), "n_work": arr(np.zeros(1, i32)),
+            "bypass": arr(np.full(n, -7, i32)), "n_bypass": arr(np.zeros(1, i32)),
+            "hits": arr(np.zeros(model.num_layers, i64)), "misses": arr(np.zeros(model.num_layers, i64)),
+            "err": arr(np.zeros(1, i32)), "steps": inp["steps"], "experts": inp["experts"], "out": []}
+
+
+def _scored_launch(dev, st):
+    st["out"] = out = []
+    for layer, ids0, count in st["steps"]:
+        ids = dev.asarray(ids0.copy())
+        ops.cache_admit_scored(ids, layer, st["experts"], st["sfi"], st["ios"], st["stamp"], st["pin"], st["clock"],
+                               st["lclock"], st["last"], st["c1"], st["c2"], st["c3"], st["c4"], st["dp"], st["dp2"],
+                               st["glob"], st["consts"], st["work"], st["n_work"], st["bypass"], st["n_bypass"],
+                               st["hits"], st["misses"], st["err"], count=count, device=dev)
+        out.append((ids, st["work"].copy(), st["n_work"].copy(), st["bypass"].copy(), st["n_bypass"].copy()))
+
+
+def _scored_fetch(dev, st):
+    h = dev.to_host
+    slot_ids, work, byp = [], [], []
+    for ids, wl, nw, bl, nb in st["out"]:
+        slot_ids.append(h(ids).ravel())
+        work.append(h(wl)[:2 * int(h(nw)[0])])
+        byp.append(h(bl)[:int(h(nb)[0])])
+    ints = np.concatenate([h(st[n]).astype(np.int64) for n in ("sfi", "ios", "stamp", "lclock", "last", "hits",
+                                                                "misses", "err")])
+    stats = np.concatenate([h(st[n]) for n in ("c1", "c2", "c3", "c4", "glob")])
+    return {"slot_ids": np.concatenate(slot_ids).astype(np.int64), "work": np.concatenate(work).astype(np.int64),
+            "bypass": np.concatenate(byp).astype(np.int64), "state": ints, "stats": stats}
+
+
+def _scored_reference(inp):
+    model = _scored_model(inp)
+    slot_ids, work, byp = [], [], []
+    for layer, ids, count in inp["steps"]:
+        hits, misses = model.hits.copy(), model.misses.copy()
+        got, w, b = model.admit(layer, ids)
+        if not count:
+            model.hits, model.misses = hits, misses
+        slot_ids.append(got.ravel())
+        work += w
+        byp += b
+    ints = np.concatenate([np.asarray(a, np.int64) for a in (model.slot_for_id, model.id_of_slot, model.stamp,
+                                                             model.lclock, model.last, model.hits, model.misses,
+                                                             np.zeros(1))])
+    return {"slot_ids": np.concatenate(slot_ids).astype(np.int64), "work": np.array(work, np.int64).reshape(-1),
+            "bypass": np.array(byp, np.int64), "state": ints,
+            "stats": np.concatenate([model.c1, model.c2, model.c3, model.c4, model.glob])}
+
+
+CASES.append(KernelCase("cache_admit_scored_sequence", "cache.cu", _make_scored, _scored_setup, _scored_launch,
+                        _scored_reference, fetch_fn=_scored_fetch, op="cache_admit_scored"))

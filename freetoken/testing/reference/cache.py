@@ -7,9 +7,20 @@ with exactly the semantics of ``cuda/cache.cu`` and its Numba twin ``cpu_kernels
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from freetoken.device.constants import NO_ROUTE
+from freetoken.device.constants import (
+    CACHE_BYPASSED,
+    NO_ROUTE,
+    SCORED_G_CONT,
+    SCORED_G_LOADS,
+    SCORED_G_REUSE,
+    SCORED_PROTECT,
+    SCORED_TAU_MAX,
+    SCORED_TAU_MIN,
+)
 
 
 class CacheModel:
@@ -94,3 +105,168 @@ class CacheModel:
         self._assign(slot, flat)
         self.pinned[slot] = True
         self.recency[slot] = self.clock
+
+
+class ScoredCacheModel:
+    """The scored (next_use) admission of ``cache_admit_scored`` (``cuda/cache.cu``) in plain Python: the rules of
+    :mod:`freetoken.policy.next_use`'s docstring, one double operation at a time in the order written there (Python
+    floats are IEEE doubles and are never fused), so its decisions equal :func:`freetoken.policy.scored.scored_admit`'s
+    on the same calls and its statistics equal them bit for bit. ``policy`` are :func:`~freetoken.policy.next_use.
+    next_use_new`'s keyword arguments (default: its ``RECOMMENDED`` configuration, the simulator's ``default``); the
+    prefill prior is not modelled (the device has no prefill-prior kernel yet)."""
+
+    def __init__(self, num_layers: int, num_experts: int, slots: int, **policy):
+        from freetoken.policy.next_use import RECOMMENDED, next_use_new
+
+        self.num_layers, self.num_experts, self.slots = num_layers, num_experts, slots
+        kw = {k: v for k, v in (policy or RECOMMENDED).items() if k not in ("prior_weight", "prior_keep",
+                                                                           "long_prior_keep")}
+        self._st = next_use_new(num_layers, num_experts, slots, **kw)
+        self.reset()
+
+    def reset(self) -> None:
+        from freetoken.policy import scored as sc
+
+        st = self._st
+        self.dp, self.dp2 = st[sc.DP].copy(), st[sc.DP2].copy()
+        p, meta = st[sc.PARAMS], st[sc.META]
+        self.q, self.q2 = float(p[sc.RATE]), 1.0 - float(self.dp2[1])
+        self.rho, self.kappa, self.id_decay = float(p[sc.RHO]), float(p[sc.KAPPA]), float(p[sc.ID_DECAY])
+        self.global_decay, self.load_weight = float(p[sc.GLOBAL_DECAY]), float(p[sc.LOAD_WEIGHT])
+        self.long_weight = float(p[sc.LONG_WEIGHT])
+        self.bypass, self.cycle = bool(meta[sc.BYPASS]), bool(meta[sc.CYCLE])
+        n = self.num_layers * self.num_experts
+        self.slot_for_id = np.full(n, -1, np.int32)
+        self.id_of_slot = np.full(self.slots, -1, np.int32)
+        self.stamp = np.full(self.slots, -1, np.int64)
+        self.pinned = np.zeros(self.slots, bool)
+        self.content = np.full(self.slots, -1, np.int64)
+        self.last = np.zeros(n, np.int64)
+        self.c1, self.c2, self.c3, self.c4 = (np.zeros(n, np.float64) for _ in range(4))
+        self.lclock = np.zeros(self.num_layers, np.int64)
+        self.glob = st[sc.GLOB].copy()
+        self.clock = 0
+        self.hits = np.zeros(self.num_layers, np.int64)
+        self.misses = np.zeros(self.num_layers, np.int64)
+
+    def consts(self):
+        """The kernel's ``ScoredConsts`` (a ``SCORED_CONSTS`` scalar) of this policy."""
+        from freetoken.device.constants import SCORED_CONSTS
+
+        c = np.zeros((), SCORED_CONSTS)
+        for name in ("q", "q2", "rho", "kappa", "id_decay", "global_decay", "load_weight", "long_weight"):
+            c[name] = getattr(self, name)
+        c["dp_last"], c["dp2_last"] = self.dp.size - 1, self.dp2.size - 1
+        c["layers"], c["bypass"], c["cycle"] = self.num_layers, int(self.bypass), int(self.cycle)
+        return c[()]
+
+    def key(self, o: int, layer: int, pbar: float, itau: float) -> float:
+        """The keep key of flat id ``o`` for a call of ``layer`` (after that call's clock advanced)."""
+        L = self.num_layers
+        lo = o // self.num_experts
+        a = int(self.lclock[lo] - self.last[o])
+        r = self.q * (float(self.c1[o]) * float(self.dp[min(a, self.dp.size - 1)]))
+        if self.long_weight != 0.0:
+            t2 = float(self.c4[o]) * float(self.dp2[min(a, self.dp2.size - 1)])
+            r = ((1.0 - self.long_weight) * r) + (self.long_weight * (self.q2 * t2))
+        w = 1.0 / (r + itau)
+        d = (lo - layer - 1 + L) % L + 1 if self.cycle else L
+        if a == 0:
+            p = (float(self.c2[o]) + self.kappa * pbar) / (float(self.c3[o]) + self.kappa)
+            return SCORED_PROTECT - ((((1.0 - p) * L) * w) + d)
+        return -((L * (w - 1.0)) + d)
+
+    def admit(self, layer: int, ids: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]], list[int]]:
+        """One call of ``layer`` with routed ids [T, k]: returns (slot ids [T, k], ``CACHE_BYPASSED`` for a bypassed
+        miss's pairs; the worklist of (slot, flat id); the bypassed flat ids in order)."""
+        ids = np.asarray(ids)
+        routed = ids != NO_ROUTE
+        if ((ids[routed] < 0) | (ids[routed] >= self.num_experts)).any():
+            raise ValueError("expert id out of range")
+        self.clock += 1
+        call = self.clock
+        self.lclock[layer] += 1
+        now = int(self.lclock[layer])
+        flat = layer * self.num_experts + ids.astype(np.int64)
+        active = [int(f) for f in np.unique(flat[routed])]
+        gd, idd = self.global_decay, self.id_decay
+        glob = self.glob
+        missing = []
+        for f in active:
+            g = now - int(self.last[f])
+            cont = 0.0
+            if self.last[f] > 0:
+                cont = 1.0 if g == 1 else 0.0
+                glob[SCORED_G_CONT] = gd * float(glob[SCORED_G_CONT]) + cont
+                glob[SCORED_G_REUSE] = gd * float(glob[SCORED_G_REUSE]) + 1.0
+                self.c2[f] = idd * float(self.c2[f]) + cont
+                self.c3[f] = idd * float(self.c3[f]) + 1.0
+            inc = self.rho if cont != 0.0 else 1.0
+            self.c1[f] = inc + float(self.c1[f]) * float(self.dp[min(g, self.dp.size - 1)])
+            self.c4[f] = inc + float(self.c4[f]) * float(self.dp2[min(g, self.dp2.size - 1)])
+            self.last[f] = now
+            s = self.slot_for_id[f]
+            if s >= 0:
+                self.stamp[s] = call
+            else:
+                missing.append(f)
+        pbar = float(glob[SCORED_G_CONT]) / float(glob[SCORED_G_REUSE])
+        ld = float(glob[SCORED_G_LOADS])
+        tau = SCORED_TAU_MAX
+        if ld > 0.0:
+            tau = float(self.slots) / (float(self.num_layers) * ld)
+        tau = min(max(tau, SCORED_TAU_MIN), SCORED_TAU_MAX)
+        itau = 1.0 / tau
+        work, bypassed = [], []
+        for f in missing:
+            best = None
+            for s in range(self.slots):
+                if self.pinned[s] or self.stamp[s] == call:
+                    continue
+                o = int(self.id_of_slot[s])
+                k = -math.inf if o < 0 else self.key(o, layer, pbar, itau)
+                if best is None or k < best[0]:
+                    best = (k, s)
+            if best is None:
+                raise RuntimeError("no victim: too few slots")
+            k, v = best
+            if self.bypass and self.id_of_slot[v] >= 0 and not self.key(f, layer, pbar, itau) > k:
+                bypassed.append(f)
+                continue
+            self._assign(v, f)
+            self.stamp[v] = call
+            work.append((v, f))
+        keep = (1.0 - self.load_weight) * float(glob[SCORED_G_LOADS])
+        glob[SCORED_G_LOADS] = keep if not missing else keep + self.load_weight * float(len(work))
+        self.hits[layer] += len(active) - len(missing)
+        self.misses[layer] += len(missing)
+        slot = self.slot_for_id[np.where(routed, flat, 0)]
+        out = np.where(routed, np.where(slot >= 0, slot, CACHE_BYPASSED), NO_ROUTE).astype(np.int32)
+        return out, work, bypassed
+
+    _assign = CacheModel._assign
+
+    def borrow(self, layer: int, first: int) -> list[tuple[int, int]]:
+        """Prefill borrows slots [first, first + E) (``cache_borrow_layer`` with the stamps as its recency): the
+        owners lose their mapping, the statistics stay."""
+        work = []
+        for e in range(self.num_experts):
+            s = first + e
+            old = self.id_of_slot[s]
+            if old >= 0:
+                self.slot_for_id[old] = -1
+            self.id_of_slot[s] = -1
+            self.stamp[s] = -1
+            self.content[s] = layer * self.num_experts + e
+            work.append((s, layer * self.num_experts + e))
+        return work
+
+    def pin(self, flat: int, slot: int) -> None:
+        """Pin record ``flat`` into ``slot`` (as :meth:`CacheModel.pin`; ``scored_pin`` takes the slots from the
+        end); its stamp stays (a pinned slot is never a victim)."""
+        cur = self.slot_for_id[flat]
+        if cur >= 0 and cur != slot:
+            self.id_of_slot[cur] = -1
+            self.slot_for_id[flat] = -1
+        self._assign(slot, flat)
+        self.pinned[slot] = True

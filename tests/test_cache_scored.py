@@ -1,0 +1,140 @@
+"""The scored (next_use) admission on the device (issue 19): ``cache_admit_scored`` (emu: the CUDA source on the
+host; cpu: its Numba twin) against the NumPy reference ``ScoredCacheModel`` step by step, and the reference against
+the simulator's Numba core (:func:`freetoken.policy.scored.scored_admit`) on the same calls."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from freetoken import ops
+from freetoken.device.constants import CACHE_BYPASSED, NO_ROUTE
+from freetoken.policy import scored as sc
+from freetoken.policy.next_use import RECOMMENDED, next_use_new
+from freetoken.testing.reference.cache import ScoredCacheModel
+
+LAYERS, EXPERTS, SLOTS = 3, 6, 5
+#: the runtime's recommended policy (bypass, long memory), one without bypass nor cycle, and one with decay tables
+#: short enough that gaps run past their end (the clamp)
+POLICIES = [
+    {k: v for k, v in RECOMMENDED.items() if k not in ("prior_weight", "prior_keep", "long_prior_keep")},
+    {"half_life": 4.0, "bypass": False, "cycle": False},
+    {"half_life": 0.05, "long_weight": 0.5, "long_half_life": 0.1, "bypass": True, "rho": 0.3, "kappa": 1.0},
+]
+CALL = st.tuples(st.integers(0, LAYERS - 1),
+                 st.lists(st.lists(st.integers(-1, EXPERTS - 1), min_size=2, max_size=2), min_size=1, max_size=2))
+SEQ = st.lists(st.one_of(st.tuples(st.just("admit"), CALL), st.tuples(st.just("borrow"), st.integers(0, 1))),
+               min_size=1, max_size=40)
+
+
+def _scored_state(policy):
+    return next_use_new(LAYERS, EXPERTS, SLOTS, **policy)
+
+
+@settings(max_examples=80, deadline=None)
+@given(policy=st.sampled_from(range(len(POLICIES))), seq=SEQ)
+def test_reference_equals_the_simulator_core(policy, seq):
+    """Every call: the same slot maps, bypassed misses, stamps and statistics (bit for bit) as scored_admit's."""
+    model = ScoredCacheModel(LAYERS, EXPERTS, SLOTS, **POLICIES[policy])
+    st_ = _scored_state(POLICIES[policy])
+    evicted = np.empty(LAYERS * EXPERTS, np.int32)
+    for op in seq:
+        if op[0] == "borrow":  # a one-slot borrow: scored_borrow's semantics on slot op[1]
+            sc.scored_borrow(st_, op[1], 1, evicted)
+            f = int(model.id_of_slot[op[1]])
+            if f >= 0:
+                model.slot_for_id[f] = -1
+                model.id_of_slot[op[1]] = -1
+            continue
+        layer, rows = op[1]
+        ids = np.array(rows, np.int32)
+        got, work, bypassed = model.admit(layer, ids)
+        flat = np.unique(layer * EXPERTS + ids[ids != NO_ROUTE].astype(np.int64)).astype(np.int32)
+        before = st_[sc.SLOT_OF].copy()
+        m = sc.scored_admit(st_, layer, flat, flat.size, evicted)
+        missed = [int(f) for f in flat if before[f] < 0]
+        assert m == len(missed)
+        assert bypassed == [f for f, e in zip(missed, evicted[:m], strict=True) if e == sc.BYPASSED]
+        assert [f for _, f in work] == [f for f, e in zip(missed, evicted[:m], strict=True) if e != sc.BYPASSED]
+        np.testing.assert_array_equal(model.slot_for_id, st_[sc.SLOT_OF])
+        np.testing.assert_array_equal(model.id_of_slot, st_[sc.OWNER])
+        for name, idx in (("last", sc.LAST), ("c1", sc.C1), ("c2", sc.C2), ("c3", sc.C3), ("c4", sc.C4),
+                          ("lclock", sc.LCLOCK), ("glob", sc.GLOB)):
+            np.testing.assert_array_equal(getattr(model, name), st_[idx], err_msg=name)
+        np.testing.assert_array_equal(model.stamp, np.where(st_[sc.STAMP] >= 0, st_[sc.STAMP], -1))
+        want = np.where(ids == NO_ROUTE, NO_ROUTE, st_[sc.SLOT_OF][np.where(ids == NO_ROUTE, 0, layer * EXPERTS + ids)])
+        want = np.where((ids != NO_ROUTE) & (want < 0), CACHE_BYPASSED, want)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_bypass_happens_in_a_small_cache():
+    """A cache of fewer slots than a step's ids with bypass: some misses are bypassed (the test above is not
+    vacuous), their pairs marked CACHE_BYPASSED."""
+    model = ScoredCacheModel(LAYERS, EXPERTS, SLOTS, **POLICIES[0])
+    rng = np.random.default_rng(0)
+    n = 0
+    for _ in range(60):
+        for layer in range(LAYERS):
+            ids = rng.integers(0, EXPERTS, (2, 2)).astype(np.int32)
+            got, _, bypassed = model.admit(layer, ids)
+            n += len(bypassed)
+            if bypassed:
+                assert (got == CACHE_BYPASSED).sum() >= len(bypassed)
+    assert n > 0
+
+
+def _device_state(dev, model):
+    def arr(a):  # a copy: the cpu device may share a NumPy array
+        return dev.asarray(np.array(a, copy=True))
+    i32, i64 = np.int32, np.int64
+    return {"sfi": arr(model.slot_for_id), "ios": arr(model.id_of_slot), "stamp": arr(model.stamp),
+            "pin": arr(model.pinned.astype(np.uint8)), "clock": arr(np.zeros(1, i64)), "lclock": arr(model.lclock),
+            "last": arr(model.last), **{c: arr(getattr(model, c)) for c in ("c1", "c2", "c3", "c4")},
+            "dp": arr(model.dp), "dp2": arr(model.dp2), "glob": arr(model.glob), "consts": model.consts(),
+            "work": arr(np.full(2 * LAYERS * EXPERTS, -7, i32)), "n_work": arr(np.zeros(1, i32)),
+            "bypass": arr(np.full(LAYERS * EXPERTS, -7, i32)), "n_bypass": arr(np.zeros(1, i32)),
+            "hits": arr(np.zeros(LAYERS, i64)), "misses": arr(np.zeros(LAYERS, i64)), "err": arr(np.zeros(1, i32))}
+
+
+@pytest.mark.parametrize("kind", ["emu", "cpu"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(policy=st.sampled_from(range(len(POLICIES))), seq=SEQ, pin=st.booleans())
+def test_device_equals_the_reference_step_by_step(kind, policy, seq, pin):
+    from freetoken.device import DeviceUnavailable, get_device
+
+    try:
+        dev = get_device(kind)
+    except DeviceUnavailable as e:  # pragma: no cover - machines without g++
+        pytest.skip(str(e))
+    model = ScoredCacheModel(LAYERS, EXPERTS, SLOTS, **POLICIES[policy])
+    if pin:
+        model.pin(2 * EXPERTS + 1, SLOTS - 1)
+    d = _device_state(dev, model)
+    for op in seq:
+        if op[0] == "borrow":  # prefill's borrow, the stamps as its recency
+            ops.cache_borrow_layer(op[1], 0, 2, d["sfi"], d["ios"], d["stamp"], d["work"], d["n_work"], device=dev)
+            for e in range(2):
+                s, f = e, int(model.id_of_slot[e])
+                if f >= 0:
+                    model.slot_for_id[f] = -1
+                model.id_of_slot[s], model.stamp[s] = -1, -1
+            continue
+        layer, rows = op[1]
+        ids = np.array(rows, np.int32)
+        want, work, bypassed = model.admit(layer, ids)
+        got = dev.asarray(ids.copy())
+        ops.cache_admit_scored(got, layer, EXPERTS, d["sfi"], d["ios"], d["stamp"], d["pin"], d["clock"], d["lclock"],
+                               d["last"], d["c1"], d["c2"], d["c3"], d["c4"], d["dp"], d["dp2"], d["glob"],
+                               d["consts"], d["work"], d["n_work"], d["bypass"], d["n_bypass"], d["hits"],
+                               d["misses"], d["err"], device=dev)
+        h = dev.to_host
+        np.testing.assert_array_equal(h(got), want)
+        n = int(h(d["n_work"])[0])
+        assert h(d["work"])[:2 * n].reshape(-1, 2).tolist() == [list(w) for w in work]
+        nb_ = int(h(d["n_bypass"])[0])
+        assert h(d["bypass"])[:nb_].tolist() == bypassed
+        for name, attr in (("sfi", "slot_for_id"), ("ios", "id_of_slot"), ("stamp", "stamp"), ("lclock", "lclock"),
+                           ("last", "last"), ("c1", "c1"), ("c2", "c2"), ("c3", "c3"), ("c4", "c4"),
+                           ("glob", "glob"), ("hits", "hits"), ("misses", "misses")):
+            np.testing.assert_array_equal(h(d[name]), getattr(model, attr), err_msg=name)
+        assert int(h(d["err"])[0]) == 0
