@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_cache import _compare, _pool
 
 from freetoken import ops
 from freetoken.device.constants import CACHE_BYPASSED, NO_ROUTE
@@ -138,3 +139,101 @@ def test_device_equals_the_reference_step_by_step(kind, policy, seq, pin):
                            ("glob", "glob"), ("hits", "hits"), ("misses", "misses")):
             np.testing.assert_array_equal(h(d[name]), getattr(model, attr), err_msg=name)
         assert int(h(d["err"])[0]) == 0
+
+
+# ---- ExpertCache(policy="default") on the emu device ------------------------------------------------------------
+C_LAYERS, C_EXPERTS, C_SLOTS, C_ACTIVE = 3, 4, 11, 6  # tests/test_cache.py's pool; 8 slots are prefill's buffers
+C_OPS = st.one_of(
+    st.tuples(st.just("admit"), st.integers(0, C_LAYERS - 1),
+              st.lists(st.lists(st.integers(0, C_EXPERTS - 1), min_size=2, max_size=2), min_size=1, max_size=3)),
+    st.tuples(st.just("prefill"), st.integers(1, C_LAYERS)),
+    st.tuples(st.just("pin"), st.integers(0, C_LAYERS - 1), st.integers(0, C_EXPERTS - 1)),
+    st.tuples(st.just("reset")),
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seq=st.lists(C_OPS, min_size=1, max_size=20), bypass=st.booleans())
+def test_expert_cache_default_policy_matches_the_reference(seq, bypass):
+    from freetoken.device import DeviceUnavailable, get_device
+
+    try:
+        dev = get_device("emu")
+    except DeviceUnavailable as e:  # pragma: no cover - machines without g++
+        pytest.skip(str(e))
+    from freetoken.cache import ExpertCache
+
+    pool, _ = _pool(dev, seed=7)
+    params = {**POLICIES[0], "bypass": bypass}
+    cache = ExpertCache(pool, C_SLOTS, max_active=C_ACTIVE, policy="default", policy_params=params)
+    model = ScoredCacheModel(C_LAYERS, C_EXPERTS, C_SLOTS, **params)
+    for op in seq:
+        if op[0] == "admit":
+            _, layer, rows = op
+            ids = np.array(rows, np.int32)
+            want_ids, want_work, want_bypass = model.admit(layer, ids)
+            d_ids = dev.asarray(ids)
+            cache.admit(layer, d_ids)
+            cache.copy_missing()
+            np.testing.assert_array_equal(dev.to_host(d_ids), want_ids)
+            n = int(dev.to_host(cache.n_work)[0])
+            assert dev.to_host(cache.worklist)[:2 * n].reshape(-1, 2).tolist() == [list(w) for w in want_work]
+            nb_ = int(dev.to_host(cache.n_bypass)[0])
+            assert dev.to_host(cache.bypass)[:nb_].tolist() == want_bypass
+            for name in ("c1", "c4", "glob", "last", "lclock"):
+                np.testing.assert_array_equal(dev.to_host(getattr(cache, name)), getattr(model, name), err_msg=name)
+        elif op[0] == "prefill":
+            cache.begin_prefill()
+            for layer in range(op[1]):
+                first = cache.prefetch_layer(layer)
+                model.borrow(layer, first)
+                cache.wait_layer(layer)
+                cache.release_layer(layer)
+            dev.synchronize()
+        elif op[0] == "pin":
+            _, layer, e = op
+            f = layer * C_EXPERTS + e
+            if model.slot_for_id[f] >= 0 and model.pinned[model.slot_for_id[f]]:
+                cache.pin(layer, [e])
+            elif model.pinned.sum() >= 3:
+                with pytest.raises(ValueError, match="cannot pin more than 3 experts"):
+                    cache.pin(layer, [e])
+            else:
+                cache.pin(layer, [e])
+                model.pin(f, C_SLOTS - 1 - int(model.pinned.sum()))
+        else:
+            cache.reset()
+            model.reset()
+            model.content[:] = -1
+        _compare(cache, model)
+
+
+def test_expert_cache_default_policy_bypasses_in_a_small_cache():
+    """8 slots for 12 records, no prefill buffers: the recommended policy bypasses misses; the pairs, the bypass list
+    and the copied bytes stay those of the reference (check_invariants reads every owned slot's bytes)."""
+    from freetoken.device import DeviceUnavailable, get_device
+
+    try:
+        dev = get_device("emu")
+    except DeviceUnavailable as e:  # pragma: no cover - machines without g++
+        pytest.skip(str(e))
+    from freetoken.cache import ExpertCache
+
+    pool, _ = _pool(dev, seed=7)
+    cache = ExpertCache(pool, 8, max_active=C_ACTIVE, policy="default", prefill_overlap=False)
+    model = ScoredCacheModel(C_LAYERS, C_EXPERTS, 8)
+    rng = np.random.default_rng(1)
+    n = 0
+    for t in range(90):
+        layer = t % C_LAYERS
+        ids = rng.integers(0, C_EXPERTS, (3, 2)).astype(np.int32)
+        want, _, bypassed = model.admit(layer, ids)
+        n += len(bypassed)
+        d = dev.asarray(ids)
+        cache.admit(layer, d)
+        cache.copy_missing()
+        np.testing.assert_array_equal(dev.to_host(d), want)
+        assert dev.to_host(cache.bypass)[:int(dev.to_host(cache.n_bypass)[0])].tolist() == bypassed
+    assert n > 0
+    cache.check_invariants()
+    cache.check_errors()

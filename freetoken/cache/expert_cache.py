@@ -32,10 +32,10 @@ import numpy as np
 
 from freetoken.cache.host_pool import HostPool
 from freetoken.cache.host_tier import HostTier
-from freetoken.device.constants import BANK_TABLE, CACHE_ERR_ID_RANGE
+from freetoken.device.constants import BANK_TABLE, CACHE_ERR_ID_RANGE, SCORED_CONSTS
 from freetoken.device.constants import CACHE_MAX_BANKS as MAX_BANKS
 from freetoken.device.constants import CACHE_MAX_PAIRS as MAX_ACTIVE
-from freetoken.ops.cache import CopyTable, cache_admit, cache_borrow_layer, cache_copy
+from freetoken.ops.cache import CopyTable, cache_admit, cache_admit_scored, cache_borrow_layer, cache_copy
 
 __all__ = ["BANK_TABLE", "MAX_ACTIVE", "MAX_BANKS", "CacheError", "ExpertCache"]
 
@@ -53,9 +53,19 @@ class ExpertCache:
     slots : number of device slots
     max_active : the most routed pairs one admit call may carry (tokens x top-k), at most 1024
     prefill_overlap : reserve the first 2E slots as prefill's double buffers
+    policy : ``"lru"`` (the default: ``cache_admit``) or ``"default"``, the simulator's ``default`` policy
+        (:mod:`freetoken.policy.next_use`, ``RECOMMENDED``: next_use with bypass and the long memory) admitted on the
+        device by ``cache_admit_scored``; ``recency`` then holds each slot's stamp (the call clock of its last hit or
+        admission). Its prefill prior is not run on the device yet. With bypass, a missed record may be left
+        unloaded: its pairs get slot ``CACHE_BYPASSED`` and its flat id is in ``bypass[:n_bypass[0]]``; the caller
+        must serve those pairs elsewhere (the expert kernels do not), so the runtime does not use this policy yet.
+    policy_params : :func:`~freetoken.policy.next_use.next_use_new`'s keyword arguments in place of ``RECOMMENDED``
     """
 
-    def __init__(self, pool: HostPool | HostTier, slots: int, *, max_active: int, prefill_overlap: bool = True):
+    def __init__(self, pool: HostPool | HostTier, slots: int, *, max_active: int, prefill_overlap: bool = True,
+                 policy: str = "lru", policy_params: dict | None = None):
+        if policy not in ("lru", "default"):
+            raise ValueError(f"unknown cache policy {policy!r}; choose lru or default")
         dev = pool.device
         if dev.kind == "cpu":
             raise ValueError("the expert cache runs on the gpu or emu device; the cpu device reads the host pool")
@@ -107,7 +117,37 @@ class ExpertCache:
                              for layer, parts in enumerate(pool.parts) if parts.mixed
                              for g, (lo, hi) in enumerate(parts.bounds)}
         self._worklist_layer = (0, 0)  # the (layer, part) of the last admission: its worklist's records
+        self.policy = policy
+        if policy == "default":
+            self._scored_init(policy_params)
         self.reset()
+
+    def _scored_init(self, params: dict | None) -> None:
+        """The scored policy's device state (freetoken/policy/scored.py's arrays) and its per-cache constants."""
+        from freetoken.policy import scored as sc
+        from freetoken.policy.next_use import RECOMMENDED, next_use_new
+
+        kw = dict(RECOMMENDED if params is None else params)
+        for k in ("prior_weight", "prior_keep", "long_prior_keep"):  # the prefill prior: not on the device yet
+            kw.pop(k, None)
+        st = next_use_new(self.num_layers, self.num_experts, self.slots, **kw)
+        self._scored_glob0 = st[sc.GLOB].copy()
+        dev, xp, n = self.device, self.device.xp, self.pool.num_records
+        self.dp, self.dp2 = dev.asarray(st[sc.DP]), dev.asarray(st[sc.DP2])
+        self.lclock = xp.empty(self.num_layers, np.int64)
+        self.last = xp.empty(n, np.int64)
+        self.c1, self.c2, self.c3, self.c4 = (xp.empty(n, np.float64) for _ in range(4))
+        self.glob = xp.empty(3, np.float64)
+        self.bypass = xp.empty(self.max_active, np.int32)
+        self.n_bypass = xp.empty(1, np.int32)
+        p, meta = st[sc.PARAMS], st[sc.META]
+        c = np.zeros((), SCORED_CONSTS)
+        c["q"], c["q2"] = p[sc.RATE], 1.0 - st[sc.DP2][1]
+        c["rho"], c["kappa"], c["id_decay"] = p[sc.RHO], p[sc.KAPPA], p[sc.ID_DECAY]
+        c["global_decay"], c["load_weight"], c["long_weight"] = p[sc.GLOBAL_DECAY], p[sc.LOAD_WEIGHT], p[sc.LONG_WEIGHT]
+        c["dp_last"], c["dp2_last"] = st[sc.DP].size - 1, st[sc.DP2].size - 1
+        c["layers"], c["bypass"], c["cycle"] = self.num_layers, meta[sc.BYPASS], meta[sc.CYCLE]
+        self.scored_consts = c[()]
 
     # ---- state ---------------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -116,6 +156,10 @@ class ExpertCache:
             a[...] = -1
         for a in (self.pinned, self.clock, self.hits, self.misses, self.err, self.n_work):
             a[...] = 0
+        if self.policy == "default":
+            for a in (self.lclock, self.last, self.c1, self.c2, self.c3, self.c4, self.n_bypass):
+                a[...] = 0
+            self.glob[...] = self.device.asarray(self._scored_glob0)
         self.prefill_bytes = 0
         self._pinned_slots: list[int] = []
         self._ready = [None, None]
@@ -155,9 +199,16 @@ class ExpertCache:
         pairs = int(ids.size)
         if pairs > self.max_active:
             raise ValueError(f"{pairs} routed pairs exceed max_active={self.max_active}")
-        cache_admit(ids, layer, self.num_experts, self.slot_for_id, self.id_of_slot, self.recency, self.pinned,
-                    self.clock, self.worklist, self.n_work, self.hits, self.misses, self.err, count=count,
-                    stream=stream, device=self.device)
+        if self.policy == "default":
+            cache_admit_scored(ids, layer, self.num_experts, self.slot_for_id, self.id_of_slot, self.recency,
+                               self.pinned, self.clock, self.lclock, self.last, self.c1, self.c2, self.c3, self.c4,
+                               self.dp, self.dp2, self.glob, self.scored_consts, self.worklist, self.n_work,
+                               self.bypass, self.n_bypass, self.hits, self.misses, self.err, count=count,
+                               stream=stream, device=self.device)
+        else:
+            cache_admit(ids, layer, self.num_experts, self.slot_for_id, self.id_of_slot, self.recency, self.pinned,
+                        self.clock, self.worklist, self.n_work, self.hits, self.misses, self.err, count=count,
+                        stream=stream, device=self.device)
         self._worklist_layer = (layer, part)
         self._staged = None
 

@@ -262,11 +262,15 @@ class ScoredCacheModel:
         return work
 
     def pin(self, flat: int, slot: int) -> None:
-        """Pin record ``flat`` into ``slot`` (as :meth:`CacheModel.pin`; ``scored_pin`` takes the slots from the
-        end); its stamp stays (a pinned slot is never a victim)."""
-        cur = self.slot_for_id[flat]
-        if cur >= 0 and cur != slot:
-            self.id_of_slot[cur] = -1
-            self.slot_for_id[flat] = -1
-        self._assign(slot, flat)
-        self.pinned[slot] = True
+        """Pin record ``flat`` into ``slot`` exactly as :meth:`CacheModel.pin` (the stamps as its recency: a pinned
+        slot is never a victim, an emptied one has key -inf whatever its stamp)."""
+        CacheModel.pin(self, flat, slot)
+
+    @property
+    def recency(self):
+        """The stamps, under :class:`CacheModel`'s name (ExpertCache keeps them in its ``recency`` array)."""
+        return self.stamp
+
+    @recency.setter
+    def recency(self, value):
+        self.stamp = value
