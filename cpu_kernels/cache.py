@@ -263,3 +263,30 @@ def cache_admit_scored(ids, layer, experts, slot_for_id, id_of_slot, stamp, pinn
     if count:
         hits[layer] += na - n_miss
         misses[layer] += n_miss
+
+
+@nb.njit(error_model="numpy", cache=True)
+def cache_scored_prefill(layer, experts, counts, k_eff, lclock, last, c1, c4, dp, dp2, q, q2, prior_weight,
+                         prior_keep, long_prior_keep):
+    """next_use's prefill prior for one layer: ``cache_scored_prefill`` of ``cuda/cache.cu`` (the ScoredConsts
+    fields it reads as scalars)."""
+    total = 0.0
+    for e in range(experts):
+        total += counts[e]
+    if not total > 0.0:
+        return
+    now = lclock[layer]
+    steady = 1.0 / q
+    steady2 = 1.0 / q2
+    for e in range(experts):
+        f = layer * experts + e
+        a = now - last[f]
+        t = c1[f] * dp[min(a, dp.size - 1)]
+        t2 = c4[f] * dp2[min(a, dp2.size - 1)]
+        p = (k_eff * counts[e]) / total
+        if p > 1.0:
+            p = 1.0
+        wp = prior_weight * p
+        c1[f] = prior_keep * t + wp * steady
+        c4[f] = long_prior_keep * t2 + wp * steady2
+        last[f] = now

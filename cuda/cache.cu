@@ -237,6 +237,7 @@ __device__ __forceinline__ ScoredArgmin warp_argmin(ScoredArgmin v) {
 // (The layout freetoken/device/constants.py SCORED_CONSTS packs.)
 struct ScoredConsts {
   double q, q2, rho, kappa, id_decay, global_decay, load_weight, long_weight;
+  double prior_weight, prior_keep, long_prior_keep;  // the prefill prior (cache_scored_prefill)
   long long dp_last, dp2_last;  // the decay tables' last indices (an index past them is clamped)
   int layers, bypass, cycle;
 };
@@ -249,6 +250,9 @@ FT_CHECK_OFFSET(ScoredConsts, id_decay, FT_SCORED_CONSTS_ID_DECAY_OFFSET);
 FT_CHECK_OFFSET(ScoredConsts, global_decay, FT_SCORED_CONSTS_GLOBAL_DECAY_OFFSET);
 FT_CHECK_OFFSET(ScoredConsts, load_weight, FT_SCORED_CONSTS_LOAD_WEIGHT_OFFSET);
 FT_CHECK_OFFSET(ScoredConsts, long_weight, FT_SCORED_CONSTS_LONG_WEIGHT_OFFSET);
+FT_CHECK_OFFSET(ScoredConsts, prior_weight, FT_SCORED_CONSTS_PRIOR_WEIGHT_OFFSET);
+FT_CHECK_OFFSET(ScoredConsts, prior_keep, FT_SCORED_CONSTS_PRIOR_KEEP_OFFSET);
+FT_CHECK_OFFSET(ScoredConsts, long_prior_keep, FT_SCORED_CONSTS_LONG_PRIOR_KEEP_OFFSET);
 FT_CHECK_OFFSET(ScoredConsts, dp_last, FT_SCORED_CONSTS_DP_LAST_OFFSET);
 FT_CHECK_OFFSET(ScoredConsts, dp2_last, FT_SCORED_CONSTS_DP2_LAST_OFFSET);
 FT_CHECK_OFFSET(ScoredConsts, layers, FT_SCORED_CONSTS_LAYERS_OFFSET);
@@ -446,5 +450,39 @@ extern "C" __global__ void __launch_bounds__(1024) cache_admit_scored(
       hits[layer] += na - n_miss;
       misses[layer] += n_miss;
     }
+  }
+}
+
+// next_use's prefill prior for one layer at a segment start (freetoken/policy/scored.py's scored_prefill): counts[e]
+// (doubles) prefill tokens routed to expert e, k_eff tokens per step x top-k. When the counts sum (in e order) to
+// more than 0, every id f of the layer gets c1 = keep * (c1 * dp[age]) + (weight * p) * (1 / q), c4 likewise with
+// dp2, keep2 and 1 / q2, p = min(1, (k_eff * counts[e]) / total), and last = the layer's clock. One block.
+extern "C" __global__ void cache_scored_prefill(int layer, int experts, const double* __restrict__ counts,
+                                                double k_eff, const long long* __restrict__ lclock,
+                                                long long* __restrict__ last, double* __restrict__ c1,
+                                                double* __restrict__ c4, const double* __restrict__ dp,
+                                                const double* __restrict__ dp2, ScoredConsts k) {
+  __shared__ double total;
+  if (threadIdx.x == 0) {
+    double t = 0.0;
+    for (int e = 0; e < experts; ++e) t = __dadd_rn(t, counts[e]);
+    total = t;
+  }
+  __syncthreads();
+  const double tot = total;
+  if (!(tot > 0.0)) return;  // uniform: a layer without prefill tokens is left alone
+  const long long now = lclock[layer];
+  const double steady = __ddiv_rn(1.0, k.q), steady2 = __ddiv_rn(1.0, k.q2);
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+    const int f = layer * experts + e;
+    const long long a = now - last[f];
+    const double t = __dmul_rn(c1[f], dp[a < k.dp_last ? a : k.dp_last]);
+    const double t2 = __dmul_rn(c4[f], dp2[a < k.dp2_last ? a : k.dp2_last]);
+    double p = __ddiv_rn(__dmul_rn(k_eff, counts[e]), tot);
+    if (p > 1.0) p = 1.0;
+    const double wp = __dmul_rn(k.prior_weight, p);
+    c1[f] = __dadd_rn(__dmul_rn(k.prior_keep, t), __dmul_rn(wp, steady));
+    c4[f] = __dadd_rn(__dmul_rn(k.long_prior_keep, t2), __dmul_rn(wp, steady2));
+    last[f] = now;
   }
 }

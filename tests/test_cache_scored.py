@@ -18,14 +18,17 @@ LAYERS, EXPERTS, SLOTS = 3, 6, 5
 #: the runtime's recommended policy (bypass, long memory), one without bypass nor cycle, and one with decay tables
 #: short enough that gaps run past their end (the clamp)
 POLICIES = [
-    {k: v for k, v in RECOMMENDED.items() if k not in ("prior_weight", "prior_keep", "long_prior_keep")},
+    RECOMMENDED,
     {"half_life": 4.0, "bypass": False, "cycle": False},
-    {"half_life": 0.05, "long_weight": 0.5, "long_half_life": 0.1, "bypass": True, "rho": 0.3, "kappa": 1.0},
+    {"half_life": 0.05, "long_weight": 0.5, "long_half_life": 0.1, "bypass": True, "rho": 0.3, "kappa": 1.0,
+     "prior_weight": 2.0, "prior_keep": 0.25, "long_prior_keep": 0.75},
 ]
 CALL = st.tuples(st.integers(0, LAYERS - 1),
                  st.lists(st.lists(st.integers(-1, EXPERTS - 1), min_size=2, max_size=2), min_size=1, max_size=2))
-SEQ = st.lists(st.one_of(st.tuples(st.just("admit"), CALL), st.tuples(st.just("borrow"), st.integers(0, 1))),
-               min_size=1, max_size=40)
+PRIOR = st.tuples(st.integers(0, LAYERS - 1), st.lists(st.integers(0, 5), min_size=EXPERTS, max_size=EXPERTS),
+                  st.sampled_from([1.0, 2.0, 6.0]))  # (layer, prefill counts per expert, k_eff)
+SEQ = st.lists(st.one_of(st.tuples(st.just("admit"), CALL), st.tuples(st.just("borrow"), st.integers(0, 1)),
+                         st.tuples(st.just("prior"), PRIOR)), min_size=1, max_size=40)
 
 
 def _scored_state(policy):
@@ -46,6 +49,13 @@ def test_reference_equals_the_simulator_core(policy, seq):
             if f >= 0:
                 model.slot_for_id[f] = -1
                 model.id_of_slot[op[1]] = -1
+            continue
+        if op[0] == "prior":
+            layer, counts, k_eff = op[1]
+            model.prefill(layer, counts, k_eff)
+            sc.scored_prefill(st_, layer, np.array(counts, np.float64), k_eff)
+            for name, idx in (("last", sc.LAST), ("c1", sc.C1), ("c4", sc.C4)):
+                np.testing.assert_array_equal(getattr(model, name), st_[idx], err_msg=name)
             continue
         layer, rows = op[1]
         ids = np.array(rows, np.int32)
@@ -98,7 +108,7 @@ def _device_state(dev, model):
 
 
 @pytest.mark.parametrize("kind", ["emu", "cpu"])
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(policy=st.sampled_from(range(len(POLICIES))), seq=SEQ, pin=st.booleans())
 def test_device_equals_the_reference_step_by_step(kind, policy, seq, pin):
     from freetoken.device import DeviceUnavailable, get_device
@@ -119,6 +129,14 @@ def test_device_equals_the_reference_step_by_step(kind, policy, seq, pin):
                 if f >= 0:
                     model.slot_for_id[f] = -1
                 model.id_of_slot[s], model.stamp[s] = -1, -1
+            continue
+        if op[0] == "prior":
+            layer, counts, k_eff = op[1]
+            model.prefill(layer, counts, k_eff)
+            ops.cache_scored_prefill(layer, EXPERTS, dev.asarray(np.array(counts, np.float64)), k_eff, d["lclock"],
+                                     d["last"], d["c1"], d["c4"], d["dp"], d["dp2"], d["consts"], device=dev)
+            for name in ("last", "c1", "c4"):
+                np.testing.assert_array_equal(dev.to_host(d[name]), getattr(model, name), err_msg=name)
             continue
         layer, rows = op[1]
         ids = np.array(rows, np.int32)
@@ -149,10 +167,12 @@ C_OPS = st.one_of(
     st.tuples(st.just("prefill"), st.integers(1, C_LAYERS)),
     st.tuples(st.just("pin"), st.integers(0, C_LAYERS - 1), st.integers(0, C_EXPERTS - 1)),
     st.tuples(st.just("reset")),
+    st.tuples(st.just("prior"), st.integers(0, C_LAYERS - 1),
+              st.lists(st.integers(0, 4), min_size=C_EXPERTS, max_size=C_EXPERTS)),
 )
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seq=st.lists(C_OPS, min_size=1, max_size=20), bypass=st.booleans())
 def test_expert_cache_default_policy_matches_the_reference(seq, bypass):
     from freetoken.device import DeviceUnavailable, get_device
@@ -190,6 +210,12 @@ def test_expert_cache_default_policy_matches_the_reference(seq, bypass):
                 cache.wait_layer(layer)
                 cache.release_layer(layer)
             dev.synchronize()
+        elif op[0] == "prior":
+            _, layer, counts = op
+            cache.prefill_prior(layer, dev.asarray(np.array(counts, np.float64)), 2.0)
+            model.prefill(layer, counts, 2.0)
+            for name in ("c1", "c4", "last"):
+                np.testing.assert_array_equal(dev.to_host(getattr(cache, name)), getattr(model, name), err_msg=name)
         elif op[0] == "pin":
             _, layer, e = op
             f = layer * C_EXPERTS + e

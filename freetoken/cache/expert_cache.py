@@ -32,10 +32,18 @@ import numpy as np
 
 from freetoken.cache.host_pool import HostPool
 from freetoken.cache.host_tier import HostTier
-from freetoken.device.constants import BANK_TABLE, CACHE_ERR_ID_RANGE, SCORED_CONSTS
+from freetoken.device.constants import BANK_TABLE, CACHE_ERR_ID_RANGE
 from freetoken.device.constants import CACHE_MAX_BANKS as MAX_BANKS
 from freetoken.device.constants import CACHE_MAX_PAIRS as MAX_ACTIVE
-from freetoken.ops.cache import CopyTable, cache_admit, cache_admit_scored, cache_borrow_layer, cache_copy
+from freetoken.ops.cache import (
+    CopyTable,
+    cache_admit,
+    cache_admit_scored,
+    cache_borrow_layer,
+    cache_copy,
+    cache_scored_prefill,
+    scored_consts,
+)
 
 __all__ = ["BANK_TABLE", "MAX_ACTIVE", "MAX_BANKS", "CacheError", "ExpertCache"]
 
@@ -56,7 +64,7 @@ class ExpertCache:
     policy : ``"lru"`` (the default: ``cache_admit``) or ``"default"``, the simulator's ``default`` policy
         (:mod:`freetoken.policy.next_use`, ``RECOMMENDED``: next_use with bypass and the long memory) admitted on the
         device by ``cache_admit_scored``; ``recency`` then holds each slot's stamp (the call clock of its last hit or
-        admission). Its prefill prior is not run on the device yet. With bypass, a missed record may be left
+        admission); its prefill prior is :meth:`prefill_prior`. With bypass, a missed record may be left
         unloaded: its pairs get slot ``CACHE_BYPASSED`` and its flat id is in ``bypass[:n_bypass[0]]``; the caller
         must serve those pairs elsewhere (the expert kernels do not), so the runtime does not use this policy yet.
     policy_params : :func:`~freetoken.policy.next_use.next_use_new`'s keyword arguments in place of ``RECOMMENDED``
@@ -127,10 +135,8 @@ class ExpertCache:
         from freetoken.policy import scored as sc
         from freetoken.policy.next_use import RECOMMENDED, next_use_new
 
-        kw = dict(RECOMMENDED if params is None else params)
-        for k in ("prior_weight", "prior_keep", "long_prior_keep"):  # the prefill prior: not on the device yet
-            kw.pop(k, None)
-        st = next_use_new(self.num_layers, self.num_experts, self.slots, **kw)
+        st = next_use_new(self.num_layers, self.num_experts, self.slots,
+                          **(RECOMMENDED if params is None else params))
         self._scored_glob0 = st[sc.GLOB].copy()
         dev, xp, n = self.device, self.device.xp, self.pool.num_records
         self.dp, self.dp2 = dev.asarray(st[sc.DP]), dev.asarray(st[sc.DP2])
@@ -140,14 +146,16 @@ class ExpertCache:
         self.glob = xp.empty(3, np.float64)
         self.bypass = xp.empty(self.max_active, np.int32)
         self.n_bypass = xp.empty(1, np.int32)
-        p, meta = st[sc.PARAMS], st[sc.META]
-        c = np.zeros((), SCORED_CONSTS)
-        c["q"], c["q2"] = p[sc.RATE], 1.0 - st[sc.DP2][1]
-        c["rho"], c["kappa"], c["id_decay"] = p[sc.RHO], p[sc.KAPPA], p[sc.ID_DECAY]
-        c["global_decay"], c["load_weight"], c["long_weight"] = p[sc.GLOBAL_DECAY], p[sc.LOAD_WEIGHT], p[sc.LONG_WEIGHT]
-        c["dp_last"], c["dp2_last"] = st[sc.DP].size - 1, st[sc.DP2].size - 1
-        c["layers"], c["bypass"], c["cycle"] = self.num_layers, meta[sc.BYPASS], meta[sc.CYCLE]
-        self.scored_consts = c[()]
+        self.scored_consts = scored_consts(st)
+
+    def prefill_prior(self, layer: int, counts, k_eff: float, stream=None) -> None:
+        """The ``default`` policy's prefill prior for ``layer`` at a prompt's start, after its borrow (``counts``:
+        float64 [E] on the device, the prompt's tokens routed to each expert; ``k_eff``: tokens per decode step x
+        top-k). Nothing under ``lru``. The runtime does not call it yet."""
+        if self.policy != "default":
+            return
+        cache_scored_prefill(layer, self.num_experts, counts, k_eff, self.lclock, self.last, self.c1, self.c4,
+                             self.dp, self.dp2, self.scored_consts, stream=stream, device=self.device)
 
     # ---- state ---------------------------------------------------------------------------------------------
     def reset(self) -> None:

@@ -60,7 +60,7 @@ def pack_args(
     kinds = []
     keep = []
     for i, a in enumerate(args):
-        if isinstance(a, (bool, int, float)):
+        if isinstance(a, (bool, int, float)) and not isinstance(a, np.generic):  # np.float64 is a float too
             raise TypeError(
                 f"kernel {kernel}: argument {i} is a Python {type(a).__name__}; pass a NumPy scalar "
                 "(np.int32, np.int64, np.float32, ...) that states the parameter's type"

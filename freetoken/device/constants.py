@@ -76,11 +76,12 @@ SCORED_G_CONT, SCORED_G_REUSE, SCORED_G_LOADS = 0, 1, 2
 SCORED_TAU_MIN, SCORED_TAU_MAX = 1.0, 1e6
 SCORED_PROTECT = float(2 ** 40)
 #: cache.cu's ScoredConsts (cache_admit_scored's per-cache constants, passed by value): the rate scales q = 1 - dp[1]
-#: and q2 = 1 - dp2[1], rho, kappa, id decay, global decay, loads weight, long weight; the decay tables' last
-#: indices; layers, bypass, cycle.
+#: and q2 = 1 - dp2[1], rho, kappa, id decay, global decay, loads weight, long weight; the prefill prior's weight,
+#: keep and long keep (cache_scored_prefill); the decay tables' last indices; layers, bypass, cycle.
 SCORED_CONSTS = np.dtype([("q", np.float64), ("q2", np.float64), ("rho", np.float64), ("kappa", np.float64),
                           ("id_decay", np.float64), ("global_decay", np.float64), ("load_weight", np.float64),
-                          ("long_weight", np.float64), ("dp_last", np.int64), ("dp2_last", np.int64),
+                          ("long_weight", np.float64), ("prior_weight", np.float64), ("prior_keep", np.float64),
+                          ("long_prior_keep", np.float64), ("dp_last", np.int64), ("dp2_last", np.int64),
                           ("layers", np.int32), ("bypass", np.int32), ("cycle", np.int32)], align=True)
 
 # ---- dense GEMV (cuda/dense.cu) ---------------------------------------------------------------------------------

@@ -85,6 +85,47 @@ def cache_admit(ids, layer: int, experts: int, slot_for_id, id_of_slot, recency,
                            misses, err, i32(1 if count else 0)), stream=stream)
 
 
+def scored_consts(st) -> np.void:
+    """The ``SCORED_CONSTS`` scalar (``ScoredConsts`` in ``cuda/cache.cu``) of a scored policy state made by
+    :func:`freetoken.policy.next_use.next_use_new` (its tuple of arrays): fixed per cache."""
+    from freetoken.policy import scored as sc
+
+    p, meta, dp, dp2 = st[sc.PARAMS], st[sc.META], st[sc.DP], st[sc.DP2]
+    if int(meta[sc.KIND]) != sc.KIND_NEXT_USE:
+        raise ValueError("the device runs the next_use kind of the scored policies only")
+    c = np.zeros((), SCORED_CONSTS)
+    c["q"], c["q2"] = p[sc.RATE], 1.0 - dp2[1]
+    c["rho"], c["kappa"], c["id_decay"] = p[sc.RHO], p[sc.KAPPA], p[sc.ID_DECAY]
+    c["global_decay"], c["load_weight"], c["long_weight"] = p[sc.GLOBAL_DECAY], p[sc.LOAD_WEIGHT], p[sc.LONG_WEIGHT]
+    c["prior_weight"], c["prior_keep"], c["long_prior_keep"] = p[sc.PRIOR_WEIGHT], p[sc.PRIOR_KEEP], p[sc.LONG_KEEP]
+    c["dp_last"], c["dp2_last"] = dp.size - 1, dp2.size - 1
+    c["layers"], c["bypass"], c["cycle"] = meta[sc.NUM_LAYERS], meta[sc.BYPASS], meta[sc.CYCLE]
+    return c[()]
+
+
+def cache_scored_prefill(layer: int, experts: int, counts, k_eff: float, lclock, last, c1, c4, dp, dp2, consts, *,
+                         stream=None, device=None) -> None:
+    """next_use's prefill prior for ``layer`` at a segment start (``cache_scored_prefill`` in ``cuda/cache.cu``;
+    :func:`freetoken.policy.scored.scored_prefill`'s rule): ``counts`` float64 [experts] prefill tokens routed to
+    each expert, ``k_eff`` tokens per step x top-k; seeds the layer's return counts ``c1``, ``c4`` and sets ``last``
+    to its clock. A layer whose counts sum to 0 is left alone."""
+    dev = resolve(device)
+    if consts.dtype != SCORED_CONSTS:
+        raise TypeError("consts must be a SCORED_CONSTS scalar")
+    if counts.dtype != np.float64 or int(counts.size) != int(experts):
+        raise TypeError(f"counts must be float64 [{experts}]")
+    if dev.kind == "cpu":
+        c = consts
+        cpu_module("cache").cache_scored_prefill(
+            int(layer), int(experts), counts, float(k_eff), lclock, last, c1, c4, dp, dp2, float(c["q"]),
+            float(c["q2"]), float(c["prior_weight"]), float(c["prior_keep"]), float(c["long_prior_keep"]))
+        return
+    cuda_kernel(dev, "cache.cu", "cache_scored_prefill")(
+        (1,), (min(1024, 32 * -(-int(experts) // 32)),),
+        (check_int32("layer", layer), check_int32("experts", experts), counts, np.float64(k_eff), lclock, last, c1,
+         c4, dp, dp2, consts), stream=stream)
+
+
 def cache_admit_scored(ids, layer: int, experts: int, slot_for_id, id_of_slot, stamp, pinned, clock, lclock, last, c1,
                        c2, c3, c4, dp, dp2, glob, consts, worklist, n_work, bypass, n_bypass, hits, misses, err, *,
                        count: bool = True, stream=None, device=None) -> None:

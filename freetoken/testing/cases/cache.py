@@ -199,8 +199,8 @@ CASES = CACHE_CASES + [
 
 # ---- the scored (next_use) admission against ScoredCacheModel ------------------------------------------------------
 def _make_scored(rng, size):
-    """Calls of the recommended policy (bypass, long memory) in a cache smaller than a step's ids (bypass acts), with
-    repeated ids, ``NO_ROUTE`` pairs, prefetches (not counted) and one pinned slot."""
+    """Calls of the recommended policy (bypass, long memory, prefill prior) in a cache smaller than a step's ids
+    (bypass acts), with repeated ids, ``NO_ROUTE`` pairs, prefetches (not counted), prefill priors and one pin."""
     layers, experts, slots, calls = (3, 8, 7, 60) if size == "small" else (4, 128, 256, 200)
     k, tokens = (3, 2) if size == "small" else (8, 4)
     steps = []
@@ -208,7 +208,10 @@ def _make_scored(rng, size):
         ids = rng.integers(0, experts, (tokens, k)).astype(np.int32)
         if i % 5 == 2:
             ids[rng.random(ids.shape) < 0.4] = NO_ROUTE
-        steps.append((i % layers, ids, i % 7 != 3))
+        if i % 13 == 6:  # a prompt's prefill prior for the layer (its routing counts; one layer without tokens)
+            counts = rng.integers(0, 9, experts).astype(np.float64) * (i % 39 != 6)
+            steps.append(("prior", i % layers, counts, float(k * tokens)))
+        steps.append(("admit", i % layers, ids, i % 7 != 3))
     return {"layers": layers, "experts": experts, "slots": slots, "steps": steps, "pin": (layers - 1, 1)}
 
 
@@ -239,7 +242,11 @@ def _scored_setup(dev, inp):
 
 def _scored_launch(dev, st):
     st["out"] = out = []
-    for layer, ids0, count in st["steps"]:
+    for kind, layer, ids0, count in st["steps"]:
+        if kind == "prior":
+            ops.cache_scored_prefill(layer, st["experts"], dev.asarray(ids0), count, st["lclock"], st["last"],
+                                     st["c1"], st["c4"], st["dp"], st["dp2"], st["consts"], device=dev)
+            continue
         ids = dev.asarray(ids0.copy())
         ops.cache_admit_scored(ids, layer, st["experts"], st["sfi"], st["ios"], st["stamp"], st["pin"], st["clock"],
                                st["lclock"], st["last"], st["c1"], st["c2"], st["c3"], st["c4"], st["dp"], st["dp2"],
@@ -265,7 +272,10 @@ def _scored_fetch(dev, st):
 def _scored_reference(inp):
     model = _scored_model(inp)
     slot_ids, work, byp = [], [], []
-    for layer, ids, count in inp["steps"]:
+    for kind, layer, ids, count in inp["steps"]:
+        if kind == "prior":
+            model.prefill(layer, ids, count)
+            continue
         hits, misses = model.hits.copy(), model.misses.copy()
         got, w, b = model.admit(layer, ids)
         if not count:
@@ -281,5 +291,7 @@ def _scored_reference(inp):
             "stats": np.concatenate([model.c1, model.c2, model.c3, model.c4, model.glob])}
 
 
-CASES.append(KernelCase("cache_admit_scored_sequence", "cache.cu", _make_scored, _scored_setup, _scored_launch,
-                        _scored_reference, fetch_fn=_scored_fetch, op="cache_admit_scored"))
+CASES += [KernelCase("cache_admit_scored_sequence", "cache.cu", _make_scored, _scored_setup, _scored_launch,
+                     _scored_reference, fetch_fn=_scored_fetch, op="cache_admit_scored"),
+          KernelCase("cache_scored_prefill", "cache.cu", _make_scored, _scored_setup, _scored_launch,
+                     _scored_reference, fetch_fn=_scored_fetch, op="cache_scored_prefill")]

@@ -112,16 +112,14 @@ class ScoredCacheModel:
     :mod:`freetoken.policy.next_use`'s docstring, one double operation at a time in the order written there (Python
     floats are IEEE doubles and are never fused), so its decisions equal :func:`freetoken.policy.scored.scored_admit`'s
     on the same calls and its statistics equal them bit for bit. ``policy`` are :func:`~freetoken.policy.next_use.
-    next_use_new`'s keyword arguments (default: its ``RECOMMENDED`` configuration, the simulator's ``default``); the
-    prefill prior is not modelled (the device has no prefill-prior kernel yet)."""
+    next_use_new`'s keyword arguments (default: its ``RECOMMENDED`` configuration, the simulator's ``default``, with the
+    prefill prior: :meth:`prefill`)."""
 
     def __init__(self, num_layers: int, num_experts: int, slots: int, **policy):
         from freetoken.policy.next_use import RECOMMENDED, next_use_new
 
         self.num_layers, self.num_experts, self.slots = num_layers, num_experts, slots
-        kw = {k: v for k, v in (policy or RECOMMENDED).items() if k not in ("prior_weight", "prior_keep",
-                                                                           "long_prior_keep")}
-        self._st = next_use_new(num_layers, num_experts, slots, **kw)
+        self._st = next_use_new(num_layers, num_experts, slots, **(policy or RECOMMENDED))
         self.reset()
 
     def reset(self) -> None:
@@ -134,6 +132,8 @@ class ScoredCacheModel:
         self.rho, self.kappa, self.id_decay = float(p[sc.RHO]), float(p[sc.KAPPA]), float(p[sc.ID_DECAY])
         self.global_decay, self.load_weight = float(p[sc.GLOBAL_DECAY]), float(p[sc.LOAD_WEIGHT])
         self.long_weight = float(p[sc.LONG_WEIGHT])
+        self.prior_weight, self.prior_keep = float(p[sc.PRIOR_WEIGHT]), float(p[sc.PRIOR_KEEP])
+        self.long_prior_keep = float(p[sc.LONG_KEEP])
         self.bypass, self.cycle = bool(meta[sc.BYPASS]), bool(meta[sc.CYCLE])
         n = self.num_layers * self.num_experts
         self.slot_for_id = np.full(n, -1, np.int32)
@@ -150,15 +150,30 @@ class ScoredCacheModel:
         self.misses = np.zeros(self.num_layers, np.int64)
 
     def consts(self):
-        """The kernel's ``ScoredConsts`` (a ``SCORED_CONSTS`` scalar) of this policy."""
-        from freetoken.device.constants import SCORED_CONSTS
+        """The kernels' ``ScoredConsts`` (a ``SCORED_CONSTS`` scalar) of this policy."""
+        from freetoken.ops.cache import scored_consts
 
-        c = np.zeros((), SCORED_CONSTS)
-        for name in ("q", "q2", "rho", "kappa", "id_decay", "global_decay", "load_weight", "long_weight"):
-            c[name] = getattr(self, name)
-        c["dp_last"], c["dp2_last"] = self.dp.size - 1, self.dp2.size - 1
-        c["layers"], c["bypass"], c["cycle"] = self.num_layers, int(self.bypass), int(self.cycle)
-        return c[()]
+        return scored_consts(self._st)
+
+    def prefill(self, layer: int, counts, k_eff: float) -> None:
+        """The prefill prior of ``layer`` at a segment start (``cache_scored_prefill``, ``scored_prefill``'s rule):
+        ``counts[e]`` prefill tokens routed to expert e, ``k_eff`` tokens per step x top-k."""
+        total = 0.0
+        for e in range(self.num_experts):
+            total = total + float(counts[e])
+        if not total > 0.0:
+            return
+        now = int(self.lclock[layer])
+        steady, steady2 = 1.0 / self.q, 1.0 / self.q2
+        for e in range(self.num_experts):
+            f = layer * self.num_experts + e
+            a = now - int(self.last[f])
+            t = float(self.c1[f]) * float(self.dp[min(a, self.dp.size - 1)])
+            t2 = float(self.c4[f]) * float(self.dp2[min(a, self.dp2.size - 1)])
+            p = min((float(k_eff) * float(counts[e])) / total, 1.0)
+            self.c1[f] = self.prior_keep * t + (self.prior_weight * p) * steady
+            self.c4[f] = self.long_prior_keep * t2 + (self.prior_weight * p) * steady2
+            self.last[f] = now
 
     def key(self, o: int, layer: int, pbar: float, itau: float) -> float:
         """The keep key of flat id ``o`` for a call of ``layer`` (after that call's clock advanced)."""
