@@ -141,7 +141,8 @@ def _scored_key(o, lo, c, last, c1, c2, c3, c4, dp, dp2, lclock, q, q2, kappa, l
 @nb.njit(error_model="numpy", cache=True)
 def cache_admit_scored(ids, layer, experts, slot_for_id, id_of_slot, stamp, pinned, clock, lclock, last, c1, c2,
                        c3, c4, dp, dp2, glob, q, q2, rho, kappa, id_decay, global_decay, load_weight, long_weight,
-                       layers, bypass, cycle, worklist, n_work, bypass_list, n_bypass, hits, misses, err, count):
+                       layers, bypass, cycle, worklist, n_work, bypass_list, n_bypass, hits, misses, bypassed, err,
+                       count):
     """The scored (next_use) admission of one layer's routed ids: ``cache_admit_scored`` of ``cuda/cache.cu`` on the
     same arrays (the ScoredConsts fields as scalars). Bypassed misses' pairs get ``CACHE_BYPASSED`` and their flat
     ids go to ``bypass_list`` (count in ``n_bypass[0]``)."""
@@ -263,6 +264,7 @@ def cache_admit_scored(ids, layer, experts, slot_for_id, id_of_slot, stamp, pinn
     if count:
         hits[layer] += na - n_miss
         misses[layer] += n_miss
+        bypassed[layer] += nb_
 
 
 @nb.njit(error_model="numpy", cache=True)

@@ -301,7 +301,7 @@ __device__ __forceinline__ double scored_key(int o, int lo, int c, const long lo
 // the eligible slot (not stamped in this call, not pinned) with the smallest (keep key, slot). With bypass, a miss
 // whose own key is not strictly greater than an owned victim's is bypassed: nothing is loaded or evicted, its pairs
 // get slot FT_CACHE_BYPASSED and its flat id goes to bypass[n_bypass[0]++] (the caller serves it from the host).
-// Then glob's loads average takes the call's admitted misses.
+// Then glob's loads average takes the call's admitted misses. count: hits, misses and bypassed [layers] are counted.
 extern "C" __global__ void __launch_bounds__(1024) cache_admit_scored(
     int* __restrict__ ids, int pairs, int layer, int experts, int* __restrict__ slot_for_id,
     int* __restrict__ id_of_slot, long long* __restrict__ stamp, const unsigned char* __restrict__ pinned, int slots,
@@ -309,7 +309,8 @@ extern "C" __global__ void __launch_bounds__(1024) cache_admit_scored(
     double* __restrict__ c1, double* __restrict__ c2, double* __restrict__ c3, double* __restrict__ c4,
     const double* __restrict__ dp, const double* __restrict__ dp2, double* __restrict__ glob, ScoredConsts k,
     int* __restrict__ worklist, int* __restrict__ n_work, int* __restrict__ bypass, int* __restrict__ n_bypass,
-    long long* __restrict__ hits, long long* __restrict__ misses, int* __restrict__ err, int count) {
+    long long* __restrict__ hits, long long* __restrict__ misses, long long* __restrict__ bypassed,
+    int* __restrict__ err, int count) {
   __shared__ int flat[FT_CACHE_MAX_PAIRS];
   __shared__ int lead[FT_CACHE_MAX_PAIRS];
   __shared__ int active[FT_CACHE_MAX_PAIRS];
@@ -449,6 +450,7 @@ extern "C" __global__ void __launch_bounds__(1024) cache_admit_scored(
     if (count) {
       hits[layer] += na - n_miss;
       misses[layer] += n_miss;
+      bypassed[layer] += n_bypassed;  // misses not loaded (misses - bypassed records were copied)
     }
   }
 }

@@ -104,7 +104,8 @@ def _device_state(dev, model):
             "dp": arr(model.dp), "dp2": arr(model.dp2), "glob": arr(model.glob), "consts": model.consts(),
             "work": arr(np.full(2 * LAYERS * EXPERTS, -7, i32)), "n_work": arr(np.zeros(1, i32)),
             "bypass": arr(np.full(LAYERS * EXPERTS, -7, i32)), "n_bypass": arr(np.zeros(1, i32)),
-            "hits": arr(np.zeros(LAYERS, i64)), "misses": arr(np.zeros(LAYERS, i64)), "err": arr(np.zeros(1, i32))}
+            "hits": arr(np.zeros(LAYERS, i64)), "misses": arr(np.zeros(LAYERS, i64)),
+            "bypassed": arr(np.zeros(LAYERS, i64)), "err": arr(np.zeros(1, i32))}
 
 
 @pytest.mark.parametrize("kind", ["emu", "cpu"])
@@ -145,7 +146,7 @@ def test_device_equals_the_reference_step_by_step(kind, policy, seq, pin):
         ops.cache_admit_scored(got, layer, EXPERTS, d["sfi"], d["ios"], d["stamp"], d["pin"], d["clock"], d["lclock"],
                                d["last"], d["c1"], d["c2"], d["c3"], d["c4"], d["dp"], d["dp2"], d["glob"],
                                d["consts"], d["work"], d["n_work"], d["bypass"], d["n_bypass"], d["hits"],
-                               d["misses"], d["err"], device=dev)
+                               d["misses"], d["bypassed"], d["err"], device=dev)
         h = dev.to_host
         np.testing.assert_array_equal(h(got), want)
         n = int(h(d["n_work"])[0])
@@ -154,7 +155,7 @@ def test_device_equals_the_reference_step_by_step(kind, policy, seq, pin):
         assert h(d["bypass"])[:nb_].tolist() == bypassed
         for name, attr in (("sfi", "slot_for_id"), ("ios", "id_of_slot"), ("stamp", "stamp"), ("lclock", "lclock"),
                            ("last", "last"), ("c1", "c1"), ("c2", "c2"), ("c3", "c3"), ("c4", "c4"),
-                           ("glob", "glob"), ("hits", "hits"), ("misses", "misses")):
+                           ("glob", "glob"), ("hits", "hits"), ("misses", "misses"), ("bypassed", "bypassed")):
             np.testing.assert_array_equal(h(d[name]), getattr(model, attr), err_msg=name)
         assert int(h(d["err"])[0]) == 0
 
@@ -261,5 +262,8 @@ def test_expert_cache_default_policy_bypasses_in_a_small_cache():
         np.testing.assert_array_equal(dev.to_host(d), want)
         assert dev.to_host(cache.bypass)[:int(dev.to_host(cache.n_bypass)[0])].tolist() == bypassed
     assert n > 0
+    stats = cache.stats()
+    assert stats["bypassed"] == n == int(model.bypassed.sum())
+    assert stats["bytes_copied"] == (stats["misses"] - n) * cache.record_bytes
     cache.check_invariants()
     cache.check_errors()

@@ -146,6 +146,7 @@ class ExpertCache:
         self.glob = xp.empty(3, np.float64)
         self.bypass = xp.empty(self.max_active, np.int32)
         self.n_bypass = xp.empty(1, np.int32)
+        self.bypassed = xp.empty(self.num_layers, np.int64)
         self.scored_consts = scored_consts(st)
 
     def prefill_prior(self, layer: int, counts, k_eff: float, stream=None) -> None:
@@ -165,7 +166,7 @@ class ExpertCache:
         for a in (self.pinned, self.clock, self.hits, self.misses, self.err, self.n_work):
             a[...] = 0
         if self.policy == "default":
-            for a in (self.lclock, self.last, self.c1, self.c2, self.c3, self.c4, self.n_bypass):
+            for a in (self.lclock, self.last, self.c1, self.c2, self.c3, self.c4, self.n_bypass, self.bypassed):
                 a[...] = 0
             self.glob[...] = self.device.asarray(self._scored_glob0)
         self.prefill_bytes = 0
@@ -174,13 +175,20 @@ class ExpertCache:
         self._release = [None, None]
 
     def stats(self) -> dict:
-        """Hits, misses and bytes copied, in total and per layer (synchronises)."""
+        """Hits, misses and bytes copied, in total and per layer (synchronises). Under the ``default`` policy also
+        ``bypassed``: misses not loaded (not copied)."""
         hits = self.device.to_host(self.hits).astype(int)
         misses = self.device.to_host(self.misses).astype(int)
+        loads = misses
+        extra = {}
+        if self.policy == "default":
+            bypassed = self.device.to_host(self.bypassed).astype(int)
+            loads = misses - bypassed
+            extra = {"bypassed": int(bypassed.sum())}
         total = int(hits.sum() + misses.sum())
-        return {"hits": int(hits.sum()), "misses": int(misses.sum()),
+        return {"hits": int(hits.sum()), "misses": int(misses.sum()), **extra,
                 "hit_rate": float(hits.sum() / total) if total else 0.0,
-                "bytes_copied": sum(int(m) * self.layer_record_bytes(i) for i, m in enumerate(misses)),
+                "bytes_copied": sum(int(m) * self.layer_record_bytes(i) for i, m in enumerate(loads)),
                 "prefill_bytes": self.prefill_bytes,
                 "per_layer": [{"layer": i, "hits": int(h), "misses": int(m)} for i, (h, m) in
                               enumerate(zip(hits, misses, strict=True))]}
@@ -211,7 +219,7 @@ class ExpertCache:
             cache_admit_scored(ids, layer, self.num_experts, self.slot_for_id, self.id_of_slot, self.recency,
                                self.pinned, self.clock, self.lclock, self.last, self.c1, self.c2, self.c3, self.c4,
                                self.dp, self.dp2, self.glob, self.scored_consts, self.worklist, self.n_work,
-                               self.bypass, self.n_bypass, self.hits, self.misses, self.err, count=count,
+                               self.bypass, self.n_bypass, self.hits, self.misses, self.bypassed, self.err, count=count,
                                stream=stream, device=self.device)
         else:
             cache_admit(ids, layer, self.num_experts, self.slot_for_id, self.id_of_slot, self.recency, self.pinned,

@@ -127,7 +127,8 @@ def cache_scored_prefill(layer: int, experts: int, counts, k_eff: float, lclock,
 
 
 def cache_admit_scored(ids, layer: int, experts: int, slot_for_id, id_of_slot, stamp, pinned, clock, lclock, last, c1,
-                       c2, c3, c4, dp, dp2, glob, consts, worklist, n_work, bypass, n_bypass, hits, misses, err, *,
+                       c2, c3, c4, dp, dp2, glob, consts, worklist, n_work, bypass, n_bypass, hits, misses, bypassed,
+                       err, *,
                        count: bool = True, stream=None, device=None) -> None:
     """Admit ``layer``'s routed expert ids with the scored (next_use) policy, the simulator's ``default``
     (:mod:`freetoken.policy.next_use`; ``cache_admit_scored`` in ``cuda/cache.cu``): as :func:`cache_admit`, with
@@ -135,7 +136,8 @@ def cache_admit_scored(ids, layer: int, experts: int, slot_for_id, id_of_slot, s
     policy's state on the device: ``lclock`` int64 [layers], ``last`` int64 [N], ``c1`` .. ``c4`` float64 [N], the
     decay tables ``dp``, ``dp2`` (float64), ``glob`` float64 [3] and ``consts`` (a ``SCORED_CONSTS`` scalar: fixed per
     cache). A bypassed miss is not loaded: its pairs get slot ``CACHE_BYPASSED`` and its flat id goes to ``bypass``
-    (int32 [pairs]) with the count in ``n_bypass`` (int32 [1])."""
+    (int32 [pairs]) with the count in ``n_bypass`` (int32 [1]); ``bypassed`` (int64 [layers]) counts them per layer
+    beside ``hits`` / ``misses`` (when ``count``)."""
     dev = resolve(device)
     if ids.dtype != np.int32 or not ids.flags.c_contiguous:
         raise TypeError("ids must be a C-contiguous int32 array")
@@ -153,15 +155,15 @@ def cache_admit_scored(ids, layer: int, experts: int, slot_for_id, id_of_slot, s
                   c3, c4, dp, dp2, glob, float(c["q"]), float(c["q2"]), float(c["rho"]), float(c["kappa"]),
                   float(c["id_decay"]), float(c["global_decay"]), float(c["load_weight"]), float(c["long_weight"]),
                   int(c["layers"]), int(c["bypass"]), int(c["cycle"]), worklist, n_work, bypass, n_bypass, hits,
-                  misses, err, 1 if count else 0)
+                  misses, bypassed, err, 1 if count else 0)
         return
     threads = min(CACHE_MAX_PAIRS, 32 * -(-max(pairs, slots, 32) // 32))
     i32 = np.int32
     cuda_kernel(dev, "cache.cu", "cache_admit_scored")(
         (1,), (threads,), (ids, i32(pairs), check_int32("layer", layer), check_int32("experts", experts), slot_for_id,
                            id_of_slot, stamp, pinned, check_int32("slots", slots), clock, lclock, last, c1, c2, c3,
-                           c4, dp, dp2, glob, consts, worklist, n_work, bypass, n_bypass, hits, misses, err,
-                           i32(1 if count else 0)), stream=stream)
+                           c4, dp, dp2, glob, consts, worklist, n_work, bypass, n_bypass, hits, misses, bypassed,
+                           err, i32(1 if count else 0)), stream=stream)
 
 
 def cache_copy(worklist, n_work, table: CopyTable, max_items: int, *, stream=None, device=None) -> None:

@@ -237,7 +237,8 @@ def _scored_setup(dev, inp):
             "work": arr(np.full(2 * n, -7, i32)), "n_work": arr(np.zeros(1, i32)),
             "bypass": arr(np.full(n, -7, i32)), "n_bypass": arr(np.zeros(1, i32)),
             "hits": arr(np.zeros(model.num_layers, i64)), "misses": arr(np.zeros(model.num_layers, i64)),
-            "err": arr(np.zeros(1, i32)), "steps": inp["steps"], "experts": inp["experts"], "out": []}
+            "bypassed": arr(np.zeros(model.num_layers, i64)), "err": arr(np.zeros(1, i32)),
+            "steps": inp["steps"], "experts": inp["experts"], "out": []}
 
 
 def _scored_launch(dev, st):
@@ -251,7 +252,7 @@ def _scored_launch(dev, st):
         ops.cache_admit_scored(ids, layer, st["experts"], st["sfi"], st["ios"], st["stamp"], st["pin"], st["clock"],
                                st["lclock"], st["last"], st["c1"], st["c2"], st["c3"], st["c4"], st["dp"], st["dp2"],
                                st["glob"], st["consts"], st["work"], st["n_work"], st["bypass"], st["n_bypass"],
-                               st["hits"], st["misses"], st["err"], count=count, device=dev)
+                               st["hits"], st["misses"], st["bypassed"], st["err"], count=count, device=dev)
         out.append((ids, st["work"].copy(), st["n_work"].copy(), st["bypass"].copy(), st["n_bypass"].copy()))
 
 
@@ -263,7 +264,7 @@ def _scored_fetch(dev, st):
         work.append(h(wl)[:2 * int(h(nw)[0])])
         byp.append(h(bl)[:int(h(nb)[0])])
     ints = np.concatenate([h(st[n]).astype(np.int64) for n in ("sfi", "ios", "stamp", "lclock", "last", "hits",
-                                                                "misses", "err")])
+                                                                "misses", "bypassed", "err")])
     stats = np.concatenate([h(st[n]) for n in ("c1", "c2", "c3", "c4", "glob")])
     return {"slot_ids": np.concatenate(slot_ids).astype(np.int64), "work": np.concatenate(work).astype(np.int64),
             "bypass": np.concatenate(byp).astype(np.int64), "state": ints, "stats": stats}
@@ -276,16 +277,16 @@ def _scored_reference(inp):
         if kind == "prior":
             model.prefill(layer, ids, count)
             continue
-        hits, misses = model.hits.copy(), model.misses.copy()
+        hits, misses, bypassed = model.hits.copy(), model.misses.copy(), model.bypassed.copy()
         got, w, b = model.admit(layer, ids)
         if not count:
-            model.hits, model.misses = hits, misses
+            model.hits, model.misses, model.bypassed = hits, misses, bypassed
         slot_ids.append(got.ravel())
         work += w
         byp += b
     ints = np.concatenate([np.asarray(a, np.int64) for a in (model.slot_for_id, model.id_of_slot, model.stamp,
                                                              model.lclock, model.last, model.hits, model.misses,
-                                                             np.zeros(1))])
+                                                             model.bypassed, np.zeros(1))])
     return {"slot_ids": np.concatenate(slot_ids).astype(np.int64), "work": np.array(work, np.int64).reshape(-1),
             "bypass": np.array(byp, np.int64), "state": ints,
             "stats": np.concatenate([model.c1, model.c2, model.c3, model.c4, model.glob])}

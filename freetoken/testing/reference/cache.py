@@ -148,6 +148,7 @@ class ScoredCacheModel:
         self.clock = 0
         self.hits = np.zeros(self.num_layers, np.int64)
         self.misses = np.zeros(self.num_layers, np.int64)
+        self.bypassed = np.zeros(self.num_layers, np.int64)
 
     def consts(self):
         """The kernels' ``ScoredConsts`` (a ``SCORED_CONSTS`` scalar) of this policy."""
@@ -255,6 +256,7 @@ class ScoredCacheModel:
         glob[SCORED_G_LOADS] = keep if not missing else keep + self.load_weight * float(len(work))
         self.hits[layer] += len(active) - len(missing)
         self.misses[layer] += len(missing)
+        self.bypassed[layer] += len(bypassed)
         slot = self.slot_for_id[np.where(routed, flat, 0)]
         out = np.where(routed, np.where(slot >= 0, slot, CACHE_BYPASSED), NO_ROUTE).astype(np.int32)
         return out, work, bypassed
