@@ -267,3 +267,54 @@ def test_expert_cache_default_policy_bypasses_in_a_small_cache():
     assert stats["bytes_copied"] == (stats["misses"] - n) * cache.record_bytes
     cache.check_invariants()
     cache.check_errors()
+
+
+# ---- a whole trace: ExpertCache(policy="default") on emu == the simulator's `default` row -------------------------
+@pytest.mark.parametrize("layers,experts,slots,tokens", [(3, 8, 16, 1), (3, 8, 19, 2), (8, 4, 9, 2), (8, 4, 12, 1)])
+def test_expert_cache_replays_a_trace_as_the_simulator(layers, experts, slots, tokens):
+    """A synthetic trace (segments with prefill; the 8 x 4 ones in caches smaller than a step's accesses, where
+    bypass acts: 2082 misses, 147 loads) through ExpertCache(policy="default") on emu,
+    as the runtime would drive it (each segment: prefill borrows both buffers, then the prefill prior of every layer;
+    then each step's layers admitted in order): its misses and loads per decode step equal the simulator's replay of
+    the same policy (freetoken/sim/policies.py scored_replay, the `default` row's engine)."""
+    from freetoken.device import DeviceUnavailable, get_device
+
+    try:
+        dev = get_device("emu")
+    except DeviceUnavailable as e:  # pragma: no cover - machines without g++
+        pytest.skip(str(e))
+    from freetoken import formats
+    from freetoken.cache import ExpertCache, HostPool
+    from freetoken.formats import RecordLayout
+    from freetoken.sim.policies import scored_replay
+    from freetoken.trace.synthetic import make_trace
+
+    trace = make_trace(num_layers=layers, num_experts=experts, top_k=2, steps=160, segments=3, seed=3, tokens=tokens,
+                       prefill_tokens=32)
+    want_misses, want_loads = scored_replay(trace, slots, next_use_new(layers, experts, slots, **RECOMMENDED))
+    pool = HostPool(dev, RecordLayout(formats.get("q4_0"), 64, 32), layers, experts)
+    cache = ExpertCache(pool, slots, max_active=tokens * 2, policy="default")
+    prefill = np.ascontiguousarray(trace.prefill_counts, np.float64)
+    k_eff = float(trace.tokens * trace.top_k)
+    seg = trace.step_segment
+    got_misses, got_loads = [], []
+    for t in range(trace.steps):
+        if t == 0 or seg[t] != seg[t - 1]:
+            cache.begin_prefill()
+            for layer in range(layers):
+                cache.prefetch_layer(layer)
+                cache.wait_layer(layer)
+                cache.release_layer(layer)
+            for layer in range(layers):
+                cache.prefill_prior(layer, dev.asarray(prefill[seg[t], layer]), k_eff)
+        before = cache.stats()
+        for layer in range(layers):
+            cache.admit(layer, dev.asarray(np.ascontiguousarray(trace.decode_ids[t, layer], np.int32)))
+            cache.copy_missing()
+        after = cache.stats()
+        got_misses.append(after["misses"] - before["misses"])
+        got_loads.append(got_misses[-1] - (after["bypassed"] - before["bypassed"]))
+    cache.check_errors()
+    np.testing.assert_array_equal(got_misses, want_misses)
+    np.testing.assert_array_equal(got_loads, want_loads)
+    assert want_misses.sum() > 0
