@@ -296,9 +296,10 @@ __device__ __forceinline__ double scored_key(int o, int lo, int c, const long lo
 //
 // As cache_admit (ids rewritten in place to slots, FT_NO_ROUTE pairs left out, the worklist of (slot, flat id), the
 // error codes, count), with the policy of freetoken/policy/scored.py's scored_admit (KIND_NEXT_USE): the call clock
-// clock[0] and the layer clock lclock[layer] advance; the active ids' statistics are updated in increasing id order
-// (one thread: the global estimates are a sequential sum); hits are stamped; each miss, in increasing id order, takes
-// the eligible slot (not stamped in this call, not pinned) with the smallest (keep key, slot). With bypass, a miss
+// clock[0] and the layer clock lclock[layer] advance; the active ids' statistics are updated (a thread per id; the
+// global estimates, a sequential sum in increasing id order, by one thread from shared flags); hits are stamped;
+// each miss, in increasing id order, takes the eligible slot (not stamped in this call, not pinned) with the
+// smallest (keep key, slot); keys are recomputed per miss (they do not change within a call). With bypass, a miss
 // whose own key is not strictly greater than an owned victim's is bypassed: nothing is loaded or evicted, its pairs
 // get slot FT_CACHE_BYPASSED and its flat id goes to bypass[n_bypass[0]++] (the caller serves it from the host).
 // Then glob's loads average takes the call's admitted misses. count: hits, misses and bypassed [layers] are counted.
@@ -315,8 +316,9 @@ extern "C" __global__ void __launch_bounds__(1024) cache_admit_scored(
   __shared__ int lead[FT_CACHE_MAX_PAIRS];
   __shared__ int active[FT_CACHE_MAX_PAIRS];
   __shared__ int is_hit[FT_CACHE_MAX_PAIRS];
+  __shared__ int reacc[FT_CACHE_MAX_PAIRS];
   __shared__ ScoredArgmin warp_best[32];
-  __shared__ long long call;
+  __shared__ long long call, layer_now;
   __shared__ double pbar, itau;
   __shared__ int n_active, n_miss_done, n_bypassed;
   const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
@@ -354,28 +356,41 @@ extern "C" __global__ void __launch_bounds__(1024) cache_admit_scored(
   }
   __syncthreads();
   const int na = n_active;
-  // The statistics, in increasing id order, on one thread (glob's sums are sequential); hits are stamped.
-  if (tid == 0) {
-    const long long now = ++lclock[layer];
-    for (int u = 0; u < na; ++u) {
-      const int f = active[u];
-      const long long g = now - last[f];
-      double cont = 0.0;
-      if (last[f] > 0) {
-        if (g == 1) cont = 1.0;
-        glob[FT_SCORED_G_CONT] = __dadd_rn(__dmul_rn(k.global_decay, glob[FT_SCORED_G_CONT]), cont);
-        glob[FT_SCORED_G_REUSE] = __dadd_rn(__dmul_rn(k.global_decay, glob[FT_SCORED_G_REUSE]), 1.0);
-        c2[f] = __dadd_rn(__dmul_rn(k.id_decay, c2[f]), cont);
-        c3[f] = __dadd_rn(__dmul_rn(k.id_decay, c3[f]), 1.0);
-      }
-      const double inc = cont != 0.0 ? k.rho : 1.0;
-      c1[f] = __dadd_rn(inc, __dmul_rn(c1[f], dp[g < k.dp_last ? g : k.dp_last]));
-      c4[f] = __dadd_rn(inc, __dmul_rn(c4[f], dp2[g < k.dp2_last ? g : k.dp2_last]));
-      last[f] = now;
-      const int s = slot_for_id[f];
-      is_hit[u] = s >= 0;
-      if (s >= 0) stamp[s] = call;
+  // The per-id statistics, one thread per active id (ids are unique: no two threads touch one id); hits are stamped.
+  // reacc[u]: 0 a first access, 1 a re-access, 2 a continuation (a re-access at the layer's previous call).
+  if (tid == 0) layer_now = ++lclock[layer];
+  __syncthreads();
+  const long long now = layer_now;
+  for (int u = tid; u < na; u += nt) {
+    const int f = active[u];
+    const long long g = now - last[f];
+    double cont = 0.0;
+    reacc[u] = 0;
+    if (last[f] > 0) {
+      if (g == 1) cont = 1.0;
+      reacc[u] = g == 1 ? 2 : 1;
+      c2[f] = __dadd_rn(__dmul_rn(k.id_decay, c2[f]), cont);
+      c3[f] = __dadd_rn(__dmul_rn(k.id_decay, c3[f]), 1.0);
     }
+    const double inc = cont != 0.0 ? k.rho : 1.0;
+    c1[f] = __dadd_rn(inc, __dmul_rn(c1[f], dp[g < k.dp_last ? g : k.dp_last]));
+    c4[f] = __dadd_rn(inc, __dmul_rn(c4[f], dp2[g < k.dp2_last ? g : k.dp2_last]));
+    last[f] = now;
+    const int s = slot_for_id[f];
+    is_hit[u] = s >= 0;
+    if (s >= 0) stamp[s] = call;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    // The global sums are sequential, in increasing id order (from shared flags: a short loop on one thread).
+    double gc = glob[FT_SCORED_G_CONT], gr = glob[FT_SCORED_G_REUSE];
+    for (int u = 0; u < na; ++u) {
+      if (reacc[u] == 0) continue;
+      gc = __dadd_rn(__dmul_rn(k.global_decay, gc), reacc[u] == 2 ? 1.0 : 0.0);
+      gr = __dadd_rn(__dmul_rn(k.global_decay, gr), 1.0);
+    }
+    glob[FT_SCORED_G_CONT] = gc;
+    glob[FT_SCORED_G_REUSE] = gr;
     // The values fixed for the call's victims.
     pbar = __ddiv_rn(glob[FT_SCORED_G_CONT], glob[FT_SCORED_G_REUSE]);
     const double ld = glob[FT_SCORED_G_LOADS];
@@ -395,9 +410,9 @@ extern "C" __global__ void __launch_bounds__(1024) cache_admit_scored(
     for (int s = tid; s < slots; s += nt) {
       if (pinned[s] || stamp[s] == call) continue;
       const int o = id_of_slot[s];
-      const ScoredArgmin c = {o < 0 ? -dinf()
-                                    : scored_key(o, o / experts, layer, last, c1, c2, c3, c4, dp, dp2, lclock, k, pb, it),
-                              s};
+      const double key =
+          o < 0 ? -dinf() : scored_key(o, o / experts, layer, last, c1, c2, c3, c4, dp, dp2, lclock, k, pb, it);
+      const ScoredArgmin c = {key, s};
       if (less(c, best)) best = c;
     }
     best = warp_argmin(best);
