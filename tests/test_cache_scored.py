@@ -11,7 +11,7 @@ from test_cache import _compare, _pool
 from freetoken import ops
 from freetoken.device.constants import CACHE_BYPASSED, NO_ROUTE
 from freetoken.policy import scored as sc
-from freetoken.policy.next_use import RECOMMENDED, next_use_new
+from freetoken.policy.next_use import RECOMMENDED, next_use_device, next_use_new
 from freetoken.testing.reference.cache import ScoredCacheModel
 
 LAYERS, EXPERTS, SLOTS = 3, 6, 5
@@ -186,7 +186,8 @@ def test_expert_cache_default_policy_matches_the_reference(seq, bypass):
 
     pool, _ = _pool(dev, seed=7)
     params = {**POLICIES[0], "bypass": bypass}
-    cache = ExpertCache(pool, C_SLOTS, max_active=C_ACTIVE, policy="default", policy_params=params)
+    cache = ExpertCache(pool, C_SLOTS, max_active=C_ACTIVE, policy="default",
+                        policy_state=next_use_device(C_LAYERS, C_EXPERTS, C_SLOTS, **params))
     model = ScoredCacheModel(C_LAYERS, C_EXPERTS, C_SLOTS, **params)
     for op in seq:
         if op[0] == "admit":
@@ -247,7 +248,8 @@ def test_expert_cache_default_policy_bypasses_in_a_small_cache():
     from freetoken.cache import ExpertCache
 
     pool, _ = _pool(dev, seed=7)
-    cache = ExpertCache(pool, 8, max_active=C_ACTIVE, policy="default", prefill_overlap=False)
+    cache = ExpertCache(pool, 8, max_active=C_ACTIVE, policy="default", prefill_overlap=False,
+                        policy_state=next_use_device(C_LAYERS, C_EXPERTS, 8))
     model = ScoredCacheModel(C_LAYERS, C_EXPERTS, 8)
     rng = np.random.default_rng(1)
     n = 0
@@ -293,7 +295,8 @@ def test_expert_cache_replays_a_trace_as_the_simulator(layers, experts, slots, t
                        prefill_tokens=32)
     want_misses, want_loads = scored_replay(trace, slots, next_use_new(layers, experts, slots, **RECOMMENDED))
     pool = HostPool(dev, RecordLayout(formats.get("q4_0"), 64, 32), layers, experts)
-    cache = ExpertCache(pool, slots, max_active=tokens * 2, policy="default")
+    cache = ExpertCache(pool, slots, max_active=tokens * 2, policy="default",
+                        policy_state=next_use_device(layers, experts, slots))
     prefill = np.ascontiguousarray(trace.prefill_counts, np.float64)
     k_eff = float(trace.tokens * trace.top_k)
     seg = trace.step_segment
@@ -318,3 +321,22 @@ def test_expert_cache_replays_a_trace_as_the_simulator(layers, experts, slots, t
     np.testing.assert_array_equal(got_misses, want_misses)
     np.testing.assert_array_equal(got_loads, want_loads)
     assert want_misses.sum() > 0
+
+
+def test_expert_cache_default_policy_needs_its_state():
+    from freetoken.device import DeviceUnavailable, get_device
+
+    try:
+        dev = get_device("emu")
+    except DeviceUnavailable as e:  # pragma: no cover - machines without g++
+        pytest.skip(str(e))
+    from freetoken.cache import ExpertCache
+
+    pool, _ = _pool(dev, seed=7)
+    with pytest.raises(ValueError, match="needs policy_state"):
+        ExpertCache(pool, C_SLOTS, max_active=C_ACTIVE, policy="default")
+    with pytest.raises(ValueError, match="policy_state is for 3 x 4 ids and 12 slots"):
+        ExpertCache(pool, C_SLOTS, max_active=C_ACTIVE, policy="default",
+                    policy_state=next_use_device(C_LAYERS, C_EXPERTS, 12))
+    with pytest.raises(ValueError, match="unknown cache policy"):
+        ExpertCache(pool, C_SLOTS, max_active=C_ACTIVE, policy="next_use")

@@ -42,7 +42,6 @@ from freetoken.ops.cache import (
     cache_borrow_layer,
     cache_copy,
     cache_scored_prefill,
-    scored_consts,
 )
 
 __all__ = ["BANK_TABLE", "MAX_ACTIVE", "MAX_BANKS", "CacheError", "ExpertCache"]
@@ -62,16 +61,18 @@ class ExpertCache:
     max_active : the most routed pairs one admit call may carry (tokens x top-k), at most 1024
     prefill_overlap : reserve the first 2E slots as prefill's double buffers
     policy : ``"lru"`` (the default: ``cache_admit``) or ``"default"``, the simulator's ``default`` policy
-        (:mod:`freetoken.policy.next_use`, ``RECOMMENDED``: next_use with bypass and the long memory) admitted on the
-        device by ``cache_admit_scored``; ``recency`` then holds each slot's stamp (the call clock of its last hit or
-        admission); its prefill prior is :meth:`prefill_prior`. With bypass, a missed record may be left
-        unloaded: its pairs get slot ``CACHE_BYPASSED`` and its flat id is in ``bypass[:n_bypass[0]]``; the caller
-        must serve those pairs elsewhere (the expert kernels do not), so the runtime does not use this policy yet.
-    policy_params : :func:`~freetoken.policy.next_use.next_use_new`'s keyword arguments in place of ``RECOMMENDED``
+        (:mod:`freetoken.policy.next_use`, ``RECOMMENDED``: next_use with bypass, the prefill prior and the long
+        memory) admitted on the device by ``cache_admit_scored``; ``recency`` then holds each slot's stamp (the
+        call clock of its last hit or admission); its prefill prior is :meth:`prefill_prior`. With bypass, a
+        missed record may be left unloaded: its pairs get slot ``CACHE_BYPASSED`` and its flat id is in
+        ``bypass[:n_bypass[0]]``; the caller must serve those pairs elsewhere (the expert kernels do not), so the
+        runtime does not use this policy yet.
+    policy_state : for ``"default"``: :func:`freetoken.policy.next_use.next_use_device`'s answer (its constants,
+        decay tables and starting estimates; made above this package, which does not import the policy core)
     """
 
     def __init__(self, pool: HostPool | HostTier, slots: int, *, max_active: int, prefill_overlap: bool = True,
-                 policy: str = "lru", policy_params: dict | None = None):
+                 policy: str = "lru", policy_state: dict | None = None):
         if policy not in ("lru", "default"):
             raise ValueError(f"unknown cache policy {policy!r}; choose lru or default")
         dev = pool.device
@@ -127,19 +128,21 @@ class ExpertCache:
         self._worklist_layer = (0, 0)  # the (layer, part) of the last admission: its worklist's records
         self.policy = policy
         if policy == "default":
-            self._scored_init(policy_params)
+            self._scored_init(policy_state)
         self.reset()
 
-    def _scored_init(self, params: dict | None) -> None:
-        """The scored policy's device state (freetoken/policy/scored.py's arrays) and its per-cache constants."""
-        from freetoken.policy import scored as sc
-        from freetoken.policy.next_use import RECOMMENDED, next_use_new
-
-        st = next_use_new(self.num_layers, self.num_experts, self.slots,
-                          **(RECOMMENDED if params is None else params))
-        self._scored_glob0 = st[sc.GLOB].copy()
+    def _scored_init(self, ps: dict | None) -> None:
+        """The scored policy's device state (freetoken/policy/scored.py's arrays) from ``ps``
+        (:func:`freetoken.policy.next_use.next_use_device`'s answer)."""
+        if ps is None:
+            raise ValueError('policy="default" needs policy_state=freetoken.policy.next_use.next_use_device(layers, '
+                             'experts, slots)')
+        if (ps["layers"], ps["experts"], ps["slots"]) != (self.num_layers, self.num_experts, self.slots):
+            raise ValueError(f"policy_state is for {ps['layers']} x {ps['experts']} ids and {ps['slots']} slots, the "
+                             f"cache has {self.num_layers} x {self.num_experts} and {self.slots}")
+        self._scored_glob0 = np.array(ps["glob"], np.float64)
         dev, xp, n = self.device, self.device.xp, self.pool.num_records
-        self.dp, self.dp2 = dev.asarray(st[sc.DP]), dev.asarray(st[sc.DP2])
+        self.dp, self.dp2 = dev.asarray(ps["dp"]), dev.asarray(ps["dp2"])
         self.lclock = xp.empty(self.num_layers, np.int64)
         self.last = xp.empty(n, np.int64)
         self.c1, self.c2, self.c3, self.c4 = (xp.empty(n, np.float64) for _ in range(4))
@@ -147,7 +150,7 @@ class ExpertCache:
         self.bypass = xp.empty(self.max_active, np.int32)
         self.n_bypass = xp.empty(1, np.int32)
         self.bypassed = xp.empty(self.num_layers, np.int64)
-        self.scored_consts = scored_consts(st)
+        self.scored_consts = ps["consts"]
 
     def prefill_prior(self, layer: int, counts, k_eff: float, stream=None) -> None:
         """The ``default`` policy's prefill prior for ``layer`` at a prompt's start, after its borrow (``counts``:

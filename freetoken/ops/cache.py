@@ -85,24 +85,6 @@ def cache_admit(ids, layer: int, experts: int, slot_for_id, id_of_slot, recency,
                            misses, err, i32(1 if count else 0)), stream=stream)
 
 
-def scored_consts(st) -> np.void:
-    """The ``SCORED_CONSTS`` scalar (``ScoredConsts`` in ``cuda/cache.cu``) of a scored policy state made by
-    :func:`freetoken.policy.next_use.next_use_new` (its tuple of arrays): fixed per cache."""
-    from freetoken.policy import scored as sc
-
-    p, meta, dp, dp2 = st[sc.PARAMS], st[sc.META], st[sc.DP], st[sc.DP2]
-    if int(meta[sc.KIND]) != sc.KIND_NEXT_USE:
-        raise ValueError("the device runs the next_use kind of the scored policies only")
-    c = np.zeros((), SCORED_CONSTS)
-    c["q"], c["q2"] = p[sc.RATE], 1.0 - dp2[1]
-    c["rho"], c["kappa"], c["id_decay"] = p[sc.RHO], p[sc.KAPPA], p[sc.ID_DECAY]
-    c["global_decay"], c["load_weight"], c["long_weight"] = p[sc.GLOBAL_DECAY], p[sc.LOAD_WEIGHT], p[sc.LONG_WEIGHT]
-    c["prior_weight"], c["prior_keep"], c["long_prior_keep"] = p[sc.PRIOR_WEIGHT], p[sc.PRIOR_KEEP], p[sc.LONG_KEEP]
-    c["dp_last"], c["dp2_last"] = dp.size - 1, dp2.size - 1
-    c["layers"], c["bypass"], c["cycle"] = meta[sc.NUM_LAYERS], meta[sc.BYPASS], meta[sc.CYCLE]
-    return c[()]
-
-
 def cache_scored_prefill(layer: int, experts: int, counts, k_eff: float, lclock, last, c1, c4, dp, dp2, consts, *,
                          stream=None, device=None) -> None:
     """next_use's prefill prior for ``layer`` at a segment start (``cache_scored_prefill`` in ``cuda/cache.cu``;

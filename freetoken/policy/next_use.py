@@ -87,6 +87,7 @@ import math
 
 from freetoken.policy.scored import (
     KIND_NEXT_USE,
+    device_policy,
     scored_admit,
     scored_borrow,
     scored_new,
@@ -115,6 +116,13 @@ next_use_borrow = scored_borrow
 next_use_prefill = scored_prefill
 next_use_pin = scored_pin
 next_use_replay_calls = scored_replay_calls
+
+
+def next_use_device(num_layers: int, num_experts: int, slots: int, **params) -> dict:
+    """The device admission's policy state (:func:`~freetoken.policy.scored.device_policy`) of
+    :func:`next_use_new` with ``params`` (default: :data:`RECOMMENDED`, the simulator's ``default``): what
+    ``ExpertCache(..., policy="default", policy_state=...)`` takes."""
+    return device_policy(next_use_new(num_layers, num_experts, slots, **(params or RECOMMENDED)))
 
 
 def next_use_new(num_layers: int, num_experts: int, slots: int, half_life: float = DEFAULT_PARAMS["half_life"],

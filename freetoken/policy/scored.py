@@ -58,6 +58,7 @@ import numpy as np
 
 from freetoken.device.constants import (
     CACHE_BYPASSED,
+    SCORED_CONSTS,
     SCORED_G_CONT,
     SCORED_G_LOADS,
     SCORED_G_REUSE,
@@ -409,3 +410,28 @@ def victim_order(st, layer: int) -> np.ndarray:
         o = int(owner[s])
         keys.append((-math.inf if o < 0 else float(keep_key(st, o, layer)), s))
     return np.asarray([s for _, s in sorted(keys)], np.int64)
+
+
+def device_consts(st) -> np.void:
+    """The ``SCORED_CONSTS`` scalar (``ScoredConsts`` in ``cuda/cache.cu``: the device admission's per-cache
+    constants) of a next_use state."""
+    p, meta, dp, dp2 = st[PARAMS], st[META], st[DP], st[DP2]
+    if int(meta[KIND]) != KIND_NEXT_USE:
+        raise ValueError("the device runs the next_use kind of the scored policies only")
+    c = np.zeros((), SCORED_CONSTS)
+    c["q"], c["q2"] = p[RATE], 1.0 - dp2[1]
+    c["rho"], c["kappa"], c["id_decay"] = p[RHO], p[KAPPA], p[ID_DECAY]
+    c["global_decay"], c["load_weight"], c["long_weight"] = p[GLOBAL_DECAY], p[LOAD_WEIGHT], p[LONG_WEIGHT]
+    c["prior_weight"], c["prior_keep"], c["long_prior_keep"] = p[PRIOR_WEIGHT], p[PRIOR_KEEP], p[LONG_KEEP]
+    c["dp_last"], c["dp2_last"] = dp.size - 1, dp2.size - 1
+    c["layers"], c["bypass"], c["cycle"] = meta[NUM_LAYERS], meta[BYPASS], meta[CYCLE]
+    return c[()]
+
+
+def device_policy(st) -> dict:
+    """What the device admission (``ExpertCache(policy="default", policy_state=...)``) takes from a fresh next_use
+    state: ``consts`` (:func:`device_consts`), the decay tables ``dp``, ``dp2`` and the starting ``glob``; the per-id
+    and per-layer arrays start at zero."""
+    return {"consts": device_consts(st), "dp": st[DP].copy(), "dp2": st[DP2].copy(), "glob": st[GLOB].copy(),
+            "layers": int(st[META][NUM_LAYERS]), "experts": int(st[META][NUM_EXPERTS]),
+            "slots": int(st[OWNER].shape[0])}

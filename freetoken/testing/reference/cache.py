@@ -152,9 +152,9 @@ class ScoredCacheModel:
 
     def consts(self):
         """The kernels' ``ScoredConsts`` (a ``SCORED_CONSTS`` scalar) of this policy."""
-        from freetoken.ops.cache import scored_consts
+        from freetoken.policy.scored import device_consts
 
-        return scored_consts(self._st)
+        return device_consts(self._st)
 
     def prefill(self, layer: int, counts, k_eff: float) -> None:
         """The prefill prior of ``layer`` at a segment start (``cache_scored_prefill``, ``scored_prefill``'s rule):
