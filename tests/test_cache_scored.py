@@ -108,16 +108,10 @@ def _device_state(dev, model):
             "bypassed": arr(np.zeros(LAYERS, i64)), "err": arr(np.zeros(1, i32))}
 
 
-@pytest.mark.parametrize("kind", ["emu", "cpu"])
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(policy=st.sampled_from(range(len(POLICIES))), seq=SEQ, pin=st.booleans())
-def test_device_equals_the_reference_step_by_step(kind, policy, seq, pin):
-    from freetoken.device import DeviceUnavailable, get_device
-
-    try:
-        dev = get_device(kind)
-    except DeviceUnavailable as e:  # pragma: no cover - machines without g++
-        pytest.skip(str(e))
+def test_device_equals_the_reference_step_by_step(device, policy, seq, pin):
+    dev = device
     model = ScoredCacheModel(LAYERS, EXPERTS, SLOTS, **POLICIES[policy])
     if pin:
         model.pin(2 * EXPERTS + 1, SLOTS - 1)
@@ -175,13 +169,8 @@ C_OPS = st.one_of(
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seq=st.lists(C_OPS, min_size=1, max_size=20), bypass=st.booleans())
-def test_expert_cache_default_policy_matches_the_reference(seq, bypass):
-    from freetoken.device import DeviceUnavailable, get_device
-
-    try:
-        dev = get_device("emu")
-    except DeviceUnavailable as e:  # pragma: no cover - machines without g++
-        pytest.skip(str(e))
+def test_expert_cache_default_policy_matches_the_reference(cuda_device, seq, bypass):
+    dev = cuda_device
     from freetoken.cache import ExpertCache
 
     pool, _ = _pool(dev, seed=7)
@@ -236,15 +225,10 @@ def test_expert_cache_default_policy_matches_the_reference(seq, bypass):
         _compare(cache, model)
 
 
-def test_expert_cache_default_policy_bypasses_in_a_small_cache():
+def test_expert_cache_default_policy_bypasses_in_a_small_cache(cuda_device):
     """8 slots for 12 records, no prefill buffers: the recommended policy bypasses misses; the pairs, the bypass list
     and the copied bytes stay those of the reference (check_invariants reads every owned slot's bytes)."""
-    from freetoken.device import DeviceUnavailable, get_device
-
-    try:
-        dev = get_device("emu")
-    except DeviceUnavailable as e:  # pragma: no cover - machines without g++
-        pytest.skip(str(e))
+    dev = cuda_device
     from freetoken.cache import ExpertCache
 
     pool, _ = _pool(dev, seed=7)
@@ -273,18 +257,13 @@ def test_expert_cache_default_policy_bypasses_in_a_small_cache():
 
 # ---- a whole trace: ExpertCache(policy="default") on emu == the simulator's `default` row -------------------------
 @pytest.mark.parametrize("layers,experts,slots,tokens", [(3, 8, 16, 1), (3, 8, 19, 2), (8, 4, 9, 2), (8, 4, 12, 1)])
-def test_expert_cache_replays_a_trace_as_the_simulator(layers, experts, slots, tokens):
+def test_expert_cache_replays_a_trace_as_the_simulator(cuda_device, layers, experts, slots, tokens):
     """A synthetic trace (segments with prefill; the 8 x 4 ones in caches smaller than a step's accesses, where
     bypass acts: 2082 misses, 147 loads) through ExpertCache(policy="default") on emu,
     as the runtime would drive it (each segment: prefill borrows both buffers, then the prefill prior of every layer;
     then each step's layers admitted in order): its misses and loads per decode step equal the simulator's replay of
     the same policy (freetoken/sim/policies.py scored_replay, the `default` row's engine)."""
-    from freetoken.device import DeviceUnavailable, get_device
-
-    try:
-        dev = get_device("emu")
-    except DeviceUnavailable as e:  # pragma: no cover - machines without g++
-        pytest.skip(str(e))
+    dev = cuda_device
     from freetoken import formats
     from freetoken.cache import ExpertCache, HostPool
     from freetoken.formats import RecordLayout
@@ -323,13 +302,8 @@ def test_expert_cache_replays_a_trace_as_the_simulator(layers, experts, slots, t
     assert want_misses.sum() > 0
 
 
-def test_expert_cache_default_policy_needs_its_state():
-    from freetoken.device import DeviceUnavailable, get_device
-
-    try:
-        dev = get_device("emu")
-    except DeviceUnavailable as e:  # pragma: no cover - machines without g++
-        pytest.skip(str(e))
+def test_expert_cache_default_policy_needs_its_state(cuda_device):
+    dev = cuda_device
     from freetoken.cache import ExpertCache
 
     pool, _ = _pool(dev, seed=7)
