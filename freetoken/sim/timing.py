@@ -217,6 +217,17 @@ def _prefetch_n(trace: Trace, prefetch_n: int | None) -> int:
     return int(prefetch_n) if prefetch_n is not None else min(trace.num_experts, trace.top_k * trace.tokens)
 
 
+def _disk_tier(trace, host_memory, disk_gbps, disk_latency_s: float, window: str) -> tuple[int, float]:
+    """(host rows of the disk tier, 0 without one; seconds per record read from disk), the arguments checked."""
+    host_rows = host_rows_for(trace, host_memory)
+    if host_rows and not (disk_gbps is not None and disk_gbps > 0):
+        raise ValueError("a host memory below the model's records needs the disk bandwidth (disk_gbps > 0)")
+    disk_s = trace.record_bytes / (disk_gbps * 1e9) + disk_latency_s if host_rows else 0.0
+    if window not in WINDOWS:
+        raise ValueError(f"unknown window {window!r} (expected one of {', '.join(WINDOWS)})")
+    return host_rows, disk_s
+
+
 def host_rows_for(trace: Trace, host_memory: int | None) -> int:
     """Records a host budget of ``host_memory`` bytes holds, 0 when it holds every record of the trace's model (no
     disk tier) or no budget is given; a budget under two layers' records is refused (ValueError naming the
@@ -294,12 +305,7 @@ def time_modes(trace: Trace, slots: int, pcie_gbps: float, cpu_gbps: float, gpu_
     top_k x tokens). ``host_memory`` (bytes) below the model's records with ``disk_gbps``: the disk tier (see the
     module docstring; ``disk_latency_s`` per record read). Raises ValueError on bad arguments.
     """
-    host_rows = host_rows_for(trace, host_memory)
-    if host_rows and not (disk_gbps is not None and disk_gbps > 0):
-        raise ValueError("a host memory below the model's records needs the disk bandwidth (disk_gbps > 0)")
-    disk_s = trace.record_bytes / (disk_gbps * 1e9) + disk_latency_s if host_rows else 0.0
-    if window not in WINDOWS:
-        raise ValueError(f"unknown window {window!r} (expected one of {', '.join(WINDOWS)})")
+    host_rows, disk_s = _disk_tier(trace, host_memory, disk_gbps, disk_latency_s, window)
     for mode in modes:
         _check_mode(mode)
     costs = StepCosts.from_bandwidths(trace.record_bytes, pcie_gbps, cpu_gbps, gpu_gbps, copy_latency_s,
@@ -365,12 +371,7 @@ def time_policies(trace: Trace, slots: int, pcie_gbps: float, cpu_gbps: float, g
     computed on the CPU, not cached; the call time is ``critical(q)`` with q = the admitted misses (see the module
     docstring; no q* split and no prefetch: the policy decides). ``lru`` is ``fetch_all`` exactly. Other
     arguments as :func:`time_modes`'s."""
-    host_rows = host_rows_for(trace, host_memory)
-    if host_rows and not (disk_gbps is not None and disk_gbps > 0):
-        raise ValueError("a host memory below the model's records needs the disk bandwidth (disk_gbps > 0)")
-    disk_s = trace.record_bytes / (disk_gbps * 1e9) + disk_latency_s if host_rows else 0.0
-    if window not in WINDOWS:
-        raise ValueError(f"unknown window {window!r} (expected one of {', '.join(WINDOWS)})")
+    host_rows, disk_s = _disk_tier(trace, host_memory, disk_gbps, disk_latency_s, window)
     if layer_s < 0 or step_s < 0:
         raise ValueError("layer_s and step_s must be >= 0")
     for pol in policies:
