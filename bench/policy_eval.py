@@ -26,7 +26,9 @@ at 50% and 75%, plus a quarter of it at the other capacities, minus 10 x the exc
 excess over LRU (traces with at least 100 LRU misses). Then every table for the tuning and held-out sets. The row
 ``default`` is the runtime's recommendation as the module defines it (freetoken.policy.next_use.RECOMMENDED: the
 prior plus the long memory, whose half-lives and weight were chosen on the tuning set by a small grid, not by this
-script's coordinate search); the ``gap`` columns are next_use+bypass+prior's and default's.
+script's coordinate search); ``default+trans`` adds next_use's transition predictor
+(freetoken.policy.next_use.RECOMMENDED_TRANS, its three values chosen on the tuning set by a small grid, not by this
+script); the ``gap`` columns are next_use+bypass+prior's, default's and default+trans's.
 
     python bench/policy_eval.py [--plot /tmp/policy.png] [--no-tune] [--quick]
 """
@@ -54,7 +56,7 @@ from freetoken.trace import Trace, load_trace, make_trace, prepare  # noqa: E402
 FRACTIONS = (0.125, 0.25, 0.5, 0.75, 0.9)
 HEADLINE = (0.5, 0.75)
 POLICY_NAMES = ("lru", "lfu_decay", "lfu_decay+bypass", "next_use", "next_use+bypass", "next_use+bypass+prior",
-                "default", "belady_start")
+                "default", "default+trans", "belady_start")
 GROUPS = ("prompts", "chats", "synthetic")
 #: synthetic configurations: (layers, experts, top_k, locality, steps, segments, tokens)
 SYNTHETIC = ((24, 64, 4, 0.3, 800, 4, 1), (24, 128, 6, 0.7, 800, 4, 1), (32, 64, 8, 0.5, 800, 4, 1),
@@ -240,6 +242,7 @@ def policy_fns(lfu_half_life: float, nu: dict, prior: dict) -> dict:
         "next_use+bypass+prior": lambda t, s: P.next_use(t, s, bypass=True, name="next_use+bypass+prior", **nu,
                                                          **prior),
         "default": lambda t, s: P.recommended_policy(t, s),
+        "default+trans": lambda t, s: P.recommended_trans(t, s),
         "belady_start": lambda t, s: P.belady_start(t, s),
     }
 
@@ -368,18 +371,19 @@ def report(res: dict, names, fractions, title: str) -> str:
         if g not in res:
             continue
         lines += [f"**{g}** (miss rate %, second half; gap = fraction of the LRU-to-belady_start gap closed)", "",
-                  "| capacity | " + " | ".join(names) + " | gap next_use+bypass+prior | gap default |",
-                  "|---" * (len(names) + 3) + "|"]
+                  "| capacity | " + " | ".join(names) +
+                  " | gap next_use+bypass+prior | gap default | gap default+trans |", "|---" * (len(names) + 4) + "|"]
         for f in fractions:
             row = res[g][f]
             cells = [f"{100.0 * row[p][0] / row[p][1]:.2f}" for p in names]
             lines.append(f"| {100 * f:g}% | " + " | ".join(cells) +
-                         f" | {gap_closed(row, 'next_use+bypass+prior'):.3f} | {gap_closed(row, 'default'):.3f} |")
+                         f" | {gap_closed(row, 'next_use+bypass+prior'):.3f} | {gap_closed(row, 'default'):.3f} |"
+                         f" {gap_closed(row, 'default+trans'):.3f} |")
         lines.append("")
     lines += ["**worst cases** (the largest relative excesses of misses over LRU, traces and capacities with at "
               "least 100 LRU misses)", "", "| policy | trace @ capacity (slots) | LRU misses | misses | excess |",
               "|---|---|---|---|---|"]
-    for p in ("next_use+bypass+prior", "default"):
+    for p in ("next_use+bypass+prior", "default", "default+trans"):
         if p not in names:
             continue
         rows = sorted(((row[p][0] / row["lru"][0] - 1, name, f, row) for (_g, name, f), row in res["per_trace"].items()

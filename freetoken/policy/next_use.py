@@ -24,6 +24,16 @@ experts, which decide what a large cache keeps (synthetic traces, stationary wit
 ones; the prefill prior seeds ``c4`` too, with its own keep (``long_prior_keep``: 0 forgets the previous segment's
 long rates when a new prompt's prefill arrives).
 
+**Transition predictor** (optional, off in :data:`RECOMMENDED`, on in :data:`RECOMMENDED_TRANS`, the simulator's
+``default+trans`` row): the rate and the continuation probability are per-id averages; which ids a layer's next call
+uses depends on which it uses now (a token's routing moves between related experts from step to step). Per layer,
+decayed counts ``tn[i, e]`` of "expert i active at a call of the layer, expert e active at its next call" and
+``tr[i]`` of "i active at a call followed by one" give, at each call, a noisy-or prediction ``pt[e]`` that the
+layer's next call uses e, from the rows of the call's active ids. The keys mix it into the probability that an id is
+used at its layer's next call: the continuation probability at age 0 and the rate's implied ``1 / w`` at age >= 1
+(weight ``lambda``). Everything is learned online (the counts of a call's transitions are made at that call); the
+work is O(E) per id active at the layer's previous or current call, the tables L x E x E + 2 L x E doubles.
+
 The rules (for the device port; the call order, stamps, empty slots and borrow are those of
 :mod:`~freetoken.policy.scored`; all arithmetic in doubles, in the order written, no fused multiply-add):
 
@@ -64,6 +74,23 @@ The rules (for the device port; the call order, stamps, empty slots and borrow a
   victim always admits; so does an unprotected one: bypass acts when every eligible id is protected (a cache
   smaller than about one step's accesses).
 * after the call: ``ld = (1 - omega) * ld + omega * (misses admitted by the call)``.
+* ``transitions`` (optional, ``lambda != 0``; constants ``lambda`` (weight), ``g`` (decay per row update), ``a``
+  (prior count); state per flat id ``tr`` and ``pt``, per flat id a row ``tn[f, 0..E-1]``, all starting at 0; with
+  ``lambda = 0`` none of this exists and the keys above are exact). A call of layer ``c`` with ids ``A``, just after
+  ``lclock[c] += 1`` and before the statistics update: every id ``i`` of layer ``c`` in increasing order with
+  ``last[i] > 0`` and ``last[i] == now - 1`` (active at the layer's previous call, or touched by a prefill prior
+  since): ``tr[i] = g * tr[i] + 1.0`` and for ``e = 0..E-1``: ``tn[i, e] = g * tn[i, e] + (c * E + e in A ? 1.0 :
+  0.0)``. After the statistics update, when ``A`` is not empty, for every expert ``e`` of layer ``c``::
+
+      y = 1.0;  for each f in A, increasing:  y = y * (1.0 - (tn[f, e] / (tr[f] + a)))
+      pt[c * E + e] = 1.0 - y
+
+  (computed before the call's victims, also in a call without misses). The keep key of a resident (and the
+  bypassing miss's own key) uses ``pt[o]``::
+
+      a >= 1:  p = ((1.0 - lambda) * (1.0 / w)) + (lambda * pt[o]);  key = -((((1.0 - p) * L) * w) + d)
+      a == 0:  p = (c2[o] + kappa * pbar) / (c3[o] + kappa);  p = ((1.0 - lambda) * p) + (lambda * pt[o]);
+               key = 2^40 - ((((1.0 - p) * L) * w) + d)
 * ``prior`` (optional, at a segment start, after the borrow): each layer's prefill routing counts seed the return
   counts (:func:`~freetoken.policy.scored.scored_prefill`: ``c1 = keep * (c1 * dp[age]) + (weight * p) * (1.0 /
   q)`` with ``p`` the expert's share of the prefill routing times tokens x top-k, capped at 1, and ``c4 = keep2 *
@@ -78,7 +105,8 @@ Functions (those of :mod:`~freetoken.policy.scored` under this policy's names): 
 :func:`next_use_replay_calls` (a trace's calls, for the simulator). :data:`DEFAULT_PARAMS` are the hyperparameters
 tuned by ``bench/policy_eval.py`` on its tuning traces; :data:`RECOMMENDED` is the configuration recommended as the
 runtime's default policy (the simulator's ``default`` row; :data:`PRIOR_ONLY`, the previous one, is its
-``next_use+bypass+prior`` row).
+``next_use+bypass+prior`` row; :data:`RECOMMENDED_TRANS`, with the transition predictor, its ``default+trans``
+row).
 """
 
 from __future__ import annotations
@@ -110,6 +138,13 @@ DEFAULT_LONG = {"half_life": 8.0, "long_weight": 0.35, "long_half_life": 64.0, "
 RECOMMENDED = {**DEFAULT_PARAMS, **DEFAULT_PRIOR, **DEFAULT_LONG, "bypass": True}
 #: the previous recommendation (the simulator's ``next_use+bypass+prior`` row): no long memory
 PRIOR_ONLY = {**DEFAULT_PARAMS, **DEFAULT_PRIOR, "bypass": True}
+#: the transition predictor (off by default in :func:`next_use_new`; tuned with RECOMMENDED's other values fixed by a
+#: small grid on bench/policy_eval.py's tuning traces: weight 0.4-1.0, decay 0.9-0.99, prior 0.5-2, noisy-or
+#: against mean and max of the rows)
+DEFAULT_TRANS = {"trans_weight": 0.6, "trans_decay": 0.9, "trans_prior": 1.0}
+#: :data:`RECOMMENDED` plus the transition predictor (the simulator's ``default+trans`` row); the device admission
+#: does not run it yet
+RECOMMENDED_TRANS = {**RECOMMENDED, **DEFAULT_TRANS}
 
 next_use_admit = scored_admit
 next_use_borrow = scored_borrow
@@ -132,7 +167,9 @@ def next_use_new(num_layers: int, num_experts: int, slots: int, half_life: float
                  load_half_life: float = DEFAULT_PARAMS["load_half_life"], bypass: bool = False,
                  cycle: bool = DEFAULT_PARAMS["cycle"], prior_weight: float = 0.0, prior_keep: float = 1.0,
                  long_weight: float = 0.0, long_half_life: float = DEFAULT_LONG["long_half_life"],
-                 long_prior_keep: float = 1.0) -> tuple:
+                 long_prior_keep: float = 1.0, trans_weight: float = 0.0,
+                 trans_decay: float = DEFAULT_TRANS["trans_decay"],
+                 trans_prior: float = DEFAULT_TRANS["trans_prior"]) -> tuple:
     """A fresh next_use state: ``slots`` empty slots for ``num_layers x num_experts`` flat ids.
 
     ``half_life``: of the return count (steps of an id's layer); ``rho``: what a continuation adds to it (a return
@@ -142,7 +179,9 @@ def next_use_new(num_layers: int, num_experts: int, slots: int, half_life: float
     ``bypass``: admit a miss only when it is expected back before its victim; ``cycle``: count the calls until the
     id's layer comes round (off: every id waits L calls); ``prior_weight``, ``prior_keep``: the prefill prior
     (:func:`next_use_prefill`; weight 0 and keep 1: none); ``long_weight`` (0: off), ``long_half_life``,
-    ``long_prior_keep``: the long memory (its share of the rate, its half-life, what the prefill prior keeps of it)."""
+    ``long_prior_keep``: the long memory (its share of the rate, its half-life, what the prefill prior keeps of it);
+    ``trans_weight`` (0: off), ``trans_decay``, ``trans_prior``: the transition predictor (its weight in the use
+    probability of an id's next call, the decay of a count row per update, the prior count of a row)."""
     if rho < 0 or not kappa > 0 or not 0.0 <= id_decay <= 1.0:
         raise ValueError("rho must be >= 0, kappa > 0, id_decay in [0, 1]")
     if not (global_half_life > 0 and load_half_life > 0):
@@ -153,4 +192,5 @@ def next_use_new(num_layers: int, num_experts: int, slots: int, half_life: float
                       kappa=kappa, id_decay=id_decay, global_decay=math.exp2(-1.0 / global_half_life),
                       load_weight=1.0 - math.exp2(-1.0 / (load_half_life * num_layers)),
                       prior_weight=prior_weight, prior_keep=prior_keep, long_weight=long_weight,
-                      long_half_life=long_half_life, long_prior_keep=long_prior_keep)
+                      long_half_life=long_half_life, long_prior_keep=long_prior_keep, trans_weight=trans_weight,
+                      trans_decay=trans_decay, trans_prior=trans_prior)

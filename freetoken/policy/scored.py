@@ -22,6 +22,10 @@ expert``), in increasing order, in one decode step. It does, in this order:
    slot and the slot is stamped;
 5. next_use only: the loads (admitted misses) of the call update a global average (``glob[LOADS]``).
 
+next_use's optional **transition predictor** (``params[TRANS_WEIGHT] != 0``; :mod:`~freetoken.policy.next_use`
+spells out its rules) updates its tables in step 2 (before the statistics: the rows of the ids of the layer's
+previous call; after them: the prediction of the layer's next call) and enters the keys of step 4.
+
 Keys of eligible slots do not change within a call (only active ids' statistics change, and active ids are not
 eligible; the global values a key reads are fixed for the call), so a call's victims are its smallest keys in
 order: :func:`scored_admit` finds them with one scan of the slots (one argmin per miss, as ``cache_admit`` does for
@@ -39,11 +43,14 @@ functions::
     dp          float64 [K]   the decay table (:func:`decay_table`), uploaded as data
     lclock      int64   [L]   per-layer call counts
     glob        float64 [3]   next_use's global estimates [continuations, re-accesses, loads per call]
-    params      float64 [10]  [rate scale, rho, kappa, id decay, global decay, load weight, prior weight, prior keep,
-                               long weight, long prior keep]
+    params      float64 [13]  [rate scale, rho, kappa, id decay, global decay, load weight, prior weight, prior keep,
+                               long weight, long prior keep, trans weight, trans decay, trans prior]
     meta        int64   [7]   [call clock, kind, E, L, bypass, cycle, pinned count]
     c4          float64 [N]   next_use's long-memory return count (the decay table dp2)
     dp2         float64 [K2]  the long memory's decay table
+    tn          float64 [N*E] the transition predictor's counts, row f (``tn[f * E + e]``); size 0 when it is off
+    tr          float64 [N]   its row totals (size 0 when off)
+    pt          float64 [N]   its prediction of each id's use at its layer's next call (size 0 when off)
 
 Every operation is O(1) per active id plus one O(slots) scan per call that has misses; a borrow is O(borrowed), a
 prefill prior O(E). :func:`scored_replay_calls` replays a trace's calls with the state unpacked once.
@@ -68,10 +75,11 @@ from freetoken.device.constants import (
 )
 from freetoken.policy.lru import map_slot, unmap_slot
 
-SLOT_OF, OWNER, STAMP, PINNED, LAST, C1, C2, C3, DP, LCLOCK, GLOB, PARAMS, META, C4, DP2 = range(15)
+SLOT_OF, OWNER, STAMP, PINNED, LAST, C1, C2, C3, DP, LCLOCK, GLOB, PARAMS, META, C4, DP2, TN, TR, PT = range(18)
 CLOCK, KIND, NUM_EXPERTS, NUM_LAYERS, BYPASS, CYCLE, N_PINNED = range(7)
 G_CONT, G_REUSE, G_LOADS = SCORED_G_CONT, SCORED_G_REUSE, SCORED_G_LOADS
-RATE, RHO, KAPPA, ID_DECAY, GLOBAL_DECAY, LOAD_WEIGHT, PRIOR_WEIGHT, PRIOR_KEEP, LONG_WEIGHT, LONG_KEEP = range(10)
+(RATE, RHO, KAPPA, ID_DECAY, GLOBAL_DECAY, LOAD_WEIGHT, PRIOR_WEIGHT, PRIOR_KEEP, LONG_WEIGHT, LONG_KEEP, TRANS_WEIGHT,
+ TRANS_DECAY, TRANS_PRIOR) = range(13)
 KIND_LFU_DECAY, KIND_NEXT_USE = 0, 1
 #: decay tables run out after this many half-lives (2 ** -64 of a count is nothing)
 TABLE_HALF_LIVES = 64
@@ -102,7 +110,8 @@ def scored_new(kind: int, num_layers: int, num_experts: int, slots: int, half_li
                cycle: bool = False, rho: float = 1.0, kappa: float = 0.0, id_decay: float = 1.0,
                global_decay: float = 1.0, load_weight: float = 0.0, prior_weight: float = 0.0,
                prior_keep: float = 1.0, long_weight: float = 0.0, long_half_life: float = 64.0,
-               long_prior_keep: float = 1.0) -> tuple:
+               long_prior_keep: float = 1.0, trans_weight: float = 0.0, trans_decay: float = 0.9,
+               trans_prior: float = 1.0) -> tuple:
     """A fresh state: ``slots`` empty slots for the flat ids of ``num_layers x num_experts``. The policy modules'
     ``*_new`` functions fill in the parameters; see their docstrings."""
     if kind not in (KIND_LFU_DECAY, KIND_NEXT_USE):
@@ -113,16 +122,22 @@ def scored_new(kind: int, num_layers: int, num_experts: int, slots: int, half_li
     dp = decay_table(half_life)
     if not 0.0 <= long_weight <= 1.0 or not 0.0 <= long_prior_keep <= 1.0:
         raise ValueError("long_weight and long_prior_keep must be in [0, 1]")
+    if not 0.0 <= trans_weight <= 1.0 or not 0.0 <= trans_decay <= 1.0 or not trans_prior > 0.0:
+        raise ValueError("trans_weight and trans_decay must be in [0, 1], trans_prior > 0")
+    if trans_weight != 0.0 and kind != KIND_NEXT_USE:
+        raise ValueError("the transition predictor is next_use's")
     dp2 = decay_table(long_half_life)
     params = np.array([1.0 - dp[1], rho, kappa, id_decay, global_decay, load_weight, prior_weight, prior_keep,
-                       long_weight, long_prior_keep], np.float64)
+                       long_weight, long_prior_keep, trans_weight, trans_decay, trans_prior], np.float64)
     # loads per call such that the horizon starts at TAU_START steps
     glob = np.array([P_START, 1.0, slots / (TAU_START * num_layers)], np.float64)
     meta = np.array([0, kind, num_experts, num_layers, int(bool(bypass)), int(bool(cycle)), 0], np.int64)
+    nt = n if trans_weight != 0.0 else 0  # the transition predictor's arrays exist only when it is on
     return (np.full(n, -1, np.int32), np.full(slots, -1, np.int32), np.full(slots, -1, np.int64),
             np.zeros(slots, np.uint8), np.zeros(n, np.int64), np.zeros(n, np.float64), np.zeros(n, np.float64),
             np.zeros(n, np.float64), dp, np.zeros(num_layers, np.int64), glob, params, meta,
-            np.zeros(n, np.float64), dp2)
+            np.zeros(n, np.float64), dp2, np.zeros(nt * num_experts, np.float64), np.zeros(nt, np.float64),
+            np.zeros(nt, np.float64))
 
 
 @nb.njit(cache=True, inline="always")
@@ -142,7 +157,7 @@ def _call_globals(glob, params, slots, num_layers):  # pragma: no cover - compil
 
 @nb.njit(cache=True, inline="always")
 def _key(kind, o, lo, c, num_layers, last, c1, c2, c3, dp, lclock, params, pbar, itau, cycle, c4,
-         dp2):  # pragma: no cover - compiled
+         dp2, pt):  # pragma: no cover - compiled
     """The keep key of id ``o`` (of layer ``lo``) for a call of layer ``c`` at the current clocks."""
     a = lclock[lo] - last[o]
     t = c1[o] * dp[min(a, dp.shape[0] - 1)]
@@ -157,14 +172,24 @@ def _key(kind, o, lo, c, num_layers, last, c1, c2, c3, dp, lclock, params, pbar,
     d = num_layers
     if cycle:
         d = (lo - c - 1 + num_layers) % num_layers + 1
+    lam = params[TRANS_WEIGHT]
     if a == 0:
         kap = params[KAPPA]
         p = (c2[o] + kap * pbar) / (c3[o] + kap)
+        if lam != 0.0:
+            p = ((1.0 - lam) * p) + (lam * pt[o])
         x = 1.0 - p
         x = x * num_layers
         x = x * w
         x = x + d
         return PROTECT - x
+    if lam != 0.0:
+        p = ((1.0 - lam) * (1.0 / w)) + (lam * pt[o])
+        x = 1.0 - p
+        x = x * num_layers
+        x = x * w
+        x = x + d
+        return -x
     x = w - 1.0
     x = num_layers * x
     x = x + d
@@ -180,14 +205,56 @@ def keep_key(st, f, layer):  # pragma: no cover - compiled
     pbar, itau = _call_globals(st[GLOB], params, st[OWNER].shape[0], meta[NUM_LAYERS])
     lclock[layer] += 1
     k = _key(meta[KIND], f, f // e, layer, meta[NUM_LAYERS], st[LAST], st[C1], st[C2], st[C3], st[DP], lclock,
-             params, pbar, itau, meta[CYCLE] != 0, st[C4], st[DP2])
+             params, pbar, itau, meta[CYCLE] != 0, st[C4], st[DP2], st[PT])
     lclock[layer] -= 1
     return k
 
 
 @nb.njit(cache=True)
-def _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, params, meta, c4, dp2, layer, ids, n,
-           evicted, vslot, vkey):  # pragma: no cover - compiled
+def _trans_update(last, tn, tr, params, e_n, layer, now, ids, n):  # pragma: no cover - compiled
+    """The transition predictor's counts at a call of ``layer`` (``now``: its advanced layer clock), before the
+    statistics update: every id i of the layer with ``last > 0`` and ``last == now - 1`` (active at the layer's
+    previous call, or touched by a prefill prior since) gets ``tr = g * tr + 1`` and, for every expert e of the layer,
+    ``tn[i, e] = g * tn[i, e] + (e active now ? 1 : 0)``."""
+    g = params[TRANS_DECAY]
+    base = layer * e_n
+    for i in range(e_n):
+        f = base + i
+        if last[f] <= 0 or last[f] != now - 1:
+            continue
+        tr[f] = g * tr[f] + 1.0
+        row = f * e_n
+        j = 0
+        for e in range(e_n):
+            while j < n and ids[j] < base + e:
+                j += 1
+            x = 0.0
+            if j < n and ids[j] == base + e:
+                x = 1.0
+            tn[row + e] = g * tn[row + e] + x
+
+
+@nb.njit(cache=True)
+def _trans_predict(tn, tr, pt, params, e_n, layer, ids, n):  # pragma: no cover - compiled
+    """The transition predictor's noisy-or of the active ids' rows: ``pt[e] = 1 - prod_i (1 - tn[i, e] / (tr[i] +
+    a))`` over the call's ids i in increasing order, for every expert e of ``layer``."""
+    a = params[TRANS_PRIOR]
+    base = layer * e_n
+    for e in range(e_n):
+        pt[base + e] = 1.0
+    for j in range(n):
+        f = ids[j]
+        den = tr[f] + a
+        row = f * e_n
+        for e in range(e_n):
+            pt[base + e] = pt[base + e] * (1.0 - (tn[row + e] / den))
+    for e in range(e_n):
+        pt[base + e] = 1.0 - pt[base + e]
+
+
+@nb.njit(cache=True)
+def _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, params, meta, c4, dp2, tn, tr, pt, layer,
+           ids, n, evicted, vslot, vkey):  # pragma: no cover - compiled
     """:func:`scored_admit` on the unpacked state; ``vslot``/``vkey``: room for n victims."""
     kind = meta[KIND]
     num_layers = meta[NUM_LAYERS]
@@ -201,6 +268,9 @@ def _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, pa
     rho = params[RHO]
     idd = params[ID_DECAY]
     gd = params[GLOBAL_DECAY]
+    trans = kind == KIND_NEXT_USE and params[TRANS_WEIGHT] != 0.0
+    if trans:
+        _trans_update(last, tn, tr, params, meta[NUM_EXPERTS], layer, now, ids, n)
     hits = 0
     for j in range(n):
         f = ids[j]
@@ -226,6 +296,8 @@ def _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, pa
         if s >= 0:
             stamp[s] = call
             hits += 1
+    if trans and n > 0:
+        _trans_predict(tn, tr, pt, params, meta[NUM_EXPERTS], layer, ids, n)
     m = n - hits
     if m == 0:
         if kind == KIND_NEXT_USE:
@@ -242,7 +314,7 @@ def _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, pa
             k = -np.inf
         else:
             k = _key(kind, o, o // meta[NUM_EXPERTS], layer, num_layers, last, c1, c2, c3, dp, lclock, params, pbar,
-                     itau, cycle, c4, dp2)
+                     itau, cycle, c4, dp2, pt)
         if nv == m:
             if not k < vkey[m - 1]:
                 continue
@@ -268,7 +340,7 @@ def _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, pa
         o = owner[s]
         if bypass and o >= 0:
             kin = _key(kind, f, layer, layer, num_layers, last, c1, c2, c3, dp, lclock, params, pbar, itau, cycle,
-                       c4, dp2)
+                       c4, dp2, pt)
             if not kin > vkey[p]:
                 evicted[i] = BYPASSED
                 i += 1
@@ -287,11 +359,11 @@ def scored_admit(st, layer, ids, n, evicted):  # pragma: no cover - compiled
     """One whole call of ``layer``: its unique flat ids ``ids[:n]`` in increasing order. Returns the number of
     misses; ``evicted[i]`` (n ints of room) is what the i-th miss did: the id it evicted, -1 (it took an empty
     slot) or -2 (bypassed: not loaded). Raises when a miss finds no eligible slot (the device reports error 2)."""
-    slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, params, meta, c4, dp2 = st
+    slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, params, meta, c4, dp2, tn, tr, pt = st
     vslot = np.empty(max(n, 1), np.int32)
     vkey = np.empty(max(n, 1), np.float64)
-    return _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, params, meta, c4, dp2, layer,
-                  ids, n, evicted, vslot, vkey)
+    return _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, params, meta, c4, dp2, tn, tr, pt,
+                  layer, ids, n, evicted, vslot, vkey)
 
 
 @nb.njit(cache=True)
@@ -373,7 +445,7 @@ def scored_replay_calls(st, active, counts, seg_start, step_segment, prefill, k_
     prefill prior, :func:`scored_prefill` of every layer with ``prefill[step_segment[t], layer]``.
     ``misses[t]`` += step t's misses, ``loads[t]`` += its admitted ones. Equivalent to :func:`scored_borrow`,
     :func:`scored_prefill` and :func:`scored_admit` per call."""
-    slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, params, meta, c4, dp2 = st
+    slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, params, meta, c4, dp2, tn, tr, pt = st
     steps, layers, width = active.shape
     evicted = np.empty(max(width, borrow_n, 1), np.int32)
     vslot = np.empty(max(width, 1), np.int32)
@@ -389,8 +461,8 @@ def scored_replay_calls(st, active, counts, seg_start, step_segment, prefill, k_
         m_t = 0
         l_t = 0
         for layer in range(layers):
-            m = _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, params, meta, c4, dp2,
-                       layer, active[t, layer], counts[t, layer], evicted, vslot, vkey)
+            m = _admit(slot_of, owner, stamp, pinned, last, c1, c2, c3, dp, lclock, glob, params, meta, c4, dp2, tn,
+                       tr, pt, layer, active[t, layer], counts[t, layer], evicted, vslot, vkey)
             m_t += m
             for i in range(m):
                 if evicted[i] != BYPASSED:
@@ -418,6 +490,8 @@ def device_consts(st) -> np.void:
     p, meta, dp, dp2 = st[PARAMS], st[META], st[DP], st[DP2]
     if int(meta[KIND]) != KIND_NEXT_USE:
         raise ValueError("the device runs the next_use kind of the scored policies only")
+    if p[TRANS_WEIGHT] != 0.0:
+        raise ValueError("the device admission has no transition predictor (trans_weight must be 0)")
     c = np.zeros((), SCORED_CONSTS)
     c["q"], c["q2"] = p[RATE], 1.0 - dp2[1]
     c["rho"], c["kappa"], c["id_decay"] = p[RHO], p[KAPPA], p[ID_DECAY]

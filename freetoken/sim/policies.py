@@ -16,7 +16,8 @@ Terms used throughout:
 Each policy is ``policy(trace, slots, window=...) -> PolicyResult``; :data:`POLICIES` maps names to them.
 The demand policies (``lru``, ``lfu_decay``, ``next_use`` and their ``+bypass`` variants, ``next_use+bypass+prior``,
 and ``default``: the one recommended as the runtime's next default, :data:`freetoken.policy.next_use.RECOMMENDED`,
-next_use with bypass, the prefill prior and the long memory; the runtime runs LRU) replay the whole trace through
+next_use with bypass, the prefill prior and the long memory; the runtime runs LRU; ``default+trans``: it plus the
+transition predictor, :data:`freetoken.policy.next_use.RECOMMENDED_TRANS`) replay the whole trace through
 the policy core's state machines (:mod:`freetoken.policy`), with prefill borrowing; :data:`BORROWING` names them.
 
 Belady is the lower bound: with its free (re)fills at the window start and at every segment start, every other
@@ -34,14 +35,14 @@ import numpy as np
 
 from freetoken.policy.lfu_decay import DEFAULT_HALF_LIFE, lfu_decay_new
 from freetoken.policy.lru import OWNER, lru_new, lru_replay_calls
-from freetoken.policy.next_use import PRIOR_ONLY, RECOMMENDED, next_use_new
+from freetoken.policy.next_use import PRIOR_ONLY, RECOMMENDED, RECOMMENDED_TRANS, next_use_new
 from freetoken.policy.scored import scored_replay_calls
 from freetoken.trace.derived import WINDOWS, check_slots, prepare, window_steps
 from freetoken.trace.format import Trace
 
 __all__ = ["BORROWING", "DEFAULT_POLICIES", "POLICIES", "WINDOWS", "PolicyResult", "belady", "belady_sequence",
            "belady_start", "demand_state", "lfu_decay", "lru", "lru_replay", "next_use", "prefill_placement",
-           "recommended_policy", "routing_blind", "scored_replay", "static_frequency"]
+           "recommended_policy", "recommended_trans", "routing_blind", "scored_replay", "static_frequency"]
 
 
 @dataclass
@@ -201,6 +202,15 @@ def recommended_policy(trace: Trace, slots: int, window: str = "second_half",
     memory)."""
     r = next_use(trace, slots, window, prefill_borrow, name="default", **RECOMMENDED)
     r.note = "next_use+bypass+prior+long; " + r.note
+    return r
+
+
+def recommended_trans(trace: Trace, slots: int, window: str = "second_half",
+                      prefill_borrow: bool = True) -> PolicyResult:
+    """Row ``default+trans``: :func:`recommended_policy` plus next_use's transition predictor
+    (:data:`freetoken.policy.next_use.RECOMMENDED_TRANS`; the device admission does not run it yet)."""
+    r = next_use(trace, slots, window, prefill_borrow, name="default+trans", **RECOMMENDED_TRANS)
+    r.note = "next_use+bypass+prior+long+trans; " + r.note
     return r
 
 
@@ -488,6 +498,7 @@ POLICIES: dict[str, Callable[..., PolicyResult]] = {
     "next_use+bypass": next_use_bypass,
     "next_use+bypass+prior": next_use_prior,
     "default": recommended_policy,
+    "default+trans": recommended_trans,
     "static_frequency": static_frequency,
     "prefill_placement": prefill_placement,
     "routing_blind": routing_blind,
@@ -497,7 +508,7 @@ POLICIES: dict[str, Callable[..., PolicyResult]] = {
 DEFAULT_POLICIES = ("lru", "static_frequency", "prefill_placement", "routing_blind", "belady")
 #: the policies that take ``prefill_borrow`` (demand policies replayed with the device's prefill borrowing)
 BORROWING = ("lru", "lfu_decay", "lfu_decay+bypass", "next_use", "next_use+bypass", "next_use+bypass+prior",
-             "default")
+             "default", "default+trans")
 
 
 def demand_state(name: str, trace: Trace, slots: int):
@@ -514,4 +525,6 @@ def demand_state(name: str, trace: Trace, slots: int):
         return next_use_new(L, E, slots, **PRIOR_ONLY)
     if name == "default":
         return next_use_new(L, E, slots, **RECOMMENDED)
+    if name == "default+trans":
+        return next_use_new(L, E, slots, **RECOMMENDED_TRANS)
     raise ValueError(f"no scored demand policy {name!r} (known: {', '.join(BORROWING[1:])})")
