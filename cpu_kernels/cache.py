@@ -142,10 +142,10 @@ def _scored_key(o, lo, c, last, c1, c2, c3, c4, dp, dp2, lclock, q, q2, kappa, l
 def cache_admit_scored(ids, layer, experts, slot_for_id, id_of_slot, stamp, pinned, clock, lclock, last, c1, c2,
                        c3, c4, dp, dp2, glob, q, q2, rho, kappa, id_decay, global_decay, load_weight, long_weight,
                        layers, bypass, cycle, worklist, n_work, bypass_list, n_bypass, hits, misses, bypassed, err,
-                       count):
+                       count, max_bypass):
     """The scored (next_use) admission of one layer's routed ids: ``cache_admit_scored`` of ``cuda/cache.cu`` on the
     same arrays (the ScoredConsts fields as scalars). Bypassed misses' pairs get ``CACHE_BYPASSED`` and their flat
-    ids go to ``bypass_list`` (count in ``n_bypass[0]``)."""
+    ids go to ``bypass_list`` (count in ``n_bypass[0]``); at most ``max_bypass`` per call (later ones are admitted)."""
     flat_ids = ids.reshape(-1)
     pairs = flat_ids.size
     call = clock[0] + 1
@@ -231,7 +231,7 @@ def cache_admit_scored(ids, layer, experts, slot_for_id, id_of_slot, stamp, pinn
             err[0] = max(err[0], 2)
             continue
         old = id_of_slot[best]
-        if bypass != 0 and old >= 0:
+        if bypass != 0 and nb_ < max_bypass and old >= 0:
             kin = _scored_key(f, layer, layer, last, c1, c2, c3, c4, dp, dp2, lclock, q, q2, kappa, long_weight,
                               layers, cycle != 0, pbar, itau)
             if not kin > best_key:
@@ -292,3 +292,34 @@ def cache_scored_prefill(layer, experts, counts, k_eff, lclock, last, c1, c4, dp
         c1[f] = prior_keep * t + wp * steady
         c4[f] = long_prior_keep * t2 + wp * steady2
         last[f] = now
+
+
+@nb.njit(error_model="numpy", cache=True)
+def cache_stream_bypassed(ids, slots, layer, experts, bypass, n_bypass, scratch, limit, worklist, n_work, err):
+    """The last scored admission's bypassed misses, the first ``limit`` (all when < 0) streamed through scratch slots
+    (``cache_stream_bypassed`` in ``cuda/cache.cu``): ``bypass[i]`` goes to slot ``scratch + i``, its worklist item
+    after the admitted misses', and every pair of ``slots`` marked ``CACHE_BYPASSED`` reads it there; the pairs of
+    the rest get ``NO_ROUTE`` (``ids``: the call's expert ids). A marked pair whose id is not listed gets
+    ``NO_ROUTE`` and err 1."""
+    nb_, nw = n_bypass[0], n_work[0]
+    ns = nb_ if limit < 0 else min(limit, nb_)
+    flat_ids, flat_slots = ids.reshape(-1), slots.reshape(-1)
+    for p in range(flat_slots.size):
+        if flat_slots[p] != CACHE_BYPASSED:
+            continue
+        f = layer * experts + flat_ids[p]
+        s = NO_ROUTE
+        listed = False
+        for i in range(nb_):
+            if bypass[i] == f:
+                listed = True
+                if i < ns:
+                    s = scratch + i
+                break
+        if not listed:
+            err[0] = max(err[0], 1)
+        flat_slots[p] = s
+    for i in range(ns):
+        worklist[2 * (nw + i)] = scratch + i
+        worklist[2 * (nw + i) + 1] = bypass[i]
+    n_work[0] = nw + ns

@@ -301,7 +301,8 @@ __device__ __forceinline__ double scored_key(int o, int lo, int c, const long lo
 // each miss, in increasing id order, takes the eligible slot (not stamped in this call, not pinned) with the
 // smallest (keep key, slot); keys are recomputed per miss (they do not change within a call). With bypass, a miss
 // whose own key is not strictly greater than an owned victim's is bypassed: nothing is loaded or evicted, its pairs
-// get slot FT_CACHE_BYPASSED and its flat id goes to bypass[n_bypass[0]++] (the caller serves it from the host).
+// get slot FT_CACHE_BYPASSED and its flat id goes to bypass[n_bypass[0]++] (the caller serves it from the host);
+// at most max_bypass misses of a call are bypassed (the caller's scratch slots), later ones are admitted.
 // Then glob's loads average takes the call's admitted misses. count: hits, misses and bypassed [layers] are counted.
 extern "C" __global__ void __launch_bounds__(1024) cache_admit_scored(
     int* __restrict__ ids, int pairs, int layer, int experts, int* __restrict__ slot_for_id,
@@ -311,7 +312,7 @@ extern "C" __global__ void __launch_bounds__(1024) cache_admit_scored(
     const double* __restrict__ dp, const double* __restrict__ dp2, double* __restrict__ glob, ScoredConsts k,
     int* __restrict__ worklist, int* __restrict__ n_work, int* __restrict__ bypass, int* __restrict__ n_bypass,
     long long* __restrict__ hits, long long* __restrict__ misses, long long* __restrict__ bypassed,
-    int* __restrict__ err, int count) {
+    int* __restrict__ err, int count, int max_bypass) {
   __shared__ int flat[FT_CACHE_MAX_PAIRS];
   __shared__ int lead[FT_CACHE_MAX_PAIRS];
   __shared__ int active[FT_CACHE_MAX_PAIRS];
@@ -429,7 +430,7 @@ extern "C" __global__ void __launch_bounds__(1024) cache_admit_scored(
           const int v = b.slot;
           const int old = id_of_slot[v];
           bool admit = true;
-          if (k.bypass && old >= 0) {
+          if (k.bypass && n_bypassed < max_bypass && old >= 0) {
             const double kin = scored_key(f, layer, layer, last, c1, c2, c3, c4, dp, dp2, lclock, k, pb, it);
             admit = kin > b.key;
           }
@@ -502,4 +503,41 @@ extern "C" __global__ void cache_scored_prefill(int layer, int experts, const do
     c4[f] = __dadd_rn(__dmul_rn(k.long_prior_keep, t2), __dmul_rn(wp, steady2));
     last[f] = now;
   }
+}
+
+// The misses the last scored admission bypassed (bypass[0 .. n_bypass)), the first `limit` of them (all when limit
+// < 0) streamed through scratch slots: bypass[i] is copied into slot scratch + i (a slot past the cache's own, which
+// no id owns: nothing is evicted and nothing stays resident), its worklist item goes after the admitted misses', and
+// every pair the admission marked FT_CACHE_BYPASSED reads it there; the pairs of bypass[limit ..] get FT_NO_ROUTE
+// (the caller computes them elsewhere: the q* split's CPU share). `ids` are the call's expert ids (the admission
+// rewrote its copy `slots`). A marked pair whose id is not in the list (the admission never writes one) is an error:
+// err gets FT_CACHE_ERR_ID_RANGE and the pair FT_NO_ROUTE, so no kernel reads a slot that does not exist. One block.
+extern "C" __global__ void cache_stream_bypassed(const int* __restrict__ ids, int* __restrict__ slots, int pairs,
+                                                 int layer, int experts, const int* __restrict__ bypass,
+                                                 const int* __restrict__ n_bypass, int scratch, int limit,
+                                                 int* __restrict__ worklist, int* __restrict__ n_work,
+                                                 int* __restrict__ err) {
+  const int nb = *n_bypass, nw = *n_work;
+  const int ns = limit < 0 ? nb : min(limit, nb);
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+    if (slots[p] != FT_CACHE_BYPASSED) continue;
+    const int f = layer * experts + ids[p];
+    int s = FT_NO_ROUTE;
+    bool listed = false;
+    for (int i = 0; i < nb; ++i) {
+      if (bypass[i] == f) {
+        listed = true;
+        if (i < ns) s = scratch + i;
+        break;
+      }
+    }
+    if (!listed) atomicMax(err, FT_CACHE_ERR_ID_RANGE);
+    slots[p] = s;
+  }
+  for (int i = threadIdx.x; i < ns; i += blockDim.x) {
+    worklist[2 * (nw + i)] = scratch + i;
+    worklist[2 * (nw + i) + 1] = bypass[i];
+  }
+  __syncthreads();  // every thread has read n_work
+  if (threadIdx.x == 0) *n_work = nw + ns;
 }

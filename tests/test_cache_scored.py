@@ -175,7 +175,7 @@ def test_expert_cache_default_policy_matches_the_reference(cuda_device, seq, byp
 
     pool, _ = _pool(dev, seed=7)
     params = {**POLICIES[0], "bypass": bypass}
-    cache = ExpertCache(pool, C_SLOTS, max_active=C_ACTIVE, policy="default",
+    cache = ExpertCache(pool, C_SLOTS, max_active=C_ACTIVE, policy="default", scratch=0,
                         policy_state=next_use_device(C_LAYERS, C_EXPERTS, C_SLOTS, **params))
     model = ScoredCacheModel(C_LAYERS, C_EXPERTS, C_SLOTS, **params)
     for op in seq:
@@ -233,7 +233,7 @@ def test_expert_cache_default_policy_bypasses_in_a_small_cache(cuda_device):
 
     pool, _ = _pool(dev, seed=7)
     cache = ExpertCache(pool, 8, max_active=C_ACTIVE, policy="default", prefill_overlap=False,
-                        policy_state=next_use_device(C_LAYERS, C_EXPERTS, 8))
+                        scratch=0, policy_state=next_use_device(C_LAYERS, C_EXPERTS, 8))
     model = ScoredCacheModel(C_LAYERS, C_EXPERTS, 8)
     rng = np.random.default_rng(1)
     n = 0
@@ -251,6 +251,63 @@ def test_expert_cache_default_policy_bypasses_in_a_small_cache(cuda_device):
     stats = cache.stats()
     assert stats["bypassed"] == n == int(model.bypassed.sum())
     assert stats["bytes_copied"] == (stats["misses"] - n) * cache.record_bytes
+    cache.check_invariants()
+    cache.check_errors()
+
+
+@pytest.mark.parametrize("scratch, place", [(None, False), (1, False), (None, True)])
+def test_bypassed_misses_stream_through_scratch_slots(cuda_device, scratch, place):
+    """The same small cache with streaming (the runtime's way): every pair, bypassed or not, points at a slot whose
+    bytes are its own record's (scratch slots past the 8 for bypassed misses, which stay out of the cache), the
+    statistics count every miss as copied, and the admission itself is the reference's (with one scratch slot, a
+    call bypasses at most one miss and admits the others). ``place``: the hybrid split's way, every other call's
+    bypassed misses but the last streamed and the last left to the CPU (its pairs NO_ROUTE, its bytes not copied)."""
+    dev = cuda_device
+    from freetoken.cache import ExpertCache
+
+    pool, _ = _pool(dev, seed=7)
+    cache = ExpertCache(pool, 8, max_active=C_ACTIVE, policy="default", prefill_overlap=False, scratch=scratch,
+                        policy_state=next_use_device(C_LAYERS, C_EXPERTS, 8))
+    assert cache.scratch == (min(C_ACTIVE, C_EXPERTS) if scratch is None else scratch)
+    model = ScoredCacheModel(C_LAYERS, C_EXPERTS, 8)
+    rng = np.random.default_rng(1)
+    streamed = elsewhere = 0
+    for t in range(90):
+        layer = t % C_LAYERS
+        ids = rng.integers(0, C_EXPERTS, (3, 2)).astype(np.int32)
+        ids[t % 3, 1] = NO_ROUTE if t % 7 == 0 else ids[t % 3, 1]
+        want, _, bypassed = model.admit(layer, ids, max_bypass=cache.scratch)
+        assert len(bypassed) <= cache.scratch
+        d = dev.asarray(ids.copy())  # emu's asarray may share the buffer: admission rewrites it
+        cache.admit(layer, d, stream_bypassed=not place)
+        marked = want == CACHE_BYPASSED
+        if place:
+            listed = cache.bypassed_ids()
+            assert listed.tolist() == bypassed
+            cut = len(listed) - (1 if t % 2 and len(listed) else 0)
+            cache.place_bypassed(listed[:cut], listed[cut:])
+            elsewhere += len(listed) - cut
+            cpu = np.isin(layer * C_EXPERTS + ids, listed[cut:]) & marked
+            marked &= ~cpu
+            want = np.where(cpu, NO_ROUTE, want)
+        cache.copy_missing()
+        got = dev.to_host(d)
+        np.testing.assert_array_equal(got[want >= 0], want[want >= 0])  # admitted pairs: the reference's slots
+        assert (got[want == NO_ROUTE] == NO_ROUTE).all()
+        streamed += int(marked.sum())
+        assert ((got[marked] >= 8) & (got[marked] < 8 + cache.scratch)).all()
+        for (tok, j), s in np.ndenumerate(got):
+            if s == NO_ROUTE:
+                continue
+            flat = layer * C_EXPERTS + int(ids[tok, j])
+            for name, host in cache.pool.record(flat).items():
+                row = dev.to_host(cache.slot_banks[name][int(s)])
+                assert np.array_equal(np.ascontiguousarray(row).view(np.uint8), host.view(np.uint8)), (t, tok, j)
+    assert streamed > 0
+    stats = cache.stats()
+    assert stats["bypassed"] == int(model.bypassed.sum()) > 0
+    assert (elsewhere > 0) == place and int(cache.served_elsewhere.sum()) == elsewhere
+    assert stats["bytes_copied"] == (stats["misses"] - elsewhere) * cache.record_bytes
     cache.check_invariants()
     cache.check_errors()
 

@@ -44,7 +44,8 @@ def test_run_streams_and_reports(model_dir, capsys, dev):
     out, err = capsys.readouterr()
     assert out.startswith("def f(x):")
     assert f"[{dev}] prefill" in err and "decode at" in err and "tok/s" in err
-    assert ("expert cache: 16 slots, hit rate" in err) if dev == "emu" else ("read in place" in err)
+    # 16 slots hold all 2 x 8 experts: the policy is lru
+    assert ("expert cache: 16 slots (lru), hit rate" in err) if dev == "emu" else ("read in place" in err)
 
 
 def test_record_trace(model_dir, tmp_path, capsys):

@@ -132,8 +132,10 @@ def _decode(path, device, **kw):
                                              pytest.param("hybrid", 100, 1, marks=pytest.mark.slow),
                                              pytest.param("hybrid", 1, 100, marks=pytest.mark.slow)])
 def test_split_output_equals_all_gpu(checkpoint, cuda_device, mode, pcie, cpu):
+    """The LRU split (next_use's: test_hybrid_next_use_places_bypassed_misses_by_qstar)."""
     want, ref = _decode(checkpoint, cuda_device, cache_slots=16)
-    got, dec = _decode(checkpoint, cuda_device, cache_slots=16, mode=mode, pcie_gbps=pcie, cpu_gbps=cpu)
+    got, dec = _decode(checkpoint, cuda_device, cache_slots=16, mode=mode, pcie_gbps=pcie, cpu_gbps=cpu,
+                       cache_policy="lru")
     st = dec.experts.split.stats
     if mode == "cpu" or cpu > pcie:
         assert st["cpu"] > 0  # the CPU really computed some misses
@@ -222,3 +224,106 @@ def test_prefetch_stays_only_where_it_pays(checkpoint, cuda_device, monkeypatch)
     predicted_after = pf.stats["predicted"]
     dec.forward(np.array([3]))
     assert pf.stats["predicted"] == predicted_after  # no more predictions, no more prefetch copies
+
+
+# ---- the runtime's cache policy (next_use by default on gpu/emu) --------------------------------------------------
+def _forward_chunks(path, device, chunks, prompt=40, **kw):
+    """The checkpoint's decoder fed a ``prompt``-token prompt (streamed when it has more pairs than one admission),
+    then ``chunks`` (token counts) of decode forwards; (the logits of every pass, the decoder, the next_use return
+    counts right after the prompt)."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from freetoken.engine.build import build_decoder
+    from freetoken.engine.options import ExpertOptions, LoadOptions
+    from freetoken.models import from_hf
+
+    cfg = from_hf(json.loads((path / "config.json").read_text()))
+    tensors = load_file(str(path / "model.safetensors"))
+    dec = build_decoder(cfg, lambda n: tensors[n], device,
+                        LoadOptions(ctx=256, experts=ExpertOptions(**{"max_decode_tokens": 4, **kw})))
+    tokens = np.random.default_rng(11).integers(0, 128, prompt + sum(chunks))
+    out, at = [dec.forward(tokens[:prompt])], prompt
+    prior = dec.dev.to_host(dec.experts.cache.c1).copy() if dec.experts.cache.policy == "default" else None
+    for n in chunks:
+        out.append(dec.forward(tokens[at:at + n]))
+        at += n
+    return np.concatenate(out), dec, prior
+
+
+def test_next_use_is_the_default_and_changes_residency_never_results(checkpoint, cuda_device):
+    """16 slots for 3 x 8 experts: auto picks next_use. After a 40-token prompt (streamed), steps of 16 tokens route
+    more experts than the slots keep, so the policy bypasses misses (at most top-k = 2 per call, streamed through
+    scratch slots); single-token steps follow. The logits equal LRU's bit for bit (residency decides where a record
+    is read, never what), the streamed prompt's routing seeded the statistics (the prefill prior), and the cache's
+    maps stay exact."""
+    chunks = [16] * 8 + [1] * 6
+    kw = {"cache_slots": 16, "max_decode_tokens": 16}
+    want, ref, _ = _forward_chunks(checkpoint, cuda_device, chunks, cache_policy="lru", **kw)
+    got, dec, prior = _forward_chunks(checkpoint, cuda_device, chunks, **kw)
+    np.testing.assert_array_equal(got, want)
+    runner = dec.experts
+    assert runner.cache_policy == "next_use" and runner.cache.policy == "default" and runner.cache.scratch == 2
+    assert ref.experts.cache_policy == "lru" and ref.experts.cache.scratch == 0
+    assert (prior > 0).sum() >= 3  # every layer's routed experts got a return count from the prompt
+    stats = runner.cache.stats()
+    assert stats["bypassed"] > 0 and runner.counters()["cache_bypassed"] == stats["bypassed"]
+    assert "streamed past the cache" in runner.summary() and "cache policy next_use" in runner.report()
+    assert stats["hits"] + stats["misses"] == ref.experts.cache.stats()["hits"] + ref.experts.cache.stats()["misses"]
+    runner.cache.check_invariants()
+    runner.cache.check_errors()
+
+
+def test_cache_policy_choice_and_conflicts(checkpoint, cuda_device):
+    from freetoken.engine.options import ExpertOptions
+    from freetoken.policy.runtime import resolve_cache_policy
+
+    assert resolve_cache_policy("auto", "gpu", False, 16, 24) == ("next_use", "")
+    assert resolve_cache_policy("auto", "hybrid", False, 16, 24) == ("next_use", "")
+    assert resolve_cache_policy("auto", "gpu", False, 24, 24)[0] == "lru"  # room for all: nothing is evicted
+    policy, note = resolve_cache_policy("auto", "cpu", False, 16, 24)
+    assert policy == "lru" and "caches none" in note
+    policy, note = resolve_cache_policy("auto", "hybrid", False, 16, 24, mixed=True)
+    assert policy == "lru" and "LRU shadow" in note
+    assert resolve_cache_policy("auto", "gpu", False, 16, 24, mixed=True)[0] == "next_use"
+    assert resolve_cache_policy("auto", "gpu", True, 16, 24)[0] == "lru"
+    assert resolve_cache_policy("lru", "gpu", False, 16, 24) == ("lru", "")
+    with pytest.raises(ValueError, match="--moe-mode cpu"):
+        resolve_cache_policy("next_use", "cpu", False, 16, 24)
+    with pytest.raises(ValueError, match="--prefetch"):
+        resolve_cache_policy("next_use", "gpu", True, 16, 24)
+    with pytest.raises(ValueError, match="cache policy 'fifo'"):
+        ExpertOptions(cache_policy="fifo")
+    with pytest.raises(ValueError, match="--moe-mode cpu"):  # the runner refuses it by name
+        _decode(checkpoint, cuda_device, cache_slots=16, mode="cpu", cache_policy="next_use")
+    _, dec = _decode(checkpoint, cuda_device, cache_slots=16, mode="cpu")
+    assert dec.experts.cache_policy == "lru" and "caches none" in dec.experts.report()
+    dec.experts.close()
+
+
+@pytest.mark.parametrize("pcie, cpu", [(1, 1000), (1000, 1)])
+def test_hybrid_next_use_places_bypassed_misses_by_qstar(checkpoint, cuda_device, pcie, cpu):
+    """Hybrid under next_use: the policy decides what is cached, q* where each bypassed miss runs. With the CPU far
+    faster bypassed misses run there (not copied), with PCIe far faster every one is streamed; either way
+    the logits are the all-GPU LRU run's up to summation order, and the statistics add up."""
+    chunks = [16] * 4 + [1] * 6
+    kw = {"cache_slots": 16, "max_decode_tokens": 16}
+    want, _, _ = _forward_chunks(checkpoint, cuda_device, chunks, cache_policy="lru", **kw)
+    got, dec, _ = _forward_chunks(checkpoint, cuda_device, chunks, mode="hybrid", pcie_gbps=pcie, cpu_gbps=cpu, **kw)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    runner = dec.experts
+    assert runner.cache_policy == "next_use" and runner.split.shadow is None
+    cs, st = runner.cache.stats(), runner.split.stats
+    assert cs["bypassed"] > 0
+    on_cpu = int(runner.cache.served_elsewhere.sum())
+    assert on_cpu == st["cpu"]
+    if cpu > pcie:  # (a lone bypassed miss may still be streamed: the CPU's hand-off costs more than its copy)
+        assert on_cpu > 0
+    else:
+        assert on_cpu == 0 and "streamed past the cache" in runner.summary()
+    assert st["fetched"] == cs["misses"] - on_cpu
+    assert cs["bytes_copied"] == (cs["misses"] - on_cpu) * runner.cache.record_bytes
+    runner.cache.check_invariants()
+    runner.cache.check_errors()
+    runner.close()

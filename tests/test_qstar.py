@@ -11,7 +11,7 @@ import pytest
 
 from freetoken.cli import main as cli_main
 from freetoken.policy import StepCosts, choose_fetch, fetch_order, objective, split, split_time, which_to_fetch
-from freetoken.policy.qstar import auto_future_value, expected_hits, marginal_hit_value
+from freetoken.policy.qstar import auto_future_value, expected_hits, marginal_hit_value, place_bypassed
 from freetoken.sim import policies as P
 from freetoken.sim import timing as TM
 from freetoken.sim.predict import (
@@ -43,6 +43,25 @@ def _random_costs(rng) -> StepCosts:
 
 
 # ---------------------------------------------------------------------------------------------- the split
+
+
+def test_place_bypassed_is_the_best_split_with_the_admitted_misses_fetched():
+    """next_use under hybrid: the admitted misses are fetched in any case; of the bypassed ones the streamed set is
+    the first n in fetch order, n minimising the critical path (brute force over n, ties to the larger n)."""
+    rng = np.random.default_rng(4)
+    for _ in range(200):
+        costs = StepCosts.from_bandwidths(int(rng.integers(1, 8)) * 1_000_000, float(rng.uniform(2, 60)),
+                                          float(rng.uniform(2, 60)), 900.0, 1e-5, float(rng.uniform(0, 1e-4)),
+                                          float(rng.uniform(0, 1e-5)))
+        a, h, b = (int(v) for v in rng.integers(0, 6, 3))
+        tokens = rng.integers(1, 5, b)
+        mask = place_bypassed(costs, a, h, tokens)
+        order = fetch_order(np.arange(b), tokens)
+        crit = [split_time(costs, a + n, a + b, h, np.concatenate([np.ones(a, int), tokens[order]])).critical
+                for n in range(b + 1)]
+        n = int(mask.sum())
+        assert crit[n] == min(crit) and all(c > crit[n] for c in crit[n + 1:])
+        assert set(np.flatnonzero(mask)) == set(order[:n].tolist())
 
 
 def test_choose_fetch_equals_brute_force_over_q():
@@ -403,12 +422,27 @@ def test_policy_time_model_has_the_miss_rate_tables_decisions():
             table = P.POLICIES[r.mode](t, slots, window=window, prefill_borrow=borrow)
             assert (r.accesses, r.misses, r.fetched) == (table.accesses, table.misses, table.loads), r.mode
             assert r.hits + r.misses == r.accesses
-            if "bypass" not in r.mode and r.mode != "default":
+            if "bypass" not in r.mode and not r.mode.startswith("default"):
                 assert r.cpu_experts == 0 and r.cpu_s == 0.0
             bypassed += r.cpu_experts
     assert bypassed > 0  # the small cache makes the bypass policies serve misses on the CPU
     with pytest.raises(ValueError, match="demand policies"):
         TM.time_policies(t, 8, 25, 50, policies=("belady",))
+
+
+def test_policy_time_model_streams_bypassed_misses():
+    """bypassed="stream" (the runtime's gpu mode): the same decisions, so the same misses, but every miss is fetched
+    and none runs on the CPU; with no bypass (lru) nothing changes, and an unknown target is refused."""
+    t = _policy_trace(2)
+    cpu, stream = (TM.time_policies(t, 8, 25, 50, policies=("lru", "default"), bypassed=b) for b in ("cpu", "stream"))
+    for a, b in zip(cpu, stream, strict=True):
+        assert (a.mode, a.misses, a.hits) == (b.mode, b.misses, b.hits)
+        assert b.fetched == b.misses and b.cpu_experts == 0 and b.cpu_s == 0.0
+    assert cpu[0].step_s == stream[0].step_s  # lru bypasses nothing
+    assert cpu[1].cpu_experts > 0 and cpu[1].fetched < stream[1].fetched
+    assert "through a scratch slot" in TM.format_policy_timing(stream, "stream")
+    with pytest.raises(ValueError, match="bypassed misses go to"):
+        TM.time_policies(t, 8, 25, 50, bypassed="disk")
 
 
 def test_policy_time_model_matches_literal_reference():

@@ -42,6 +42,7 @@ from freetoken.ops.cache import (
     cache_borrow_layer,
     cache_copy,
     cache_scored_prefill,
+    cache_stream_bypassed,
 )
 
 __all__ = ["BANK_TABLE", "MAX_ACTIVE", "MAX_BANKS", "CacheError", "ExpertCache"]
@@ -64,15 +65,20 @@ class ExpertCache:
         (:mod:`freetoken.policy.next_use`, ``RECOMMENDED``: next_use with bypass, the prefill prior and the long
         memory) admitted on the device by ``cache_admit_scored``; ``recency`` then holds each slot's stamp (the
         call clock of its last hit or admission); its prefill prior is :meth:`prefill_prior`. With bypass, a
-        missed record may be left unloaded: its pairs get slot ``CACHE_BYPASSED`` and its flat id is in
-        ``bypass[:n_bypass[0]]``; the caller must serve those pairs elsewhere (the expert kernels do not), so the
-        runtime does not use this policy yet.
+        missed record may be left out of the cache: its flat id is in ``bypass[:n_bypass[0]]`` and (see below)
+        it is streamed through a scratch slot.
     policy_state : for ``"default"``: :func:`freetoken.policy.next_use.next_use_device`'s answer (its constants,
         decay tables and starting estimates; made above this package, which does not import the policy core)
+    scratch : for ``"default"``: after each admission the bypassed misses are copied by :meth:`copy_missing` into
+        scratch slots past the ``slots`` the policy manages (the slot banks have ``scratch`` rows more; no id owns
+        them, nothing is evicted) and their pairs read them there (``cache_stream_bypassed``); a call bypasses at
+        most ``scratch`` misses (later ones are admitted). None: ``max_distinct`` (every bypass of a call fits).
+        0: no streaming, bypassed pairs keep slot ``CACHE_BYPASSED``, which no expert kernel reads (the
+        admission's own tests).
     """
 
     def __init__(self, pool: HostPool | HostTier, slots: int, *, max_active: int, prefill_overlap: bool = True,
-                 policy: str = "lru", policy_state: dict | None = None):
+                 policy: str = "lru", policy_state: dict | None = None, scratch: int | None = None):
         if policy not in ("lru", "default"):
             raise ValueError(f"unknown cache policy {policy!r}; choose lru or default")
         dev = pool.device
@@ -92,6 +98,10 @@ class ExpertCache:
         if max(len(lay.bank_specs()) for lay in pool.groups) > MAX_BANKS:
             raise ValueError(f"record layouts of more than {MAX_BANKS} banks are not supported")
         self.device, self.pool, self.slots = dev, pool, slots
+        #: Slots past ``slots`` that bypassed misses stream through (the ``default`` policy; 0 otherwise).
+        if scratch is not None and not 0 <= scratch <= self.max_distinct:
+            raise ValueError(f"scratch={scratch} must be in [0, {self.max_distinct}] (the distinct ids of one call)")
+        self.scratch = 0 if policy != "default" else self.max_distinct if scratch is None else scratch
         #: The host tier the records come from when host memory holds only some of them (else None).
         self.tier = pool if isinstance(pool, HostTier) else None
         self._tier_worklists = [None, None]  # prefill's worklists with host rows as sources (kept until copied)
@@ -100,8 +110,9 @@ class ExpertCache:
         self.max_active, self.prefill_overlap = max_active, prefill_overlap
         xp = dev.xp
         #: The slot banks as each of ``pool.groups``' layouts reads them ([slots, ...] by bank name).
-        self.group_slot_banks, self.slot_nbytes = _slot_banks(dev, pool.groups, slots)
-        #: The slot banks of layer 0's layout ([slots, ...] by bank name); :meth:`layer_slot_banks` gives any layer's.
+        self.group_slot_banks, self.slot_nbytes = _slot_banks(dev, pool.groups, slots + self.scratch)
+        #: The slot banks of layer 0's layout ([slots + scratch, ...] by bank name); :meth:`layer_slot_banks` gives
+        #: any layer's.
         self.slot_banks = self.group_slot_banks[pool.group_of(0)]
         #: Bytes of the largest record (of one record when the layers share a layout).
         self.record_bytes = max(lay.record_bytes for lay in pool.groups)
@@ -173,20 +184,24 @@ class ExpertCache:
                 a[...] = 0
             self.glob[...] = self.device.asarray(self._scored_glob0)
         self.prefill_bytes = 0
+        #: per layer, bypassed misses :meth:`place_bypassed` left to the caller (not copied)
+        self.served_elsewhere = np.zeros(self.num_layers, np.int64)
+        self._unplaced = None  # (layer, expert ids, slots) of an admission whose bypassed misses wait for placing
         self._pinned_slots: list[int] = []
         self._ready = [None, None]
         self._release = [None, None]
 
     def stats(self) -> dict:
         """Hits, misses and bytes copied, in total and per layer (synchronises). Under the ``default`` policy also
-        ``bypassed``: misses not loaded (not copied)."""
+        ``bypassed``: misses left out of the cache (streamed through scratch slots, so still copied, unless the
+        cache was made with ``scratch=0`` or :meth:`place_bypassed` left them to the CPU)."""
         hits = self.device.to_host(self.hits).astype(int)
         misses = self.device.to_host(self.misses).astype(int)
         loads = misses
         extra = {}
         if self.policy == "default":
             bypassed = self.device.to_host(self.bypassed).astype(int)
-            loads = misses - bypassed
+            loads = misses - self.served_elsewhere if self.scratch else misses - bypassed
             extra = {"bypassed": int(bypassed.sum())}
         total = int(hits.sum() + misses.sum())
         return {"hits": int(hits.sum()), "misses": int(misses.sum()), **extra,
@@ -205,12 +220,15 @@ class ExpertCache:
                              f"no slot left to evict: {self.slots} slots, {len(self._pinned_slots)} pinned")
 
     # ---- decode ----------------------------------------------------------------------------------------------
-    def admit(self, layer: int, ids, stream=None, count: bool = True, part: int = 0) -> None:
+    def admit(self, layer: int, ids, stream=None, count: bool = True, part: int = 0,
+              stream_bypassed: bool = True) -> None:
         """Rewrite ``ids`` (int32 [T, k] on the device, local expert ids of ``layer``, or ``NO_ROUTE``) in place to
         slot ids (``NO_ROUTE`` pairs stay so).
 
         ``count=False`` (a prefetch) leaves the per-layer hit/miss statistics unchanged. ``part``: the part of a
-        mixed layer every id belongs to (its records are the ones :meth:`copy_missing` then copies)."""
+        mixed layer every id belongs to (its records are the ones :meth:`copy_missing` then copies). Under the
+        ``default`` policy with scratch slots the bypassed misses are streamed through them; ``stream_bypassed=False``
+        leaves their pairs ``CACHE_BYPASSED`` until :meth:`place_bypassed` says which are streamed."""
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} out of range ({self.num_layers} MoE layers)")
         if ids.dtype != np.int32 or not ids.flags.c_contiguous:
@@ -219,17 +237,51 @@ class ExpertCache:
         if pairs > self.max_active:
             raise ValueError(f"{pairs} routed pairs exceed max_active={self.max_active}")
         if self.policy == "default":
+            expert_ids = ids.copy() if self.scratch else None  # the admission rewrites ids; streaming needs them
             cache_admit_scored(ids, layer, self.num_experts, self.slot_for_id, self.id_of_slot, self.recency,
                                self.pinned, self.clock, self.lclock, self.last, self.c1, self.c2, self.c3, self.c4,
                                self.dp, self.dp2, self.glob, self.scored_consts, self.worklist, self.n_work,
                                self.bypass, self.n_bypass, self.hits, self.misses, self.bypassed, self.err, count=count,
-                               stream=stream, device=self.device)
+                               max_bypass=self.scratch or MAX_ACTIVE, stream=stream, device=self.device)
+            self._unplaced = None
+            if self.scratch and stream_bypassed:
+                cache_stream_bypassed(expert_ids, ids, layer, self.num_experts, self.bypass, self.n_bypass, self.slots,
+                                      self.worklist, self.n_work, self.err, stream=stream, device=self.device)
+            elif self.scratch:
+                self._unplaced = (layer, expert_ids, ids)
         else:
             cache_admit(ids, layer, self.num_experts, self.slot_for_id, self.id_of_slot, self.recency, self.pinned,
                         self.clock, self.worklist, self.n_work, self.hits, self.misses, self.err, count=count,
                         stream=stream, device=self.device)
         self._worklist_layer = (layer, part)
         self._staged = None
+
+    def bypassed_ids(self) -> np.ndarray:
+        """The flat ids the last :meth:`admit` bypassed, in the admission's order (int32, on the host; synchronises)."""
+        n = int(self.device.to_host(self.n_bypass)[0])
+        return np.asarray(self.device.to_host(self.bypass[:n]), np.int32).copy() if n else np.zeros(0, np.int32)
+
+    def place_bypassed(self, streamed, elsewhere, stream=None) -> None:
+        """After ``admit(..., stream_bypassed=False)``: stream the bypassed flat ids ``streamed`` through scratch slots
+        (as :meth:`admit` streams all of them) and leave those in ``elsewhere`` to the caller (their pairs become
+        ``NO_ROUTE``: the hybrid split computes them on the CPU). Together they are :meth:`bypassed_ids`, in any
+        order; they are not copied, so :meth:`stats` does not count their bytes."""
+        if self._unplaced is None:
+            raise RuntimeError("place_bypassed follows admit(..., stream_bypassed=False) under the default policy")
+        layer, expert_ids, slots = self._unplaced
+        streamed, elsewhere = (np.asarray(a, np.int32).reshape(-1) for a in (streamed, elsewhere))
+        order = np.concatenate([streamed, elsewhere])
+        if not np.array_equal(np.sort(order), np.sort(self.bypassed_ids())):
+            raise ValueError("streamed and elsewhere must split the bypassed ids of the last admission")
+        if len(streamed) > self.scratch:
+            raise ValueError(f"{len(streamed)} streamed misses exceed the {self.scratch} scratch slots")
+        if order.size:
+            self.bypass[:order.size] = self.device.asarray(order)
+        cache_stream_bypassed(expert_ids, slots, layer, self.num_experts, self.bypass, self.n_bypass, self.slots,
+                              self.worklist, self.n_work, self.err, limit=len(streamed), stream=stream,
+                              device=self.device)
+        self.served_elsewhere[layer] += len(elsewhere)
+        self._unplaced = None
 
     def stage_missing(self, stream=None) -> bool:
         """Over a host tier: bring the records the last :meth:`admit` missed into host memory and point the worklist

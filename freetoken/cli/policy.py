@@ -26,6 +26,15 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="gpu: copy every miss into the cache; cpu: compute misses on the CPU from host memory; "
                         "hybrid: split them by measured PCIe and CPU bandwidth (q*); auto: what `freetoken bench bw` "
                         "recommended for this machine (default gpu)")
+    from freetoken.policy.runtime import CACHE_POLICIES
+
+    g.add_argument("--cache-policy", default="auto", choices=list(CACHE_POLICIES),
+                   help="how the expert cache picks victims: next_use (evict the expert expected back last, from "
+                        "online per-expert statistics; a miss expected back later than every victim is streamed "
+                        "through a scratch slot, or with --moe-mode hybrid computed on the CPU where q* says "
+                        "so, instead of evicting), lru, or auto (default: next_use with --moe-mode gpu or hybrid when "
+                        "--cache-slots cannot hold every expert, else lru; `freetoken trace simulate` compares them "
+                        "on recorded routing)")
     g.add_argument("--pcie-gbps", type=real(0.0, above=True), default=None, metavar="GBPS",
                    help="pin the PCIe bandwidth estimate (GB/s)")
     g.add_argument("--cpu-gbps", type=real(0.0, above=True), default=None, metavar="GBPS",
@@ -46,7 +55,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
 def policy_kwargs(args: argparse.Namespace) -> dict:
     """The :func:`freetoken.load` keywords of the flags above (their types checked the values)."""
     return dict(moe_mode=args.moe_mode, pcie_gbps=args.pcie_gbps, cpu_gbps=args.cpu_gbps,
-                future_value=args.future_value, prefetch=args.prefetch, cpu_activations=args.cpu_activations)
+                future_value=args.future_value, prefetch=args.prefetch, cpu_activations=args.cpu_activations,
+                cache_policy=args.cache_policy)
 
 
 def apply_pinning(model, args: argparse.Namespace, prompt: str | None) -> str:

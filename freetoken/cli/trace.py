@@ -72,7 +72,7 @@ def _cmd_timing(args: argparse.Namespace, trace) -> int:
         raise ValueError(f"the time model replays only the demand policies ({', '.join(POLICY_MODES)}), not "
                          f"{', '.join(bad)}")
     pkw = dict(window=args.window, layer_s=args.layer_us * 1e-6, prefill_borrow=not args.no_prefill_borrow,
-               host_memory=args.host_memory, disk_gbps=args.disk)
+               host_memory=args.host_memory, disk_gbps=args.disk, bypassed=args.bypassed)
     results, rows, per_policy = [], [], []
     for slots in args.slots:
         results += time_modes(trace, slots, args.pcie, args.cpu, args.gpu, modes=modes, **kw)
@@ -92,7 +92,7 @@ def _cmd_timing(args: argparse.Namespace, trace) -> int:
         print(format_timing(results))
         if policies:
             print()
-            print(format_policy_timing(per_policy))
+            print(format_policy_timing(per_policy, args.bypassed))
         if do_sweep:
             print()
             print(format_sweep(rows))
@@ -211,6 +211,10 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
                                 "time goes, per slot count; with --policies also tokens/s per cache policy: the "
                                 "policy's admitted misses fetched, its bypassed ones computed on the CPU (lru = "
                                 "fetch_all).")
+    tm.add_argument("--bypassed", choices=["cpu", "stream"], default="cpu",
+                    help="with --policies: a bypassed miss is computed on the CPU (cpu, the default: the q* "
+                         "executor) or copied over PCIe through a scratch slot and not kept (stream: what the "
+                         "runtime's --moe-mode gpu does)")
     tm.add_argument("--pcie", type=gbps, metavar="GBPS", help="host-to-GPU copy bandwidth, GB/s")
     tm.add_argument("--cpu", type=gbps, metavar="GBPS", help="CPU expert bandwidth (weights streamed), GB/s")
     tm.add_argument("--gpu", type=gbps, metavar="GBPS", default=900.0, help="GPU memory bandwidth, GB/s (default 900)")

@@ -36,7 +36,7 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
          progress: bool = False, cache_slots: int | None = None, moe_mode: str = "gpu",
          pcie_gbps: float | None = None, cpu_gbps: float | None = None, future_value: float = 0.0,
          prefetch: bool = False, cpu_activations: str = "auto", allow_widen: bool = False, verify: str = "full",
-         host_memory: int | None = None, options: LoadOptions | None = None) -> Model:
+         host_memory: int | None = None, cache_policy: str = "auto", options: LoadOptions | None = None) -> Model:
     """Load a model: an HF directory (``config.json`` + safetensors + ``tokenizer.json``, or Kimi-K2's
     ``tiktoken.model``; bf16/f16/f32 or block FP8), a GGUF file or an FTW file (docs/ftw.md; a sharded set by any
     shard or the name it was written as; ``verify``: its checksums, "full", "sample" or "none"); None: the
@@ -54,7 +54,9 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
     Miss policy (gpu/emu): ``moe_mode`` ``gpu`` (copy every miss in), ``cpu`` (compute misses on the CPU),
     ``hybrid`` (q*: split by measured bandwidths) or ``auto`` (the stored ``freetoken bench bw`` profile's
     choice); ``pcie_gbps`` / ``cpu_gbps`` pin the oracle's figures; ``future_value``: seconds a fetched expert
-    is worth beyond its step; ``prefetch``: copy the next layer's predicted experts while a layer computes.
+    is worth beyond its step; ``prefetch``: copy the next layer's predicted experts while a layer computes;
+    ``cache_policy``: how the cache picks victims (``auto``: ``next_use`` with ``moe_mode`` gpu or hybrid and fewer
+    slots than experts, else ``lru``; see :func:`freetoken.policy.runtime.resolve_cache_policy`).
     ``cpu_activations``: experts on the CPU (4-bit, q8_0 and k-quant formats) with 8-bit activations and int8 dots
     ("q8") or float32 ("f32");
     "auto": q8 where the CPU has AVX2 or AVX-512 VNNI. ``allow_widen``: a GGUF file's non-expert matrices in a block
@@ -70,7 +72,7 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
                               experts=ExpertOptions(mode=moe_mode, cache_slots=cache_slots, pcie_gbps=pcie_gbps,
                                                     cpu_gbps=cpu_gbps, future_value=future_value,
                                                     prefetch=prefetch, cpu_activations=cpu_activations,
-                                                    host_memory=host_memory))
+                                                    host_memory=host_memory, cache_policy=cache_policy))
     p = Path(path) if path is not None else DEFAULT_MODEL
     ftw_model = is_ftw(p)  # a file, or a sharded set by the name it was written as (which is no file)
     if not p.exists() and not ftw_model:

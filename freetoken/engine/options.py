@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from freetoken.device.simd import ACTIVATIONS as CPU_ACTIVATIONS  # experts on the CPU: auto, q8, f32
 from freetoken.models.kv import KV_KINDS  # how the paged KV cache stores keys and values
+from freetoken.policy.runtime import CACHE_POLICIES  # how the expert cache picks victims: auto, next_use, lru
 from freetoken.policy.runtime import MODES as MOE_MODES  # how misses of the expert cache are served
 
 #: Future-value estimators measured while running (see freetoken.policy.estimators), besides a fixed value.
@@ -41,7 +42,10 @@ class ExpertOptions:
     their token vectors as 8-bit blocks with int8 dot products ("q8", llama.cpp's q8_0 rounding) or as float32
     ("f32", the reference path); "auto" is q8 where the CPU has AVX2 or AVX-512 VNNI. ``host_memory``: bytes of
     host memory for the routed experts' records (None: all of them); below what they take, an FTW file's records
-    are read from the file as steps need them into a host tier of that size (:class:`freetoken.cache.HostTier`)."""
+    are read from the file as steps need them into a host tier of that size (:class:`freetoken.cache.HostTier`).
+    ``cache_policy``: how the expert cache picks victims, one of :data:`CACHE_POLICIES`
+    (:func:`freetoken.policy.runtime.resolve_cache_policy`; ``auto``, the default, is ``next_use`` with ``--moe-mode
+    gpu|hybrid`` when the slots cannot hold every expert, else ``lru``)."""
 
     mode: str = "gpu"
     cache_slots: int | None = None
@@ -52,8 +56,11 @@ class ExpertOptions:
     max_decode_tokens: int = 16
     cpu_activations: str = "auto"
     host_memory: int | None = None
+    cache_policy: str = "auto"
 
     def __post_init__(self):
+        if self.cache_policy not in CACHE_POLICIES:
+            raise ValueError(f"cache policy {self.cache_policy!r}: choose one of {', '.join(CACHE_POLICIES)}")
         if self.cpu_activations not in CPU_ACTIVATIONS:
             raise ValueError(f"cpu activations {self.cpu_activations!r}: choose one of {', '.join(CPU_ACTIVATIONS)}")
         if self.mode not in MOE_MODES:

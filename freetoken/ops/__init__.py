@@ -13,7 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from freetoken.device import constants
-from freetoken.ops.cache import cache_admit, cache_admit_scored, cache_borrow_layer, cache_copy, cache_scored_prefill
+from freetoken.ops.cache import (
+    cache_admit,
+    cache_admit_scored,
+    cache_borrow_layer,
+    cache_copy,
+    cache_scored_prefill,
+    cache_stream_bypassed,
+)
 from freetoken.ops.dense import dense, dense_gemv, dense_grouped
 from freetoken.ops.histogram import histogram
 from freetoken.ops.latent_attention import latent_attention, latent_store
@@ -108,6 +115,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
        (_K + "cache:cache_admit_scored",), _R + "cache:ScoredCacheModel", _C + "cache"),
     Op("cache_scored_prefill", cache_scored_prefill, ("cache.cu",), "freetoken.ops.cache",
        (_K + "cache:cache_scored_prefill",), _R + "cache:ScoredCacheModel", _C + "cache"),
+    Op("cache_stream_bypassed", cache_stream_bypassed, ("cache.cu",), "freetoken.ops.cache",
+       (_K + "cache:cache_stream_bypassed",), _R + "cache:stream_bypassed_reference", _C + "cache"),
     Op("cache_copy", cache_copy, ("cache.cu",), "freetoken.ops.cache", (_K + "cache:cache_copy_bank",),
        _R + "cache:CacheModel", _C + "cache"),
     Op("cache_borrow_layer", cache_borrow_layer, ("cache.cu",), "freetoken.ops.cache",
@@ -115,8 +124,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
 )}
 
 __all__ = ["OPS", "MoeWorkspace", "Op", "add_rms_norm", "cache_admit", "cache_admit_scored",
-           "cache_borrow_layer", "cache_copy", "cache_scored_prefill", "constants", "dense", "dense_gemv",
-           "dense_grouped",
+           "cache_borrow_layer", "cache_copy", "cache_scored_prefill", "cache_stream_bypassed", "constants",
+           "dense", "dense_gemv", "dense_grouped",
            "gated_delta_rule", "histogram", "moe_experts",
            "kv_store", "latent_attention", "latent_store", "paged_attention", "rms_norm", "rope", "rope_qkv_cache",
            "route_sigmoid_group_topk", "route_softmax_group_topk", "route_softmax_topk", "row_sum", "short_conv",

@@ -111,7 +111,7 @@ def cache_scored_prefill(layer: int, experts: int, counts, k_eff: float, lclock,
 def cache_admit_scored(ids, layer: int, experts: int, slot_for_id, id_of_slot, stamp, pinned, clock, lclock, last, c1,
                        c2, c3, c4, dp, dp2, glob, consts, worklist, n_work, bypass, n_bypass, hits, misses, bypassed,
                        err, *,
-                       count: bool = True, stream=None, device=None) -> None:
+                       count: bool = True, max_bypass: int = CACHE_MAX_PAIRS, stream=None, device=None) -> None:
     """Admit ``layer``'s routed expert ids with the scored (next_use) policy, the simulator's ``default``
     (:mod:`freetoken.policy.next_use`; ``cache_admit_scored`` in ``cuda/cache.cu``): as :func:`cache_admit`, with
     ``stamp`` (int64 [slots], the call clock of each slot's last hit or admission) in place of recency and the
@@ -119,7 +119,8 @@ def cache_admit_scored(ids, layer: int, experts: int, slot_for_id, id_of_slot, s
     decay tables ``dp``, ``dp2`` (float64), ``glob`` float64 [3] and ``consts`` (a ``SCORED_CONSTS`` scalar: fixed per
     cache). A bypassed miss is not loaded: its pairs get slot ``CACHE_BYPASSED`` and its flat id goes to ``bypass``
     (int32 [pairs]) with the count in ``n_bypass`` (int32 [1]); ``bypassed`` (int64 [layers]) counts them per layer
-    beside ``hits`` / ``misses`` (when ``count``)."""
+    beside ``hits`` / ``misses`` (when ``count``). At most ``max_bypass`` misses of the call are bypassed (the
+    caller's scratch slots, :func:`cache_stream_bypassed`); later ones are admitted as if bypass were off."""
     dev = resolve(device)
     if ids.dtype != np.int32 or not ids.flags.c_contiguous:
         raise TypeError("ids must be a C-contiguous int32 array")
@@ -137,7 +138,7 @@ def cache_admit_scored(ids, layer: int, experts: int, slot_for_id, id_of_slot, s
                   c3, c4, dp, dp2, glob, float(c["q"]), float(c["q2"]), float(c["rho"]), float(c["kappa"]),
                   float(c["id_decay"]), float(c["global_decay"]), float(c["load_weight"]), float(c["long_weight"]),
                   int(c["layers"]), int(c["bypass"]), int(c["cycle"]), worklist, n_work, bypass, n_bypass, hits,
-                  misses, bypassed, err, 1 if count else 0)
+                  misses, bypassed, err, 1 if count else 0, int(max_bypass))
         return
     threads = min(CACHE_MAX_PAIRS, 32 * -(-max(pairs, slots, 32) // 32))
     i32 = np.int32
@@ -145,7 +146,39 @@ def cache_admit_scored(ids, layer: int, experts: int, slot_for_id, id_of_slot, s
         (1,), (threads,), (ids, i32(pairs), check_int32("layer", layer), check_int32("experts", experts), slot_for_id,
                            id_of_slot, stamp, pinned, check_int32("slots", slots), clock, lclock, last, c1, c2, c3,
                            c4, dp, dp2, glob, consts, worklist, n_work, bypass, n_bypass, hits, misses, bypassed,
-                           err, i32(1 if count else 0)), stream=stream)
+                           err, i32(1 if count else 0), check_int32("max_bypass", max_bypass)), stream=stream)
+
+
+def cache_stream_bypassed(ids, slots, layer: int, experts: int, bypass, n_bypass, scratch: int, worklist, n_work,
+                          err, *, limit: int = -1, stream=None, device=None) -> None:
+    """Stream the misses the last :func:`cache_admit_scored` bypassed through scratch slots (``cache_stream_bypassed``
+    in ``cuda/cache.cu``): ``bypass[i]`` (i < ``n_bypass[0]``) is appended to the worklist (``n_work`` grows by the
+    count) for slot ``scratch + i``, a slot past the cache's own that no id owns, and every pair of ``slots`` (the
+    admission's rewritten copy of ``ids``) marked ``CACHE_BYPASSED`` is pointed there. Nothing is evicted, nothing
+    stays resident: the next call that routes the id misses it again. The worklist must have room for the admitted
+    and the bypassed misses (2 x distinct ids of the call). ``limit`` >= 0: only ``bypass[:limit]`` are streamed,
+    the pairs of the others get ``NO_ROUTE`` (the hybrid split computes them on the CPU); -1: all."""
+    dev = resolve(device)
+    for name, a in (("ids", ids), ("slots", slots)):
+        if a.dtype != np.int32 or not a.flags.c_contiguous:
+            raise TypeError(f"{name} must be a C-contiguous int32 array")
+    pairs = int(ids.size)
+    if int(slots.size) != pairs:
+        raise ValueError(f"slots has {slots.size} pairs, ids {pairs}")
+    if pairs > CACHE_MAX_PAIRS:
+        raise ValueError(f"{pairs} routed pairs exceed the admission's {CACHE_MAX_PAIRS}")
+    if scratch < 0:
+        raise ValueError(f"scratch slot {scratch} must be >= 0")
+    if not -1 <= limit <= CACHE_MAX_PAIRS:
+        raise ValueError(f"limit={limit} must be -1 (all) or in [0, {CACHE_MAX_PAIRS}]")
+    if dev.kind == "cpu":
+        cpu_module("cache").cache_stream_bypassed(ids, slots, int(layer), int(experts), bypass, n_bypass,
+                                                  int(scratch), int(limit), worklist, n_work, err)
+        return
+    cuda_kernel(dev, "cache.cu", "cache_stream_bypassed")(
+        (1,), (min(CACHE_MAX_PAIRS, 32 * -(-max(pairs, 1) // 32)),),
+        (ids, slots, np.int32(pairs), check_int32("layer", layer), check_int32("experts", experts), bypass, n_bypass,
+         check_int32("scratch", scratch), np.int32(limit), worklist, n_work, err), stream=stream)
 
 
 def cache_copy(worklist, n_work, table: CopyTable, max_items: int, *, stream=None, device=None) -> None:

@@ -336,6 +336,32 @@ def split(costs: StepCosts, ids: Sequence[int], hits: int, future_value=0.0,
     return mask
 
 
+def place_bypassed(costs: StepCosts, admitted: int, hits: int, tokens: Sequence[int]) -> np.ndarray:
+    """Where a cache policy's bypassed misses run (``--moe-mode hybrid`` under ``--cache-policy next_use``): the mask
+    of those streamed through a scratch slot (fetched, not kept); the others are computed on the CPU.
+
+    The ``admitted`` misses (the policy caches them) are fetched in any case; of the bypassed ones (``tokens``
+    routed to each) the first n in :func:`fetch_order` are streamed, n minimising ``critical(admitted + n)`` over
+    ``n = 0 .. len(tokens)`` (ties: the larger n), the q* objective with the admitted misses fixed on the PCIe side.
+    """
+    a, h = _check_counts(admitted, hits)
+    tok = _tokens(len(tokens), tokens)
+    b = tok.shape[0]
+    order = fetch_order(np.arange(b), tok)
+    ordered = tok[order]
+    x, c, g = float(costs.transfer_s), float(costs.cpu_s), float(costs.gpu_s)
+    rest = int(ordered.sum())
+    best_n, best = 0, critical_path(x, c, g, float(costs.cpu_handoff_s), float(costs.cpu_token_s), a + b, h, a, rest)
+    for n in range(1, b + 1):
+        rest -= int(ordered[n - 1])
+        t = critical_path(x, c, g, float(costs.cpu_handoff_s), float(costs.cpu_token_s), a + b, h, a + n, rest)
+        if t <= best:
+            best_n, best = n, t
+    mask = np.zeros(b, bool)
+    mask[order[:best_n]] = True
+    return mask
+
+
 def marginal_hit_value(costs: StepCosts) -> float:
     """Seconds one more hit (one miss fewer) saves a call at the balanced split, ``x * c / (x + g + c)``.
 

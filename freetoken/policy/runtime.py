@@ -11,6 +11,39 @@ from freetoken.policy.profile import load_profile, recommend_mode, this_hardware
 MODES = ("gpu", "cpu", "hybrid", "auto")
 
 
+#: How the expert cache picks its victims: ``next_use`` (:mod:`freetoken.policy.next_use`'s ``RECOMMENDED``: the
+#: simulator's ``default`` row, admitted on the device, bypassed misses streamed through scratch slots), ``lru``, or
+#: ``auto`` (:func:`resolve_cache_policy`).
+CACHE_POLICIES = ("auto", "next_use", "lru")
+
+
+def resolve_cache_policy(policy: str, mode: str, prefetch: bool, slots: int, records: int,
+                         mixed: bool = False) -> tuple[str, str]:
+    """(``next_use`` or ``lru``, a note for the report) for the requested ``policy`` under the resolved moe ``mode``.
+
+    ``auto`` is ``next_use`` where it runs: ``--moe-mode gpu`` (bypassed misses streamed through scratch slots) or
+    ``hybrid`` (q* puts each bypassed miss on PCIe or on the CPU) on a model whose layers each hold one expert format
+    (``mixed``: the hybrid split of a layer in several formats keeps an LRU shadow), not ``cpu`` (it caches nothing at
+    decode), no ``--prefetch`` (its admissions are not calls of the policy) and fewer ``slots`` than expert
+    ``records`` (with room for all nothing is evicted and the policy cannot matter). ``next_use`` asked for where it
+    cannot run is an error naming the conflict."""
+    if policy not in CACHE_POLICIES:
+        raise ValueError(f"cache policy {policy!r}: choose one of {', '.join(CACHE_POLICIES)}")
+    conflict = ("--moe-mode cpu computes every miss on the CPU and caches none" if mode == "cpu" else
+                "--moe-mode hybrid splits layers of several expert formats against an LRU shadow of the cache"
+                if mode == "hybrid" and mixed else
+                "--prefetch admits predicted experts outside the policy's calls" if prefetch else "")
+    if policy == "next_use" and conflict:
+        raise ValueError(f"cache policy next_use cannot run here: {conflict}")
+    if policy != "auto":
+        return policy, ""
+    if conflict:
+        return "lru", f"cache policy auto -> lru ({conflict})"
+    if slots >= records:
+        return "lru", "cache policy auto -> lru (room for every expert: nothing is evicted)"
+    return "next_use", ""
+
+
 def make_oracle(pcie_gbps: float | None = None, cpu_gbps: float | None = None) -> BandwidthOracle | None:
     """An oracle with the pinned figures, or None when none is pinned (then :func:`resolve_mode` makes one)."""
     if pcie_gbps is None and cpu_gbps is None:

@@ -15,10 +15,11 @@ Terms used throughout:
 
 Each policy is ``policy(trace, slots, window=...) -> PolicyResult``; :data:`POLICIES` maps names to them.
 The demand policies (``lru``, ``lfu_decay``, ``next_use`` and their ``+bypass`` variants, ``next_use+bypass+prior``,
-and ``default``: the one recommended as the runtime's next default, :data:`freetoken.policy.next_use.RECOMMENDED`,
-next_use with bypass, the prefill prior and the long memory; the runtime runs LRU; ``default+trans``: it plus the
-transition predictor, :data:`freetoken.policy.next_use.RECOMMENDED_TRANS`) replay the whole trace through
-the policy core's state machines (:mod:`freetoken.policy`), with prefill borrowing; :data:`BORROWING` names them.
+and ``default``: the runtime's cache policy on gpu/emu (``--cache-policy next_use``, the default there),
+:data:`freetoken.policy.next_use.RECOMMENDED`, next_use with bypass, the prefill prior and the long memory;
+``default+trans``: it plus the transition predictor, :data:`freetoken.policy.next_use.RECOMMENDED_TRANS`) replay the
+whole trace through the policy core's state machines (:mod:`freetoken.policy`), with prefill borrowing;
+:data:`BORROWING` names them.
 
 Belady is the lower bound: with its free (re)fills at the window start and at every segment start, every other
 policy here is one of the schedules it minimises over, so its misses are <= theirs on the same window (see
@@ -197,7 +198,7 @@ def next_use_prior(trace: Trace, slots: int, window: str = "second_half",
 
 def recommended_policy(trace: Trace, slots: int, window: str = "second_half",
                        prefill_borrow: bool = True) -> PolicyResult:
-    """The policy recommended as the runtime's next default (the device still runs LRU), row ``default``:
+    """The runtime's cache policy on gpu/emu (``cache_admit_scored``), row ``default``:
     :func:`next_use` with :data:`freetoken.policy.next_use.RECOMMENDED` (bypass, the prefill prior, the long
     memory)."""
     r = next_use(trace, slots, window, prefill_borrow, name="default", **RECOMMENDED)

@@ -52,14 +52,16 @@ The cache is the device LRU (:mod:`freetoken.policy.lru`, as :func:`freetoken.si
 recency, tie and prefill-borrow rules): ``fetch_all`` reproduces its misses exactly. Cache states differ between
 modes: fetch_all admits every miss, qstar only what it fetches, cpu_all nothing.
 
-Per cache policy (:func:`time_policies`, ``trace simulate --pcie --cpu --policies``): the modes above run the
-device LRU; a demand policy of the miss-rate table (:data:`POLICY_MODES`: ``lru``, ``lfu_decay``, ``next_use``, their
-``+bypass`` variants, ``next_use+bypass+prior``, ``default``) can replace it. Its decisions are replayed exactly as
-its miss-rate row replays them (:func:`policy_decisions`: the same misses, the admitted ones are its loads), and per
-call the misses it admits are fetched over PCIe (q = admitted) while those it bypasses are computed on the CPU and
-not cached: ``call time = layer_s + critical(q)`` with the bypassed misses (and their tokens) on the CPU path, the
-host tier as above. There is no q* split (the policy decides what is cached, so the miss counts stay the table's)
-and no prefetch. ``lru`` is ``fetch_all`` bit for bit; a policy that never bypasses is fetch_all on its own cache.
+Per cache policy (:func:`time_policies`, ``trace simulate --pcie --cpu --policies``): the modes above run the device
+LRU; a demand policy of the miss-rate table (:data:`POLICY_MODES`: ``lru``, ``lfu_decay``, ``next_use``, their
+``+bypass`` variants, ``next_use+bypass+prior``, ``default``, ``default+trans``) can replace it. Its decisions are
+replayed exactly as its miss-rate row replays them (:func:`policy_decisions`: the same misses, the admitted ones are its
+loads), and per call the misses it admits are fetched over PCIe (q = admitted) while those it bypasses are computed on
+the CPU and not cached: ``call time = layer_s + critical(q)`` with the bypassed misses (and their tokens) on the CPU
+path, the host tier as above. With ``bypassed="stream"`` (the runtime's ``--moe-mode gpu``: a bypassed miss is copied
+through a scratch slot and not kept) they are fetched over PCIe like the admitted ones (q = misses), still not cached.
+There is no q* split (the policy decides what is cached, so the miss counts stay the table's) and no prefetch. ``lru``
+is ``fetch_all`` bit for bit; a policy that never bypasses is fetch_all on its own cache.
 
 The future value, and why q* is (and is not by construction) at or below both extremes:
 
@@ -125,6 +127,8 @@ from freetoken.policy.qstar import (
 from freetoken.sim.predict import PREDICTORS, PredictorScore, precision_recall, predictions
 from freetoken.sim.report import format_sweep, format_timing
 from freetoken.sim.timing_kernel import (
+    ADMITTED,
+    BYPASSED_MISS,
     CPU_ALL,
     FETCH_ALL,
     FIELDS,
@@ -143,7 +147,9 @@ MODE_CODE = {"fetch_all": FETCH_ALL, "cpu_all": CPU_ALL, "qstar": QSTAR, "qstar_
              "fetch_all_prefetch": FETCH_ALL}
 #: the cache policies the time model can replay (:func:`time_policies`): the demand policies of the miss-rate table
 POLICY_MODES = ("lru", "lfu_decay", "lfu_decay+bypass", "next_use", "next_use+bypass", "next_use+bypass+prior",
-                "default")
+                "default", "default+trans")
+#: where the time model runs a policy's bypassed misses: on the CPU, or fetched through a scratch slot (not cached)
+BYPASSED_TO = ("cpu", "stream")
 SWEEP_RATIOS = tuple(float(2.0 ** (e / 2)) for e in range(-4, 5))  # 0.25x .. 4x, geometric, 9 points
 
 
@@ -364,13 +370,16 @@ def time_policies(trace: Trace, slots: int, pcie_gbps: float, cpu_gbps: float, g
                   layer_s: float = 0.0, step_s: float = 0.0, prefill_borrow: bool = True,
                   copy_latency_s: float = DEFAULT_COPY_LATENCY_S, cpu_handoff_s: float = DEFAULT_CPU_HANDOFF_S,
                   cpu_token_s: float = 0.0, host_memory: int | None = None, disk_gbps: float | None = None,
-                  disk_latency_s: float = 0.0) -> list[ModeTiming]:
+                  disk_latency_s: float = 0.0, bypassed: str = "cpu") -> list[ModeTiming]:
     """The time model with a cache policy in place of the device LRU, one :class:`ModeTiming` per policy (its
     ``mode`` is the policy's name): the policy's decisions (:func:`policy_decisions`, those of the miss-rate
     table) are replayed and, per call, every miss it admits is fetched over PCIe and every miss it bypasses is
     computed on the CPU, not cached; the call time is ``critical(q)`` with q = the admitted misses (see the module
-    docstring; no q* split and no prefetch: the policy decides). ``lru`` is ``fetch_all`` exactly. Other
-    arguments as :func:`time_modes`'s."""
+    docstring; no q* split and no prefetch: the policy decides). ``lru`` is ``fetch_all`` exactly. ``bypassed``:
+    ``"cpu"`` as said, or ``"stream"``: the bypassed misses are fetched too (through a scratch slot, as the runtime's
+    gpu mode does), so q = every miss. Other arguments as :func:`time_modes`'s."""
+    if bypassed not in BYPASSED_TO:
+        raise ValueError(f"bypassed misses go to {' or '.join(BYPASSED_TO)}, not {bypassed!r}")
     host_rows, disk_s = _disk_tier(trace, host_memory, disk_gbps, disk_latency_s, window)
     if layer_s < 0 or step_s < 0:
         raise ValueError("layer_s and step_s must be >= 0")
@@ -386,6 +395,8 @@ def time_policies(trace: Trace, slots: int, pcie_gbps: float, cpu_gbps: float, g
     out = []
     for pol in policies:
         status = policy_decisions(trace, pol, slots, prefill_borrow)
+        if bypassed == "stream":  # the cache's contents are the decisions'; only where a bypassed miss runs changes
+            status[status == BYPASSED_MISS] = ADMITTED
         acc = policy_timing_kernel(p.active, p.counts, token_counts(trace), status, p.seg_start, trace.num_flat,
                                    trace.num_experts, float(costs.transfer_s), float(costs.cpu_s),
                                    float(costs.gpu_s), float(costs.cpu_handoff_s), float(costs.cpu_token_s),
@@ -404,8 +415,9 @@ def time_policies(trace: Trace, slots: int, pcie_gbps: float, cpu_gbps: float, g
     return out
 
 
-def format_policy_timing(results: Sequence[ModeTiming]) -> str:
-    """A table of :func:`time_policies`: per (slots, policy) the miss rate, tokens/s and where the time goes."""
+def format_policy_timing(results: Sequence[ModeTiming], bypassed: str = "cpu") -> str:
+    """A table of :func:`time_policies` (run with ``bypassed``): per (slots, policy) the miss rate, tokens/s and where
+    the time goes."""
     from freetoken.sim.table import text_table
 
     def us(s: float) -> str:
@@ -417,8 +429,10 @@ def format_policy_timing(results: Sequence[ModeTiming]) -> str:
              f"{r.fetched:,}", f"{r.cpu_experts:,}", f"{r.tokens_per_s:,.2f}", us(r.step_s), us(r.transfer_s),
              us(r.cpu_s), us(r.stall_s)) for r in results]
     out = text_table(header, body, left={0}, groups=[r.slots for r in results])
-    out.append("tokens/s per cache policy: its admitted misses fetched over PCIe, its bypassed ones computed on the "
-               "CPU (on cpu); lru = fetch_all")
+    where = ("computed on the CPU (on cpu)" if bypassed == "cpu" else
+             "fetched too, through a scratch slot, and not kept")
+    out.append(f"tokens/s per cache policy: its admitted misses fetched over PCIe, its bypassed ones {where}; "
+               "lru = fetch_all")
     return "\n".join(s.rstrip() for s in out)
 
 
@@ -462,7 +476,7 @@ def sweep_ratios(lo: float = 0.25, hi: float = 4.0, n: int = 9) -> tuple[float, 
     return tuple(float(v) for v in np.geomspace(lo, hi, n))
 
 
-__all__ = ["ALL_MODES", "FUTURE_VALUES", "MAX_HITS", "MODES", "POLICY_MODES", "PREDICTORS", "PRIOR_HITS",
+__all__ = ["ALL_MODES", "BYPASSED_TO", "FUTURE_VALUES", "MAX_HITS", "MODES", "POLICY_MODES", "PREDICTORS", "PRIOR_HITS",
            "PRIOR_WEIGHT", "SWEEP_RATIOS", "ModeTiming", "format_policy_timing", "format_sweep", "format_timing",
            "policy_decisions", "resolve_predictions", "run_kernel", "split_vs_extremes_same_state", "sweep",
            "sweep_ratios", "time_modes", "time_policies"]

@@ -5,8 +5,14 @@ keeps :class:`freetoken.cache.ExpertCache` slots shared by all MoE layers. Per f
 
 * a prompt whose routed pairs exceed one admission **streams**: whole layers go through the cache's two prefill
   buffers, layer m+1 copied while layer m computes;
-* a decode step **admits** each layer's routed experts (hits refresh recency, misses take LRU slots, the ids are
-  rewritten to slots, the missed records are copied in), then runs the expert kernels over the slots. With
+* a decode step **admits** each layer's routed experts (hits refresh the policy's statistics, misses take the
+  victims it picks, the ids are rewritten to slots, the missed records are copied in), then runs the expert kernels
+  over the slots. The cache policy (``--cache-policy``, :func:`freetoken.policy.runtime.resolve_cache_policy`) is
+  ``next_use`` by default with ``--moe-mode gpu|hybrid`` when the slots cannot hold every expert: the simulator's
+  ``default`` row admitted on the device (``cache_admit_scored``), a miss it bypasses streamed through one of
+  ``top_k`` scratch slots (copied in, computed, not kept, nothing evicted) or, in hybrid mode, computed on the CPU
+  where q* says so, and each streamed prompt's routing counts seeding its statistics (the prefill prior); otherwise
+  LRU. With
   ``--moe-mode cpu|hybrid`` the misses are first split (:class:`freetoken.policy.hybrid.MissSplitter`): the CPU
   share runs on a worker from the host pool (:class:`CpuShare`) while the GPU share is admitted and computed, and
   the partial outputs are merged in a fixed order. The gpu mode is the empty split: it never reads the routing back
@@ -32,7 +38,7 @@ from freetoken.engine.experts.cpu_share import CpuShare, substitute
 from freetoken.engine.experts.prefetch import NextLayerPrefetch
 from freetoken.engine.options import ExpertOptions
 from freetoken.policy.hybrid import MissSplitter
-from freetoken.policy.runtime import make_oracle, resolve_mode
+from freetoken.policy.runtime import make_oracle, resolve_cache_policy, resolve_mode
 
 
 class CachedExperts(RunnerBase):
@@ -48,7 +54,19 @@ class CachedExperts(RunnerBase):
             pool = self.tier = HostTier(device, self.parts, num_layers, num_experts, reader, opts.host_memory)
             self.reads_own_experts = True
         slots = opts.cache_slots or max(num_layers * num_experts, 2 * num_experts)
-        self.cache = ExpertCache(pool, slots, max_active=min(1024, opts.max_decode_tokens * top_k))
+        mode = resolve_mode(opts.mode, device, self.layout.fmt.name, make_oracle(opts.pcie_gbps, opts.cpu_gbps))[0]
+        self.cache_policy, self.cache_policy_note = resolve_cache_policy(opts.cache_policy, mode, opts.prefetch,
+                                                                         slots, num_layers * num_experts, self.mixed)
+        max_active = min(1024, opts.max_decode_tokens * top_k)
+        policy = {}
+        if self.cache_policy == "next_use":
+            from freetoken.policy.next_use import next_use_device
+
+            # top_k scratch slots: every miss of a one-token step that the policy bypasses can be streamed; a call
+            # of several tokens admits the bypassed misses past top_k
+            policy = dict(policy="default", policy_state=next_use_device(num_layers, num_experts, slots),
+                          scratch=min(top_k, max_active, num_experts))
+        self.cache = ExpertCache(pool, slots, max_active=max_active, **policy)
         # decode's plan and expert buffers, allocated once over the slot banks (see ops.moe_experts), per layout
         self.workspaces = [ops.MoeWorkspace(device, lay, banks, self.cache.max_active)
                            for lay, banks in zip(pool.groups, self.cache.group_slot_banks, strict=True)]
@@ -69,7 +87,8 @@ class CachedExperts(RunnerBase):
             self.cpu_share.close()
         self.split = self.cpu_share = None
         if self.mode != "gpu":
-            self.split = MissSplitter(self.cache, self.layouts, self.mode, oracle, opts.future_value)
+            self.split = MissSplitter(self.cache, self.layouts, self.mode, oracle, opts.future_value,
+                                      scored=self.cache_policy == "next_use")
             self.cpu_share = CpuShare(self.dev, self.cache.pool, self.cache.max_active, oracle,
                                       opts.cpu_activations)
 
@@ -142,6 +161,7 @@ class CachedExperts(RunnerBase):
             ahead = False
         first = cache.wait_layer(layer)
         parts = self.parts[layer]
+        self._prefill_prior(layer, ids)
         if not parts.mixed:
             y = ops.moe_experts(h, ids + np.int32(first), weights, cache.layer_slot_banks(layer), self.layouts[layer],
                                 device=self.dev, validate=False)
@@ -153,6 +173,16 @@ class CachedExperts(RunnerBase):
         if ahead:  # a host tier: the next layer is read from disk (on the host) while this layer's kernels run
             self._prefill_layer(layer + 1)
         return y
+
+    def _prefill_prior(self, layer: int, ids) -> None:
+        """Under ``next_use``: the streamed prompt's routing counts of ``layer`` (tokens per expert, by the cache's
+        local ids) seed the policy's statistics (``ExpertCache.prefill_prior``; a prompt in several streamed chunks
+        seeds once per chunk, the later chunk weighing more). One decode step routes ``top_k`` pairs."""
+        if self.cache_policy != "next_use":
+            return
+        local = ids if self._local[layer] is None else self.dev.xp.take(self._local[layer], ids)
+        counts = ops.histogram(self.dev.xp.ascontiguousarray(local, np.int32), self.cache.num_experts, device=self.dev)
+        self.cache.prefill_prior(layer, counts.astype(np.float64), float(self.top_k))
 
     def _admit_and_copy(self, layer: int, slots, h, timed_bytes: int = 0, experts=None, part: int = 0,
                         prefetch: bool = True, end_call: bool = True):
@@ -208,6 +238,8 @@ class CachedExperts(RunnerBase):
             self._prefetch_event = None
 
     def _run_split(self, layer: int, h, ids, weights):
+        if self.cache_policy == "next_use":
+            return self._run_split_scored(layer, h, ids, weights)
         dev = self.dev
         self.cpu_share.harvest()
         parts = self.parts[layer]
@@ -254,6 +286,37 @@ class CachedExperts(RunnerBase):
             y = dev.xp.zeros(h.shape, np.float32)
         return y
 
+    def _run_split_scored(self, layer: int, h, ids, weights):
+        """Hybrid under ``next_use`` (layers of one format): the device admits every routed id (its statistics see
+        them all), the bypassed misses are read back and q* (:meth:`MissSplitter.place`) streams some through the
+        scratch slots and leaves the others to the CPU share; the admitted misses and the streamed ones are copied,
+        the GPU computes every pair but the CPU's, and the CPU's partial output is merged after it."""
+        dev, cache = self.dev, self.cache
+        self.cpu_share.harvest()
+        ids_host = np.asarray(dev.to_host(ids), np.int32)
+        w_host = np.asarray(dev.to_host(weights), np.float32)
+        slots = ids.copy()  # admission rewrites in place; ``ids`` stays the routing record
+        self._wait_prefetch()
+        cache.admit(layer, slots, stream_bypassed=False)
+        bypassed = cache.bypassed_ids()  # synchronises: the admission's decisions
+        admitted = int(dev.to_host(cache.n_work)[0])
+        routed = np.unique(ids_host[ids_host != NO_ROUTE])
+        local = bypassed - np.int32(layer * cache.num_experts)
+        tokens = [int((ids_host == e).any(axis=1).sum()) for e in local]
+        streamed = self.split.place(layer, len(routed) - admitted - len(bypassed), admitted, tokens)
+        cache.place_bypassed(bypassed[streamed], bypassed[~streamed])
+        cpu_pair = np.isin(ids_host, local[~streamed])
+        job = self.cpu_share.submit(layer, h, ids_host, w_host, cpu_pair) if cpu_pair.any() else None
+        nbytes = (admitted + int(streamed.sum())) * self.layouts[layer].record_bytes
+        start = dev.event().record() if nbytes else None
+        cache.copy_missing()
+        if nbytes:
+            stop = dev.event().record()
+            stop.synchronize()
+            self.split.oracle.add_copy(nbytes, start.elapsed_ms(stop) / 1e3)
+        y = self._experts(layer, h, slots, weights) if not cpu_pair.all() else dev.xp.zeros(h.shape, np.float32)
+        return self.cpu_share.merge(job, y, h) if job is not None else y
+
     # ---- state, counters, report -----------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
         host = "expert rows (host tier)" if self.tier is not None else "expert banks (host pool)"
@@ -297,8 +360,9 @@ class CachedExperts(RunnerBase):
     def restore_residency(self, records) -> int:
         """Admit ``records`` (as :meth:`residency` gave them) into the slots again, copying in those that are not
         there (not counted as hits or misses); returns the number of records copied. The split modes' shadow does
-        not follow such admissions, so there it does nothing."""
-        if self.split is not None:
+        not follow such admissions, so there it does nothing; nor under ``next_use``, whose admissions are its calls
+        (it would count them and might bypass them)."""
+        if self.split is not None or self.cache_policy == "next_use":
             return 0
         cache, copied = self.cache, 0
         recs = np.asarray(sorted(int(r) for r in records), np.int64)
@@ -329,6 +393,8 @@ class CachedExperts(RunnerBase):
         if self.split is not None:
             st = self.split.stats
             out.update(split_hits=st["hits"], split_fetched=st["fetched"], split_cpu=st["cpu"])
+        if "bypassed" in cs:
+            out["cache_bypassed"] = cs["bypassed"]
         if self.prefetch is not None:
             out.update({f"prefetch_{k}": v for k, v in self.prefetch.stats.items()})
         out.update(self.tier_counters())
@@ -336,11 +402,16 @@ class CachedExperts(RunnerBase):
 
     def summary(self) -> str:
         rate, hits, misses = self.hit_stats()
-        return (f"expert cache: {self.cache.slots} slots, hit rate {rate:.1%} ({hits} hits, {misses} misses, "
-                f"{self.formats_name()})")
+        bypassed = self.cache.stats().get("bypassed", 0)
+        on_cpu = int(self.cache.served_elsewhere.sum())  # hybrid: the bypassed misses q* left to the CPU
+        streamed = f", {bypassed - on_cpu} streamed past the cache" if bypassed > on_cpu else ""
+        return (f"expert cache: {self.cache.slots} slots ({self.cache_policy}), hit rate {rate:.1%} ({hits} hits, "
+                f"{misses} misses{streamed}, {self.formats_name()})")
 
     def report(self) -> str:
-        parts = [f"moe mode {self.mode}"]
+        parts = [f"moe mode {self.mode}, cache policy {self.cache_policy}"]
+        if self.cache_policy_note:
+            parts.append(self.cache_policy_note)
         if self.split is not None:
             st, o = self.split.stats, self.split.oracle
             parts.append(f"{st['hits']} hits, {st['fetched']} fetched, {st['cpu']} on the CPU; PCIe "

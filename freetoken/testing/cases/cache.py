@@ -11,7 +11,7 @@ from freetoken.device.constants import NO_ROUTE
 from freetoken.formats import RecordLayout
 from freetoken.ops.cache import CopyTable
 from freetoken.testing.cases.base import KernelCase
-from freetoken.testing.reference.cache import CacheModel, ScoredCacheModel
+from freetoken.testing.reference.cache import CacheModel, ScoredCacheModel, stream_bypassed_reference
 
 
 # ---- cache.cu -------------------------------------------------------------------------------------------------
@@ -296,3 +296,68 @@ CASES += [KernelCase("cache_admit_scored_sequence", "cache.cu", _make_scored, _s
                      _scored_reference, fetch_fn=_scored_fetch, op="cache_admit_scored"),
           KernelCase("cache_scored_prefill", "cache.cu", _make_scored, _scored_setup, _scored_launch,
                      _scored_reference, fetch_fn=_scored_fetch, op="cache_scored_prefill")]
+
+
+# ---- bypassed misses streamed through scratch slots (after each scored admission) ----------------------------------
+def _make_stream(rng, size):
+    """A scored cache smaller than a step's ids (bypass acts; a call's distinct ids still fit), calls of several tokens
+    with repeated ids and ``NO_ROUTE`` pairs, each followed by ``cache_stream_bypassed`` into scratch slots past the
+    cache's own; fewer scratch slots than a call may bypass (the admission's ``max_bypass`` admits the rest). Every
+    third call streams only the first of its bypassed misses (``limit`` 1: the others' pairs become ``NO_ROUTE``, as
+    the hybrid split's CPU share)."""
+    layers, experts, slots, calls = (3, 8, 7, 40) if size == "small" else (4, 128, 80, 100)
+    k, tokens = (3, 2) if size == "small" else (8, 8)
+    steps = []
+    for i in range(calls):
+        ids = rng.integers(0, experts, (tokens, k)).astype(np.int32)
+        if i % 4 == 1:
+            ids[rng.random(ids.shape) < 0.3] = NO_ROUTE
+        steps.append(("admit", i % layers, ids, True))
+    return {"layers": layers, "experts": experts, "slots": slots, "steps": steps, "pin": (layers - 1, 1),
+            "scratch": slots, "max_bypass": 2 if size == "small" else 5}
+
+
+def _stream_launch(dev, st):
+    st["out"] = out = []
+    for _, layer, ids0, _ in st["steps"]:
+        ids = dev.asarray(ids0)
+        slots = ids.copy()
+        ops.cache_admit_scored(slots, layer, st["experts"], st["sfi"], st["ios"], st["stamp"], st["pin"], st["clock"],
+                               st["lclock"], st["last"], st["c1"], st["c2"], st["c3"], st["c4"], st["dp"], st["dp2"],
+                               st["glob"], st["consts"], st["work"], st["n_work"], st["bypass"], st["n_bypass"],
+                               st["hits"], st["misses"], st["bypassed"], st["err"], max_bypass=st["max_bypass"],
+                               device=dev)
+        ops.cache_stream_bypassed(ids, slots, layer, st["experts"], st["bypass"], st["n_bypass"], st["scratch"],
+                                  st["work"], st["n_work"], st["err"], limit=_stream_limit(len(out)), device=dev)
+        out.append((slots, st["work"].copy(), st["n_work"].copy()))
+
+
+def _stream_limit(call: int) -> int:
+    return 1 if call % 3 == 2 else -1
+
+
+def _stream_setup(dev, inp):
+    return {**_scored_setup(dev, inp), "scratch": inp["scratch"], "max_bypass": inp["max_bypass"]}
+
+
+def _stream_fetch(dev, st):
+    h = dev.to_host
+    return {"slot_ids": np.concatenate([h(s).ravel() for s, _, _ in st["out"]]).astype(np.int64),
+            "work": np.concatenate([h(w)[:2 * int(h(n)[0])] for _, w, n in st["out"]]).astype(np.int64),
+            "err": h(st["err"]).astype(np.int64)}
+
+
+def _stream_reference(inp):
+    model = _scored_model(inp)
+    slot_ids, work = [], []
+    for call, (_, layer, ids, _) in enumerate(inp["steps"]):
+        got, w, b = model.admit(layer, ids, max_bypass=inp["max_bypass"])
+        got, w = stream_bypassed_reference(ids, got, layer, inp["experts"], b, inp["scratch"], w, _stream_limit(call))
+        slot_ids.append(got.ravel())
+        work += w
+    return {"slot_ids": np.concatenate(slot_ids).astype(np.int64), "work": np.array(work, np.int64).reshape(-1),
+            "err": np.zeros(1, np.int64)}
+
+
+CASES += [KernelCase("cache_stream_bypassed_sequence", "cache.cu", _make_stream, _stream_setup, _stream_launch,
+                     _stream_reference, fetch_fn=_stream_fetch, op="cache_stream_bypassed")]

@@ -192,9 +192,11 @@ class ScoredCacheModel:
             return SCORED_PROTECT - ((((1.0 - p) * L) * w) + d)
         return -((L * (w - 1.0)) + d)
 
-    def admit(self, layer: int, ids: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]], list[int]]:
+    def admit(self, layer: int, ids: np.ndarray, max_bypass: int | None = None
+              ) -> tuple[np.ndarray, list[tuple[int, int]], list[int]]:
         """One call of ``layer`` with routed ids [T, k]: returns (slot ids [T, k], ``CACHE_BYPASSED`` for a bypassed
-        miss's pairs; the worklist of (slot, flat id); the bypassed flat ids in order)."""
+        miss's pairs; the worklist of (slot, flat id); the bypassed flat ids in order). ``max_bypass``: the most misses
+        the call may bypass (None: no limit); later ones are admitted."""
         ids = np.asarray(ids)
         routed = ids != NO_ROUTE
         if ((ids[routed] < 0) | (ids[routed] >= self.num_experts)).any():
@@ -246,7 +248,8 @@ class ScoredCacheModel:
             if best is None:
                 raise RuntimeError("no victim: too few slots")
             k, v = best
-            if self.bypass and self.id_of_slot[v] >= 0 and not self.key(f, layer, pbar, itau) > k:
+            room = max_bypass is None or len(bypassed) < max_bypass
+            if self.bypass and room and self.id_of_slot[v] >= 0 and not self.key(f, layer, pbar, itau) > k:
                 bypassed.append(f)
                 continue
             self._assign(v, f)
@@ -291,3 +294,17 @@ class ScoredCacheModel:
     @recency.setter
     def recency(self, value):
         self.stamp = value
+
+
+def stream_bypassed_reference(ids: np.ndarray, slots: np.ndarray, layer: int, experts: int, bypassed: list[int],
+                              scratch: int, work: list[tuple[int, int]], limit: int = -1
+                              ) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """``cache_stream_bypassed``: (the pairs' slots with every ``CACHE_BYPASSED`` pair of the first ``limit`` (all
+    when < 0) bypassed ids at its id's scratch slot, ``scratch`` + its index in ``bypassed``, and those of the others
+    ``NO_ROUTE``; the worklist ``work`` with the streamed ids' items appended)."""
+    streamed = list(bypassed) if limit < 0 else list(bypassed)[:limit]
+    out = np.array(slots, np.int32, copy=True)
+    where = {f: NO_ROUTE for f in bypassed} | {f: scratch + i for i, f in enumerate(streamed)}
+    marked = out == CACHE_BYPASSED
+    out[marked] = [where[layer * experts + int(e)] for e in np.asarray(ids)[marked]]
+    return out, list(work) + [(scratch + i, f) for i, f in enumerate(streamed)]
