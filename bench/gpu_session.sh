@@ -85,7 +85,8 @@ if [ "$(left)" -gt 30 ]; then
     timeout $(( $(left) - 10 )) $PY -m pytest -q -m gpu -p no:cacheprovider -n 8 --durations=0 \
         --junitxml "$OUT/gpu_tests.xml" tests/test_kernel_parity.py tests/test_model_parity.py tests/test_cache.py \
         tests/test_cache_semantics.py tests/test_expert_runner.py tests/test_latent_attention.py tests/test_linear.py \
-        tests/test_kquant_kernels.py tests/test_qstar.py tests/test_hybrid_models.py 2>&1 | tail -60 \
+        tests/test_kquant_kernels.py tests/test_qstar.py tests/test_hybrid_models.py tests/test_cache_scored.py \
+        tests/test_policy.py 2>&1 | tail -60 \
         | tee "$OUT/gpu_tests.txt"
 fi
 step "done"

@@ -18,24 +18,17 @@ from freetoken.device.constants import (
 _NO_KEY = np.int64(0x7FFFFFFFFFFFFFFF)
 
 
-@nb.njit(error_model="numpy", cache=True)
-def cache_admit(ids, layer, experts, slot_for_id, id_of_slot, recency, pinned, clock, worklist, n_work, hits, misses,
-                err, count):
-    """Admit one layer's routed ids (``ids`` int32, any shape, C-contiguous: expert indices, rewritten in place to slot
-    ids). The clock advances once; hits refresh their slot's recency; the misses, in increasing flat-id order, each
-    take the slot of lowest recency that is not pinned and holds no id active in this call (ties: lowest slot); the
-    victim's old owner loses its mapping; worklist[2 i] = slot, [2 i + 1] = flat id. A pair whose id is ``NO_ROUTE``
-    is left out (slot ``NO_ROUTE``, no error). err: max with 1 (an id out of
-    [0, experts): its pair gets slot -1) and 2 (no victim left). ``count`` = 0 leaves hits/misses alone."""
-    flat_ids = ids.reshape(-1)
+@nb.njit(error_model="numpy", cache=True, inline="always")
+def _active_ids(flat_ids, layer, experts, err):
+    """A call's pairs as flat ids (``flat``; -1 for ``NO_ROUTE``, a pair routed to another format's experts, and for
+    an id out of [0, experts), which sets err 1) and its distinct flat ids in increasing order (``active[:na]``):
+    the start of both admissions (``active_ids`` in ``cuda/cache.cu``)."""
     pairs = flat_ids.size
-    now = clock[0] + 1
-    clock[0] = now
     flat = np.empty(pairs, np.int64)
     valid = 0
     for p in range(pairs):
         e = flat_ids[p]
-        if e == NO_ROUTE:  # routed to another format's experts: left out, no error
+        if e == NO_ROUTE:
             flat[p] = -1
         elif e < 0 or e >= experts:
             err[0] = max(err[0], 1)
@@ -56,6 +49,23 @@ def cache_admit(ids, layer, experts, slot_for_id, id_of_slot, recency, pinned, c
         if i == 0 or cand[i] != cand[i - 1]:
             active[na] = cand[i]
             na += 1
+    return flat, active, na
+
+
+@nb.njit(error_model="numpy", cache=True)
+def cache_admit(ids, layer, experts, slot_for_id, id_of_slot, recency, pinned, clock, worklist, n_work, hits, misses,
+                err, count):
+    """Admit one layer's routed ids (``ids`` int32, any shape, C-contiguous: expert indices, rewritten in place to slot
+    ids). The clock advances once; hits refresh their slot's recency; the misses, in increasing flat-id order, each
+    take the slot of lowest recency that is not pinned and holds no id active in this call (ties: lowest slot); the
+    victim's old owner loses its mapping; worklist[2 i] = slot, [2 i + 1] = flat id. A pair whose id is ``NO_ROUTE``
+    is left out (slot ``NO_ROUTE``, no error). err: max with 1 (an id out of
+    [0, experts): its pair gets slot -1) and 2 (no victim left). ``count`` = 0 leaves hits/misses alone."""
+    flat_ids = ids.reshape(-1)
+    pairs = flat_ids.size
+    now = clock[0] + 1
+    clock[0] = now
+    flat, active, na = _active_ids(flat_ids, layer, experts, err)
     is_hit = np.zeros(na, np.bool_)
     for u in range(na):
         s = slot_for_id[active[u]]
@@ -150,31 +160,7 @@ def cache_admit_scored(ids, layer, experts, slot_for_id, id_of_slot, stamp, pinn
     pairs = flat_ids.size
     call = clock[0] + 1
     clock[0] = call
-    flat = np.empty(pairs, np.int64)
-    valid = 0
-    for p in range(pairs):
-        e = flat_ids[p]
-        if e == NO_ROUTE:
-            flat[p] = -1
-        elif e < 0 or e >= experts:
-            err[0] = max(err[0], 1)
-            flat[p] = -1
-        else:
-            flat[p] = layer * experts + e
-            valid += 1
-    cand = np.empty(valid, np.int64)
-    j = 0
-    for p in range(pairs):
-        if flat[p] >= 0:
-            cand[j] = flat[p]
-            j += 1
-    cand.sort()
-    active = np.empty(valid, np.int64)
-    na = 0
-    for i in range(valid):
-        if i == 0 or cand[i] != cand[i - 1]:
-            active[na] = cand[i]
-            na += 1
+    flat, active, na = _active_ids(flat_ids, layer, experts, err)
     lclock[layer] += 1
     now = lclock[layer]
     is_hit = np.zeros(na, np.bool_)

@@ -21,6 +21,42 @@ __device__ __forceinline__ bool less(const Argmin& a, const Argmin& b) {
   return a.key < b.key || (a.key == b.key && a.slot < b.slot);
 }
 
+// The start of both admissions, called by every thread of the block: the call's pairs as flat ids (flat[p]; -1 for
+// FT_NO_ROUTE, a pair routed to another format's experts, and for an id out of [0, experts), which sets err) and its
+// distinct flat ids in increasing order (active[0 .. returned count)): a pair leads if no earlier pair has its id,
+// leaders are ranked by id. *n_active (shared) must be 0 before the call's first barrier (the caller's thread 0).
+__device__ __forceinline__ int active_ids(const int* __restrict__ ids, int pairs, int layer, int experts, int* flat,
+                                          int* lead, int* active, int* n_active, int* __restrict__ err) {
+  const int tid = threadIdx.x, nt = blockDim.x;
+  for (int p = tid; p < pairs; p += nt) {
+    const int e = ids[p];
+    if (e == FT_NO_ROUTE) {
+      flat[p] = -1;
+    } else if (e < 0 || e >= experts) {
+      atomicMax(err, FT_CACHE_ERR_ID_RANGE);
+      flat[p] = -1;
+    } else {
+      flat[p] = layer * experts + e;
+    }
+  }
+  __syncthreads();
+  for (int p = tid; p < pairs; p += nt) {
+    int l = flat[p] >= 0;
+    for (int q = 0; q < p && l; ++q) l = flat[q] != flat[p];
+    lead[p] = l;
+  }
+  __syncthreads();
+  for (int p = tid; p < pairs; p += nt) {
+    if (!lead[p]) continue;
+    int rank = 0;
+    for (int q = 0; q < pairs; ++q) rank += lead[q] && flat[q] < flat[p];
+    active[rank] = flat[p];
+    atomicAdd(n_active, 1);
+  }
+  __syncthreads();
+  return *n_active;
+}
+
 __device__ __forceinline__ Argmin warp_argmin(Argmin v) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
@@ -63,34 +99,7 @@ extern "C" __global__ void __launch_bounds__(1024) cache_admit(
     n_active = 0;
     n_miss_done = 0;
   }
-  for (int p = tid; p < pairs; p += nt) {
-    const int e = ids[p];
-    if (e == FT_NO_ROUTE) {
-      flat[p] = -1;  // a pair routed elsewhere (another format's experts): no admission, slot FT_NO_ROUTE
-    } else if (e < 0 || e >= experts) {
-      atomicMax(err, FT_CACHE_ERR_ID_RANGE);
-      flat[p] = -1;
-    } else {
-      flat[p] = layer * experts + e;
-    }
-  }
-  __syncthreads();
-  // Unique active ids: a pair leads if no earlier pair has its id; leaders are ranked by id.
-  for (int p = tid; p < pairs; p += nt) {
-    int l = flat[p] >= 0;
-    for (int q = 0; q < p && l; ++q) l = flat[q] != flat[p];
-    lead[p] = l;
-  }
-  __syncthreads();
-  for (int p = tid; p < pairs; p += nt) {
-    if (!lead[p]) continue;
-    int rank = 0;
-    for (int q = 0; q < pairs; ++q) rank += lead[q] && flat[q] < flat[p];
-    active[rank] = flat[p];
-    atomicAdd(&n_active, 1);
-  }
-  __syncthreads();
-  const int na = n_active;
+  const int na = active_ids(ids, pairs, layer, experts, flat, lead, active, &n_active, err);
   // Hits refresh their recency (and so become ineligible as victims for the rest of this call).
   for (int u = tid; u < na; u += nt) {
     const int s = slot_for_id[active[u]];
@@ -330,33 +339,7 @@ extern "C" __global__ void __launch_bounds__(1024) cache_admit_scored(
     n_miss_done = 0;
     n_bypassed = 0;
   }
-  for (int p = tid; p < pairs; p += nt) {
-    const int e = ids[p];
-    if (e == FT_NO_ROUTE) {
-      flat[p] = -1;
-    } else if (e < 0 || e >= experts) {
-      atomicMax(err, FT_CACHE_ERR_ID_RANGE);
-      flat[p] = -1;
-    } else {
-      flat[p] = layer * experts + e;
-    }
-  }
-  __syncthreads();
-  for (int p = tid; p < pairs; p += nt) {
-    int l = flat[p] >= 0;
-    for (int q = 0; q < p && l; ++q) l = flat[q] != flat[p];
-    lead[p] = l;
-  }
-  __syncthreads();
-  for (int p = tid; p < pairs; p += nt) {
-    if (!lead[p]) continue;
-    int rank = 0;
-    for (int q = 0; q < pairs; ++q) rank += lead[q] && flat[q] < flat[p];
-    active[rank] = flat[p];
-    atomicAdd(&n_active, 1);
-  }
-  __syncthreads();
-  const int na = n_active;
+  const int na = active_ids(ids, pairs, layer, experts, flat, lead, active, &n_active, err);
   // The per-id statistics, one thread per active id (ids are unique: no two threads touch one id); hits are stamped.
   // reacc[u]: 0 a first access, 1 a re-access, 2 a continuation (a re-access at the layer's previous call).
   if (tid == 0) layer_now = ++lclock[layer];

@@ -198,6 +198,14 @@ CASES = CACHE_CASES + [
 
 
 # ---- the scored (next_use) admission against ScoredCacheModel ------------------------------------------------------
+def _routed_ids(rng, experts: int, tokens: int, k: int, no_route: float) -> np.ndarray:
+    """One call's routed ids [tokens, k] (repeats allowed), about a ``no_route`` fraction of them ``NO_ROUTE``."""
+    ids = rng.integers(0, experts, (tokens, k)).astype(np.int32)
+    if no_route:
+        ids[rng.random(ids.shape) < no_route] = NO_ROUTE
+    return ids
+
+
 def _make_scored(rng, size):
     """Calls of the recommended policy (bypass, long memory, prefill prior) in a cache smaller than a step's ids
     (bypass acts), with repeated ids, ``NO_ROUTE`` pairs, prefetches (not counted), prefill priors and one pin."""
@@ -205,9 +213,7 @@ def _make_scored(rng, size):
     k, tokens = (3, 2) if size == "small" else (8, 4)
     steps = []
     for i in range(calls):
-        ids = rng.integers(0, experts, (tokens, k)).astype(np.int32)
-        if i % 5 == 2:
-            ids[rng.random(ids.shape) < 0.4] = NO_ROUTE
+        ids = _routed_ids(rng, experts, tokens, k, 0.4 if i % 5 == 2 else 0.0)
         if i % 13 == 6:  # a prompt's prefill prior for the layer (its routing counts; one layer without tokens)
             counts = rng.integers(0, 9, experts).astype(np.float64) * (i % 39 != 6)
             steps.append(("prior", i % layers, counts, float(k * tokens)))
@@ -307,12 +313,8 @@ def _make_stream(rng, size):
     the hybrid split's CPU share)."""
     layers, experts, slots, calls = (3, 8, 7, 40) if size == "small" else (4, 128, 80, 100)
     k, tokens = (3, 2) if size == "small" else (8, 8)
-    steps = []
-    for i in range(calls):
-        ids = rng.integers(0, experts, (tokens, k)).astype(np.int32)
-        if i % 4 == 1:
-            ids[rng.random(ids.shape) < 0.3] = NO_ROUTE
-        steps.append(("admit", i % layers, ids, True))
+    steps = [("admit", i % layers, _routed_ids(rng, experts, tokens, k, 0.3 if i % 4 == 1 else 0.0), True)
+             for i in range(calls)]
     return {"layers": layers, "experts": experts, "slots": slots, "steps": steps, "pin": (layers - 1, 1),
             "scratch": slots, "max_bypass": 2 if size == "small" else 5}
 
