@@ -39,13 +39,14 @@ def _record_bytes(path) -> int:
         ftw.close()
 
 
-def _run(path, device, **kw):
+def _run(path, device, chunk=1, **kw):
+    """The prompt, then STEPS decode forwards of ``chunk`` tokens each."""
     model = load(path, device=device, **kw)
     dec = model.decoder
     dec.reset()
     out = [dec.forward(PROMPT)]
     for t in range(STEPS):
-        out.append(dec.forward(PROMPT[t:t + 1]))
+        out.append(dec.forward(PROMPT[t * chunk:(t + 1) * chunk]))
     return model, np.concatenate(out)
 
 
@@ -99,14 +100,21 @@ def test_emu_gpu_mode_with_a_small_cache_is_bit_exact(files, prefetch):
     assert model.experts.cache.stats()["misses"] > 0
 
 
-def test_emu_hybrid_split_with_the_tier(files):
+@pytest.mark.parametrize("policy", ["lru", "next_use"])
+def test_emu_hybrid_split_with_the_tier(files, policy):
+    """The q* split (LRU's over every miss; next_use's over the misses it bypasses, which it does with 8-token steps
+    on this model, not with single tokens) with records read from disk."""
     budget = 3 * EXPERTS * _record_bytes(files["q4_0"])
-    kw = dict(cache_slots=40, moe_mode="hybrid", pcie_gbps=1.0, cpu_gbps=1.0, cpu_activations="f32")
+    kw = dict(cache_slots=40, moe_mode="hybrid", pcie_gbps=1.0, cpu_gbps=1.0, cpu_activations="f32",
+              cache_policy=policy)
+    if policy == "next_use":
+        kw.update(cache_slots=32, cpu_gbps=1000.0, chunk=8)
     _, ref = _run(files["q4_0"], "emu", **kw)
     model, got = _run(files["q4_0"], "emu", host_memory=budget, **kw)
     _check_tier(model, budget)
     st = model.experts.split.stats
     assert st["fetched"] > 0 and st["cpu"] > 0, st
+    assert policy == "lru" or st["cpu"] == int(model.experts.cache.served_elsewhere.sum())
     # The split is the same (pinned bandwidths, the same GPU cache states); the CPU share adds its experts in the
     # order of the tier's rows, so its float32 sums round differently (see the cpu test)
     assert _nmse(got, ref) < 1e-9, _nmse(got, ref)

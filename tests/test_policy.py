@@ -280,12 +280,14 @@ def test_cache_policy_choice_and_conflicts(checkpoint, cuda_device):
     from freetoken.policy.runtime import resolve_cache_policy
 
     assert resolve_cache_policy("auto", "gpu", False, 16, 24) == ("next_use", "")
-    assert resolve_cache_policy("auto", "hybrid", False, 16, 24) == ("next_use", "")
+    policy, note = resolve_cache_policy("auto", "hybrid", False, 16, 24)  # q* splits every miss: LRU by default
+    assert policy == "lru" and "--cache-policy next_use" in note
+    assert resolve_cache_policy("next_use", "hybrid", False, 16, 24) == ("next_use", "")
     assert resolve_cache_policy("auto", "gpu", False, 24, 24)[0] == "lru"  # room for all: nothing is evicted
     policy, note = resolve_cache_policy("auto", "cpu", False, 16, 24)
     assert policy == "lru" and "caches none" in note
-    policy, note = resolve_cache_policy("auto", "hybrid", False, 16, 24, mixed=True)
-    assert policy == "lru" and "LRU shadow" in note
+    with pytest.raises(ValueError, match="LRU shadow"):
+        resolve_cache_policy("next_use", "hybrid", False, 16, 24, mixed=True)
     assert resolve_cache_policy("auto", "gpu", False, 16, 24, mixed=True)[0] == "next_use"
     assert resolve_cache_policy("auto", "gpu", True, 16, 24)[0] == "lru"
     assert resolve_cache_policy("lru", "gpu", False, 16, 24) == ("lru", "")
@@ -310,7 +312,8 @@ def test_hybrid_next_use_places_bypassed_misses_by_qstar(checkpoint, cuda_device
     chunks = [16] * 4 + [1] * 6
     kw = {"cache_slots": 16, "max_decode_tokens": 16}
     want, _, _ = _forward_chunks(checkpoint, cuda_device, chunks, cache_policy="lru", **kw)
-    got, dec, _ = _forward_chunks(checkpoint, cuda_device, chunks, mode="hybrid", pcie_gbps=pcie, cpu_gbps=cpu, **kw)
+    got, dec, _ = _forward_chunks(checkpoint, cuda_device, chunks, mode="hybrid", pcie_gbps=pcie, cpu_gbps=cpu,
+                                  cache_policy="next_use", **kw)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     runner = dec.experts
     assert runner.cache_policy == "next_use" and runner.split.shadow is None

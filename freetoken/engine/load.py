@@ -55,8 +55,8 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
     ``hybrid`` (q*: split by measured bandwidths) or ``auto`` (the stored ``freetoken bench bw`` profile's
     choice); ``pcie_gbps`` / ``cpu_gbps`` pin the oracle's figures; ``future_value``: seconds a fetched expert
     is worth beyond its step; ``prefetch``: copy the next layer's predicted experts while a layer computes;
-    ``cache_policy``: how the cache picks victims (``auto``: ``next_use`` with ``moe_mode`` gpu or hybrid and fewer
-    slots than experts, else ``lru``; see :func:`freetoken.policy.runtime.resolve_cache_policy`).
+    ``cache_policy``: how the cache picks victims (``auto``: ``next_use`` with ``moe_mode`` gpu and fewer slots than
+    experts, else ``lru``; see :func:`freetoken.policy.runtime.resolve_cache_policy`).
     ``cpu_activations``: experts on the CPU (4-bit, q8_0 and k-quant formats) with 8-bit activations and int8 dots
     ("q8") or float32 ("f32");
     "auto": q8 where the CPU has AVX2 or AVX-512 VNNI. ``allow_widen``: a GGUF file's non-expert matrices in a block

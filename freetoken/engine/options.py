@@ -45,7 +45,7 @@ class ExpertOptions:
     are read from the file as steps need them into a host tier of that size (:class:`freetoken.cache.HostTier`).
     ``cache_policy``: how the expert cache picks victims, one of :data:`CACHE_POLICIES`
     (:func:`freetoken.policy.runtime.resolve_cache_policy`; ``auto``, the default, is ``next_use`` with ``--moe-mode
-    gpu|hybrid`` when the slots cannot hold every expert, else ``lru``)."""
+    gpu`` when the slots cannot hold every expert, else ``lru``)."""
 
     mode: str = "gpu"
     cache_slots: int | None = None

@@ -142,8 +142,8 @@ PRIOR_ONLY = {**DEFAULT_PARAMS, **DEFAULT_PRIOR, "bypass": True}
 #: small grid on bench/policy_eval.py's tuning traces: weight 0.3-1.0, decay 0.75-0.99, prior 0.5-2, noisy-or
 #: against mean and max of the rows; a flat optimum)
 DEFAULT_TRANS = {"trans_weight": 0.6, "trans_decay": 0.9, "trans_prior": 1.0}
-#: :data:`RECOMMENDED` plus the transition predictor (the simulator's ``default+trans`` row); neither the device
-#: admission nor the time model (:mod:`freetoken.sim.timing`) runs it yet
+#: :data:`RECOMMENDED` plus the transition predictor (the simulator's ``default+trans`` row, also timed by
+#: :mod:`freetoken.sim.timing`); the device admission does not run it (an L x E x E table of counts per cache)
 RECOMMENDED_TRANS = {**RECOMMENDED, **DEFAULT_TRANS}
 
 next_use_admit = scored_admit

@@ -21,12 +21,14 @@ def resolve_cache_policy(policy: str, mode: str, prefetch: bool, slots: int, rec
                          mixed: bool = False) -> tuple[str, str]:
     """(``next_use`` or ``lru``, a note for the report) for the requested ``policy`` under the resolved moe ``mode``.
 
-    ``auto`` is ``next_use`` where it runs: ``--moe-mode gpu`` (bypassed misses streamed through scratch slots) or
-    ``hybrid`` (q* puts each bypassed miss on PCIe or on the CPU) on a model whose layers each hold one expert format
-    (``mixed``: the hybrid split of a layer in several formats keeps an LRU shadow), not ``cpu`` (it caches nothing at
-    decode), no ``--prefetch`` (its admissions are not calls of the policy) and fewer ``slots`` than expert
-    ``records`` (with room for all nothing is evicted and the policy cannot matter). ``next_use`` asked for where it
-    cannot run is an error naming the conflict."""
+    ``auto`` is ``next_use`` with ``--moe-mode gpu`` (bypassed misses streamed through scratch slots), no
+    ``--prefetch`` (its admissions are not calls of the policy) and fewer ``slots`` than expert ``records`` (with room
+    for all nothing is evicted and the policy cannot matter); otherwise ``lru``. Under ``hybrid`` ``auto`` keeps
+    ``lru``: there q* splits every miss between PCIe and the CPU by measured bandwidth, while under ``next_use`` the
+    misses the policy admits are always copied and q* places only those it bypasses, which loses wherever the CPU
+    outruns PCIe; ``next_use`` is there on request (not with layers of several formats, ``mixed``: their split keeps an
+    LRU shadow), never under ``cpu`` (it caches nothing at decode). ``next_use`` asked for where it cannot run is an
+    error naming the conflict."""
     if policy not in CACHE_POLICIES:
         raise ValueError(f"cache policy {policy!r}: choose one of {', '.join(CACHE_POLICIES)}")
     conflict = ("--moe-mode cpu computes every miss on the CPU and caches none" if mode == "cpu" else
@@ -41,6 +43,9 @@ def resolve_cache_policy(policy: str, mode: str, prefetch: bool, slots: int, rec
         return "lru", f"cache policy auto -> lru ({conflict})"
     if slots >= records:
         return "lru", "cache policy auto -> lru (room for every expert: nothing is evicted)"
+    if mode == "hybrid":
+        return "lru", ("cache policy auto -> lru (--moe-mode hybrid: q* splits every miss by bandwidth; "
+                       "--cache-policy next_use caches by expected use and splits only the misses it bypasses)")
     return "next_use", ""
 
 

@@ -25,7 +25,8 @@ LOGIT_COLUMNS = 512  # the first columns of every prompt position's logits (enou
 #: name -> (device, freetoken.load keywords)
 MODEL_RUNS = {
     "cpu": ("cpu", {}),
-    "emu_gpu_slots40": ("emu", {"cache_slots": 40}),
+    "emu_gpu_slots40": ("emu", {"cache_slots": 40}),  # the default cache policy, next_use
+    "emu_gpu_slots40_lru": ("emu", {"cache_slots": 40, "cache_policy": "lru"}),
     "emu_gpu_slots40_prefetch": ("emu", {"cache_slots": 40, "prefetch": True}),
     "emu_cpu_slots40": ("emu", {"cache_slots": 40, "moe_mode": "cpu"}),
     "emu_hybrid_slots40": ("emu", {"cache_slots": 40, "moe_mode": "hybrid", "pcie_gbps": 2.0, "cpu_gbps": 20.0}),

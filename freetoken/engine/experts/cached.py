@@ -8,11 +8,11 @@ keeps :class:`freetoken.cache.ExpertCache` slots shared by all MoE layers. Per f
 * a decode step **admits** each layer's routed experts (hits refresh the policy's statistics, misses take the
   victims it picks, the ids are rewritten to slots, the missed records are copied in), then runs the expert kernels
   over the slots. The cache policy (``--cache-policy``, :func:`freetoken.policy.runtime.resolve_cache_policy`) is
-  ``next_use`` by default with ``--moe-mode gpu|hybrid`` when the slots cannot hold every expert: the simulator's
-  ``default`` row admitted on the device (``cache_admit_scored``), a miss it bypasses streamed through one of
-  ``top_k`` scratch slots (copied in, computed, not kept, nothing evicted) or, in hybrid mode, computed on the CPU
-  where q* says so, and each streamed prompt's routing counts seeding its statistics (the prefill prior); otherwise
-  LRU. With
+  ``next_use`` by default with ``--moe-mode gpu`` when the slots cannot hold every expert (in hybrid mode on
+  request): the simulator's ``default`` row admitted on the device (``cache_admit_scored``), a miss it bypasses
+  streamed through one of ``top_k`` scratch slots (copied in, computed, not kept, nothing evicted) or, in hybrid
+  mode, computed on the CPU where q* says so, and each streamed prompt's routing counts seeding its statistics (the
+  prefill prior); otherwise LRU. With
   ``--moe-mode cpu|hybrid`` the misses are first split (:class:`freetoken.policy.hybrid.MissSplitter`): the CPU
   share runs on a worker from the host pool (:class:`CpuShare`) while the GPU share is admitted and computed, and
   the partial outputs are merged in a fixed order. The gpu mode is the empty split: it never reads the routing back
