@@ -11,8 +11,9 @@ not used in this call gets its expected time to next use (calls of its layer unt
 P(next call) = locality + (1 - locality) p for an expert a row used at the layer's last call, p = 1 - (1 - q)^((1 -
 locality) k) otherwise, as a geometric tail; times the layer count, plus the calls until its layer comes round);
 the largest is evicted, unless the miss itself is expected back no sooner (then it is bypassed, as ``default``
-does). Nothing is learnt, so it is as good as knowing the process makes a policy of this kind; the gap it closes
-measures how much of Belady's lead is the process's randomness.
+does). Nothing is learnt. It is a reference, not a bound: evicting the largest expected time to next use is not
+optimal for a random process (at 25% of the records it can miss more than ``default``), but the gap a policy told
+the process closes shows how much of Belady's lead comes from draws no online policy sees.
 
 Everything is scored as policy_eval scores it (second half of the decode steps, totals over the held-out or tuning
 traces), without prefill borrowing for every row (this script's oracle does not model the borrowed slots):
@@ -37,18 +38,7 @@ from policy_eval import SYNTHETIC  # noqa: E402
 from freetoken.sim.policies import POLICIES  # noqa: E402
 from freetoken.trace import make_trace  # noqa: E402
 from freetoken.trace.derived import window_steps  # noqa: E402
-from freetoken.trace.synthetic import ZIPF_SCALE  # noqa: E402
-
-
-def true_probabilities(num_layers: int, num_experts: int, segments: int, locality: float, seed: int,
-                       drift: float = 1.0) -> np.ndarray:
-    """q [segments, L, E] as :func:`freetoken.trace.make_trace` draws it (its first two random draws)."""
-    rng = np.random.default_rng(seed)
-    ranks = np.argsort(rng.random((num_layers, num_experts)), axis=1)
-    logw = -ZIPF_SCALE * locality * np.log1p(ranks.astype(np.float64))
-    logq = logw[None] + drift * rng.standard_normal((segments, num_layers, num_experts))
-    logq -= np.log(np.exp(logq).sum(-1, keepdims=True))
-    return np.exp(logq)
+from freetoken.trace.synthetic import segment_popularity  # noqa: E402
 
 
 @nb.njit(cache=True)
@@ -147,7 +137,7 @@ def main(argv=None) -> int:
             s = 1000 * seed + i
             trace = make_trace(num_layers=L, num_experts=E, top_k=k, steps=steps, segments=segs, locality=loc,
                                seed=s, tokens=tokens)
-            q = true_probabilities(L, E, segs, loc, s)
+            q = segment_popularity(L, E, segs, loc, s)
             ids = np.ascontiguousarray(trace.decode_ids, np.int64)
             t0, _ = window_steps(trace, "second_half")
             for frac in fractions:

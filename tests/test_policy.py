@@ -286,6 +286,8 @@ def test_cache_policy_choice_and_conflicts(checkpoint, cuda_device):
     assert resolve_cache_policy("auto", "gpu", False, 24, 24)[0] == "lru"  # room for all: nothing is evicted
     policy, note = resolve_cache_policy("auto", "cpu", False, 16, 24)
     assert policy == "lru" and "caches none" in note
+    policy, note = resolve_cache_policy("auto", "hybrid", False, 16, 24, mixed=True)
+    assert policy == "lru" and "LRU shadow" in note
     with pytest.raises(ValueError, match="LRU shadow"):
         resolve_cache_policy("next_use", "hybrid", False, 16, 24, mixed=True)
     assert resolve_cache_policy("auto", "gpu", False, 16, 24, mixed=True)[0] == "next_use"

@@ -33,8 +33,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                         "online per-expert statistics; a miss expected back later than every victim is streamed "
                         "through a scratch slot, or with --moe-mode hybrid computed on the CPU where q* says "
                         "so, instead of evicting), lru, or auto (default: next_use with --moe-mode gpu when "
-                        "--cache-slots cannot hold every expert, else lru, hybrid's q* split included; "
-                        "`freetoken trace simulate` compares them on recorded routing)")
+                        "--cache-slots cannot hold every expert, else lru, as under --moe-mode hybrid, whose q* "
+                        "split places every miss; `freetoken trace simulate` compares them on recorded routing)")
     g.add_argument("--pcie-gbps", type=real(0.0, above=True), default=None, metavar="GBPS",
                    help="pin the PCIe bandwidth estimate (GB/s)")
     g.add_argument("--cpu-gbps", type=real(0.0, above=True), default=None, metavar="GBPS",

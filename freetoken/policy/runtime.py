@@ -25,10 +25,11 @@ def resolve_cache_policy(policy: str, mode: str, prefetch: bool, slots: int, rec
     ``--prefetch`` (its admissions are not calls of the policy) and fewer ``slots`` than expert ``records`` (with room
     for all nothing is evicted and the policy cannot matter); otherwise ``lru``. Under ``hybrid`` ``auto`` keeps
     ``lru``: there q* splits every miss between PCIe and the CPU by measured bandwidth, while under ``next_use`` the
-    misses the policy admits are always copied and q* places only those it bypasses, which loses wherever the CPU
-    outruns PCIe; ``next_use`` is there on request (not with layers of several formats, ``mixed``: their split keeps an
-    LRU shadow), never under ``cpu`` (it caches nothing at decode). ``next_use`` asked for where it cannot run is an
-    error naming the conflict."""
+    misses the policy admits are always copied and q* places only those it bypasses (the time model has that losing
+    where the CPU's bandwidth is far above PCIe's, and winning elsewhere, but only the LRU split has been timed on a
+    GPU: ``bench/results/policy``). ``next_use`` is there on request, except with layers of several formats
+    (``mixed``: their split keeps an LRU shadow); never under ``cpu`` (it caches nothing at decode). ``next_use``
+    asked for where it cannot run is an error naming the conflict."""
     if policy not in CACHE_POLICIES:
         raise ValueError(f"cache policy {policy!r}: choose one of {', '.join(CACHE_POLICIES)}")
     conflict = ("--moe-mode cpu computes every miss on the CPU and caches none" if mode == "cpu" else

@@ -45,6 +45,23 @@ def _ranked_draws(rng: np.random.Generator, logq: np.ndarray, m: int) -> np.ndar
     return np.take_along_axis(part, order, 1)
 
 
+def _segment_log_popularity(rng, L: int, E: int, segments: int, locality: float, drift: float) -> np.ndarray:
+    """log q [segments, L, E]: the Zipf-like base popularity of random rank per layer, drifted per segment (the
+    generator's first two draws from ``rng``)."""
+    ranks = np.argsort(rng.random((L, E)), axis=1)
+    logw = -ZIPF_SCALE * locality * np.log1p(ranks.astype(np.float64))  # [L, E]
+    logq = logw[None] + drift * rng.standard_normal((segments, L, E))  # [S, L, E]
+    return logq - np.log(np.exp(logq).sum(-1, keepdims=True))
+
+
+def segment_popularity(num_layers: int, num_experts: int, segments: int, locality: float, seed: int,
+                       drift: float = 1.0) -> np.ndarray:
+    """q [segments, L, E]: the per-segment expert probabilities :func:`make_trace` draws its routing from with the
+    same arguments (for a policy told the process, as ``bench/policy_bound.py``'s)."""
+    rng = np.random.default_rng(seed)
+    return np.exp(_segment_log_popularity(rng, num_layers, num_experts, segments, locality, drift))
+
+
 def make_trace(num_layers: int = 8, num_experts: int = 64, top_k: int = 4, steps: int = 1000, segments: int = 4,
                locality: float = 0.5, seed: int = 0, record_bytes: int = 1 << 20, tokens: int = 1,
                prefill_tokens: int = 256, drift: float = 1.0, model: str = "synthetic") -> Trace:
@@ -59,11 +76,7 @@ def make_trace(num_layers: int = 8, num_experts: int = 64, top_k: int = 4, steps
         raise ValueError("steps and prefill_tokens must be >= 0, segments >= 1, drift >= 0")
     rng = np.random.default_rng(seed)
     L, E, k, T = num_layers, num_experts, top_k, tokens
-
-    ranks = np.argsort(rng.random((L, E)), axis=1)
-    logw = -ZIPF_SCALE * locality * np.log1p(ranks.astype(np.float64))  # [L, E]
-    logq = logw[None] + drift * rng.standard_normal((segments, L, E))  # [S, L, E]
-    logq -= np.log(np.exp(logq).sum(-1, keepdims=True))
+    logq = _segment_log_popularity(rng, L, E, segments, locality, drift)  # [S, L, E]
 
     prefill = np.zeros((segments, L, E), np.int32)
     if prefill_tokens:
