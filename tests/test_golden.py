@@ -1,8 +1,15 @@
 """Behaviour pinned across refactors: the bundled model's logits, greedy tokens, decode routing and expert counters
 on every device and expert mode, and the simulator's tables, against files written from the code before (see
-tests/golden/behaviour.py). The cpu device must match bit for bit on a machine of the golden run's SIMD level (the
-file records it; on another level the sums run in other orders, so NMSE 1e-9 as for emu); emu runs within NMSE 1e-9
-(a rewritten kernel may sum in another order); tokens, routing and counters identical everywhere."""
+tests/golden/behaviour.py).
+
+The golden files were written on one machine; these tests must pass on any. Float sums are not the same bits from
+one build of the kernels to the next: Numba compiles for the host's SIMD level (AVX-512, AVX2, portable) with the
+numba/llvmlite/NumPy versions of the day, the thread count splits the reductions, and a rewritten emu kernel may sum
+in another order. So the logits are compared by NMSE within ``LOGITS_NMSE``, a bound well above the spread measured
+across builds (``python tests/golden/spread.py`` measures it) and far below what a real change of behaviour moves
+(one wrong scale, one skipped layer or a changed expert moves it by 1e-4 or more). Tokens, routing and counters are
+integers: identical everywhere. Bit-exact equality is asserted only where it is guaranteed: two runs of one process
+(test_cpu_run_is_deterministic)."""
 
 import json
 import sys
@@ -16,6 +23,9 @@ import behaviour  # noqa: E402
 
 from freetoken.device import device_status  # noqa: E402
 
+#: Logits NMSE against the golden files on every device (see the module's docstring for the measured spread)
+LOGITS_NMSE = 1e-9
+
 
 # the emu runs take 15-25 s each on 2 cores: slow (CI runs them; the quick tier keeps the cpu run)
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if run[0] == "emu" else n
@@ -28,16 +38,24 @@ def test_model_matches_golden(name):
     want = dict(np.load(behaviour.HERE / f"model_{name}.npz"))
     got = behaviour.run_model(name)
     np.testing.assert_array_equal(got["prompt_ids"], want["prompt_ids"])
-    if device == "cpu" and str(got["simd"]) == str(want["simd"]):
-        np.testing.assert_array_equal(got["logits"], want["logits"])
-    else:  # emu, or cpu kernels built for another SIMD level than the golden run's (other summation orders)
-        err = float(((got["logits"] - want["logits"]) ** 2).mean() / (want["logits"] ** 2).mean())
-        assert err <= 1e-9, f"logits NMSE {err:.3g} against the golden run"
+    ref = want["logits"].astype(np.float64)
+    err = float(((got["logits"] - ref) ** 2).mean() / (ref ** 2).mean())
+    assert err <= LOGITS_NMSE, f"logits NMSE {err:.3g} against the golden run (bound {LOGITS_NMSE:g})"
     np.testing.assert_array_equal(got["tokens"], want["tokens"])
     np.testing.assert_array_equal(got["decode_routing"], want["decode_routing"])
     if name not in behaviour.TIMING_DEPENDENT:
         stats = {k: int(v) for k, v in got.items() if k.startswith("stat_")}
         assert stats == {k: int(v) for k, v in want.items() if k.startswith("stat_")}
+
+
+def test_cpu_run_is_deterministic():
+    """The one place bit-exactness is guaranteed: the same process, kernels and thread count give the same bits."""
+    import freetoken
+
+    model = freetoken.load(None, device="cpu")
+    ids = model.encode(behaviour.PROMPT)
+    first = model.logits(ids)
+    np.testing.assert_array_equal(model.logits(ids), first)
 
 
 @pytest.fixture(scope="module")
