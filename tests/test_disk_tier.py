@@ -75,7 +75,11 @@ def test_cpu_device_with_half_the_experts_in_host_memory(files, activations):
     # so the float32 sums round differently (f32: measured 4e-11). With 8-bit activations ("auto" on AVX2 machines)
     # such a last-bit change can flip an activation's 8-bit rounding in a later layer: measured 1e-6.
     assert _nmse(got, ref) < (1e-9 if activations == "f32" else 1e-4), _nmse(got, ref)
-    assert (got.argmax(-1) == ref.argmax(-1)).all()
+    agree = got.argmax(-1) == ref.argmax(-1)
+    # 8-bit activations: which roundings flip follows the float32 sums of the machine's SIMD level; on this file the
+    # closest top-2 margin (3e-4 of the logits' scale) moved by 45% of itself on an AVX-512 machine, so another
+    # machine may flip a row or two out of 40
+    assert agree.all() if activations == "f32" else agree.mean() >= 0.95, np.flatnonzero(~agree)
 
 
 def test_a_budget_that_holds_everything_changes_nothing(files):

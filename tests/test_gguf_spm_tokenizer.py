@@ -350,6 +350,6 @@ def test_merges_of_a_32k_vocabulary_are_fast():
     merges = spm_merges(toks, types, scores)
     tok = tokenizer_from_gguf({"model": "llama", "tokens": toks, "token_types": types, "scores": scores,
                                "bos_token_id": 1, "unknown_token_id": 0})
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < 10.0  # 0.2 s here; the quadratic version took minutes
     assert len(merges) > 32000
     assert tok.encode("abc", add_special_tokens=False).ids  # builds and encodes

@@ -93,7 +93,7 @@ def test_safetensors_header_is_bounded(tmp_path, raw, match):
     t0 = time.perf_counter()
     with pytest.raises(LoadError, match=match) as e:
         parse_header(p)
-    assert str(p) in str(e.value) and time.perf_counter() - t0 < 5
+    assert str(p) in str(e.value) and time.perf_counter() - t0 < 10
 
 
 def test_safetensors_huge_shape_against_small_file(tmp_path):
@@ -234,7 +234,7 @@ def test_corrupt_array_length_fails_fast(seeds, tmp_path):
     t0 = time.perf_counter()
     with pytest.raises(LoadError, match="metadata array 'tokenizer.ggml.merges' declares 1099511627781 items"):
         GGUFFile(gguf_with(seeds, tmp_path, edit))
-    assert time.perf_counter() - t0 < 2
+    assert time.perf_counter() - t0 < 10
 
 
 @pytest.mark.parametrize("value", [float("nan"), -(2.0**63), 0.0, -1e-6, float("inf")])
@@ -245,7 +245,7 @@ def test_rms_epsilon_nonsense(seeds, tmp_path, value):
     t0 = time.perf_counter()
     with pytest.raises(ConfigError, match="bad.gguf: metadata key 'qwen3moe.attention.layer_norm_rms_epsilon'"):
         freetoken.load(gguf_with(seeds, tmp_path, edit), device="cpu")
-    assert time.perf_counter() - t0 < 5
+    assert time.perf_counter() - t0 < 10
 
 
 def test_integer_tensor_type_is_refused(seeds, tmp_path):
@@ -324,7 +324,7 @@ def test_large_numeric_metadata_array_is_one_read(tmp_path):
     t0 = time.perf_counter()
     gf = GGUFFile(p)
     arr = gf.meta("big.array")
-    assert time.perf_counter() - t0 < 5
+    assert time.perf_counter() - t0 < 10
     assert arr.shape == (n,) and arr.dtype == np.uint8 and int(arr[257]) == 1
     np.testing.assert_array_equal(gf.get("output_norm.weight"), np.ones(8, np.float32))
 

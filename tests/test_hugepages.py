@@ -28,9 +28,17 @@ def _vm_flags(a: np.ndarray) -> set[str]:
     return set((_vma_field(a.ctypes.data, "VmFlags") or "").split())
 
 
+def _thp_disabled_for_this_process() -> bool:
+    """prctl(PR_SET_THP_DISABLE) (some containers and service managers set it): no mapping is eligible then, whatever
+    /sys says, so only the advice itself can be checked."""
+    status = Path("/proc/self/status").read_text()
+    return any(line.split()[1:] == ["0"] for line in status.splitlines() if line.startswith("THP_enabled:"))
+
+
 def _advised(a: np.ndarray) -> bool:
     """Whether ``a``'s mapping is advised MADV_HUGEPAGE ("hg") and the kernel counts it eligible for huge pages."""
-    return "hg" in _vm_flags(a) and _vma_field(a.ctypes.data, "THPeligible") == "1"
+    return "hg" in _vm_flags(a) and (_thp_disabled_for_this_process()
+                                     or _vma_field(a.ctypes.data, "THPeligible") == "1")
 
 
 def test_arena_hands_out_aligned_disjoint_writable_arrays():

@@ -33,7 +33,7 @@ def scratch(tmp_path_factory):
 
 
 def _pytest(root: Path, ci: str) -> str:
-    env = {**os.environ, "CI": ci}
+    env = {**os.environ, "CI": ci, "COLUMNS": "300"}  # summary lines are cut at the terminal's width otherwise
     env.pop("PYTEST_ADDOPTS", None)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-ra", "-p", "no:cacheprovider", "--rootdir", str(root),
                            "--continue-on-collection-errors", str(root)], cwd=root, env=env, capture_output=True,

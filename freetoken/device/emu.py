@@ -35,9 +35,18 @@ class _LaunchArgs(ctypes.Structure):
     ]
 
 
+#: The default cap on worker threads. Every compiled module keeps one fiber-stack arena per worker for the life of
+#: the process, two memory mappings per guarded stack: with a worker per core a 64-core machine used 58k of Linux's
+#: default 65,530 mappings (vm.max_map_count) for one run of the bundled model, and 128 workers failed outright
+#: ("cannot map fiber stacks"). The emulator checks kernels; it does not need every core of a big machine.
+MAX_DEFAULT_WORKERS = 8
+
+
 def emu_workers() -> int:
-    """Worker threads that run blocks in parallel: ``$FREETOKEN_EMU_THREADS`` or the CPU count."""
-    return max(1, int(os.environ.get("FREETOKEN_EMU_THREADS", os.cpu_count() or 1)))
+    """Worker threads that run blocks in parallel: ``$FREETOKEN_EMU_THREADS``, or the CPU count up to
+    :data:`MAX_DEFAULT_WORKERS`."""
+    default = min(os.cpu_count() or 1, MAX_DEFAULT_WORKERS)
+    return max(1, int(os.environ.get("FREETOKEN_EMU_THREADS", default)))
 
 
 class EmuFunction:

@@ -657,8 +657,10 @@ def _child(kind: str, path: Path, mem_bytes: int | None, wfd: int) -> None:
 
     warnings.simplefilter("ignore")  # overflow in a mutated model's arithmetic is not what is fuzzed
     np.seterr(all="ignore")
-    if mem_bytes:
-        resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
+    if mem_bytes:  # on top of what the fork maps already: the fork server's own address space grows with the
+        # core count (a thread stack and a malloc arena per Numba thread: 0.6 GB at 2 threads, 5 GB at 64)
+        base = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (base + mem_bytes, base + mem_bytes))
     try:
         load_input(kind, path)
         res = classify(kind, path, None)
