@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="compile every source for every target architecture (all, the default: what CI "
                              "checks) or only for this device (native: a lent GPU's minutes go to running)")
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
-                        help="compile the sources in N processes (NVRTC is single-threaded; default 1)")
+                        help="compile the sources in N processes (NVRTC and g++ are single-threaded; default 1)")
     parser.add_argument("--only", default=None, metavar="REGEX", help="run only the cases whose name matches")
     parser.add_argument("--deadline-s", type=float, default=None, metavar="S",
                         help="start no case after S seconds from the start; the cases left are listed as not run")
@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     sources = sorted(cuda_dir().glob("*.cu"))
     archs = TARGET_ARCHS if args.archs == "all" else ((dev.arch,) if dev.kind == "gpu" else ())
     jobs = [(src, arch) for src in sources for arch in archs]
-    if args.jobs > 1 and jobs:  # fill the cubin cache in parallel; the loads below then read it
+    if args.jobs > 1 and dev.kind == "emu":  # the emulator's g++ builds go in the same pool
+        jobs += [(src, "emu") for src in sources]
+    if args.jobs > 1 and jobs:  # fill the cubin (and emu library) caches in parallel; the loads below then read them
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(args.jobs) as pool:
@@ -102,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             jobs.sort(key=lambda j: -j[0].stat().st_size)
             list(pool.map(_compile_one, [(str(src), arch) for src, arch in jobs]))
     for src, arch in jobs:
-        compile_cubin(src.read_text(), src.name, arch)
+        if arch != "emu":
+            compile_cubin(src.read_text(), src.name, arch)
     for src in sources:  # this device's build (the gpu device compiles for its card, emu with g++)
         dev.load_cuda(src.name)
     print(f"compiled {len(sources)} sources for {', '.join(archs) or 'no NVRTC target'} and {dev.kind} "
@@ -171,7 +174,12 @@ def _compile_one(job: tuple[str, str]) -> None:
     from freetoken.device.nvrtc import compile_cubin
 
     src = Path(job[0])
-    compile_cubin(src.read_text(), src.name, job[1])
+    if job[1] == "emu":
+        from freetoken.device import get_device
+
+        get_device("emu").load_cuda(src.name)  # built with g++ into the cache the parent then loads from
+    else:
+        compile_cubin(src.read_text(), src.name, job[1])
 
 
 if __name__ == "__main__":
