@@ -372,3 +372,71 @@ def test_on_emu_with_a_small_expert_cache(tmp_path):
     finally:
         emu.stop()
     assert emu.proc.returncode == 0, emu.log.read_text()
+
+
+# ---- hostile requests: a 4xx in the API's shape, counted, and the server still serving --------------------------
+_DEEP = "[" * 10_000 + "]" * 10_000
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+@pytest.mark.parametrize("raw,param,what", [
+    ('{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 4}', "messages.0.content",
+     "lone surrogate"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "metadata": ' + _DEEP + "}", None,
+     "10001 deep"),
+])
+def test_hostile_bodies_get_a_400_in_the_apis_shape(server, path, raw, param, what):
+    before = server.metric("freetoken_requests_total", f'{{endpoint="{path}",status="400"}}')
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        r = http.post(path, content=raw)
+        assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+        body = r.json()
+        if path == "/v1/messages":
+            assert body["type"] == "error" and what in body["error"]["message"], body
+        else:
+            assert body["error"]["type"] == "invalid_request_error" and what in body["error"]["message"], body
+            assert body["error"]["param"] == param
+        # the same keep-alive connection still serves
+        ok = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x = 1"}],
+                                                     "max_tokens": 2, "temperature": 0})
+        assert ok.status_code == 200, ok.text
+    assert server.metric("freetoken_requests_total", f'{{endpoint="{path}",status="400"}}') == before + 1
+
+
+def test_an_oversized_body_gets_a_413_without_being_read(server):
+    from freetoken.serve.request_body import MAX_BODY_BYTES
+
+    for declared in (True, False):  # told by Content-Length, or found while the body streams in
+        def chunks():
+            piece = b" " * (1 << 20)
+            for _ in range((MAX_BODY_BYTES >> 20) + 2):
+                yield piece
+        content = b" " * (MAX_BODY_BYTES + 1) if declared else chunks()
+        r = httpx.post(server.url + "/v1/chat/completions", content=content, timeout=60,
+                       headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert server.metric("freetoken_requests_total", '{endpoint="/v1/chat/completions",status="413"}') >= 2
+    assert _chat(server.client(), "x = 1", max_tokens=2).usage.completion_tokens <= 2
+
+
+def test_an_internal_error_is_a_counted_json_500():
+    """A bug in a route: the client gets the API's JSON error body, /metrics counts it, the server goes on."""
+    from starlette.testclient import TestClient
+
+    from freetoken.serve.app import create_app
+
+    app = create_app(lambda: threading.Event().wait(30), MODEL, api_key=None)
+
+    @app.get("/v1/messages/broken")
+    async def broken():
+        raise TypeError("TextInputSequence must be str")
+
+    with TestClient(app) as client:
+        r = client.get("/v1/messages/broken")
+        assert r.status_code == 500 and r.json() == {
+            "type": "error", "error": {"type": "api_error",
+                                       "message": "internal error: TypeError: TextInputSequence must be str"}}
+        assert client.get("/health").status_code == 503  # still answering
+        text = client.get("/metrics").text
+    assert re.search(r'^freetoken_requests_total\{endpoint="other",status="500"\} 1\.0$', text, re.M), text
+    assert re.search(r"^freetoken_requests_failed_total 1\.0$", text, re.M)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hmac
 import importlib.resources
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +35,8 @@ from freetoken.serve.errors import APIError, validation_error
 from freetoken.serve.metrics import CONTENT_TYPE, ServerMetrics
 from freetoken.serve.openai_api import ENDPOINTS, router
 from freetoken.serve.worker import EngineWorker
+
+log = logging.getLogger("freetoken.serve")
 
 OPEN_PATHS = {"/", "/health"}
 #: The chat page's headers: it loads nothing from elsewhere and talks only to this server.
@@ -117,7 +120,13 @@ def create_app(load: Callable[[], object], model_name: str | list[str], api_key:
             response = APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY' (or "
                                 "'x-api-key: KEY')", code="invalid_api_key").response(path)
         else:
-            response = await call_next(request)
+            try:
+                response = await call_next(request)
+            except Exception as e:  # noqa: BLE001 - a bug: the client gets the API's JSON 500, the log the traceback
+                log.exception("internal error on %s %s", request.method, path)
+                state.metrics.failed.inc()
+                response = APIError(500, f"internal error: {type(e).__name__}: {e}"[:500],
+                                    code="internal_error").response(path)
         state.metrics.requests.labels(endpoint=_endpoint(path), status=str(response.status_code)).inc()
         return response
 

@@ -13,7 +13,6 @@ error, the prompt is recomputed and the field says why.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
@@ -22,6 +21,7 @@ from pydantic import ValidationError
 from freetoken.engine.grammar import GrammarError
 from freetoken.engine.sampling import SamplingParams
 from freetoken.serve.errors import APIError, validation_error
+from freetoken.serve.request_body import decode_json, read_body
 from freetoken.serve.worker import Job
 
 #: How often a non-streaming request looks whether its client is still there while it waits for text.
@@ -31,14 +31,9 @@ DISCONNECT_POLL_SECONDS = 0.25
 # ---- requests -> jobs -------------------------------------------------------------------------------------------
 async def parse_body(request: Request, schema):
     """The request's JSON body as ``schema``. The body is read as JSON whatever its Content-Type says (curl's
-    ``-d`` sends form encoding; llama-server accepts that too); bad JSON and bad fields are 400s naming the spot."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except ValueError as e:
-        where = f" (line {e.lineno}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
-        raise APIError(400, f"the request body is not valid JSON{where}: {getattr(e, 'msg', e)}",
-                       code="invalid_json") from None
+    ``-d`` sends form encoding; llama-server accepts that too); bad JSON and bad fields are 400s naming the spot,
+    an oversized body a 413."""
+    data = decode_json(await read_body(request))  # size, depth and text checked (serve/request_body.py)
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
     try:
