@@ -455,3 +455,60 @@ def test_mutated_requests_never_get_a_5xx(server):
     # the mutations reach both outcomes on the main routes: some still valid, some refused
     for path in ("/v1/chat/completions", "/v1/messages"):
         assert report.statuses[path, "2xx"] > 0 and report.statuses[path, "4xx"] > 0, report.table()
+
+
+def _run_client(code: str) -> subprocess.Popen:
+    """A client process running ``code`` (``c``: an openai client of the server's)."""
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def _wait_for(server, name: str, value: float, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while server.metric(name) != value:
+        assert time.monotonic() < deadline, f"{name} did not become {value}"
+        time.sleep(0.05)
+
+
+def test_a_non_streamed_request_whose_client_leaves_is_stopped_running_or_queued(server):
+    """Agents send max_tokens of 8,000-64,000 without streaming: a client that gives up must free the engine within
+    a decode step (running) or leave the queue (waiting), and each is counted cancelled."""
+    client = (f"import openai\nc = openai.OpenAI(base_url='{server.url}/v1', api_key='{KEY}', max_retries=0)\n"
+              f"c.chat.completions.create(model='{MODEL}', max_tokens=64000, temperature=1.0, "
+              f"messages=[{{'role': 'user', 'content': 'import os'}}], stream=STREAM)\n")
+    cancelled = server.metric("freetoken_requests_cancelled_total")
+    generated = server.metric("freetoken_generated_tokens_total")
+    running = _run_client(client.replace("STREAM", "False"))  # runs (the queue is empty)
+    try:
+        _wait_for(server, "freetoken_requests_running", 1)
+        waiting = _run_client(client.replace("STREAM", "False"))  # waits behind it
+        try:
+            _wait_for(server, "freetoken_queue_length", 1)
+        finally:
+            waiting.kill()
+            waiting.wait()
+        _wait_for(server, "freetoken_queue_length", 0, 10)  # dropped from the queue
+        assert server.metric("freetoken_requests_cancelled_total") == cancelled + 1
+        assert server.metric("freetoken_requests_running") == 1  # while the first still runs
+    finally:
+        running.kill()
+        running.wait()
+    _wait_for(server, "freetoken_requests_running", 0, 10)
+    assert server.metric("freetoken_requests_cancelled_total") == cancelled + 2
+    assert server.metric("freetoken_generated_tokens_total") == generated  # neither finished
+
+
+def test_max_tokens_past_the_context_is_capped_and_reported(server):
+    r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "def f():"}],
+                                             "max_tokens": 64000, "temperature": 0, "stop": ["\n", " ", "("]})
+    body = r.json()
+    assert r.status_code == 200 and body["max_tokens_capped"] == {
+        "requested": 64000, "granted": CTX - body["usage"]["prompt_tokens"]}, body
+    r = server.post("/v1/messages", {"model": MODEL, "messages": [{"role": "user", "content": "def f():"}],
+                                     "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and "max_tokens_capped" not in r.json()  # it fits: nothing to report
+    with server.client().chat.completions.stream(model=MODEL, max_tokens=64000, temperature=0, stop=["\n", " "],
+                                                 messages=[{"role": "user", "content": "x = 1"}]) as s:
+        chunks = [e.chunk for e in s if e.type == "chunk"]
+    last = chunks[-1].model_extra or {}
+    assert [c for c in chunks if c.choices and c.choices[0].finish_reason] and \
+        last.get("max_tokens_capped", {}).get("requested") == 64000, last

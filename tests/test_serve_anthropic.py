@@ -141,6 +141,79 @@ def test_system_as_a_string_and_as_blocks(server, tokens):
     assert b.usage.cache_read_input_tokens == _prompt_tokens(b.usage) - 1 and b.usage.input_tokens == 1
 
 
+def test_claude_codes_requests_as_it_sends_them(server, tokens):
+    """Claude Code puts system entries among the messages, sends its history's thinking blocks back, marks blocks
+    with cache_control, sends metadata and beta headers (``?beta=true`` through the client's beta namespace), and
+    probes ``HEAD /``: all accepted; the system entries render where they stand (the bundled template allows it),
+    the thinking is not rendered (its template has no reasoning), and count_tokens counts what is rendered."""
+    cc = {"type": "ephemeral"}
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "x = 1", "cache_control": cc}]},
+        {"role": "system", "content": "# a reminder"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "they want y", "signature": "c2ln"},
+            {"type": "redacted_thinking", "data": "ZW5j"},
+            {"type": "text", "text": "y = 2"}]},
+        {"role": "system", "content": [{"type": "text", "text": "# more", "cache_control": cc}]},
+        {"role": "user", "content": "z ="},
+    ]
+    client = _client(server)
+    extra = {"temperature": 0}
+    m = client.beta.messages.create(model=MODEL, max_tokens=3, messages=messages, extra_body=extra,
+                                    system=[{"type": "text", "text": "# sys", "cache_control": cc}],
+                                    metadata={"user_id": "u1"}, betas=["claude-code-20250219",
+                                                                       "interleaved-thinking-2025-05-14"])
+    rendered = "# sys\nx = 1\n# a reminder\ny = 2\n# more\nz =\n"
+    assert _prompt_tokens(m.usage) == tokens(rendered), m.usage
+    counted = client.beta.messages.count_tokens(model=MODEL, messages=messages, system="# sys",
+                                                betas=["claude-code-20250219"])
+    assert counted.input_tokens == tokens(rendered)
+    streamed = client.messages.create(model=MODEL, max_tokens=3, messages=messages, system="# sys", stream=True,
+                                      extra_body=extra, extra_headers={"anthropic-beta": "claude-code-20250219"})
+    assert [e.type for e in streamed][-1] == "message_stop"
+    for method in ("HEAD", "GET"):
+        assert httpx.request(method, server.url + "/").status_code == 200
+
+
+def test_system_entries_fold_into_the_system_prompt_where_the_template_refuses_them():
+    from freetoken.engine.chat import ChatTemplate
+    from freetoken.serve.anthropic_api import template_messages
+    from freetoken.serve.anthropic_schemas import CountTokensRequest
+
+    strict = ChatTemplate("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+                          "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+                          "<{{ m.role }}>{{ m.content }}{% endfor %}")
+    body = CountTokensRequest.model_validate({"model": MODEL, "system": "S", "messages": [
+        {"role": "user", "content": "u"}, {"role": "system", "content": "R1"}, {"role": "assistant", "content": "a"},
+        {"role": "system", "content": [{"type": "text", "text": "R2"}]}, {"role": "user", "content": "v"}]})
+    folded = template_messages(body, strict)
+    assert folded == [{"role": "system", "content": "S\n\nR1\n\nR2"}, {"role": "user", "content": "u"},
+                      {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
+    lenient = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    assert [m["role"] for m in template_messages(body, lenient)] == ["system", "user", "system", "assistant",
+                                                                     "system", "user"]
+    # no system prompt and the only system entry first: nothing to fold, it is the system prompt already
+    first = CountTokensRequest.model_validate({"model": MODEL, "messages": [
+        {"role": "system", "content": "R"}, {"role": "user", "content": "u"}]})
+    assert template_messages(first, strict) == [{"role": "system", "content": "R"}, {"role": "user", "content": "u"}]
+
+
+def test_thinking_reaches_a_template_that_renders_reasoning():
+    from freetoken.engine.chat import ChatTemplate
+    from freetoken.serve.anthropic_api import template_messages
+    from freetoken.serve.anthropic_schemas import CountTokensRequest
+
+    body = CountTokensRequest.model_validate({"model": MODEL, "messages": [
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},
+                                          {"type": "redacted_thinking", "data": "x"}, {"type": "text", "text": "a"}]},
+        {"role": "user", "content": [{"type": "text", "text": "v"}]}]})
+    reasoning = ChatTemplate("{% for m in messages %}{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+                             "</think>{% endif %}{{ m.content }}|{% endfor %}")
+    rendered = reasoning.render(template_messages(body, reasoning), add_generation_prompt=False)
+    assert rendered == "u|<think>hm</think>a|v|"
+
+
 def test_a_tool_use_conversation(server, tokens):
     """tool_use blocks render as the assistant's calls, tool_result blocks as tool messages in their place (the
     bundled template writes contents only: the prompt shows the order)."""
@@ -203,7 +276,7 @@ def _user(content):
     ("/v1/messages", {"max_tokens": 4, "messages": USER}, 400, "invalid_request_error", "model"),
     ("/v1/messages", {**_user("hi"), "max_tokens": 0}, 400, "invalid_request_error", "max_tokens"),
     ("/v1/messages", {**_user("hi"), "temperature": 1.5}, 400, "invalid_request_error", "temperature"),
-    ("/v1/messages", {**_user("hi"), "messages": [{"role": "system", "content": "hi"}]}, 400,
+    ("/v1/messages", {**_user("hi"), "messages": [{"role": "tool", "content": "hi"}]}, 400,
      "invalid_request_error", "messages.0.role"),
     ("/v1/messages", _user([{"type": "text"}]), 400, "invalid_request_error", "messages.0.content.0.text"),
     ("/v1/messages", _user([{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}]),

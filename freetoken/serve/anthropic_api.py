@@ -36,12 +36,13 @@ from freetoken.serve.anthropic_schemas import (
     MessagesRequest,
     OtherBlock,
     TextBlock,
+    ThinkingBlock,
     ToolResultBlock,
     ToolUseBlock,
     check_tool_choice,
 )
 from freetoken.serve.errors import APIError
-from freetoken.serve.jobs import anchor_report, begin, collect, job_events, make_job, template_tool_call, with_anchors
+from freetoken.serve.jobs import begin, collect, job_events, make_job, reply_extras, template_tool_call, with_anchors
 from freetoken.serve.tool_use import ToolUse, tool_use
 from freetoken.serve.worker import Job
 
@@ -85,7 +86,7 @@ async def count_tokens(request: Request):
 def _prompt(worker, body: CountTokensRequest) -> tuple[list[int], ToolUse]:
     """The prompt's token ids, and what the tools make of the conversation and the reply."""
     template = worker.template
-    use = tool_use(template, template_messages(body), body.functions())
+    use = tool_use(template, template_messages(body, template), body.functions())
     prefill = _prefill(body.messages[-1])
     if prefill:  # the conversation as it stands, cut after the prefill's text: the reply goes on from there
         text = use.render(template, add_generation_prompt=False)
@@ -99,13 +100,28 @@ def _prompt(worker, body: CountTokensRequest) -> tuple[list[int], ToolUse]:
     return worker.model.encode(text, add_special_tokens=False), use
 
 
-def template_messages(body: CountTokensRequest) -> list[dict]:
-    """The request's system prompt and messages as chat templates expect them (HF's conventions)."""
+def template_messages(body: CountTokensRequest, template=None) -> list[dict]:
+    """The request's system prompt and messages as chat templates expect them (HF's conventions). System entries
+    among the messages stay where they stand if ``template`` renders them there; a template that refuses them
+    (most allow a system message only first) gets them folded into the system prompt, in their order."""
     system = body.system_text()
     out = [{"role": "system", "content": system}] if system else []
     for i, m in enumerate(body.messages):
         out.extend(_template_message(m, f"messages.{i}"))
-    return out
+    inline = [j for j, m in enumerate(out) if m["role"] == "system" and j > 0]
+    if not inline or template is None or _renders(template, out):
+        return out
+    texts = [m["content"] for m in out if m["role"] == "system"]
+    return [{"role": "system", "content": "\n\n".join(t for t in texts if t)}] + [m for m in out
+                                                                                 if m["role"] != "system"]
+
+
+def _renders(template, messages: list[dict]) -> bool:
+    try:
+        template.render(messages, add_generation_prompt=True)
+    except ValueError:
+        return False
+    return True
 
 
 def _template_message(m: Message, where: str) -> list[dict]:
@@ -113,10 +129,17 @@ def _template_message(m: Message, where: str) -> list[dict]:
     text a user message, each result a ``tool`` message, in the order of the blocks."""
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
-    blocks = [(b, f"{where}.content.{j}") for j, b in enumerate(m.content)]
+    # thinking blocks: an assistant's reach the template as ``reasoning_content`` (templates that render reasoning
+    # read it, the others ignore it); redacted ones, and any elsewhere, have nothing to render and are dropped
+    blocks = [(b, f"{where}.content.{j}") for j, b in enumerate(m.content) if not isinstance(b, ThinkingBlock)]
+    if m.role == "system":
+        return [{"role": "system", "content": "".join(_text(b, at) for b, at in blocks)}]
     if m.role == "assistant":
         out = {"role": "assistant", "content": "".join(_text(b, at) for b, at in blocks
                                                        if not isinstance(b, ToolUseBlock))}
+        reasoning = "".join(b.thinking for b in m.content if isinstance(b, ThinkingBlock))
+        if reasoning:
+            out["reasoning_content"] = reasoning
         calls = [template_tool_call(b.id, b.name, b.input) for b, _ in blocks if isinstance(b, ToolUseBlock)]
         if calls:
             out["tool_calls"] = calls
@@ -166,7 +189,7 @@ def _prefill(last: Message) -> str:
         return last.content
     if any(isinstance(b, ToolUseBlock) for b in last.content):
         return ""
-    return "".join(_text(b, "messages") for b in last.content)
+    return "".join(_text(b, "messages") for b in last.content if not isinstance(b, ThinkingBlock))
 
 
 # ---- jobs -> responses ------------------------------------------------------------------------------------------
@@ -203,7 +226,7 @@ class Reply:
     def whole(self, text: str, outcome) -> dict:
         events = self.blocks.start() + self.blocks.feed(text) + self.blocks.finish()
         usage = self.usage(outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens)
-        return {**self.message(whole_content(events), usage, self.stop(outcome)), "anchor": anchor_report(outcome)}
+        return {**self.message(whole_content(events), usage, self.stop(outcome)), **reply_extras(outcome)}
 
 
 def _event(name: str, **data) -> dict:
@@ -232,7 +255,7 @@ async def _stream(worker, job: Job, reply: Reply):
                 reason, sequence = reply.stop(value)
                 yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                              usage=reply.usage(value.prompt_tokens, value.cached_tokens, value.completion_tokens),
-                             anchor=anchor_report(value))
+                             **reply_extras(value))
                 yield _event("message_stop")
             else:  # the stream has started (status 200): the error goes in the stream, as the Anthropic API does
                 yield {"event": "error", "data": json.dumps(value.anthropic_body())}

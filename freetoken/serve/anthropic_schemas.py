@@ -3,10 +3,11 @@ field.
 
 Fields the Anthropic API defines and this server does not act on are accepted and ignored (``metadata``,
 ``thinking``, ``service_tier``, ``cache_control`` on blocks and tools, ``tool_choice.disable_parallel_tool_use``...),
-as are fields no API defines. What it cannot honour is refused with a 400 rather than silently answered otherwise:
-the API's server tools (web search and the like: a ``type`` and no ``input_schema``), a ``tool_choice`` the tools
-cannot meet (:func:`check_tool_choice`), and content blocks other than text, tool_use and tool_result (images,
-documents: refused when the conversation is rendered, :mod:`freetoken.serve.anthropic_api`).
+as are fields no API defines. Claude Code's requests are taken as it sends them: ``system`` entries among the
+messages, thinking blocks in the history. What it cannot honour is refused with a 400 rather than silently answered
+otherwise: the API's server tools (web search and the like: a ``type`` and no ``input_schema``), a ``tool_choice``
+the tools cannot meet (:func:`check_tool_choice`), and content blocks other than text, tool_use, tool_result and
+thinking (images, documents: refused when the conversation is rendered, :mod:`freetoken.serve.anthropic_api`).
 """
 
 from __future__ import annotations
@@ -34,13 +35,21 @@ class OtherBlock(_Body):
     type: str
 
 
+class ThinkingBlock(_Body):
+    """A reasoning block of an earlier assistant turn (agents send their history back as they got it)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str = ""  # (a redacted block carries ``data`` instead: nothing a template could render)
+
+
 def _block_kind(value) -> str | None:
     """Which model a content block is read as, by its ``type``: a text block missing its text is then reported as
     that, not as a mismatch with every kind. The tags are class names, which error locations leave out."""
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     if not isinstance(kind, str):
         return None
-    return {"text": "TextBlock", "tool_use": "ToolUseBlock", "tool_result": "ToolResultBlock"}.get(kind, "OtherBlock")
+    return {"text": "TextBlock", "tool_use": "ToolUseBlock", "tool_result": "ToolResultBlock",
+            "thinking": "ThinkingBlock", "redacted_thinking": "ThinkingBlock"}.get(kind, "OtherBlock")
 
 
 ResultBlock = Annotated[Annotated[TextBlock, Tag("TextBlock")] | Annotated[OtherBlock, Tag("OtherBlock")],
@@ -66,12 +75,17 @@ class ToolResultBlock(_Body):
 
 
 Block = Annotated[Annotated[TextBlock, Tag("TextBlock")] | Annotated[ToolUseBlock, Tag("ToolUseBlock")]
-                  | Annotated[ToolResultBlock, Tag("ToolResultBlock")] | Annotated[OtherBlock, Tag("OtherBlock")],
+                  | Annotated[ToolResultBlock, Tag("ToolResultBlock")] | Annotated[ThinkingBlock, Tag("ThinkingBlock")]
+                  | Annotated[OtherBlock, Tag("OtherBlock")],
                   Discriminator(_block_kind)]
 
 
 class Message(_Body):
-    role: Literal["user", "assistant"]
+    """A turn of the conversation. ``system`` is not a role of the Anthropic API, but Claude Code sends system
+    entries among the messages: they are rendered where they stand where the template allows it, else folded
+    into the system prompt (:func:`freetoken.serve.anthropic_api.template_messages`)."""
+
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
@@ -113,22 +114,7 @@ def create_app(load: Callable[[], object], model_name: str | list[str], api_key:
     app = FastAPI(title="freetoken", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
 
-    @app.middleware("http")
-    async def auth_and_count(request: Request, call_next):
-        path = request.url.path
-        if state.api_key is not None and path not in OPEN_PATHS and not _key_matches(request, state.api_key):
-            response = APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY' (or "
-                                "'x-api-key: KEY')", code="invalid_api_key").response(path)
-        else:
-            try:
-                response = await call_next(request)
-            except Exception as e:  # noqa: BLE001 - a bug: the client gets the API's JSON 500, the log the traceback
-                log.exception("internal error on %s %s", request.method, path)
-                state.metrics.failed.inc()
-                response = APIError(500, f"internal error: {type(e).__name__}: {e}"[:500],
-                                    code="internal_error").response(path)
-        state.metrics.requests.labels(endpoint=_endpoint(path), status=str(response.status_code)).inc()
-        return response
+    app.add_middleware(AuthAndCount, state=state)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -151,7 +137,7 @@ def create_app(load: Callable[[], object], model_name: str | list[str], api_key:
             return JSONResponse({"status": "error", "error": str(state.load_error)}, status_code=503)
         return JSONResponse({"status": "loading"}, status_code=503)
 
-    @app.get("/")
+    @app.api_route("/", methods=["GET", "HEAD"])  # agents probe the server with HEAD / (Claude Code does)
     async def chat_page():
         page = importlib.resources.files("freetoken.serve").joinpath("static/chat.html").read_text("utf-8")
         return HTMLResponse(page, headers=PAGE_HEADERS)
@@ -166,12 +152,57 @@ def create_app(load: Callable[[], object], model_name: str | list[str], api_key:
     return app
 
 
-def _key_matches(request: Request, key: str) -> bool:
-    given = request.headers.get("authorization", "")
+class AuthAndCount:
+    """The API key check and the request count, as plain ASGI middleware around the routes.
+
+    Plain ASGI and not starlette's ``BaseHTTPMiddleware`` (``@app.middleware("http")``): that one hands the routes a
+    wrapped ``receive`` on which ``request.is_disconnected()`` never sees the client leave, so a non-streamed request
+    whose client gave up went on generating. A route's exception becomes the API's JSON 500 here (logged and
+    counted in ``requests_failed_total``), where starlette would answer with a text/plain 500."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = self.state
+        path = scope["path"]
+        status = None
+
+        async def send_counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        if state.api_key is not None and path not in OPEN_PATHS and not _key_matches(Headers(scope=scope),
+                                                                                     state.api_key):
+            error = APIError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY' (or "
+                             "'x-api-key: KEY')", code="invalid_api_key")
+            await error.response(path)(scope, receive, send_counted)
+        else:
+            try:
+                await self.app(scope, receive, send_counted)
+            except Exception as e:  # noqa: BLE001 - a bug: the client gets the API's JSON 500, the log the traceback
+                log.exception("internal error on %s %s", scope.get("method"), path)
+                state.metrics.failed.inc()
+                if status is None:  # nothing sent yet (once a response has started, the connection just ends)
+                    error = APIError(500, f"internal error: {type(e).__name__}: {e}"[:500], code="internal_error")
+                    await error.response(path)(scope, receive, send_counted)
+                else:
+                    status = 500
+        state.metrics.requests.labels(endpoint=_endpoint(path), status=str(status or 500)).inc()
+
+
+def _key_matches(headers: Headers, key: str) -> bool:
+    given = headers.get("authorization", "")
     if given[:7].lower() == "bearer ":
         given = given[7:].strip()
     else:
-        given = request.headers.get("x-api-key", "")
+        given = headers.get("x-api-key", "")
     return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), key.encode("utf-8", "surrogatepass"))
 
 

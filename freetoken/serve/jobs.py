@@ -87,8 +87,9 @@ def make_job(state, ids: list[int], stop: list[str], *, max_tokens: int | None, 
         top_k=d.top_k if top_k is None else top_k,
         repetition_penalty=d.repetition_penalty if repetition_penalty is None else repetition_penalty,
         seed=seed)
-    return Job(ids=ids, max_tokens=min(max_tokens or d.max_tokens, ctx - len(ids)), sampling=sampling, stop=stop,
-               loop=asyncio.get_running_loop())
+    granted = min(max_tokens or d.max_tokens, ctx - len(ids))
+    return Job(ids=ids, max_tokens=granted, sampling=sampling, stop=stop, loop=asyncio.get_running_loop(),
+               requested_max_tokens=max_tokens if max_tokens and max_tokens > granted else None)
 
 
 def check_prompt(state, ids: list[int], param: str) -> int:
@@ -110,6 +111,16 @@ async def with_anchors(worker, job: Job, use, anchor: str | None = None) -> Job:
     job.anchor = anchor
     job.boundaries = await asyncio.to_thread(use.boundaries, worker.template, worker.model, job.ids)
     return job
+
+
+def reply_extras(outcome) -> dict:
+    """The fields every route adds to its reply, outside the APIs: ``anchor`` (:func:`anchor_report`) and, when the
+    request asked for more tokens than the context leaves after its prompt, ``max_tokens_capped``
+    (``{"requested", "granted"}``: agents send 8,000-64,000 whatever the model's context)."""
+    out = {"anchor": anchor_report(outcome)}
+    if outcome.requested_max_tokens is not None:
+        out["max_tokens_capped"] = {"requested": outcome.requested_max_tokens, "granted": outcome.max_tokens}
+    return out
 
 
 def anchor_report(outcome) -> dict:
@@ -150,18 +161,28 @@ def error_of(e: BaseException) -> APIError:
 
 async def collect(worker, job: Job, request: Request):
     """The whole text and the outcome of ``job``; the job is cancelled if the client disconnects meanwhile (or the
-    request's task is cancelled: the server shuts down)."""
+    request's task is cancelled: the server shuts down). The connection is looked at every
+    :data:`DISCONNECT_POLL_SECONDS` whether text is coming or not: a running job's pieces come faster than that, so
+    a check only between pieces would never run while it generates."""
     worker.submit(job)
     pieces = []
     finished = False
+    loop = asyncio.get_running_loop()
+    next_check = loop.time() + DISCONNECT_POLL_SECONDS
+    getter = None  # one pending get at a time, kept across timeouts (cancelling a get could lose its event)
     try:
         while True:
-            try:
-                kind, value = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_SECONDS)
-            except asyncio.TimeoutError:
+            if getter is None:
+                getter = asyncio.ensure_future(job.events.get())
+            done, _ = await asyncio.wait({getter}, timeout=max(0.0, next_check - loop.time()))
+            if loop.time() >= next_check:
                 if await request.is_disconnected():
-                    raise APIError(499, "the client closed the connection") from None
+                    raise APIError(499, "the client closed the connection")
+                next_check = loop.time() + DISCONNECT_POLL_SECONDS
+            if not done:
                 continue
+            kind, value = getter.result()
+            getter = None
             if kind == "text":
                 pieces.append(value)
             elif kind == "done":
@@ -171,6 +192,8 @@ async def collect(worker, job: Job, request: Request):
                 finished = True
                 raise error_of(value)
     finally:
+        if getter is not None:
+            getter.cancel()
         if not finished:
             worker.cancel(job)
 

@@ -23,12 +23,12 @@ from starlette.responses import JSONResponse
 from freetoken.engine.grammar import json_schema_grammar
 from freetoken.serve.errors import APIError
 from freetoken.serve.jobs import (
-    anchor_report,
     begin,
     collect,
     grammar_constraint,
     job_events,
     make_job,
+    reply_extras,
     template_tool_call,
     with_anchors,
 )
@@ -179,6 +179,13 @@ class Reply:
                 "time_to_first_token_s": round(outcome.seconds_to_first_token, 4),
                 "expert_cache_hit_rate": None if outcome.hit_rate is None else round(outcome.hit_rate, 4)}
 
+    def extras(self, outcome) -> dict:
+        """:func:`freetoken.serve.jobs.reply_extras` (a completion has no anchors: the prompt is not a chat)."""
+        extras = reply_extras(outcome)
+        if not self.chat:
+            del extras["anchor"]
+        return extras
+
     def finish_reason(self, outcome) -> str:
         if self.parser is not None and self.parser.calls and outcome.finish_reason == "stop":
             return "tool_calls"
@@ -225,9 +232,7 @@ class Reply:
             choice = {"index": 0, "text": self.echo + text, "logprobs": None, "finish_reason": outcome.finish_reason}
         out = {**self._head(self.kind), "choices": [choice], "usage": self.usage(outcome),
                "timings": self.timings(outcome)}
-        if self.chat:
-            out["anchor"] = anchor_report(outcome)
-        return out
+        return {**out, **self.extras(outcome)}
 
     def chunk(self, delta: dict | None = None, outcome=None, usage_field: bool = False) -> dict:
         """A chunk carrying ``delta``, or (``outcome``) the last one with the finish reason."""
@@ -240,8 +245,7 @@ class Reply:
             out = {**self._head("text_completion"), "choices": [choice]}
         if outcome is not None:
             out["timings"] = self.timings(outcome)
-            if self.chat:
-                out["anchor"] = anchor_report(outcome)
+            out.update(self.extras(outcome))
         if usage_field:
             out["usage"] = None
         return out

@@ -44,6 +44,8 @@ class Outcome:
     anchor_refused: str | None = None  # why the anchor asked for (or found at a boundary) was not used
     anchors_made: list[dict] = field(default_factory=list)  # Anchor.info() of those made at the job's boundaries
     anchors_new: int = 0  # how many of them were not there before (the rest were there already, and reused)
+    max_tokens: int = 0  # the completion's limit: what the request asked for, or what the context left
+    requested_max_tokens: int | None = None  # what the request asked for, where the context left less
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Job:
     anchor: str | None = None  # an anchor id to resume from (refused or unknown: recomputed)
     boundaries: list[int] = field(default_factory=list)  # prompt positions to make (and look up) anchors at
     task: Callable | None = None  # instead of generating: ``task(model)``, its result the "done" value
+    requested_max_tokens: int | None = None  # the request's max_tokens where the context left less (max_tokens)
 
     def post(self, kind: str, value) -> None:
         """From the worker thread: hand ``(kind, value)`` to the request's task ("text", "done" or "error")."""
@@ -210,7 +213,8 @@ class EngineWorker:
                           finish_reason=FINISH_REASONS.get(st.finish_reason or "stop", "stop"),
                           prefill_tps=st.prefill_tps, decode_tps=st.decode_tps,
                           seconds_to_first_token=(first or now) - job.enqueued, hit_rate=rate,
-                          stop_sequence=st.stop_sequence, anchor=st.anchor, anchor_refused=st.anchor_refused)
+                          stop_sequence=st.stop_sequence, anchor=st.anchor, anchor_refused=st.anchor_refused,
+                          max_tokens=job.max_tokens, requested_max_tokens=job.requested_max_tokens)
         for aid in st.anchors_made:
             a = model.anchors.get(aid)
             if a is not None:  # (one made early in the call may have been dropped already: the store's budgets)
@@ -229,7 +233,8 @@ class EngineWorker:
         outcome = Outcome(prompt_tokens=len(job.ids), cached_tokens=0,
                           completion_tokens=len(self.model.encode(text, add_special_tokens=False)),
                           finish_reason="stop", prefill_tps=0.0, decode_tps=0.0,
-                          seconds_to_first_token=t0 - job.enqueued, hit_rate=None)
+                          seconds_to_first_token=t0 - job.enqueued, hit_rate=None, max_tokens=job.max_tokens,
+                          requested_max_tokens=job.requested_max_tokens)
         job.post("done", outcome)
         self._finished(job, outcome, None)
 
