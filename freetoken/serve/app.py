@@ -31,7 +31,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
-from freetoken.serve import anchors_api, anthropic_api
+from freetoken.serve import anchors_api, anthropic_api, responses_api
 from freetoken.serve.errors import APIError, validation_error
 from freetoken.serve.metrics import CONTENT_TYPE, ServerMetrics
 from freetoken.serve.openai_api import ENDPOINTS, router
@@ -149,6 +149,7 @@ def create_app(load: Callable[[], object], model_name: str | list[str], api_key:
     app.include_router(router)
     app.include_router(anthropic_api.router)
     app.include_router(anchors_api.router)
+    app.include_router(responses_api.router)
     return app
 
 
@@ -210,6 +211,8 @@ def _endpoint(path: str) -> str:
     """The endpoint a path is (an unknown path counts as "other": a scan cannot grow the label set)."""
     if path.startswith("/v1/anchors/"):
         return "/v1/anchors/{id}"
+    if path.startswith("/v1/responses/"):
+        return responses_api.ONE_RESPONSE
     known = (path in OPEN_PATHS or path in ENDPOINTS or path in anthropic_api.ENDPOINTS or path in anchors_api.ENDPOINTS
-             or path == "/metrics")
+             or path in responses_api.ENDPOINTS or path == "/metrics")
     return path if known else "other"
