@@ -53,6 +53,10 @@ def add_serve_parser(sub) -> None:
                         "from them (each is checked before use: another model's, or a damaged file, is refused "
                         "and recomputed). Default: anchors live in memory only")
     add_model_args(p, 1024, "per request when the request does not say (max_tokens)")
+    p.add_argument("--max-tokens-limit", type=count(1), default=None, metavar="N",
+                   help="the most tokens one reply may have, whatever the request asks for (agents ask for "
+                        "8,000-64,000); a request asking for more gets N and the reply's max_tokens_capped says so. "
+                        "Default: what the context leaves after the prompt")
     add_policy_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -99,7 +103,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     names = [n.strip() for n in (args.served_model_name or "").split(",") if n.strip()] or [served_name(args.model)]
     name = names[0]
     defaults = Defaults(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                        top_k=args.top_k, repetition_penalty=args.repetition_penalty)
+                        top_k=args.top_k, repetition_penalty=args.repetition_penalty,
+                        max_tokens_limit=args.max_tokens_limit)
     failure: list[BaseException] = []
     server: uvicorn.Server | None = None
 

@@ -56,6 +56,7 @@ class Defaults:
     top_p: float = 1.0
     top_k: int = 0
     repetition_penalty: float = 1.0
+    max_tokens_limit: int | None = None  # the most tokens of one reply, whatever it asks for (None: the context's)
 
 
 @dataclass

@@ -78,7 +78,8 @@ def make_job(state, ids: list[int], stop: list[str], *, max_tokens: int | None, 
              temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
              repetition_penalty: float | None = None, seed: int | None = None) -> Job:
     """A job for prompt ``ids``: what the request leaves out (None) is the server's default (``state.defaults``);
-    a prompt the context cannot hold is a 400 naming ``prompt_param``, and the completion is cut to what fits."""
+    a prompt the context cannot hold is a 400 naming ``prompt_param``, and the completion is cut to what fits (and to
+    the server's ``--max-tokens-limit``)."""
     ctx = check_prompt(state, ids, prompt_param)
     d = state.defaults
     sampling = SamplingParams(
@@ -87,7 +88,7 @@ def make_job(state, ids: list[int], stop: list[str], *, max_tokens: int | None, 
         top_k=d.top_k if top_k is None else top_k,
         repetition_penalty=d.repetition_penalty if repetition_penalty is None else repetition_penalty,
         seed=seed)
-    granted = min(max_tokens or d.max_tokens, ctx - len(ids))
+    granted = min(max_tokens or d.max_tokens, ctx - len(ids), d.max_tokens_limit or ctx)
     return Job(ids=ids, max_tokens=granted, sampling=sampling, stop=stop, loop=asyncio.get_running_loop(),
                requested_max_tokens=max_tokens if max_tokens and max_tokens > granted else None)
 
@@ -115,8 +116,8 @@ async def with_anchors(worker, job: Job, use, anchor: str | None = None) -> Job:
 
 def reply_extras(outcome) -> dict:
     """The fields every route adds to its reply, outside the APIs: ``anchor`` (:func:`anchor_report`) and, when the
-    request asked for more tokens than the context leaves after its prompt, ``max_tokens_capped``
-    (``{"requested", "granted"}``: agents send 8,000-64,000 whatever the model's context)."""
+    request asked for more tokens than the context leaves after its prompt (or ``--max-tokens-limit``),
+    ``max_tokens_capped`` (``{"requested", "granted"}``: agents send 8,000-64,000 whatever the model's context)."""
     out = {"anchor": anchor_report(outcome)}
     if outcome.requested_max_tokens is not None:
         out["max_tokens_capped"] = {"requested": outcome.requested_max_tokens, "granted": outcome.max_tokens}
