@@ -453,7 +453,7 @@ def test_mutated_requests_never_get_a_5xx(server):
     assert sum(report.statuses.values()) == 300
     assert {c for _, c in report.statuses} <= {"2xx", "4xx"}
     # the mutations reach both outcomes on the main routes: some still valid, some refused
-    for path in ("/v1/chat/completions", "/v1/messages"):
+    for path in ("/v1/chat/completions", "/v1/messages", "/v1/responses"):
         assert report.statuses[path, "2xx"] > 0 and report.statuses[path, "4xx"] > 0, report.table()
 
 

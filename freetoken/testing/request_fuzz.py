@@ -56,6 +56,27 @@ SEEDS: list[tuple[str, dict]] = [
     ("/v1/messages/count_tokens", {"model": "freetoken-default",
                                    "messages": [{"role": "user", "content": "count me"}], "system": "be brief"}),
     ("/v1/anchors", {"messages": [{"role": "user", "content": "def f():"}]}),
+    # the Responses API as Codex CLI and the Agents SDK send it (shapes from tests/clients/captured/)
+    ("/v1/responses", {
+        "model": "freetoken-default", "max_output_tokens": 3, "stream": True, "store": False,
+        "instructions": "You are a coding agent.", "tool_choice": "auto", "parallel_tool_calls": True,
+        "reasoning": {"summary": "auto"}, "include": ["reasoning.encrypted_content"], "prompt_cache_key": "k1",
+        "input": [
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "list files"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "content": None, "encrypted_content": "e"},
+            {"type": "function_call", "call_id": "call_1", "name": "exec_command",
+             "arguments": "{\"cmd\": \"ls\"}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "a.py"}],
+        "tools": [{"type": "function", "name": "exec_command", "description": "Run a command", "strict": False,
+                   "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}},
+                                  "required": ["cmd"]}},
+                  {"type": "custom", "name": "apply_patch", "description": "Patch files",
+                   "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}},
+                  {"type": "web_search", "external_web_access": True}]}),
+    ("/v1/responses", {"model": "freetoken-default", "input": "def add(a, b):", "max_output_tokens": 3,
+                       "temperature": 0, "text": {"format": {"type": "json_schema", "name": "r", "schema": {
+                           "type": "object", "properties": {"x": {"type": "integer"}}}}}}),
 ]
 
 #: Values a mutation puts in place of another
@@ -64,7 +85,8 @@ _ODD_VALUES = [None, True, False, 0, -1, 1 << 63, -(1 << 70), 1e308, -0.5, "", "
                "text", "tool_use", "function", "required", "none", {"type": "tool"}, {"type": "any"}]
 #: Keys a mutation adds (real fields with odd values, and unknown ones)
 _KEYS = ["role", "content", "type", "text", "name", "input", "tool_calls", "max_tokens", "stream", "tools", "n",
-         "logprobs", "anchor", "suffix", "prompt", "messages", "system", "thinking", "x-unknown"]
+         "logprobs", "anchor", "suffix", "prompt", "messages", "system", "thinking", "instructions",
+         "previous_response_id", "call_id", "arguments", "output", "x-unknown"]
 
 
 def _paths(value, here=()):
