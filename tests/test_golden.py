@@ -7,7 +7,10 @@ one build of the kernels to the next: Numba compiles for the host's SIMD level (
 numba/llvmlite/NumPy versions of the day, the thread count splits the reductions, and a rewritten emu kernel may sum
 in another order. So the logits are compared by NMSE within ``LOGITS_NMSE``, a bound well above the spread measured
 across builds (``python tests/golden/spread.py`` measures it) and far below what a real change of behaviour moves
-(one wrong scale, one skipped layer or a changed expert moves it by 1e-4 or more). Tokens, routing and counters are
+(one wrong scale, one skipped layer or a changed expert moves it by 1e-4 or more). Measured on an Intel Xeon with
+AVX-512 + AMX against the files written on an AMD Zen 4 (numpy 2.4.6, numba 0.68.1): cpu logits NMSE 1.0e-13 with
+the native build, 9.3e-13 with the AVX2 build (NUMBA_CPU_NAME=haswell + NUMBA_CPU_FEATURES), identical to native with
+NUMBA_NUM_THREADS=1; the bound leaves a factor of 1,000 above the largest. Tokens, routing and counters are
 integers: identical everywhere. Bit-exact equality is asserted only where it is guaranteed: two runs of one process
 (test_cpu_run_is_deterministic)."""
 
