@@ -42,7 +42,16 @@ from freetoken.serve.anthropic_schemas import (
     check_tool_choice,
 )
 from freetoken.serve.errors import APIError
-from freetoken.serve.jobs import begin, collect, job_events, make_job, reply_extras, template_tool_call, with_anchors
+from freetoken.serve.jobs import (
+    begin,
+    collect,
+    job_events,
+    make_job,
+    place_system_messages,
+    reply_extras,
+    template_tool_call,
+    with_anchors,
+)
 from freetoken.serve.tool_use import ToolUse, tool_use
 from freetoken.serve.worker import Job
 
@@ -108,20 +117,7 @@ def template_messages(body: CountTokensRequest, template=None) -> list[dict]:
     out = [{"role": "system", "content": system}] if system else []
     for i, m in enumerate(body.messages):
         out.extend(_template_message(m, f"messages.{i}"))
-    inline = [j for j, m in enumerate(out) if m["role"] == "system" and j > 0]
-    if not inline or template is None or _renders(template, out):
-        return out
-    texts = [m["content"] for m in out if m["role"] == "system"]
-    return [{"role": "system", "content": "\n\n".join(t for t in texts if t)}] + [m for m in out
-                                                                                 if m["role"] != "system"]
-
-
-def _renders(template, messages: list[dict]) -> bool:
-    try:
-        template.render(messages, add_generation_prompt=True)
-    except ValueError:
-        return False
-    return True
+    return place_system_messages(template, out)
 
 
 def _template_message(m: Message, where: str) -> list[dict]:

@@ -74,6 +74,22 @@ def render_chat(template, messages: list[dict], add_generation_prompt: bool = Tr
         raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
 
 
+def place_system_messages(template, messages: list[dict]) -> list[dict]:
+    """``messages`` with their system messages after the first where they stand, if ``template`` (None: no check)
+    renders them there; a template that refuses them (most allow a system message only first) gets them all folded
+    into one leading system message, in their order. Claude Code and Codex send system and developer entries
+    mid-conversation."""
+    if template is None or not any(m["role"] == "system" for m in messages[1:]):
+        return messages
+    try:
+        template.render(messages, add_generation_prompt=True)
+        return messages
+    except ValueError:
+        pass
+    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system" and m["content"])
+    return [{"role": "system", "content": system}] + [m for m in messages if m["role"] != "system"]
+
+
 def make_job(state, ids: list[int], stop: list[str], *, max_tokens: int | None, prompt_param: str,
              temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
              repetition_penalty: float | None = None, seed: int | None = None) -> Job:

@@ -50,6 +50,7 @@ from freetoken.serve.jobs import (
     grammar_constraint,
     job_events,
     make_job,
+    place_system_messages,
     reply_extras,
     template_tool_call,
     with_anchors,
@@ -252,18 +253,7 @@ def template_messages(instructions: str | None, items: list[tuple[object, str]],
             out.append(message)
         elif not isinstance(item, ReasoningItem):
             raise _unsupported_item(item.type, where)
-    if template is None or not any(m["role"] == "system" for m in out[1:]) or _renders(template, out):
-        return out
-    system = "\n\n".join(m["content"] for m in out if m["role"] == "system" and m["content"])
-    return [{"role": "system", "content": system}] + [m for m in out if m["role"] != "system"]
-
-
-def _renders(template, messages: list[dict]) -> bool:
-    try:
-        template.render(messages, add_generation_prompt=True)
-    except ValueError:
-        return False
-    return True
+    return place_system_messages(template, out)
 
 
 def _template_call(item, tools: ToolSet) -> dict:
