@@ -17,7 +17,7 @@ import time
 import httpx
 import openai
 import pytest
-from live_server import CTX, KEY, MODEL, kill_mid_stream, running_server
+from live_server import CTX, KEY, MODEL, Server, kill_mid_stream, running_server
 
 
 @pytest.fixture(scope="module")
@@ -469,9 +469,19 @@ def _wait_for(server, name: str, value: float, seconds: float = 60) -> None:
         time.sleep(0.05)
 
 
-def test_a_non_streamed_request_whose_client_leaves_is_stopped_running_or_queued(server):
+def test_a_non_streamed_request_whose_client_leaves_is_stopped_running_or_queued(tmp_path):
     """Agents send max_tokens of 8,000-64,000 without streaming: a client that gives up must free the engine within
-    a decode step (running) or leave the queue (waiting), and each is counted cancelled."""
+    a decode step (running) or leave the queue (waiting), and each is counted cancelled. A server of its own with
+    the model's whole context: the first request has ~8,000 tokens to write (a minute and more here), so the second
+    surely finds it running and waits (at the module server's 512 it could finish before the second arrived)."""
+    server = Server(tmp_path, "--ctx", "8192")
+    try:
+        _leaving_clients_are_cancelled(server)
+    finally:
+        server.stop()
+
+
+def _leaving_clients_are_cancelled(server):
     client = (f"import openai\nc = openai.OpenAI(base_url='{server.url}/v1', api_key='{KEY}', max_retries=0)\n"
               f"c.chat.completions.create(model='{MODEL}', max_tokens=64000, temperature=1.0, "
               f"messages=[{{'role': 'user', 'content': 'import os'}}], stream=STREAM)\n")
