@@ -1,4 +1,4 @@
-// cache.cu: the global expert cache on the device (see DESIGN.md, "The expert cache contract").
+// cache.cu: the global expert cache on the device (see docs/design.md, "The expert cache contract").
 //
 // Maps: slot_for_id[f] (f = layer * E + expert) is the slot holding f or -1; id_of_slot[s] its inverse.
 // recency[s] is the admission clock of the slot's last use (-1: empty). Everything runs in fixed-size buffers

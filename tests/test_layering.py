@@ -1,5 +1,5 @@
 """The package's import graph: no cycles between its packages, every import points down the layering of
-DESIGN.md, the model holds math only (it never reaches policy, the cache or the engine), and no module imports
+docs/design.md, the model holds math only (it never reaches policy, the cache or the engine), and no module imports
 another package's private (underscore) names. Every ``import`` counts, the lazy ones inside functions too."""
 
 import ast

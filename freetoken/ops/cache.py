@@ -3,7 +3,7 @@ layer's routed ids, the copy of missed records into their slots, and the prefill
 
 :class:`freetoken.cache.ExpertCache` owns the arrays and calls these launchers; they take the arrays as they are
 (int32 maps and worklists, int64 recency / clock / statistics, uint8 pins, int32 error code) and check only what a
-kernel cannot survive. Semantics: DESIGN.md, "The expert cache contract", and ``cache_admit`` in ``cuda/cache.cu``.
+kernel cannot survive. Semantics: docs/design.md, "The expert cache contract", and ``cache_admit`` in ``cuda/cache.cu``.
 """
 
 from __future__ import annotations
