@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hf_attn_temperature import patch as patch_attn_temperature  # noqa: E402
 from train_default_model import (  # noqa: E402 - the first stage's data pipeline, so the split is the same
     collect_files,
     encode_stream,
@@ -99,10 +100,15 @@ def set_rope(config, theta: float, ctx: int) -> None:
 
 
 def write_section(readme: Path, text: str) -> None:
-    """Put the section at the end of README.md, replacing an earlier one."""
+    """Replace README.md's section (up to the next ``## `` heading, which is kept) or add it at the end."""
     old = readme.read_text() if readme.exists() else ""
-    kept = re.split(rf"\n{re.escape(SECTION)}\n", old)[0].rstrip("\n")
-    readme.write_text(kept + "\n\n" + text.rstrip("\n") + "\n")
+    parts = re.split(rf"\n{re.escape(SECTION)}\n", old, maxsplit=1)
+    before = parts[0].rstrip("\n")
+    after = ""
+    if len(parts) == 2:
+        nxt = re.search(r"^## ", parts[1], flags=re.M)
+        after = "\n" + parts[1][nxt.start():] if nxt else ""
+    readme.write_text(before + "\n\n" + text.rstrip("\n") + "\n" + after)
 
 
 def main():
@@ -145,6 +151,9 @@ def main():
 
     from transformers import PreTrainedTokenizerFast, Qwen3MoeForCausalLM
 
+    # train and score with the query temperature the engine applies when the config turns it on (the bundled
+    # config does, from position floor_scale - 1): otherwise training would fit attention the engine never runs
+    patch_attn_temperature()
     t_start = time.time()
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
