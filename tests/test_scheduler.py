@@ -23,13 +23,19 @@ def _next_token(history: list[int]) -> int:
     return (sum(history[-3:]) * 7 + len(history)) % 97 + 3
 
 
-def _rows(seq: Sequence) -> list[int]:
-    """The token ids seq's K rows hold, in position order."""
-    k = seq.kv.pool.k[0]
-    return [int(k[seq.kv.blocks[p // BS], p % BS, 0, 0]) for p in range(seq.kv.length)]
+def _rows(kv: KVSequence) -> list[int]:
+    """The token ids kv's K rows hold, in position order."""
+    return [int(kv.pool.k[0][kv.blocks[p // BS], p % BS, 0, 0]) for p in range(kv.length)]
 
 
-def _run_step(sched: Scheduler, check_rows=True):
+def _write(kv: KVSequence, start: int, ids: list[int]) -> None:
+    """The stand-in forward pass's KV store: token ids into the K rows of positions ``start ..``."""
+    for j, tok in enumerate(ids):
+        p = start + j
+        kv.pool.k[0][kv.blocks[p // BS], p % BS, 0, 0] = tok
+
+
+def _run_step(sched: Scheduler):
     """Plan a step, 'run' it (write the fed ids into the chunk's rows, sample from the histories), account it."""
     plan = sched.schedule()
     assert plan.tokens <= sched.step_tokens
@@ -37,16 +43,12 @@ def _run_step(sched: Scheduler, check_rows=True):
     sampled = {}
     for c in plan.chunks:
         assert c.seq.status is Status.RUNNING and c.start == c.seq.computed
-        k = c.seq.kv.pool.k[0]
-        for j, tok in enumerate(c.ids):
-            p = c.start + j
-            k[c.seq.kv.blocks[p // BS], p % BS, 0, 0] = tok
+        _write(c.seq.kv, c.start, c.ids)
         if c.samples:
             sampled[c.seq] = _next_token(c.seq.tokens)
     ended = sched.finish_step(plan, sampled)
-    if check_rows:
-        for seq in sched.running:
-            assert _rows(seq) == seq.tokens[:seq.computed]
+    for seq in sched.running:
+        assert _rows(seq.kv) == seq.tokens[:seq.computed]
     return plan, ended
 
 
@@ -209,8 +211,7 @@ def test_a_prefix_attached_at_admission_is_shared_and_copied_on_write():
     cached = KVSequence(pool, 64)  # a prefix cache's entry: 10 rows of an earlier sequence
     earlier = list(range(40, 50))
     cached.prepare(0, len(earlier))
-    for p, tok in enumerate(earlier):
-        pool.k[0][cached.blocks[p // BS], p % BS, 0, 0] = tok
+    _write(cached, 0, earlier)
     cached.length = len(earlier)
 
     def attach(seq):  # the engine's prefix lookup: the first 9 rows match, the last of their blocks partly
@@ -224,8 +225,7 @@ def test_a_prefix_attached_at_admission_is_shared_and_copied_on_write():
     assert plan.chunks[0].start == 9 and plan.chunks[0].ids == [99, 98]  # only the new tail is fed
     _drain(sched)
     assert seq.output == _alone(seq.prompt, 4)
-    rows = [int(pool.k[0][cached.blocks[p // BS], p % BS, 0, 0]) for p in range(cached.length)]
-    assert rows == earlier  # the shared block was copied before seq wrote into it
+    assert _rows(cached) == earlier  # the shared block was copied before seq wrote into it
     cached.reset()
     assert pool.free_blocks == pool.num_blocks
 

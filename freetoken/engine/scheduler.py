@@ -62,6 +62,16 @@ class Sequence:
         return self.prompt + self.output
 
     @property
+    def length(self) -> int:
+        """Tokens in all, prompt and output."""
+        return len(self.prompt) + len(self.output)
+
+    def ids(self, start: int, stop: int) -> list[int]:
+        """``tokens[start:stop]`` without joining the whole history (a decode step takes one token of it)."""
+        p = len(self.prompt)
+        return self.prompt[start:stop] + self.output[max(start - p, 0):max(stop - p, 0)]
+
+    @property
     def computed(self) -> int:
         """Tokens whose K/V rows are written."""
         return 0 if self.kv is None else self.kv.length
@@ -69,7 +79,7 @@ class Sequence:
     @property
     def pending(self) -> int:
         """Tokens still to feed before the next one can be sampled (1 while decoding)."""
-        return len(self.prompt) + len(self.output) - self.computed
+        return self.length - self.computed
 
 
 @dataclass(frozen=True)
@@ -173,8 +183,7 @@ class Scheduler:
             try:
                 seq.kv.prepare(seq.computed, n)
             except OutOfKVBlocks:
-                self._detach(seq)
-                seq.kv = None
+                self._drop_kv(seq)
                 if not self.running:  # alone and still short: it never fits
                     self.waiting.popleft()
                     self._end(seq, "kv")
@@ -200,7 +209,7 @@ class Scheduler:
             token = int(sampled[seq])
             seq.output.append(token)
             reason = ("stop" if token in seq.stop_ids else "length" if len(seq.output) >= seq.max_tokens
-                      else "context" if len(seq.prompt) + len(seq.output) > self.ctx else None)
+                      else "context" if seq.length > self.ctx else None)
             if reason is not None:
                 self.running.remove(seq)
                 self._end(seq, reason)
@@ -210,7 +219,7 @@ class Scheduler:
     # ---- internals -------------------------------------------------------------------------------------------
     def _chunk(self, seq: Sequence, n: int) -> Chunk:
         start = seq.computed
-        return Chunk(seq, start, seq.tokens[start:start + n], samples=start + n == len(seq.prompt) + len(seq.output))
+        return Chunk(seq, start, seq.ids(start, start + n), samples=start + n == seq.length)
 
     def _reserve(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
         """Blocks for ``n`` more tokens of running ``seq``, preempting the newest running sequences while short;
@@ -231,8 +240,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
-        self._detach(seq)
-        seq.kv = None
+        self._drop_kv(seq)
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.preemptions += 1
@@ -243,9 +251,13 @@ class Scheduler:
         # a chunk this step already planned for it is void
         plan.chunks[:] = [c for c in plan.chunks if c.seq is not seq]
 
-    def _end(self, seq: Sequence, reason: str) -> None:
+    def _drop_kv(self, seq: Sequence) -> None:
+        """Hand ``seq``'s blocks to ``detach`` and forget them (a later admission attaches anew)."""
         if seq.kv is not None:
             self._detach(seq)
             seq.kv = None
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        self._drop_kv(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
