@@ -25,6 +25,8 @@ made and checked at load time (``checked=True``: the ops check nothing again).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from freetoken import ops
@@ -56,6 +58,18 @@ def sigmoid_gate(xp, y, s):
     t += 1.0
     y /= t
     return y
+
+
+class Span(NamedTuple):
+    """One sequence's rows in a forward pass over several: rows ``lo .. hi - 1`` of the pass's tokens are that
+    sequence's positions ``start ..``; ``kv`` is what the layer's token mixer keeps of it (an attention layer's
+    :class:`freetoken.models.kv.LayerKV`, a linear-attention layer's :class:`LinearState`). Every token-wise step
+    of a layer runs over all the pass's rows at once; only the mixing along a sequence runs span by span."""
+
+    kv: object
+    start: int
+    lo: int
+    hi: int
 
 
 # ---- attention ---------------------------------------------------------------------------------------------------
@@ -142,11 +156,12 @@ class Attention:
         gate = self.out_gate.nbytes if self.out_gate is not None else 0
         return self.qkv.nbytes + self.o_proj.nbytes + gate + sum(int(w.nbytes) for w in extra if w is not None)
 
-    def __call__(self, x, kv, start: int, cos, sin, q_scale=None):
-        """``x [T, hidden]`` at positions ``start ..`` with ``cos``/``sin`` their RoPE rows; appends the T keys and
-        values to ``kv`` (the layer's :class:`freetoken.models.kv.LayerKV`, positions up to ``start + T`` already
-        allocated); returns the output projection ``[T, hidden]``. ``q_scale`` ``[T]`` (device float32, or None):
-        each roped query's factor (:func:`freetoken.models.rope.query_temperature`)."""
+    def __call__(self, x, spans: list[Span], cos, sin, q_scale=None):
+        """``x [T, hidden]``, the rows of ``spans`` (each a sequence's positions ``start ..``, its ``kv`` the layer's
+        :class:`freetoken.models.kv.LayerKV` with those positions already allocated), ``cos``/``sin`` the rows'
+        RoPE rows; appends each span's keys and values to its sequence and returns the output projection
+        ``[T, hidden]``. ``q_scale`` ``[T]`` (device float32, or None): each roped query's factor
+        (:func:`freetoken.models.rope.query_temperature`)."""
         t, dev = x.shape[0], self.dev
         qkv = self.qkv(x)  # biases included
         qk = self.qk
@@ -164,10 +179,12 @@ class Attention:
             q, k, v = xp.ascontiguousarray(q), xp.ascontiguousarray(k), xp.ascontiguousarray(v)
         if q_scale is not None:
             q *= q_scale[:, None, None]
-        ops.kv_store(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, kv.block_table, start, device=dev, checked=True)
-        a = ops.paged_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, kv.block_table, start, window=self.window,
-                                sinks=self.sinks, out=self.scratch.get("att", (t, self.heads * dim)),
-                                device=dev, checked=True)
+        a = self.scratch.get("att", (t, self.heads * dim))
+        for kv, start, lo, hi in spans:  # (each span's rows are contiguous: slices of C-contiguous arrays)
+            ops.kv_store(k[lo:hi], v[lo:hi], kv.k, kv.v, kv.k_scale, kv.v_scale, kv.block_table, start, device=dev,
+                         checked=True)
+            ops.paged_attention(q[lo:hi], kv.k, kv.v, kv.k_scale, kv.v_scale, kv.block_table, start,
+                                window=self.window, sinks=self.sinks, out=a[lo:hi], device=dev, checked=True)
         if self.out_gate is not None:  # Qwen3-Next / Qwen3.5: every output value scaled by sigmoid(gate . x)
             sigmoid_gate(dev.xp, a, self.out_gate(x))
         return self.o_proj(a)
@@ -192,6 +209,12 @@ class LinearState:
     def copy_from(self, other: LinearState) -> None:
         self.conv[...] = other.conv
         self.rec[...] = other.rec
+
+    def copy(self) -> LinearState:
+        """A second state with this one's values (new device arrays)."""
+        twin = object.__new__(LinearState)
+        twin.conv, twin.rec = self.conv.copy(), self.rec.copy()
+        return twin
 
 
 class GatedDeltaNet:
@@ -226,14 +249,21 @@ class GatedDeltaNet:
     def new_state(self) -> LinearState:
         return LinearState(self.dev, self.taps, self.channels, self.v_heads, self.k_dim, self.v_dim)
 
-    def __call__(self, x, state: LinearState, start: int, cos, sin, q_scale=None):
-        """The layer's output ``[T, hidden]``; the state advances by the T tokens (``cos``/``sin``/``q_scale``: the
-        attention layers' position rows, which a recurrence does not use)."""
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of one sequence's state in this layer (:class:`LinearState`: conv and recurrent, float32)."""
+        return 4 * ((self.taps - 1) * self.channels + self.v_heads * self.k_dim * self.v_dim)
+
+    def __call__(self, x, spans: list[Span], cos, sin, q_scale=None):
+        """The layer's output ``[T, hidden]``; each span's state (its ``kv``, a :class:`LinearState`) advances by its
+        tokens (``cos``/``sin``/``q_scale``: the attention layers' position rows, which a recurrence does not use)."""
         t, dev, xp = x.shape[0], self.dev, self.dev.xp
         c, hv, dv = self.channels, self.v_heads, self.v_dim
         proj = self.inp(x)  # [T, C + Hv*Dv + 2 Hv]: q|k|v, z, b, a
-        qkv = ops.short_conv(xp.ascontiguousarray(proj[:, :c]), self.conv_w, state.conv,
-                             out=self.scratch.get("lin_qkv", (t, c)), device=dev, checked=True)
+        conv_in = xp.ascontiguousarray(proj[:, :c])
+        qkv = self.scratch.get("lin_qkv", (t, c))
+        for state, _, lo, hi in spans:
+            ops.short_conv(conv_in[lo:hi], self.conv_w, state.conv, out=qkv[lo:hi], device=dev, checked=True)
         b = proj[:, c + hv * dv:c + hv * dv + hv]
         a = proj[:, c + hv * dv + hv:]
         beta = xp.negative(b)  # sigmoid(b), in one new contiguous array
@@ -242,8 +272,10 @@ class GatedDeltaNet:
         xp.reciprocal(beta, out=beta)
         g = xp.logaddexp(np.float32(0.0), a + self.dt_bias)  # softplus(a + dt_bias): a new contiguous array
         g *= self.neg_a
-        o = ops.gated_delta_rule(qkv, g, beta, state.rec, self.k_heads,
-                                 out=self.scratch.get("lin_o", (t, hv, dv)), device=dev, checked=True)
+        o = self.scratch.get("lin_o", (t, hv, dv))
+        for state, _, lo, hi in spans:
+            ops.gated_delta_rule(qkv[lo:hi], g[lo:hi], beta[lo:hi], state.rec, self.k_heads, out=o[lo:hi], device=dev,
+                                 checked=True)
         o = ops.rms_norm(o, self.norm_w, self.eps, out=self.scratch.get("lin_n", (t, hv, dv)), device=dev,
                          checked=True)
         z = proj[:, c:c + hv * dv].reshape(t, hv, dv)
@@ -312,9 +344,9 @@ class LatentAttention:
         vecs = [self.kv_a_norm, *halves] + ([] if self.q_a_norm is None else [self.q_a_norm])
         return sum(m.nbytes for m in mats) + sum(int(v.nbytes) for v in vecs)
 
-    def __call__(self, x, kv, start: int, cos, sin, q_scale=None):
-        """As :meth:`Attention.__call__`, with ``kv`` the layer's latent pool (keys only) and ``cos``/``sin`` the
-        rope part's RoPE rows."""
+    def __call__(self, x, spans: list[Span], cos, sin, q_scale=None):
+        """As :meth:`Attention.__call__`, with each span's ``kv`` the layer's latent pool (keys only) and
+        ``cos``/``sin`` the rope part's RoPE rows."""
         t, dev, xp = x.shape[0], self.dev, self.xp
         h, nope, rope, rank = self.heads, self.nope, self.rope, self.rank
         if self.q_proj is None:
@@ -329,7 +361,8 @@ class LatentAttention:
         qk_rope = ops.rope(qk_rope, cos, sin, device=dev)
         row = self.scratch.get("latent_row", (t, rank + rope))
         row[:, :rank], row[:, rank:] = c, qk_rope[:, h]
-        ops.latent_store(row, kv.k, kv.k_scale, kv.block_table, start, device=dev, checked=True)
+        for kv, start, lo, hi in spans:
+            ops.latent_store(row[lo:hi], kv.k, kv.k_scale, kv.block_table, start, device=dev, checked=True)
         q_cat = self.scratch.get("latent_q", (t, h, rank + rope))
         if self.uk_rows is not None:  # q_lat[t, h] = W_uk_h^T q_nope[t, h]: one grouped fp8 GEMV for all heads
             q_cat[:, :, :rank] = ops.dense_grouped(xp.ascontiguousarray(q[:, :, :nope]), self.uk_rows, "fp8_block",
@@ -339,8 +372,10 @@ class LatentAttention:
         q_cat[:, :, rank:] = qk_rope[:, :h]
         if q_scale is not None:
             q_cat *= q_scale[:, None, None]
-        a = ops.latent_attention(q_cat, kv.k, kv.k_scale, kv.block_table, start, rank, scale=self.scale,
-                                 out=self.scratch.get("latent_att", (t, h * rank)), device=dev, checked=True)
+        a = self.scratch.get("latent_att", (t, h * rank))
+        for kv, start, lo, hi in spans:
+            ops.latent_attention(q_cat[lo:hi], kv.k, kv.k_scale, kv.block_table, start, rank, scale=self.scale,
+                                 out=a[lo:hi], device=dev, checked=True)
         if self.uv_rows is not None:
             o = ops.dense_grouped(a.reshape(t, h, rank), self.uv_rows, "fp8_block", device=dev)  # [T, H, v]
             return self.o_proj(o.reshape(t, h * self.v_dim))
@@ -458,10 +493,10 @@ class DecoderLayer:
         self.eps, self.dev = eps, device
         self.scratch = scratch if scratch is not None else Scratch(device)
 
-    def __call__(self, x, kv, start: int, cos, sin, q_scale=None) -> None:
-        """Updates the residual stream ``x [T, hidden]`` (float32, C-contiguous) in place."""
+    def __call__(self, x, spans: list[Span], cos, sin, q_scale=None) -> None:
+        """Updates the residual stream ``x [T, hidden]`` (float32, C-contiguous; the rows of ``spans``) in place."""
         dev = self.dev
         h = ops.rms_norm(x, self.attn_norm, self.eps, out=self.scratch.get("h", x.shape), device=dev, checked=True)
-        a = self.attention(h, kv, start, cos, sin, q_scale)
+        a = self.attention(h, spans, cos, sin, q_scale)
         ops.add_rms_norm(x, a, self.mlp_norm, self.eps, out=h, device=dev, checked=True)  # x += a; h = norm(x)
         x += self.mlp(h)

@@ -2,20 +2,21 @@
 Qwen3.5-MoE families: embedding, layers, final norm, LM head.
 
 A layer's token mixer is attention over the paged KV cache, or (Qwen3-Next / Qwen3.5) Gated DeltaNet over a
-recurrent state: the pool holds KV rows for the attention layers only, and the decoder holds the linear layers'
-states (:class:`freetoken.models.blocks.LinearState`) with snapshots of them at the end of each prompt and every
-:data:`STATE_SNAPSHOT_EVERY` tokens of a long one, since a recurrent state cannot be cut back to an earlier length the
-way a KV cache can (:meth:`MoeDecoder.resume_points`).
+recurrent state: the pool holds KV rows for the attention layers only, and each sequence
+(:class:`freetoken.models.sequence.DecoderSequence`) holds the linear layers' states with snapshots of them at the end
+of each prompt and every :data:`STATE_SNAPSHOT_EVERY` tokens of a long one, since a recurrent state cannot be cut back
+to an earlier length the way a KV cache can (:meth:`MoeDecoder.resume_points`).
 
 Each layer's blocks (:mod:`freetoken.models.blocks`) are picked from the config once, here, at load time; a forward
-pass then reads top to bottom (:meth:`MoeDecoder.forward`). Dense projections are :class:`Linear` matrices held in
+pass then reads top to bottom (:meth:`MoeDecoder._pass`), over one sequence (:meth:`MoeDecoder.forward`, the
+decoder's current sequence) or several at once (:meth:`MoeDecoder.forward_batch`: every token-wise step over all
+their tokens, attention per sequence). Dense projections are :class:`Linear` matrices held in
 their exact storage; the routed experts run through the :class:`freetoken.models.experts.ExpertRunner` the decoder
 is given (whether they are cached on a GPU, split with the CPU or read in place is the runner's concern).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
@@ -36,6 +37,7 @@ from freetoken.models.blocks import (
     SigmoidGroupRouter,
     SoftmaxGroupRouter,
     SoftmaxTopKRouter,
+    Span,
 )
 from freetoken.models.config import ModelConfig
 from freetoken.models.embedding import BlockEmbedding
@@ -45,6 +47,7 @@ from freetoken.models.linear import Linear
 from freetoken.models.qmatrix import QuantizedMatrix
 from freetoken.models.rope import partial_rotary_order, query_temperature, rope_tables
 from freetoken.models.scratch import Scratch
+from freetoken.models.sequence import DecoderSequence
 from freetoken.models.weights import HFWeights, Weights
 
 
@@ -206,7 +209,8 @@ class ContextExceeded(ValueError):
 
 
 class MoeDecoder:
-    """Forward pass over one sequence in a paged KV cache.
+    """Forward passes over sequences in a paged KV cache: the current one (:attr:`seq`, what :meth:`forward` and the
+    single-sequence methods act on) or several at once (:meth:`forward_batch` over :meth:`new_sequence`'s).
 
     ``weights``: a :class:`freetoken.models.weights.Weights` source, or ``get(hf_name)`` returning a checkpoint
     tensor (an HF checkpoint held in memory). ``experts``: the runner of the routed experts, which receives every
@@ -244,21 +248,17 @@ class MoeDecoder:
                        for i in layer_iter]
         self.routers = [layer.mlp.router for layer in self.layers if isinstance(layer.mlp, MoeMLP)]
         self.pool: KVPool | None = None
-        self.kv: KVSequence | None = None
+        self.max_ctx = 0
+        self.seq: DecoderSequence | None = None  # the sequence forward() appends to
         self.prefill_chunk = DEFAULT_PREFILL_CHUNK
-        # Gated DeltaNet layers carry the sequence in a state instead of KV rows: the live one, and copies of it at
-        # earlier lengths (snapshots) to resume from, since a recurrent state cannot be cut back like a KV cache
-        self.states = [layer.attention.new_state() if isinstance(layer.attention, GatedDeltaNet) else None
-                       for layer in self.layers]
-        self.recurrent = any(st is not None for st in self.states)
-        self._snapshots: OrderedDict[int, list[LinearState | None]] = OrderedDict()
-        self._periodic: set[int] = set()  # the lengths of the snapshots taken every snapshot_every tokens
+        # Gated DeltaNet layers carry a sequence in a state instead of KV rows (each DecoderSequence holds its own)
+        self.recurrent = any(isinstance(layer.attention, GatedDeltaNet) for layer in self.layers)
         self.max_snapshots = MAX_STATE_SNAPSHOTS
         self.snapshot_every = STATE_SNAPSHOT_EVERY
 
     def set_context(self, pool: KVPool, ctx: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
-        """Hold the sequence in ``pool`` (made for this model's layers and kv heads), up to ``ctx`` tokens, and run
-        prompts in forward chunks of ``prefill_chunk`` tokens. Forgets the current sequence."""
+        """Hold sequences in ``pool`` (made for this model's layers and kv heads), up to ``ctx`` tokens each, and run
+        prompts in forward chunks of ``prefill_chunk`` tokens. Forgets the current sequence and makes a new one."""
         cfg = self.cfg
         want = (len(cfg.kv_layers), cfg.kv_cache_heads, cfg.kv_cache_dim, cfg.kv_cache_values)
         if (pool.num_layers, pool.kv_heads, pool.head_dim, pool.values) != want:
@@ -269,15 +269,10 @@ class MoeDecoder:
             raise ValueError(f"a context of {ctx} tokens does not fit the KV pool of {pool.tokens} tokens")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        if self.kv is not None:
-            self.kv.reset()
-        self._reset_states()
-        self.pool, self.kv = pool, KVSequence(pool, ctx)
-        # what each layer's token mixer reads and writes: its KV rows in the pool (views; the block table updates in
-        # place), or a linear-attention layer's state
-        slot = {layer: j for j, layer in enumerate(cfg.kv_layers)}
-        self._layer_kv = [self.states[i] if self.states[i] is not None else self.kv.layer(slot[i])
-                          for i in range(cfg.num_layers)]
+        if self.seq is not None:
+            self.seq.reset()
+        self.pool, self.max_ctx = pool, int(ctx)
+        self.seq = self.new_sequence()
         self.prefill_chunk = int(prefill_chunk)
         if cfg.mla:  # the rope part of a latent-attention head is rotated whole
             self.rope_cos, self.rope_sin = rope_tables(self.xp, np.arange(ctx), cfg.qk_rope_dim, cfg.rope_theta,
@@ -290,10 +285,30 @@ class MoeDecoder:
             self.query_scale = self.xp.asarray(query_temperature(np.arange(ctx), cfg.attn_temperature_floor,
                                                                  cfg.attn_temperature_scale))
 
-    def _sequence(self) -> KVSequence:
-        if self.kv is None:
+    def new_sequence(self, ctx: int | None = None) -> DecoderSequence:
+        """An empty sequence of up to ``ctx`` tokens (default and at most: :meth:`set_context`'s) in the decoder's
+        pool, for :meth:`forward_batch`; it holds blocks only once tokens are appended."""
+        if self.pool is None:
+            raise RuntimeError("the decoder has no KV pool yet: call set_context(pool, ctx) first")
+        ctx = self.max_ctx if ctx is None else int(ctx)
+        if not 1 <= ctx <= self.max_ctx:
+            raise ValueError(f"a sequence of {ctx} tokens: the decoder's context is {self.max_ctx}")
+        return DecoderSequence([layer.attention for layer in self.layers], self.cfg.kv_layers, self.pool, ctx, self.dev)
+
+    def _sequence(self) -> DecoderSequence:
+        if self.seq is None:
             raise RuntimeError("the decoder has no KV cache yet: call set_context(pool, ctx) first")
-        return self.kv
+        return self.seq
+
+    @property
+    def kv(self) -> KVSequence | None:
+        """The current sequence's KV rows (None before :meth:`set_context`)."""
+        return None if self.seq is None else self.seq.kv
+
+    @property
+    def states(self) -> list[LinearState | None]:
+        """The current sequence's live linear-attention states, one entry per layer (None for attention layers)."""
+        return self._sequence().states
 
     @property
     def ctx(self) -> int:
@@ -303,131 +318,45 @@ class MoeDecoder:
     @property
     def length(self) -> int:
         """Tokens of the sequence in the KV cache (positions ``0 .. length - 1``)."""
-        return 0 if self.kv is None else self.kv.length
+        return 0 if self.seq is None else self.seq.length
 
     @length.setter
     def length(self, n: int) -> None:
-        """Roll the sequence back to its first ``n`` tokens (their blocks stay, the rest go back to the pool). With
-        linear-attention layers ``n`` must be the current length, 0, or a length in :meth:`resume_points`
-        (ValueError otherwise)."""
-        n = int(n)
-        kv = self._sequence()
-        if self.recurrent and n not in (0, kv.length):
-            snap = self._snapshots.get(n)
-            if snap is None:
-                raise ValueError(f"the linear-attention layers' state at {n} tokens is not kept (resumable lengths: "
-                                 f"{self.resume_points()})")
-            for st, saved in zip(self.states, snap, strict=True):
-                if st is not None:
-                    st.copy_from(saved)
-        elif self.recurrent and n == 0:
-            self._reset_states()
-        if self.recurrent and n < kv.length:  # later snapshots hold tokens the sequence no longer has
-            for k in [k for k in self._snapshots if k > n]:
-                del self._snapshots[k]
-                self._periodic.discard(k)
-        kv.truncate(n)
+        """Roll the sequence back to its first ``n`` tokens (:attr:`DecoderSequence.length`)."""
+        self._sequence().length = n
 
     def resume_points(self) -> list[int]:
-        """The lengths the sequence can be rolled back to without recomputing: any for a pure-attention model (this
-        returns the current length), else 0, the snapshots' lengths and the current length."""
-        if not self.recurrent:
-            return [self.length]
-        return sorted({0, self.length, *self._snapshots})
+        """The lengths the current sequence can be rolled back to without recomputing
+        (:meth:`DecoderSequence.resume_points`)."""
+        return [0] if self.seq is None else self.seq.resume_points()
 
     def snapshot(self, periodic: bool = False) -> None:
-        """Keep a copy of the linear-attention states at the current length (up to :attr:`max_snapshots`: the
-        oldest periodic one dropped first, else the oldest); nothing for a pure-attention model. Each costs
-        :meth:`state_bytes`. ``periodic``: one of a long prompt's every-:attr:`snapshot_every` snapshots."""
-        n = self.length
-        if not self.recurrent or n == 0 or self.max_snapshots < 1:
-            return
-        if n in self._snapshots:
-            self._snapshots.move_to_end(n)
-            snap = self._snapshots[n]
-            if not periodic:
-                self._periodic.discard(n)
-        else:
-            while len(self._snapshots) >= self.max_snapshots:
-                old = next((k for k in self._snapshots if k in self._periodic), next(iter(self._snapshots)))
-                del self._snapshots[old]
-                self._periodic.discard(old)
-            snap = [None if st is None else self.layers[i].attention.new_state() for i, st in enumerate(self.states)]
-            self._snapshots[n] = snap
-            if periodic:
-                self._periodic.add(n)
-        for st, saved in zip(self.states, snap, strict=True):
-            if st is not None:
-                saved.copy_from(st)
+        """Keep a copy of the current sequence's linear-attention states at its length, up to :attr:`max_snapshots`
+        (:meth:`DecoderSequence.snapshot`). Each costs :meth:`state_bytes`."""
+        self._sequence().snapshot(self.max_snapshots, periodic)
 
     def export_states(self, length: int | None = None) -> dict[str, np.ndarray]:
-        """Host copies of the linear-attention states at ``length`` tokens (default: the current length; else a
-        kept snapshot's length), as ``{"conv.I": [K - 1, C], "rec.I": [Hv, Dk, Dv]}`` for each linear layer I: what
-        the prefix caches and anchors keep to resume there. Empty for a pure-attention model. ValueError when the
-        states at ``length`` are not kept."""
-        n = self.length if length is None else int(length)
-        if not self.recurrent:
-            return {}
-        if n == self.length:
-            states = self.states
-        elif n in self._snapshots:
-            states = self._snapshots[n]
-        else:
-            raise ValueError(f"the linear-attention layers' state at {n} tokens is not kept (kept: "
-                             f"{self.resume_points()})")
-        out = {}
-        for i, st in enumerate(states):
-            if st is not None:  # copied once into new arrays (to_host without out= is the live array on cpu)
-                for name, a in ((f"conv.{i}", st.conv), (f"rec.{i}", st.rec)):
-                    out[name] = self.dev.to_host(a, out=np.empty(a.shape, np.float32))
-        return out
+        """:meth:`DecoderSequence.export_states` of the current sequence."""
+        return self._sequence().export_states(length)
 
     def import_states(self, arrays: dict[str, np.ndarray]) -> None:
-        """Make :meth:`export_states`' arrays the live linear-attention states (the KV rows of the same prefix are
-        the caller's to put in place: :meth:`freetoken.models.kv.KVSequence.adopt`); the snapshots of the sequence
-        that was here go. ValueError naming the first array whose name, dtype or shape does not fit this model
-        (nothing is changed then)."""
-        want = {}
-        for i, st in enumerate(self.states):
-            if st is not None:
-                want[f"conv.{i}"], want[f"rec.{i}"] = tuple(st.conv.shape), tuple(st.rec.shape)
-        if set(arrays) != set(want):
-            missing, extra = sorted(set(want) - set(arrays)), sorted(set(arrays) - set(want))
-            raise ValueError(f"linear-attention states do not fit this model (missing {missing}, unexpected {extra})")
-        for name, shape in want.items():
-            a = arrays[name]
-            if a.dtype != np.float32 or tuple(a.shape) != shape:
-                raise ValueError(f"linear-attention state {name}: {a.dtype} {list(a.shape)}, this model holds "
-                                 f"float32 {list(shape)}")
-        self._snapshots.clear()
-        self._periodic.clear()
-        for i, st in enumerate(self.states):
-            if st is not None:
-                st.conv[...] = self.dev.asarray(arrays[f"conv.{i}"])
-                st.rec[...] = self.dev.asarray(arrays[f"rec.{i}"])
+        """:meth:`DecoderSequence.import_states` into the current sequence."""
+        self._sequence().import_states(arrays)
 
     @property
     def kept_snapshots(self) -> int:
-        """How many snapshots of the linear-attention states the decoder holds now."""
-        return len(self._snapshots)
+        """How many snapshots of the linear-attention states the current sequence holds."""
+        return 0 if self.seq is None else self.seq.kept_snapshots
 
     def state_bytes(self) -> int:
         """Bytes of one sequence's linear-attention states (the live ones; each snapshot costs as much)."""
-        return sum(st.nbytes for st in self.states if st is not None)
-
-    def _reset_states(self) -> None:
-        """Zero the live linear-attention states and forget the snapshots."""
-        for st in self.states:
-            if st is not None:
-                st.reset()
-        self._snapshots.clear()
-        self._periodic.clear()
+        return sum(layer.attention.state_nbytes for layer in self.layers
+                   if isinstance(layer.attention, GatedDeltaNet))
 
     def reset(self) -> None:
-        """Forget the sequence (its KV blocks, the linear-attention states and their snapshots)."""
-        if self.kv is not None:
-            self.kv.reset()
-        self._reset_states()
+        """Forget the current sequence (its KV blocks, the linear-attention states and their snapshots)."""
+        if self.seq is not None:
+            self.seq.reset()
 
     @property
     def head_is_embedding(self) -> bool:
@@ -456,6 +385,68 @@ class MoeDecoder:
         """MoE layer ``moe_layer``'s routing of hidden states ``h`` (what its router block computes)."""
         return self.routers[moe_layer](h)
 
+    def _check_tokens(self, token_ids) -> np.ndarray:
+        tokens = np.asarray(token_ids, np.int64).reshape(-1)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size})")
+        return tokens
+
+    def _pass(self, work: list[tuple[DecoderSequence, np.ndarray]], first: bool, heads: str):
+        """One forward pass over ``work``'s tokens, each item's appended to its sequence (blocks prepared by the
+        caller). ``heads``: "all" (logits of every row), "last" (each item's last row), "none". Returns the host
+        float32 logits ``[rows, vocab]`` or None."""
+        cfg, xp, dev = self.cfg, self.xp, self.dev
+        counts = [len(toks) for _, toks in work]
+        bounds = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+        starts = [seq.length for seq, _ in work]
+        self.experts.begin(int(bounds[-1]), first=first)
+        tokens = work[0][1] if len(work) == 1 else np.concatenate([toks for _, toks in work])
+        x = xp.asarray(self.embed[tokens])
+        if len(work) == 1:  # one sequence: its rows of the tables, as slices
+            s0, s1 = starts[0], starts[0] + counts[0]
+            cos, sin = self.rope_cos[s0:s1], self.rope_sin[s0:s1]
+            q_scale = None if self.query_scale is None else self.query_scale[s0:s1]
+        else:  # several: each row's position gathered
+            pos = xp.asarray(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts, strict=True)]))
+            cos, sin = self.rope_cos[pos], self.rope_sin[pos]
+            q_scale = None if self.query_scale is None else self.query_scale[pos]
+        for i, layer in enumerate(self.layers):
+            spans = [Span(seq.layer_kv[i], start, int(lo), int(hi))
+                     for (seq, _), start, lo, hi in zip(work, starts, bounds[:-1], bounds[1:], strict=True)]
+            layer(x, spans, cos, sin, q_scale)
+        self.experts.end()
+        for (seq, _), start, n in zip(work, starts, counts, strict=True):
+            seq.kv.length = start + n
+        if heads == "none":
+            return None
+        h = x if heads == "all" else x[xp.asarray(bounds[1:] - 1)] if len(work) > 1 else x[-1:]
+        h = ops.rms_norm(h, self.norm, cfg.rms_eps, out=self.scratch.get("h", h.shape), device=dev, checked=True)
+        # the lm_head's output is a new array (on the cpu device to_host returns it as is): no second copy
+        return dev.to_host(self.lm_head(h)).astype(np.float32, copy=False)
+
+    def forward_batch(self, work: list[tuple[DecoderSequence, object]]) -> np.ndarray:
+        """One forward pass over several sequences: each ``(sequence, token_ids)`` item's tokens appended to its
+        sequence (made by :meth:`new_sequence`; at most one item per sequence). Every token-wise step (projections,
+        norms, routing, the routed experts: one expert read serves every sequence) runs over all the items' tokens at
+        once; attention and the linear-attention recurrences run per sequence. Returns float32 logits
+        ``[len(work), vocab]`` on the host: each item's last token's. No snapshot of linear-attention states is
+        taken (the caller's :meth:`DecoderSequence.snapshot`). Raises :class:`ContextExceeded` (before any work)
+        when an item does not fit its sequence, and lets the pool's allocation error through when blocks run short
+        (items prepared before it keep their new blocks)."""
+        items = [(seq, self._check_tokens(toks)) for seq, toks in work]
+        if not items or any(t.size == 0 for _, t in items):
+            raise ValueError("forward_batch needs at least one item, each with at least one token")
+        if len({id(seq) for seq, _ in items}) != len(items):
+            raise ValueError("forward_batch: a sequence appears in two items")
+        for seq, toks in items:
+            if seq.length + toks.size > seq.capacity:
+                raise ContextExceeded(f"{seq.length} tokens in the context and {toks.size} new ones make "
+                                      f"{seq.length + toks.size}, more than the context of {seq.capacity} tokens")
+        for seq, toks in items:
+            seq.kv.prepare(seq.length, toks.size)
+        with self.dev.kernel_scope():
+            return self._pass(items, first=True, heads="last")
+
     def forward(self, token_ids, last_only: bool = False) -> np.ndarray:
         """Append ``token_ids`` to the sequence; returns float32 logits ``[T, vocab]`` on the host (``last_only``:
         ``[1, vocab]``, the last token's: what generation needs, without a ``[T, vocab]`` array for a long prompt).
@@ -463,41 +454,26 @@ class MoeDecoder:
         A prompt longer than ``prefill_chunk`` runs as consecutive forward passes over chunks of it (each chunk's
         keys and values are appended before the next chunk attends to them): the activations of one pass stay
         bounded by the chunk, and each chunk is a forward pass for the expert runner (``begin``/``end``)."""
-        cfg, xp = self.cfg, self.xp
-        kv = self._sequence()
-        tokens = np.asarray(token_ids, np.int64).reshape(-1)
+        seq = self._sequence()
+        tokens = self._check_tokens(token_ids)
         if tokens.size == 0:
-            return np.zeros((0, cfg.vocab_size), np.float32)
-        if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
-            raise ValueError(f"token ids must be in [0, {cfg.vocab_size})")
-        start, n = self.length, tokens.size
-        if start + n > kv.capacity:
+            return np.zeros((0, self.cfg.vocab_size), np.float32)
+        start, n = seq.length, tokens.size
+        if start + n > seq.capacity:
             raise ContextExceeded(f"{start} tokens in the context and {n} new ones make {start + n}, more than the "
-                                  f"context of {kv.capacity} tokens")
-        kv.prepare(start, n)  # every block of the pass allocated up front: running out fails before any work
+                                  f"context of {seq.capacity} tokens")
+        seq.kv.prepare(start, n)  # every block of the pass allocated up front: running out fails before any work
         logits = []
         with self.dev.kernel_scope():
             for c0 in range(0, n, self.prefill_chunk):
                 c1 = min(n, c0 + self.prefill_chunk)
-                pos = start + c0
-                self.experts.begin(c1 - c0, first=c0 == 0)
-                x = xp.asarray(self.embed[tokens[c0:c1]])
-                cos, sin = self.rope_cos[pos:start + c1], self.rope_sin[pos:start + c1]
-                q_scale = None if self.query_scale is None else self.query_scale[pos:start + c1]
-                for layer, layer_kv in zip(self.layers, self._layer_kv, strict=True):
-                    layer(x, layer_kv, pos, cos, sin, q_scale)
-                self.experts.end()
-                kv.length = start + c1
+                heads = "none" if last_only and c1 < n else "last" if last_only else "all"
+                out = self._pass([(seq, tokens[c0:c1])], first=c0 == 0, heads=heads)
+                if out is not None:
+                    logits.append(out)
                 every = self.snapshot_every
                 if self.recurrent and c1 < n and every > 0 and (start + c1) // every > (start + c0) // every:
                     self.snapshot(periodic=True)
-                if last_only and c1 < n:
-                    continue
-                h = x[-1:] if last_only else x
-                h = ops.rms_norm(h, self.norm, cfg.rms_eps, out=self.scratch.get("h", h.shape), device=self.dev,
-                                 checked=True)
-                # the lm_head's output is a new array (on the cpu device to_host returns it as is): no second copy
-                logits.append(self.dev.to_host(self.lm_head(h)).astype(np.float32, copy=False))
         if n > 1:  # the end of a prompt: where a later prompt that repeats this one resumes
             self.snapshot()
         return logits[0] if len(logits) == 1 else np.concatenate(logits)
