@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from freetoken.engine.sampling import Sampler, SamplingParams
+from freetoken.engine.text_stream import TextStream
 
 
 @dataclass
@@ -92,8 +93,8 @@ class Model:
 
     @property
     def prefix_cache(self):
-        """The radix prefix cache over the decoder's KV pool (made on first use)."""
-        if self._prefix_cache is None:
+        """The radix prefix cache over the decoder's KV pool (made on first use, and anew for a new pool)."""
+        if self._prefix_cache is None or self._prefix_cache.pool is not self.decoder.pool:
             from freetoken.engine.prefix_cache import RadixCache
 
             self._prefix_cache = RadixCache(self.decoder.pool)
@@ -411,15 +412,7 @@ class Model:
         ``should_stop``: asked after every token (held-back ones too); True ends generation there (a cancelled
         request: ``stats.finish_reason`` stays None). ``constraint``, ``anchor``, ``boundaries``: as in
         :meth:`generate`."""
-        stop = [s for s in stop if s]
-        to_id = getattr(self.tokenizer, "token_to_id", None)
-        stop_tokens: dict[int, str] = {}  # single-token stop strings, by id (the first string of an id wins)
-        for s in stop:
-            tid = to_id(s) if to_id is not None else None
-            if tid is not None:
-                stop_tokens.setdefault(int(tid), s)
-        out: list[int] = []
-        shown = ""
+        text = TextStream(self, stop)
         tokens = self.generate(prompt, max_tokens, sampling, record_routing, reuse_cache=reuse_cache,
                                constraint=constraint, anchor=anchor, boundaries=boundaries)
         try:
@@ -427,48 +420,15 @@ class Model:
                 if should_stop is not None and should_stop():
                     self.stats.finish_reason = None
                     return
-                if tok in self.eos_ids or tok in stop_tokens:
-                    self.stats.finish_reason = "stop"
-                    self.stats.stop_sequence = None if tok in self.eos_ids else stop_tokens[tok]
+                piece = text.push(tok)
+                if piece:
+                    yield piece
+                if text.done:
                     break
-                out.append(tok)
-                text = self.decode(out)
-                if text.endswith("\ufffd"):
-                    continue
-                text, matched = _cut_at_stop(text, stop)
-                if len(text) > len(shown):
-                    yield text[len(shown):]
-                    shown = text
-                if matched is not None:
-                    self.stats.finish_reason = "stop"
-                    self.stats.stop_sequence = matched
-                    return
         finally:
             tokens.close()  # stopping early: the decoder holds exactly the tokens it ran (``cached_ids``)
-        text, matched = _cut_at_stop(self.decode(out), stop, final=True) if out else ("", None)
-        if matched is not None:  # found only now: the text before ended inside a character
-            self.stats.finish_reason = "stop"
-            self.stats.stop_sequence = matched
-        if len(text) > len(shown):
-            yield text[len(shown):]
-
-
-def _cut_at_stop(text: str, stop: Sequence[str], final: bool = False) -> tuple[str, str | None]:
-    """(the text that may be shown, the stop string found or None): the text before the first stop string (of two
-    at one place, the one listed first), or (unless ``final``) the text without a tail that a stop string could
-    start with."""
-    if not stop:
-        return text, None
-    found = [(i, n, s) for n, s in enumerate(stop) if (i := text.find(s)) >= 0]
-    if found:
-        cut, _, matched = min(found)
-        return text[:cut], matched
-    if final:
-        return text, None
-    hold = 0
-    for s in stop:
-        for n in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:n]):
-                hold = n
-                break
-    return text[:len(text) - hold], None
+        piece = text.flush()
+        if text.finish_reason is not None:
+            self.stats.finish_reason, self.stats.stop_sequence = text.finish_reason, text.stop_sequence
+        if piece:
+            yield piece

@@ -28,6 +28,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from freetoken.models.kv import KVPool, KVSequence, OutOfKVBlocks
+from freetoken.models.sequence import DecoderSequence
 
 
 class Status(enum.Enum):
@@ -42,14 +43,16 @@ _numbers = itertools.count()
 @dataclass(eq=False)
 class Sequence:
     """One request's tokens: its ``prompt``, the ``output`` sampled so far, and ``kv``, the rows written so far
-    (``kv.length`` of ``tokens``); ``max_tokens`` outputs at most. ``arrival`` orders sequences (FIFO admission,
+    (``kv.length`` of ``tokens``: a :class:`KVSequence`, or the engine's
+    :class:`freetoken.models.sequence.DecoderSequence`; anything with ``length``, ``prepare`` and ``reset``);
+    ``max_tokens`` outputs at most. ``arrival`` orders sequences (FIFO admission,
     newest preempted first)."""
 
     prompt: list[int]
     max_tokens: int
     stop_ids: Collection[int] = ()
     output: list[int] = field(default_factory=list)
-    kv: KVSequence | None = None
+    kv: KVSequence | DecoderSequence | None = None
     status: Status = Status.WAITING
     #: "stop" (a stop id), "length" (max_tokens), "context" (no position left), "kv" (its blocks do not fit the
     #: pool even alone), "aborted"; None while it runs
@@ -146,15 +149,16 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    def abort(self, seq: Sequence) -> None:
-        """End ``seq`` now (a client that left), waiting or running; its blocks go back."""
+    def abort(self, seq: Sequence, reason: str = "aborted") -> None:
+        """End ``seq`` now, waiting or running, with ``finish_reason`` ``reason`` (default: a client that left; the
+        engine's "stop" for a grammar that is complete); its blocks go back."""
         if seq.status is Status.FINISHED:
             return
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
-        self._end(seq, "aborted")
+        self._end(seq, reason)
 
     @property
     def has_work(self) -> bool:

@@ -1,0 +1,177 @@
+"""The step loop: many generation requests share each forward pass (continuous batching).
+
+A :class:`StepLoop` holds a :class:`~freetoken.engine.scheduler.Scheduler` over the model's KV pool and runs each
+step it plans as one :meth:`~freetoken.models.decoder.MoeDecoder.forward_batch`: the decode token of every running
+request and chunks of the prompts being prefilled, so the routed experts of a layer are read once for all of them.
+Each request keeps its own sampler (parameters, seed, grammar) and stop ids; :meth:`StepLoop.step` returns what each
+request produced in that step as values (:class:`StepEvent`), and a request's tokens and end are on its
+:class:`Request`.
+
+KV reuse goes through the model's radix prefix cache (a model without linear-attention layers): a request admitted
+adopts the longest cached prefix of its tokens; a prompt's full blocks enter the cache once its prefill is done (a
+request arriving meanwhile with the same start shares them), and a sequence that ends or is preempted leaves all its
+rows there (a preempted one usually finds them again when it is recomputed). Not yet (issue 42): anchors and the
+linear-attention state snapshots of ``Model.generate`` (a hybrid model's request starts from an empty sequence),
+and the server as a client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from freetoken.engine.sampling import Sampler, SamplingParams
+from freetoken.engine.scheduler import Scheduler, Sequence, Status
+
+#: Running sequences at once unless told otherwise.
+DEFAULT_MAX_SEQS = 16
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request in the loop: its scheduler ``seq`` (prompt, output, finish reason) and ``sampler``."""
+
+    seq: Sequence
+    sampler: Sampler
+    #: prompt tokens whose K/V rows came from the prefix cache when the request was first admitted
+    cached_tokens: int = 0
+
+    @property
+    def output(self) -> list[int]:
+        return self.seq.output
+
+    @property
+    def finished(self) -> bool:
+        return self.seq.status is Status.FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.seq.finish_reason
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What one step gave ``request``: a new ``token`` (None when it only ended), and ``finish_reason`` when it
+    ended in this step (``"stop"``, ``"length"``, ``"context"``, ``"kv"``)."""
+
+    request: Request
+    token: int | None
+    finish_reason: str | None
+
+
+class StepLoop:
+    """Runs requests on ``model`` (a :class:`freetoken.engine.generate.Model`) in batched steps.
+
+    ``max_seqs``: requests running at once (the rest wait, first come first served); ``step_tokens``: tokens in one
+    forward pass (default: the decoder's prompt chunk, which its activation buffers are sized for, and at least
+    ``max_seqs``); ``reuse``: share K/V rows through the model's prefix cache (see the module doc). The loop owns
+    the sequences it makes in the decoder's pool; the decoder's own sequence (``Model.generate``'s) is left alone
+    but shares the pool's blocks."""
+
+    def __init__(self, model, max_seqs: int = DEFAULT_MAX_SEQS, step_tokens: int | None = None, reuse: bool = True):
+        dec = model.decoder
+        if dec.pool is None:
+            raise RuntimeError("the model's decoder has no KV pool yet")
+        self.model, self.decoder = model, dec
+        self.cache = model.prefix_cache if reuse and not dec.recurrent else None
+        step_tokens = max(dec.prefill_chunk, max_seqs) if step_tokens is None else int(step_tokens)
+        self.scheduler = Scheduler(dec.pool, dec.max_ctx, step_tokens, max_seqs,
+                                   attach=self._attach, detach=self._detach)
+        self.requests: dict[Sequence, Request] = {}
+        self.steps = 0
+        self.step_token_counts: list[int] = []  # tokens of each step run (for metrics and benchmarks)
+
+    def _attach(self, seq: Sequence) -> None:
+        seq.kv = self.decoder.new_sequence()
+        if self.cache is None:
+            return
+        tokens = seq.tokens
+        blocks, n = self.cache.match(tokens, len(tokens) - 1)  # the last token is fed again, for its logits
+        if n:
+            seq.kv.kv.adopt(blocks, n)
+        if not seq.preemptions:
+            self.requests[seq].cached_tokens = n
+
+    def _detach(self, seq: Sequence) -> None:
+        n = seq.kv.length
+        if self.cache is not None and n:
+            self.cache.insert(seq.tokens, seq.kv.kv.blocks, n)
+        seq.kv.reset()
+
+    def submit(self, prompt: Iterable[int], max_tokens: int, sampling: SamplingParams | None = None,
+               constraint=None, stop_ids: Collection[int] | None = None) -> Request:
+        """Queue a request: ``prompt`` token ids, at most ``max_tokens`` new ones, its own ``sampling`` parameters
+        and seed, a :class:`freetoken.engine.grammar.TokenConstraint` (the request ends when its grammar is
+        complete), ``stop_ids`` (default: the model's end-of-sequence ids). ValueError for an empty prompt, one
+        longer than the context, or ``max_tokens`` < 1."""
+        ids = [int(i) for i in prompt]
+        vocab = self.decoder.cfg.vocab_size
+        if any(not 0 <= i < vocab for i in ids):
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        stop = set(self.model.eos_ids if stop_ids is None else (int(i) for i in stop_ids))
+        seq = Sequence(ids, int(max_tokens), stop_ids=stop)
+        self.scheduler.add(seq)
+        req = Request(seq, Sampler(sampling, constraint))
+        self.requests[seq] = req
+        return req
+
+    def abort(self, request: Request) -> None:
+        """End ``request`` now (its client left): dropped from the queue, or out of the next step; blocks back."""
+        self.scheduler.abort(request.seq)
+        self.requests.pop(request.seq, None)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def step(self) -> list[StepEvent]:
+        """Run one step: schedule, one forward pass over its chunks, a token sampled for every request whose chunk
+        ends at its last token. Returns the step's events (empty when there was nothing to run)."""
+        sch = self.scheduler
+        plan = sch.schedule()
+        events = [StepEvent(self.requests.pop(seq), None, seq.finish_reason)
+                  for seq in list(self.requests) if seq.status is Status.FINISHED]  # ended while scheduling ("kv")
+        if not plan.chunks:
+            return events
+        logits = self.decoder.forward_batch([(c.seq.kv, np.asarray(c.ids, np.int64)) for c in plan.chunks])
+        self.steps += 1
+        self.step_token_counts.append(plan.tokens)
+        sampled, done = {}, []
+        for row, chunk in enumerate(plan.chunks):
+            if chunk.samples:
+                req = self.requests[chunk.seq]
+                sampled[chunk.seq] = req.sampler(logits[row], chunk.seq.tokens)
+                constraint = req.sampler.constraint
+                if constraint is not None and constraint.finished:
+                    done.append(chunk.seq)
+        if self.cache is not None:  # a prompt just prefilled: its full blocks, for requests that share its start
+            bs = self.cache.block_size
+            for seq in sampled:
+                if len(seq.output) == 0 and len(seq.prompt) >= bs:
+                    self.cache.insert(seq.prompt, seq.kv.kv.blocks, len(seq.prompt) // bs * bs)
+        ended = set(sch.finish_step(plan, sampled))
+        for seq in done:  # a complete grammar ends its request like a stop token
+            if seq not in ended:
+                sch.abort(seq, reason="stop")
+                ended.add(seq)
+        for seq, tok in sampled.items():
+            req = self.requests[seq] if seq not in ended else self.requests.pop(seq)
+            events.append(StepEvent(req, tok, seq.finish_reason if seq in ended else None))
+        return events
+
+    def run(self) -> list[StepEvent]:
+        """Step until every request has ended; all the events in order."""
+        events = []
+        while self.has_work:
+            events.extend(self.step())
+        return events
