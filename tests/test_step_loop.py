@@ -148,3 +148,24 @@ def test_prefix_reuse(model):
     again = plain.submit(base, 6, GREEDY)
     plain.run()
     assert again.cached_tokens == 0 and again.output == want[0]
+
+
+def test_anchors(model):
+    """Anchors made at a request's boundaries once its prompt ran serve a later request (the prefix cache emptied
+    first, so the rows come from the anchor); an unknown anchor is refused and the prompt recomputed."""
+    _small_pool(model, blocks=64)
+    prompt = model.encode(TEXTS[2] + TEXTS[0])
+    loop = StepLoop(model, max_seqs=2)
+    first = loop.submit(prompt, 4, GREEDY, boundaries=[20, len(prompt)])
+    loop.run()
+    assert len(first.stats.anchors_made) == 2 and first.stats.finish_reason == "length"
+    model.prefix_cache.clear()
+    longer = prompt + model.encode("x = 1\n", add_special_tokens=False)
+    second = loop.submit(longer, 4, GREEDY, boundaries=[20, len(prompt)])
+    loop.run()
+    assert second.stats.anchor == first.stats.anchors_made[-1] and second.cached_tokens == len(prompt)
+    assert second.stats.prompt_tokens == len(longer) - len(prompt)
+    third = loop.submit(prompt, 4, GREEDY, anchor="0" * 64)
+    loop.run()
+    assert third.stats.anchor is None and "no such anchor" in third.stats.anchor_refused
+    assert second.output == _alone(model, longer, 4) and third.output == first.output

@@ -204,13 +204,13 @@ class Model:
         return store, target, cand
 
     def _restore_anchor(self, store, target, cand, ids: Sequence[int], limit: int, blocks, n: int,
-                        st: GenerationStats, states_out: dict | None = None) -> int:
-        """Restore ``cand`` (``target``: how it was named) into the decoder's sequence after the store's checks,
-        over the first ``n`` tokens' prefix-cache ``blocks``; what came of it goes into ``st``, the expert
-        residency it recorded is re-admitted when :attr:`restore_residency`. Returns the tokens restored (0:
+                        st: GenerationStats, states_out: dict | None = None, seq=None) -> int:
+        """Restore ``cand`` (``target``: how it was named) into ``seq`` (default: the decoder's sequence) after the
+        store's checks, over the first ``n`` tokens' prefix-cache ``blocks``; what came of it goes into ``st``, the
+        expert residency it recorded is re-admitted when :attr:`restore_residency`. Returns the tokens restored (0:
         refused)."""
-        keep, why = store.restore(target, ids, self.decoder.kv, limit, have=blocks, have_tokens=n,
-                                  states_out=states_out)
+        keep, why = store.restore(target, ids, self.decoder.kv if seq is None else seq, limit, have=blocks,
+                                  have_tokens=n, states_out=states_out)
         st.anchor, st.anchor_refused = (cand.id, None) if why is None else (None, why)
         if why is None and self.restore_residency and cand.residency and hasattr(self.experts, "residency"):
             self.experts.restore_residency(cand.residency)
@@ -258,16 +258,24 @@ class Model:
         if self._recurrent:
             return self._reuse_recurrent(ids, anchor, boundaries, st)
         self._retire()
-        limit = len(ids) - 1  # the last prompt token is always fed again, for its logits
+        self.decoder.kv.reset()  # the old sequence is in the prefix cache: what of it nobody needs can go when needed
+        return self.adopt_prefix(self.decoder.kv, ids, anchor, boundaries, st)
+
+    def adopt_prefix(self, seq, ids: Sequence[int], anchor, boundaries: Sequence[int], st: GenerationStats) -> int:
+        """Put the longest reusable prefix of ``ids`` into the empty :class:`freetoken.models.kv.KVSequence`
+        ``seq`` (a model without linear-attention layers): the radix prefix cache's match, or an anchor (``anchor``,
+        an Anchor or an id, or else the longest at one of ``boundaries``; verified, and refused into ``st``) when it
+        holds more; returns the tokens reused. The last token of ``ids`` is never among them (it is fed again, for
+        its logits)."""
+        limit = len(ids) - 1
         blocks, n = self.prefix_cache.match(ids, limit)
-        pool, seq = self.decoder.pool, self.decoder.kv
+        pool = self.decoder.pool
         pool.retain(blocks)  # the match is held while room is made below (what else the tree holds may go)
         try:
-            seq.reset()  # the old sequence is in the prefix cache: what of it nobody needs can be evicted now
             store, target, cand = self._anchor_candidate(ids, anchor, boundaries, st)
             keep = 0
             if cand is not None and (anchor is not None or min(cand.length, limit) > n):
-                keep = self._restore_anchor(store, target, cand, ids, limit, blocks, n, st)
+                keep = self._restore_anchor(store, target, cand, ids, limit, blocks, n, st, seq=seq)
             if n > keep:
                 seq.adopt(blocks, n)
                 keep = n

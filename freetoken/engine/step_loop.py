@@ -7,21 +7,25 @@ Each request keeps its own sampler (parameters, seed, grammar) and stop ids; :me
 request produced in that step as values (:class:`StepEvent`), and a request's tokens and end are on its
 :class:`Request`.
 
-KV reuse goes through the model's radix prefix cache (a model without linear-attention layers): a request admitted
-adopts the longest cached prefix of its tokens; a prompt's full blocks enter the cache once its prefill is done (a
-request arriving meanwhile with the same start shares them), and a sequence that ends or is preempted leaves all its
-rows there (a preempted one usually finds them again when it is recomputed). Not yet (issue 42): anchors and the
-linear-attention state snapshots of ``Model.generate`` (a hybrid model's request starts from an empty sequence),
-and the server as a client.
+KV reuse, for a model without linear-attention layers, as ``Model.generate`` does it (``Model.adopt_prefix``): a
+request admitted adopts the longest prefix of its tokens that the radix prefix cache holds, or an anchor (the one it
+names, or the longest at one of its message boundaries, verified) when that holds more; once its prompt has run,
+the prompt's full blocks enter the prefix cache (a request arriving meanwhile with the same start shares them) and
+anchors are made at its boundaries; a sequence that ends or is preempted leaves all its rows in the prefix cache (a
+preempted one usually finds them again when it is recomputed). Not yet (issue 42): the linear-attention state
+snapshots of ``Model.generate`` (a hybrid model's request starts from an empty sequence), and the server as a
+client.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from freetoken.engine.generate import GenerationStats
 from freetoken.engine.sampling import Sampler, SamplingParams
 from freetoken.engine.scheduler import Scheduler, Sequence, Status
 
@@ -31,12 +35,22 @@ DEFAULT_MAX_SEQS = 16
 
 @dataclass(eq=False)
 class Request:
-    """One generation request in the loop: its scheduler ``seq`` (prompt, output, finish reason) and ``sampler``."""
+    """One generation request in the loop: its scheduler ``seq`` (prompt, output, finish reason), ``sampler``, the
+    ``anchor`` it asks to resume from and its message ``boundaries`` (anchors looked up and made there), and
+    ``stats`` (as ``Model.generate`` keeps them: prompt tokens prefilled and reused, anchors used, refused and made,
+    tokens generated, the finish reason)."""
 
     seq: Sequence
     sampler: Sampler
-    #: prompt tokens whose K/V rows came from the prefix cache when the request was first admitted
-    cached_tokens: int = 0
+    anchor: object = None
+    boundaries: Seq[int] = ()
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    prompt_ran: bool = False  # its prompt has run once (the cache and anchors had what they take of it)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose K/V rows were reused (prefix cache or anchor) when the request was first admitted."""
+        return self.stats.cached_tokens
 
     @property
     def output(self) -> list[int]:
@@ -87,12 +101,13 @@ class StepLoop:
         seq.kv = self.decoder.new_sequence()
         if self.cache is None:
             return
-        tokens = seq.tokens
-        blocks, n = self.cache.match(tokens, len(tokens) - 1)  # the last token is fed again, for its logits
-        if n:
-            seq.kv.kv.adopt(blocks, n)
-        if not seq.preemptions:
-            self.requests[seq].cached_tokens = n
+        req = self.requests[seq]
+        if seq.preemptions:  # recomputed: whatever of it the prefix cache still holds
+            self.model.adopt_prefix(seq.kv.kv, seq.tokens, None, (), GenerationStats())
+            return
+        st = req.stats
+        st.cached_tokens = self.model.adopt_prefix(seq.kv.kv, seq.prompt, req.anchor, req.boundaries, st)
+        st.prompt_tokens = len(seq.prompt) - st.cached_tokens
 
     def _detach(self, seq: Sequence) -> None:
         n = seq.kv.length
@@ -101,11 +116,13 @@ class StepLoop:
         seq.kv.reset()
 
     def submit(self, prompt: Iterable[int], max_tokens: int, sampling: SamplingParams | None = None,
-               constraint=None, stop_ids: Collection[int] | None = None) -> Request:
+               constraint=None, stop_ids: Collection[int] | None = None, anchor=None,
+               boundaries: Seq[int] = ()) -> Request:
         """Queue a request: ``prompt`` token ids, at most ``max_tokens`` new ones, its own ``sampling`` parameters
         and seed, a :class:`freetoken.engine.grammar.TokenConstraint` (the request ends when its grammar is
-        complete), ``stop_ids`` (default: the model's end-of-sequence ids). ValueError for an empty prompt, one
-        longer than the context, or ``max_tokens`` < 1."""
+        complete), ``stop_ids`` (default: the model's end-of-sequence ids), an ``anchor`` to resume from and the
+        prompt's message ``boundaries`` (see the module doc; a hybrid model's requests use neither yet). ValueError
+        for an empty prompt, one longer than the context, or ``max_tokens`` < 1."""
         ids = [int(i) for i in prompt]
         vocab = self.decoder.cfg.vocab_size
         if any(not 0 <= i < vocab for i in ids):
@@ -113,7 +130,9 @@ class StepLoop:
         stop = set(self.model.eos_ids if stop_ids is None else (int(i) for i in stop_ids))
         seq = Sequence(ids, int(max_tokens), stop_ids=stop)
         self.scheduler.add(seq)
-        req = Request(seq, Sampler(sampling, constraint))
+        req = Request(seq, Sampler(sampling, constraint), anchor,
+                      sorted({int(b) for b in boundaries if 0 < int(b) <= len(ids)}))
+        req.stats.prompt_tokens = len(ids)
         self.requests[seq] = req
         return req
 
@@ -154,11 +173,10 @@ class StepLoop:
                 constraint = req.sampler.constraint
                 if constraint is not None and constraint.finished:
                     done.append(chunk.seq)
-        if self.cache is not None:  # a prompt just prefilled: its full blocks, for requests that share its start
-            bs = self.cache.block_size
+        if self.cache is not None:
             for seq in sampled:
-                if len(seq.output) == 0 and len(seq.prompt) >= bs:
-                    self.cache.insert(seq.prompt, seq.kv.kv.blocks, len(seq.prompt) // bs * bs)
+                if not self.requests[seq].prompt_ran:
+                    self._prompt_done(self.requests[seq])
         ended = set(sch.finish_step(plan, sampled))
         for seq in done:  # a complete grammar ends its request like a stop token
             if seq not in ended:
@@ -166,8 +184,23 @@ class StepLoop:
                 ended.add(seq)
         for seq, tok in sampled.items():
             req = self.requests[seq] if seq not in ended else self.requests.pop(seq)
+            req.stats.generated_tokens = len(seq.output)
+            if seq in ended:
+                req.stats.finish_reason = seq.finish_reason
             events.append(StepEvent(req, tok, seq.finish_reason if seq in ended else None))
         return events
+
+    def _prompt_done(self, req: Request) -> None:
+        """The prompt's full blocks into the prefix cache (for requests that share its start meanwhile), anchors at
+        its boundaries."""
+        req.prompt_ran = True
+        seq, bs = req.seq, self.cache.block_size
+        if len(seq.prompt) >= bs:
+            self.cache.insert(seq.prompt, seq.kv.kv.blocks, len(seq.prompt) // bs * bs)
+        model = self.model
+        for b in req.boundaries:
+            req.stats.anchors_made.append(model.anchors.create(seq.kv.kv, seq.prompt, b,
+                                                               residency=model._residency()).id)
 
     def run(self) -> list[StepEvent]:
         """Step until every request has ended; all the events in order."""
