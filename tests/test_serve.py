@@ -1,8 +1,9 @@
 """`freetoken serve` against the real `openai` client: a live server in a subprocess on a free loopback port, with
 the bundled model on the cpu device.
 
-Greedy answers are compared between paths (streamed or whole, alone or among 16 concurrent clients): the engine
-runs one sequence at a time, so the same prompt gives the same tokens whichever way it is asked for.
+Greedy answers are compared between paths (streamed or whole, alone or among 16 concurrent clients): this server
+runs one sequence at a time, so the same prompt gives the same tokens whichever way it is asked for
+(tests/test_serve_batched.py runs these tests again on a server that batches them, ``--max-seqs 4``).
 """
 
 from __future__ import annotations
@@ -264,6 +265,9 @@ def test_serve_with_a_missing_model_exits_with_one_line(tmp_path):
     (["--port", "70000"], "--port 70000: a TCP port is at most 65535"),
     (["--port", "x"], "argument --port: expected a whole number, got 'x'"),
     (["--pin-hot", "4"], "--pin-hot needs --pin-trace FILE here"),
+    (["--max-seqs", "8", "--step-tokens", "4"], "--step-tokens 4 must hold one decode token of each of the "
+                                                  "--max-seqs 8 running requests"),
+    (["--max-seqs", "0"], "argument --max-seqs"),
 ])
 def test_serve_rejects_bad_flags(argv, expected, capsys):
     from freetoken.cli import main

@@ -57,6 +57,14 @@ def add_serve_parser(sub) -> None:
                    help="the most tokens one reply may have, whatever the request asks for (agents ask for "
                         "8,000-64,000); a request asking for more gets N and the reply's max_tokens_capped says so. "
                         "Default: what the context leaves after the prompt")
+    p.add_argument("--max-seqs", type=count(1), default=1, metavar="N",
+                   help="continuous batching: up to N requests generate at once, sharing every step (a layer's "
+                        "experts are read once for all of them), the rest wait first come first served; a long "
+                        "prompt runs in chunks beside the running streams. Default 1: one request at a time, in "
+                        "order. A model with linear-attention layers (Qwen3-Next, Qwen3.5) runs one at a time")
+    p.add_argument("--step-tokens", type=count(1), default=None, metavar="N",
+                   help="with --max-seqs > 1: tokens in one step, decode tokens first, then prompt chunks (default: "
+                        "the prefill chunk the model's activations are sized for, at least --max-seqs)")
     add_policy_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -99,6 +107,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.port > 65535:
         raise ValueError(f"--port {args.port}: a TCP port is at most 65535")
+    if args.step_tokens is not None and args.step_tokens < args.max_seqs:
+        raise ValueError(f"--step-tokens {args.step_tokens} must hold one decode token of each of the --max-seqs "
+                         f"{args.max_seqs} running requests")
     api_key = args.api_key if args.api_key is not None else os.environ.get("FREETOKEN_API_KEY") or None
     names = [n.strip() for n in (args.served_model_name or "").split(",") if n.strip()] or [served_name(args.model)]
     name = names[0]
@@ -142,7 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return args.port
 
     app = create_app(load_model, names, api_key=api_key, defaults=defaults, on_load_error=load_failed,
-                     on_ready=ready, script=_script())
+                     on_ready=ready, script=_script(), max_seqs=args.max_seqs, step_tokens=args.step_tokens)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

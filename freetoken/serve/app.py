@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from freetoken.serve import anchors_api, anthropic_api, responses_api
+from freetoken.serve.batch_worker import BatchWorker
 from freetoken.serve.errors import APIError, validation_error
 from freetoken.serve.metrics import CONTENT_TYPE, ServerMetrics
 from freetoken.serve.openai_api import ENDPOINTS, router
@@ -82,10 +83,13 @@ class ServerState:
 
 def create_app(load: Callable[[], object], model_name: str | list[str], api_key: str | None = None,
                defaults: Defaults = Defaults(), on_load_error: Callable[[BaseException], None] | None = None,
-               on_ready: Callable[[object], None] | None = None, script: list[str] | None = None) -> FastAPI:
+               on_ready: Callable[[object], None] | None = None, script: list[str] | None = None,
+               max_seqs: int = 1, step_tokens: int | None = None) -> FastAPI:
     """``load()`` returns the :class:`freetoken.engine.generate.Model`; it runs on a thread once the app starts,
     so ``/health`` answers (503) meanwhile. ``on_load_error(e)`` / ``on_ready(model)`` are told how it went.
-    ``script``: replies the worker gives instead of generating (tests; :class:`EngineWorker`)."""
+    ``script``: replies the worker gives instead of generating (tests; :class:`EngineWorker`). ``max_seqs`` > 1:
+    requests batched, that many at once, ``step_tokens`` a step (:class:`freetoken.serve.batch_worker.BatchWorker`;
+    a model with linear-attention layers runs one request at a time whatever it says)."""
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     state = ServerState(model_name=names[0], aliases=tuple(names[1:]), defaults=defaults, api_key=api_key or None)
 
@@ -97,7 +101,11 @@ def create_app(load: Callable[[], object], model_name: str | list[str], api_key:
             if on_load_error is not None:
                 on_load_error(e)
             return
-        state.worker = EngineWorker(model, on_finish=state.metrics.job_finished, script=script)
+        if max_seqs > 1 and script is None and not model.decoder.recurrent:
+            state.worker = BatchWorker(model, on_finish=state.metrics.job_finished, max_seqs=max_seqs,
+                                       step_tokens=step_tokens)
+        else:
+            state.worker = EngineWorker(model, on_finish=state.metrics.job_finished, script=script)
         state.metrics.worker = state.worker
         if on_ready is not None:
             on_ready(model)

@@ -87,8 +87,9 @@ class _LiveCollector:
         length = GaugeMetricFamily("freetoken_queue_length", "Requests waiting for the engine")
         length.add_metric([], len(waiting))
         yield length
-        running = GaugeMetricFamily("freetoken_requests_running", "Requests the engine is generating for (0 or 1)")
-        running.add_metric([], 0 if worker.running is None else 1)
+        running = GaugeMetricFamily("freetoken_requests_running", "Requests the engine is generating for (at most "
+                                    "--max-seqs)")
+        running.add_metric([], worker.running_jobs)
         yield running
         position = GaugeMetricFamily("freetoken_queue_position", "Each waiting request's place in the queue "
                                      "(1: next)", labels=["request"])

@@ -142,6 +142,11 @@ class EngineWorker:
     def running(self) -> Job | None:
         return self._running
 
+    @property
+    def running_jobs(self) -> int:
+        """Jobs being generated for now (0 or 1 here; the batching worker runs several)."""
+        return 0 if self._running is None else 1
+
     def close(self) -> None:
         with self._cv:
             self._closed = True
