@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_attn_temperature import patch as patch_attn_temperature  # noqa: E402
+from hf_attn_temperature import set_temperature  # noqa: E402
 from train_default_model import (  # noqa: E402 - the first stage's data pipeline, so the split is the same
     collect_files,
     encode_stream,
@@ -124,6 +125,10 @@ def main():
                     "positions see rarely trained distances and more keys than it learned to share attention over; "
                     "training on longer windows covers them as well as the middle ones")
     ap.add_argument("--rope-theta", type=float, default=500000.0)
+    ap.add_argument("--attn-scale", type=float, default=None, help="set the query temperature's attn_scale (Llama 4's "
+                    "attention temperature tuning, kept at the base's floor_scale) before training; default: as the "
+                    "base has it. Measured on the stage 6 model (4 held-out windows of 32,768): 0.1 lowered the "
+                    "16k-32k bucket by 0.021 nats against 0.06, 0.15 raised every bucket")
     ap.add_argument("--batch", type=int, default=1, help="windows per step")
     ap.add_argument("--max-steps", type=int, default=150)
     ap.add_argument("--lr", type=float, default=3e-4)
@@ -185,6 +190,8 @@ def main():
         log(f"base model scored in {time.time() - t0:.0f}s:\n{bucket_table(rows, buckets)[0]}")
 
     set_rope(model.config, args.rope_theta, args.ctx)
+    if args.attn_scale is not None:
+        set_temperature(model.config, int(getattr(model.config, "floor_scale", 8192) or 8192), args.attn_scale)
     # the rotary tables are built from the config at construction: rebuild them for the new base
     model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
     model.config.output_router_logits = True
