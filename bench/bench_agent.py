@@ -23,20 +23,20 @@ generated tokens, rounded up to whole blocks, and one block more: a request that
 filled block the prefix cache shares copies that block before writing to it, one block beyond its own length, so in
 a pool of exactly the context's blocks a request near the context fails with ``OutOfKVBlocks``) and ``--kv-memory
 SIZE`` (``kv_memory=``, e.g. ``12MiB``; ``fit+N``: the longest request and N tokens more, in whole blocks); by
-default the pool is what the context needs. A context beyond the bundled model's 8192 trained positions loads (with
+default the pool is what the context needs. A context beyond the bundled model's 32,768 trained positions loads (with
 a warning); since every assistant message is scripted, what the model generates there does not matter: the prefill
 counts, the times and the agreement between the modes do. The sizes ``fit`` needs come from the session, so the
 model is loaded twice then (the session is built with the first, the runs use the second).
 
 ``--preset`` sets defaults (explicit flags override):
 
-* ``default``: the session above, results scaled to end near 7700 tokens under the bundled model's 8192 context
-  (``--target-tokens`` 7700 unless ``--ctx`` is given), the numbers of the earlier runs;
+* ``default``: the session above, results scaled to end near 7700 tokens (the bundled model's context was 8192
+  when these runs began; ``--target-tokens`` 7700 unless ``--ctx`` is given), the numbers of the earlier runs;
 * ``spec``: 12 turns of one call, results at their drawn 300-2000 tokens, unscaled, a 3000-token system prompt,
   ``--ctx fit`` (about 16k tokens);
-* ``agent``: 12 turns of 3 calls, results drawn at 100-600 tokens; that session (about 21k tokens) cannot fit 8192
-  even scaled (with every result at the 48-token floor it is still ~11.7k), so it is kept unscaled under
-  ``--ctx fit``;
+* ``agent``: 12 turns of 3 calls, results drawn at 100-600 tokens; that session (about 21k tokens) could not fit
+  the former 8192 context even scaled (with every result at the 48-token floor it is still ~11.7k), so it is kept
+  unscaled under ``--ctx fit``;
 * ``pressure``: the default session in a KV pool only slightly above its longest request + 2000 tokens
   (``--kv-memory fit+2000``) with side requests of about 3000 tokens: a side request late in the session must evict
   the least recently used blocks (the prefix cache evicts unreferenced leaves; anchors hold their blocks against
@@ -614,7 +614,7 @@ def main(argv=None) -> int:
                     help="the side requests' size in tokens (default: as it comes, about 300-400; a large one, "
                          "e.g. 3000, is a sub-agent with its own context)")
     ap.add_argument("--ctx", type=_ctx_arg, default=None, metavar="N|fit",
-                    help="the model's context (freetoken.load ctx=; default the model's own, 8192 for the bundled "
+                    help="the model's context (freetoken.load ctx=; default the model's own, 32768 for the bundled "
                          "one; beyond its trained positions it only warns); fit: the session's longest request and a "
                          "block")
     ap.add_argument("--kv-memory", type=_kv_arg, default=None, metavar="SIZE|fit+N",

@@ -29,13 +29,14 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, tmp: Path, *args: str, env: dict | None = None):
+    def __init__(self, tmp: Path, *args: str, env: dict | None = None, ctx: int | None = CTX):
+        """``ctx``: the ``--ctx`` given (None: none, so the server takes the model's own context)."""
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / "serve.log"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "freetoken", "serve", "--device", "cpu", "--port", str(self.port), "--ctx",
-             str(CTX), "--api-key", KEY, "--max-tokens", "32", *args],
+            [sys.executable, "-m", "freetoken", "serve", "--device", "cpu", "--port", str(self.port),
+             *(["--ctx", str(ctx)] if ctx is not None else []), "--api-key", KEY, "--max-tokens", "32", *args],
             stdout=subprocess.DEVNULL, stderr=self.log.open("w"),
             env={**os.environ, "FREETOKEN_API_KEY": "", **(env or {})})
         self.health: list[int] = []  # every /health status seen while starting
@@ -79,11 +80,11 @@ class Server:
                 self.proc.wait()
 
 
-def running_server(tmp_path_factory, *args: str, env: dict | None = None):
+def running_server(tmp_path_factory, *args: str, env: dict | None = None, ctx: int | None = CTX):
     """The body of a module-scoped ``server`` fixture (``yield from running_server(tmp_path_factory)``): a live
-    server (``args``: more ``serve`` flags; ``env``: more environment), stopped with Ctrl-C after the module, which
-    must exit with code 0."""
-    s = Server(tmp_path_factory.mktemp("serve"), *args, env=env)
+    server (``args``: more ``serve`` flags; ``env``: more environment; ``ctx``: as :class:`Server` takes it),
+    stopped with Ctrl-C after the module, which must exit with code 0."""
+    s = Server(tmp_path_factory.mktemp("serve"), *args, env=env, ctx=ctx)
     yield s
     s.stop()
     assert s.proc.returncode == 0, s.log.read_text()  # a clean shutdown on Ctrl-C

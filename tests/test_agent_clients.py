@@ -6,8 +6,8 @@ in a fresh HOME with its telemetry and update checks off (tests/clients/capture_
 What is checked is the protocol: every request the agent sends gets a 2xx, and the agent reads the reply (its
 message, its usage). The bundled model writes code-like text and never ends a turn by itself, so each reply runs
 to ``--max-tokens-limit``: Codex then ends its turn with "Incomplete response returned" and Claude Code with its
-output-limit error, both after reading our reply. Their prompts (13k and 28k tokens with their tools) need a
-32k context, which the server is given here (the bundled model was trained to 8,192 positions).
+output-limit error, both after reading our reply. Their prompts (13k and 28k tokens with their tools) fit the
+server's default context, the bundled model's 32,768 positions.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from running_server(tmp_path_factory, "--ctx", "32768", "--max-tokens", str(LIMIT), "--max-tokens-limit",
-                              str(LIMIT), "--served-model-name", f"{MODEL},test-model")
+    yield from running_server(tmp_path_factory, "--max-tokens", str(LIMIT), "--max-tokens-limit", str(LIMIT),
+                              "--served-model-name", f"{MODEL},test-model", ctx=None)  # the model's own context
 
 
 def _statuses(server, endpoint: str) -> dict[str, float]:

@@ -62,7 +62,7 @@ def test_run_prompt_file_context_and_memory_lines(tmp_path, capsys):
     assert any("] weights by type: experts (host) bf16 " in line for line in lines)
     assert main(argv[:-2] + ["def add(a, b):"]) == 0
     err = capsys.readouterr().err
-    assert "context 8192 tokens (the model's max_position_embeddings); KV pool bf16" in err
+    assert "context 32768 tokens (the model's max_position_embeddings); KV pool bf16" in err
     assert "] memory: " in err and "memory breakdown" not in err
 
 
@@ -72,7 +72,7 @@ def test_chat_reports_context_and_memory(capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("def add(a, b):\n"))
     assert main(["chat", "--device", "cpu", "--temperature", "0", "--max-tokens", "3", "--kv-memory", "1MiB"]) == 0
     err = capsys.readouterr().err.splitlines()
-    assert "context 448 tokens (max_position_embeddings 8192 capped by the KV budget: --kv-memory 1.0 MiB)" in err[0]
+    assert "context 448 tokens (max_position_embeddings 32768 capped by the KV budget: --kv-memory 1.0 MiB)" in err[0]
     assert "] memory: " in err[-2] and "(bf16, " in err[-2]
     assert "] weights by type: experts (host) bf16 " in err[-1] and "embedding (host) float32 " in err[-1]
 

@@ -40,7 +40,7 @@ def test_run_rejects_bad_input(capsys, argv, expected):
 
 
 def test_prompt_past_the_context(capsys):
-    _one_error_line(capsys, main([*RUN, "x y " * 50_000]), "tokens; the context holds 8192")
+    _one_error_line(capsys, main([*RUN, "x y " * 50_000]), "tokens; the context holds 32768")
     _one_error_line(capsys, main([*RUN, "--ctx", "64", "x y " * 40]), "the prompt is 81 tokens; the context holds 64")
 
 
