@@ -63,9 +63,16 @@ def main():
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     from freetoken.engine.load import load
+    from freetoken.models.kv import KVPool
 
     model = load(args.model, device=args.device, ctx=args.ctx)
     max_seqs = args.max_seqs or max(streams)
+    dec, cfg = model.decoder, model.decoder.cfg
+    # a pool with room for every running stream's tokens, so the numbers are not those of preemption
+    blocks = max_seqs * (-(-(args.prompt + args.output) // dec.pool.block_size) + 1)
+    if blocks > dec.pool.num_blocks:
+        dec.set_context(KVPool(dec.dev, len(cfg.kv_layers), cfg.kv_cache_heads, cfg.kv_cache_dim, blocks,
+                               kind=dec.pool.kind, values=cfg.kv_cache_values), dec.max_ctx, dec.prefill_chunk)
     run(model, 1, min(args.prompt, 16), 4, max_seqs, args.step_tokens, args.seed)  # warm-up
     rows = [run(model, n, args.prompt, args.output, max_seqs, args.step_tokens, args.seed) for n in streams]
     base = rows[0]["agg"] if rows[0]["n"] == 1 else None

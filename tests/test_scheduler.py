@@ -230,6 +230,29 @@ def test_a_prefix_attached_at_admission_is_shared_and_copied_on_write():
     assert pool.free_blocks == pool.num_blocks
 
 
+def test_an_attach_that_runs_out_of_blocks_waits_like_a_short_prepare():
+    """The engine's attach copies a shared, partly filled block of the prefix it adopts: with the pool full that
+    allocation fails, and the sequence waits for a running one to end (alone, it would end as "kv")."""
+    pool = _pool(8)
+    calls = []
+
+    def attach(seq):
+        seq.kv = KVSequence(pool, 64)
+        calls.append(seq)
+        pool.allocate(0 if len(calls) == 1 else pool.free_blocks + 1)  # the later admissions find the pool full
+
+    sched = Scheduler(pool, ctx=64, step_tokens=64, max_seqs=2, attach=attach)
+    first, second = Sequence(prompt=list(range(20)), max_tokens=3), Sequence(prompt=[5, 6], max_tokens=2)
+    sched.add(first)
+    sched.add(second)
+    plan, _ = _run_step(sched)
+    assert [c.seq for c in plan.chunks] == [first] and second.status is Status.WAITING and second.kv is None
+    _drain(sched)
+    assert first.output == _alone(first.prompt, 3)
+    assert second.finish_reason == "kv"  # alone and still short: it never fits (this attach always is)
+    assert pool.free_blocks == pool.num_blocks
+
+
 def test_bad_arguments_are_refused():
     pool = _pool(4)
     with pytest.raises(ValueError, match="max_seqs"):

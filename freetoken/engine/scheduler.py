@@ -182,9 +182,9 @@ class Scheduler:
         while (self.waiting and self.step_tokens > plan.tokens and len(self.running) < self.max_seqs
                and not plan.preempted):
             seq = self.waiting[0]
-            self._attach(seq)
-            n = min(seq.pending, self.step_tokens - plan.tokens)
-            try:
+            try:  # (attach may allocate too: the engine copies a shared, partly filled last block of a prefix)
+                self._attach(seq)
+                n = min(seq.pending, self.step_tokens - plan.tokens)
                 seq.kv.prepare(seq.computed, n)
             except OutOfKVBlocks:
                 self._drop_kv(seq)
