@@ -1,9 +1,9 @@
 """`freetoken serve --max-seqs 4`: continuous batching behind the same APIs, against the real `openai` client.
 
-The behaviour tests of tests/test_serve.py run here again on a batching server (imported below, so they take this
-module's ``server``): whole and streamed replies agree, stop strings, lengths, seeded sampling, 16 concurrent streams
-each with its own answer (greedy: the same tokens as asked one at a time, within float32 rounding of a batched
-product), a killed client freeing its seat, metrics, JSON schema output, a forced tool call, the max_tokens cap.
+Behaviour tests of tests/test_serve.py run here again on a batching server (imported below, so they take this
+module's ``server``): whole and streamed replies agree, stop strings, seeded sampling, 16 concurrent streams each
+with its own answer (greedy: the same tokens as asked one at a time, within float32 rounding of a batched product),
+a killed client freeing its seat, metrics, a forced tool call (a grammar per request).
 Then what batching adds: requests do run together, and a client that leaves is dropped whether it runs or waits for a
 seat.
 """
@@ -22,9 +22,6 @@ from test_serve import (  # noqa: F401 - collected here, against this module's s
     test_a_killed_client_frees_the_engine,
     test_chat_whole_and_streamed_agree,
     test_forced_tool_call_round_trip_with_the_bundled_model,
-    test_json_schema_output_at_temperature_1,
-    test_max_tokens_and_finish_reason_length,
-    test_max_tokens_past_the_context_is_capped_and_reported,
     test_metrics,
     test_seeded_sampling_repeats,
     test_sixteen_concurrent_streams_get_their_own_answers,

@@ -63,17 +63,6 @@ class BatchWorker(EngineWorker):
         with self._cv:
             return [a.job for a in held] + list(self._waiting)
 
-    def cancel(self, job: Job) -> None:
-        """The client went away: a waiting job is dropped now, a running one before the next step."""
-        job.cancelled.set()
-        with self._cv:
-            try:
-                self._waiting.remove(job)
-            except ValueError:
-                self._cv.notify()
-                return
-        self._finished(job, None, None)
-
     # ---- the worker thread ------------------------------------------------------------------------------------
     def _loop(self) -> None:
         loop = self.loop_engine

@@ -113,7 +113,8 @@ class EngineWorker:
         return job
 
     def cancel(self, job: Job) -> None:
-        """The client went away: drop the job if it waits, stop it after its current token if it runs."""
+        """The client went away: drop the job if it waits, stop it after its current token if it runs (the batching
+        worker: before its next step)."""
         job.cancelled.set()
         with self._cv:
             try:
