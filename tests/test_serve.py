@@ -478,7 +478,7 @@ def test_a_non_streamed_request_whose_client_leaves_is_stopped_running_or_queued
     a decode step (running) or leave the queue (waiting), and each is counted cancelled. A server of its own with
     the model's whole context: the first request has ~8,000 tokens to write (a minute and more here), so the second
     surely finds it running and waits (at the module server's 512 it could finish before the second arrived)."""
-    server = Server(tmp_path, "--ctx", "8192")
+    server = Server(tmp_path, ctx=None)  # the model's own 32k: the first request surely outlasts the second's arrival
     try:
         _leaving_clients_are_cancelled(server)
     finally:
