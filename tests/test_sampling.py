@@ -43,7 +43,16 @@ def test_repetition_penalty_lowers_seen_tokens():
     assert greedy(logits, previous=[0]) == 1
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(repetition_penalty=0)])
+def test_logit_bias_bans_and_favours_tokens():
+    logits = np.array([2.0, 1.9, -1.0, 0.0])
+    assert Sampler(SamplingParams(temperature=0, logit_bias=((0, -100.0),)))(logits) == 1
+    assert Sampler(SamplingParams(temperature=0, logit_bias=((2, 3.5),)))(logits) == 2
+    s = Sampler(SamplingParams(temperature=1.0, seed=3, logit_bias=((0, -100.0), (1, -100.0))))
+    assert {s(logits) for _ in range(200)} == {2, 3}
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(repetition_penalty=0),
+                                 dict(logit_bias=((-1, 1.0),)), dict(logit_bias=((3, 101.0),))])
 def test_bad_params(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

@@ -20,6 +20,8 @@ import openai
 import pytest
 from live_server import CTX, KEY, MODEL, Server, kill_mid_stream, running_server
 
+from freetoken.engine.load import DEFAULT_MODEL
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -121,6 +123,34 @@ def test_completions(server):
     assert ids.status_code == 200 and ids.json()["usage"]["prompt_tokens"] == 3
 
 
+def _vocabulary() -> list[str]:
+    """Each token id's text in the bundled model's tokenizer."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
+    return [tok.decode([i], skip_special_tokens=False) for i in range(tok.get_vocab_size())]
+
+
+def test_logit_bias_forces_and_bans_tokens(server):
+    """+100 on a token makes greedy decoding write it every time; -100 on every token that spells the greedy reply's
+    first token makes the reply start otherwise (the real client's ``logit_bias``)."""
+    client = server.client()
+    vocab = _vocabulary()
+    forced = next(i for i, t in enumerate(vocab) if t == "foo")
+    r = client.completions.create(model=MODEL, prompt="import os\nimport ", max_tokens=3, temperature=0,
+                                  logit_bias={str(forced): 100})
+    assert r.choices[0].text == "foo" * 3
+    first = client.completions.create(model=MODEL, prompt="import os\nimport ", max_tokens=1, temperature=0)
+    text = first.choices[0].text
+    banned = {str(i): -100 for i, t in enumerate(vocab) if t == text}
+    assert banned, text
+    other = client.completions.create(model=MODEL, prompt="import os\nimport ", max_tokens=1, temperature=0,
+                                      logit_bias=banned)
+    assert other.choices[0].text != text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          temperature=0, logit_bias={str(forced): 100})
+    assert chat.choices[0].message.content == "foo" * 2
+
+
 def test_seeded_sampling_repeats(server):
     client = server.client()
     a = _chat(client, "for i in range(", temperature=1.0, seed=7, max_tokens=10)
@@ -146,6 +176,9 @@ def test_seeded_sampling_repeats(server):
      "messages.content"),
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "tool_choice"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, 404, "model"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"4096": 1}}, 400, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 101}}, 400, "logit_bias.5"),
 ])
 def test_bad_requests_get_clear_errors(server, body, status, param):
     r = server.post("/v1/chat/completions", body)
@@ -429,7 +462,11 @@ def test_an_internal_error_is_a_counted_json_500():
 
     from freetoken.serve.app import create_app
 
-    app = create_app(lambda: threading.Event().wait(30), MODEL, api_key=None)
+    def never_loads():  # long enough to outlast the test; then a load error, not a model of False
+        threading.Event().wait(30)
+        raise RuntimeError("this test's model never loads")
+
+    app = create_app(never_loads, MODEL, api_key=None)
 
     @app.get("/v1/messages/broken")
     async def broken():
@@ -485,16 +522,24 @@ def test_a_non_streamed_request_whose_client_leaves_is_stopped_running_or_queued
         server.stop()
 
 
+def endless_client(server) -> str:
+    """Code of a client process whose request cannot end before the model's context fills (minutes): a completion
+    (no end-of-turn stop strings) with max_tokens 64,000 and the end-of-sequence token banned by ``logit_bias``
+    (at temperature 1 a chat reply ended on its own once, in CI, before the test's next request arrived)."""
+    eos = json.loads((DEFAULT_MODEL / "config.json").read_text())["eos_token_id"]
+    return (f"import openai\nc = openai.OpenAI(base_url='{server.url}/v1', api_key='{KEY}', max_retries=0)\n"
+            f"c.completions.create(model='{MODEL}', max_tokens=64000, temperature=1.0, prompt='import os',"
+            f" logit_bias={{'{eos}': -100}})\n")
+
+
 def _leaving_clients_are_cancelled(server):
-    client = (f"import openai\nc = openai.OpenAI(base_url='{server.url}/v1', api_key='{KEY}', max_retries=0)\n"
-              f"c.chat.completions.create(model='{MODEL}', max_tokens=64000, temperature=1.0, "
-              f"messages=[{{'role': 'user', 'content': 'import os'}}], stream=STREAM)\n")
+    client = endless_client(server)
     cancelled = server.metric("freetoken_requests_cancelled_total")
     generated = server.metric("freetoken_generated_tokens_total")
-    running = _run_client(client.replace("STREAM", "False"))  # runs (the queue is empty)
+    running = _run_client(client)  # runs (the queue is empty)
     try:
         _wait_for(server, "freetoken_requests_running", 1)
-        waiting = _run_client(client.replace("STREAM", "False"))  # waits behind it
+        waiting = _run_client(client)  # waits behind it
         try:
             _wait_for(server, "freetoken_queue_length", 1)
         finally:

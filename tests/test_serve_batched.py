@@ -14,11 +14,12 @@ import threading
 import time
 
 import pytest
-from live_server import KEY, MODEL, Server, running_server
+from live_server import MODEL, Server, running_server
 from test_serve import (  # noqa: F401 - collected here, against this module's server
     _chat,
     _run_client,
     _wait_for,
+    endless_client,
     test_a_killed_client_frees_the_engine,
     test_chat_whole_and_streamed_agree,
     test_forced_tool_call_round_trip_with_the_bundled_model,
@@ -58,9 +59,7 @@ def test_leaving_clients_are_dropped_running_or_waiting(tmp_path):
     (dropped from the queue), then the two running ones' (stopped before the next step); each counted cancelled."""
     server = Server(tmp_path, "--max-seqs", "2", ctx=None)  # the model's own 32k context
     try:
-        client = (f"import openai\nc = openai.OpenAI(base_url='{server.url}/v1', api_key='{KEY}', max_retries=0)\n"
-                  f"c.chat.completions.create(model='{MODEL}', max_tokens=64000, temperature=1.0, "
-                  f"messages=[{{'role': 'user', 'content': 'import os'}}], stream=False)\n")
+        client = endless_client(server)
         generated = server.metric("freetoken_generated_tokens_total")
         running = [_run_client(client) for _ in range(2)]
         try:

@@ -1,6 +1,8 @@
-"""Next-token sampling from logits on the host: greedy, temperature, top-k, top-p, repetition penalty, a seed.
+"""Next-token sampling from logits on the host: greedy, temperature, top-k, top-p, repetition penalty, logit bias,
+a seed.
 
-The order follows the common convention (and HF's logits processors): repetition penalty on the raw logits, then
+The order follows the common convention (and HF's logits processors): a grammar's mask, then the logit bias (OpenAI's
+``logit_bias``: added to the raw logits, -100 bans a token, +100 all but forces it), then repetition penalty, then
 temperature, then top-k, then top-p (nucleus) on the remaining probability mass. ``temperature == 0`` is greedy.
 """
 
@@ -19,6 +21,8 @@ class SamplingParams:
     top_p: float = 1.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    #: (token id, bias) pairs added to those tokens' logits before anything but the grammar
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -29,6 +33,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for tok, bias in self.logit_bias:
+            if tok < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias: token {tok} with bias {bias} (ids >= 0, biases in [-100, 100])")
 
 
 class Sampler:
@@ -59,6 +66,8 @@ class Sampler:
                 raise ValueError("the output grammar allows no token here")
             z[:allowed.size][~allowed] = -np.inf
             z[allowed.size:] = -np.inf
+        for tok, bias in p.logit_bias:
+            z[tok] += bias
         if p.repetition_penalty != 1.0:
             seen = np.unique(np.fromiter(previous, dtype=np.int64))
             if seen.size:

@@ -92,7 +92,8 @@ def place_system_messages(template, messages: list[dict]) -> list[dict]:
 
 def make_job(state, ids: list[int], stop: list[str], *, max_tokens: int | None, prompt_param: str,
              temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-             repetition_penalty: float | None = None, seed: int | None = None) -> Job:
+             repetition_penalty: float | None = None, seed: int | None = None,
+             logit_bias: dict[str, float] | None = None) -> Job:
     """A job for prompt ``ids``: what the request leaves out (None) is the server's default (``state.defaults``);
     a prompt the context cannot hold is a 400 naming ``prompt_param``, and the completion is cut to what fits (and to
     the server's ``--max-tokens-limit``)."""
@@ -103,10 +104,24 @@ def make_job(state, ids: list[int], stop: list[str], *, max_tokens: int | None, 
         top_p=d.top_p if top_p is None else top_p,
         top_k=d.top_k if top_k is None else top_k,
         repetition_penalty=d.repetition_penalty if repetition_penalty is None else repetition_penalty,
-        seed=seed)
+        seed=seed, logit_bias=logit_bias_pairs(state, logit_bias))
     granted = min(max_tokens or d.max_tokens, ctx - len(ids), d.max_tokens_limit or ctx)
     return Job(ids=ids, max_tokens=granted, sampling=sampling, stop=stop, loop=asyncio.get_running_loop(),
                requested_max_tokens=max_tokens if max_tokens and max_tokens > granted else None)
+
+
+def logit_bias_pairs(state, logit_bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """A request's ``logit_bias`` as (token id, bias) pairs; a key that is not a token id of the model's vocabulary
+    is a 400 naming ``logit_bias``."""
+    vocab = state.ready().model.config.vocab_size
+    pairs = []
+    for key, bias in (logit_bias or {}).items():
+        tok = int(key) if key.strip().isdigit() else -1
+        if not 0 <= tok < vocab:
+            raise APIError(400, f"logit_bias: {key!r} is not a token id of this model's vocabulary (0..{vocab - 1})",
+                           param="logit_bias", code="invalid_value")
+        pairs.append((tok, float(bias)))
+    return tuple(pairs)
 
 
 def check_prompt(state, ids: list[int], param: str) -> int:

@@ -129,7 +129,7 @@ def _job(state, body, ids: list[int], stop: list[str], default_max: int | None =
     return make_job(state, ids, stop, max_tokens=body.token_limit() or default_max,
                     prompt_param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
                     temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                    repetition_penalty=body.repetition_penalty, seed=body.seed)
+                    repetition_penalty=body.repetition_penalty, seed=body.seed, logit_bias=body.logit_bias)
 
 
 async def _constraint(worker, body: ChatCompletionRequest, use: ToolUse):

@@ -3,7 +3,7 @@
 Fields the OpenAI API defines and this server does not act on are accepted and ignored (``presence_penalty``,
 ``frequency_penalty``, ``user``, ``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``...), as are
 fields no API defines; a field whose meaning we cannot honour is refused with a 400 by :func:`refuse_unsupported`
-(``n`` > 1, ``logprobs``, ``logit_bias``, image content) rather than
+(``n`` > 1, ``logprobs``, image content) rather than
 silently giving the client something else than it asked for. The README lists both kinds.
 """
 
@@ -111,7 +111,9 @@ class _Sampling(_Body):
     stop: Stop = None
     n: Annotated[int, Field(ge=1)] = 1
     logprobs: bool | int | None = None
-    logit_bias: dict[str, float] | None = None
+    #: token id (as a string, OpenAI's form) -> bias added to its logit; ids are checked against the vocabulary
+    #: when the job is made (:func:`freetoken.serve.jobs.logit_bias_pairs`)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -228,8 +230,6 @@ def refuse_unsupported(req: _Sampling) -> None:
         no("n", "one choice per request only (the engine runs one sequence)")
     if req.logprobs:
         no("logprobs", "log probabilities are not returned by this server")
-    if req.logit_bias:
-        no("logit_bias", "not supported")
     if isinstance(req, ChatCompletionRequest):
         names = [t.function.name for t in req.tools or ()]
         if isinstance(req.tool_choice, NamedToolChoice) and req.tool_choice.function.name not in names:
