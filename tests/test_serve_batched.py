@@ -52,6 +52,13 @@ def test_requests_run_together(server):
     for t in threads:
         t.join()
     assert len(done) == 4 and most >= 2
+    # the step loop's metrics saw it: steps of more than one request, every step in the histograms
+    steps = server.metric("freetoken_steps_total")
+    one = server.metric("freetoken_step_batch_size_bucket", '{le="1.0"}')
+    assert steps > 0 and server.metric("freetoken_step_batch_size_bucket", '{le="+Inf"}') == steps > one
+    assert server.metric("freetoken_step_tokens_count") == steps
+    assert server.metric("freetoken_step_tokens_sum") >= server.metric("freetoken_step_batch_size_sum") > steps
+    assert server.metric("freetoken_preemptions_total") == 0
 
 
 def test_leaving_clients_are_dropped_running_or_waiting(tmp_path):

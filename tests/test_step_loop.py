@@ -64,13 +64,16 @@ def test_batched_equals_alone(model):
                 ends[id(ev.request)] = ev.finish_reason
         max_running = max(max_running, loop.running)
         assert loop.running <= 3
-    assert max_running == 3 and max(loop.step_token_counts) <= 24
+    assert max_running == 3 and loop.stats.most_tokens <= 24
     for r, w in zip(reqs, want, strict=True):
         assert r.output == w
         assert streamed[id(r)] == w
         assert ends[id(r)] == r.finish_reason == ("length" if len(w) == 10 else "stop")
     # some step carried a prompt chunk beside decode tokens
     assert loop.steps < sum(len(p) for p in prompts) // 24 + 10 * len(prompts)
+    st = loop.stats
+    assert sum(st.batch_sizes) == sum(st.step_tokens) == st.steps and st.sequences <= 3 * st.steps
+    assert st.batch_sizes[2] > 0 and not any(st.batch_sizes[3:])  # steps of 3 sequences (bucket 3-4), none more
     assert _all_back(model)
 
 
@@ -82,7 +85,7 @@ def test_preemption_recomputes(model):
     loop = StepLoop(model, max_seqs=3, step_tokens=64)
     reqs = [loop.submit(p, 8, GREEDY) for p in prompts]
     loop.run()
-    assert loop.scheduler.preemptions > 0
+    assert loop.preemptions == loop.scheduler.preemptions > 0
     assert [r.output for r in reqs] == want
     assert _all_back(model)
 

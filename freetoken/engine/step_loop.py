@@ -19,6 +19,7 @@ client.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Collection, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -31,6 +32,32 @@ from freetoken.engine.scheduler import Scheduler, Sequence, Status
 
 #: Running sequences at once unless told otherwise.
 DEFAULT_MAX_SEQS = 16
+#: Upper bounds of the step histograms' buckets (the last bucket takes everything above): sequences in a step, and
+#: tokens in a step.
+BATCH_SIZE_BOUNDS = (1, 2, 4, 8, 16, 32, 64)
+STEP_TOKEN_BOUNDS = (1, 4, 16, 64, 256, 1024, 4096)
+
+
+@dataclass
+class StepStats:
+    """What the loop's steps held, in constant space (a server runs for days): steps run, their tokens and
+    sequences, the largest step, and per-bucket counts of sequences per step and tokens per step (bucket ``i``:
+    values up to ``BOUNDS[i]`` and above the one before; the last bucket: above every bound)."""
+
+    steps: int = 0
+    tokens: int = 0
+    sequences: int = 0
+    most_tokens: int = 0
+    batch_sizes: list[int] = field(default_factory=lambda: [0] * (len(BATCH_SIZE_BOUNDS) + 1))
+    step_tokens: list[int] = field(default_factory=lambda: [0] * (len(STEP_TOKEN_BOUNDS) + 1))
+
+    def record(self, sequences: int, tokens: int) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.sequences += sequences
+        self.most_tokens = max(self.most_tokens, tokens)
+        self.batch_sizes[bisect_left(BATCH_SIZE_BOUNDS, sequences)] += 1
+        self.step_tokens[bisect_left(STEP_TOKEN_BOUNDS, tokens)] += 1
 
 
 @dataclass(eq=False)
@@ -94,8 +121,7 @@ class StepLoop:
         self.scheduler = Scheduler(dec.pool, dec.max_ctx, step_tokens, max_seqs,
                                    attach=self._attach, detach=self._detach)
         self.requests: dict[Sequence, Request] = {}
-        self.steps = 0
-        self.step_token_counts: list[int] = []  # tokens of each step run (for metrics and benchmarks)
+        self.stats = StepStats()
 
     def _attach(self, seq: Sequence) -> None:
         seq.kv = self.decoder.new_sequence()
@@ -146,6 +172,15 @@ class StepLoop:
         return self.scheduler.has_work
 
     @property
+    def steps(self) -> int:
+        return self.stats.steps
+
+    @property
+    def preemptions(self) -> int:
+        """Sequences preempted (their blocks given back to make room; recomputed when readmitted)."""
+        return self.scheduler.preemptions
+
+    @property
     def running(self) -> int:
         return len(self.scheduler.running)
 
@@ -163,8 +198,7 @@ class StepLoop:
         if not plan.chunks:
             return events
         logits = self.decoder.forward_batch([(c.seq.kv, np.asarray(c.ids, np.int64)) for c in plan.chunks])
-        self.steps += 1
-        self.step_token_counts.append(plan.tokens)
+        self.stats.record(len(plan.chunks), plan.tokens)
         sampled, done = {}, []
         for row, chunk in enumerate(plan.chunks):
             if chunk.samples:

@@ -4,7 +4,8 @@ Counted by the server: requests by endpoint and status, prompt / cached / genera
 time to first token, anchors made, restored and refused. Read at scrape time: the last request's prefill and
 decode tokens/s, the queue (its length and each waiting request's position), the KV cache in use, and the expert
 runner's counters (cache hits and misses, the q* split's hits / fetched / cpu), as the worker thread last copied
-them (it owns the model; the HTTP side never touches the device).
+them (it owns the model; the HTTP side never touches the device). A batching server (``--max-seqs`` > 1) adds its
+step loop's: steps run, histograms of sequences and of tokens per step, preemptions.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -118,6 +120,9 @@ class _LiveCollector:
                                      "Routed experts found in the device cache, since load")
             rate.add_metric([], hits / (hits + misses) if hits + misses else 0.0)
             yield rate
+        loop = getattr(worker, "loop_engine", None)
+        if loop is not None:
+            yield from _step_metrics(loop)
         if counters:
             family = CounterMetricFamily("freetoken_experts", "The expert runner's counters since load "
                                          "(cache hits/misses; q* split: hits, fetched over PCIe, computed on the "
@@ -125,3 +130,35 @@ class _LiveCollector:
             for name, value in sorted(counters.items()):
                 family.add_metric([name], value)
             yield family
+
+
+def _step_metrics(loop):
+    """A batching worker's step loop (:class:`freetoken.engine.step_loop.StepLoop`), read at scrape time."""
+    from freetoken.engine.step_loop import BATCH_SIZE_BOUNDS, STEP_TOKEN_BOUNDS
+
+    st = loop.stats
+    steps = CounterMetricFamily("freetoken_steps", "Forward passes of the step loop (each runs every running "
+                                "request's next token and prompt chunks together)")
+    steps.add_metric([], st.steps)
+    yield steps
+    yield _histogram("freetoken_step_batch_size", "Requests in one step", BATCH_SIZE_BOUNDS, st.batch_sizes,
+                     st.sequences)
+    yield _histogram("freetoken_step_tokens", "Tokens in one step (decode tokens and prompt chunks)",
+                     STEP_TOKEN_BOUNDS, st.step_tokens, st.tokens)
+    preempted = CounterMetricFamily("freetoken_preemptions", "Requests preempted when the KV cache ran short "
+                                    "(their rows given back; recomputed when readmitted)")
+    preempted.add_metric([], loop.preemptions)
+    yield preempted
+
+
+def _histogram(name: str, doc: str, bounds, counts, total) -> HistogramMetricFamily:
+    """A Prometheus histogram from per-bucket counts (the last: above every bound) and the values' sum."""
+    counts = list(counts)  # the worker thread may add to it meanwhile: one copy, so the buckets agree
+    buckets, running = [], 0
+    for bound, n in zip(bounds, counts, strict=False):
+        running += n
+        buckets.append((floatToGoString(bound), running))  # le="1.0", as prometheus-client's own histograms
+    buckets.append(("+Inf", running + counts[-1]))
+    family = HistogramMetricFamily(name, doc)
+    family.add_metric([], buckets, sum_value=total)
+    return family
