@@ -438,8 +438,8 @@ class Instrument:
 
 
 def run_mode(model, mode: str, reqs, template, encode, args):
-    from freetoken.engine.chat import message_boundaries
-    from freetoken.engine.sampling import SamplingParams
+    from freetoken.engine.generation.chat import message_boundaries
+    from freetoken.engine.generation.sampling import SamplingParams
     from freetoken.models.kv import OutOfKVBlocks
 
     clear(model)
@@ -641,7 +641,7 @@ def main(argv=None) -> int:
         args.target_tokens = LEGACY_TARGET
 
     import freetoken
-    from freetoken.engine.chat import ChatTemplate, _special_tokens, model_template
+    from freetoken.engine.generation.chat import ChatTemplate, _special_tokens, model_template
     from freetoken.models.kv import kv_block_bytes
 
     def load(ctx, kv_memory):

@@ -30,7 +30,7 @@ def _misses(model) -> int:
 
 
 def _run(model, ids, decode: int, **kw) -> list[int]:
-    from freetoken.engine.sampling import SamplingParams
+    from freetoken.engine.generation.sampling import SamplingParams
 
     return list(model.generate(ids, decode, SamplingParams(temperature=0), reuse_cache=True, **kw))
 

@@ -1,11 +1,11 @@
 """Continuous batching in the engine: aggregate decode speed and time to first token at N concurrent requests.
 
 N requests of ``--prompt`` tokens each (distinct random token ids, so no two share a prefix) and ``--output`` new
-tokens (greedy, end-of-sequence ignored) are submitted at once to a :class:`freetoken.engine.step_loop.StepLoop`
-and run to the end. For each N the table gives the aggregate output tokens per second (every request's tokens over
-the wall time of the whole run), its ratio to one request in the same run, the per-request decode speed (tokens
-after the first over the time from its first to its last token), and TTFT p50 / p99 (submission to first token).
-The engine alone, no HTTP: what the scheduler and ``forward_batch`` give.
+tokens (greedy, end-of-sequence ignored) are submitted at once to a
+:class:`freetoken.engine.batching.step_loop.StepLoop` and run to the end. For each N the table gives the aggregate
+output tokens per second (every request's tokens over the wall time of the whole run), its ratio to one request in the
+same run, the per-request decode speed (tokens after the first over the time from its first to its last token), and
+TTFT p50 / p99 (submission to first token). The engine alone, no HTTP: what the scheduler and ``forward_batch`` give.
 
     python bench/bench_batch.py                          # the bundled model, cpu
     python bench/make_synthetic_gguf.py /tmp/synthetic-moe.gguf
@@ -23,8 +23,8 @@ import numpy as np
 
 
 def run(model, n: int, prompt: int, output: int, max_seqs: int, step_tokens: int | None, seed: int) -> dict:
-    from freetoken.engine.sampling import SamplingParams
-    from freetoken.engine.step_loop import StepLoop
+    from freetoken.engine.batching.step_loop import StepLoop
+    from freetoken.engine.generation.sampling import SamplingParams
 
     vocab = model.decoder.cfg.vocab_size
     rng = np.random.default_rng(seed)
@@ -62,7 +62,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
-    from freetoken.engine.load import load
+    from freetoken.engine.loading.load import load
     from freetoken.models.kv import KVPool
 
     model = load(args.model, device=args.device, ctx=args.ctx)

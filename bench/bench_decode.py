@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def _freetoken_runner(path, prompt, steps):
     """(one timed run: (prefill seconds, decode seconds), the model), warmed up."""
-    from freetoken.engine.load import load
+    from freetoken.engine.loading.load import load
 
     model = load(path, device="cpu", ctx=len(prompt) + steps + 8)
     dec = model.decoder
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     import numba
 
     from freetoken.convert import export_gguf
-    from freetoken.engine.load import DEFAULT_MODEL
+    from freetoken.engine.loading.load import DEFAULT_MODEL
 
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     try:

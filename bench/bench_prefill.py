@@ -44,7 +44,7 @@ class Freetoken:
     name = "freetoken"
 
     def __init__(self, path: Path, ctx: int):
-        from freetoken.engine.load import load
+        from freetoken.engine.loading.load import load
 
         self.model = load(path, device="cpu", ctx=ctx)
         self.dec = self.model.decoder

@@ -13,7 +13,7 @@ model's TRAINING files (the held-out files never choose what is scored on them),
 their own workload first.
 
 The held-out files are the 15 that scripts/train_default_model.py kept out of training (its seed and split);
-perplexity is llama.cpp's measure (freetoken.engine.perplexity). The CPU runs the experts with float32
+perplexity is llama.cpp's measure (freetoken.engine.generation.perplexity). The CPU runs the experts with float32
 activations unless --cpu-activations q8 is given, so the differences are the formats' alone.
 """
 
@@ -65,7 +65,7 @@ def routing_counts(tokens: int, chunk: int, device: str):
     chunks of ``chunk`` (what a recorded trace's prefill counts hold)."""
     import numpy as np
 
-    from freetoken.engine.load import load
+    from freetoken.engine.loading.load import load
     from freetoken.policy.pinning import counts_from_routing
 
     model = load(None, device=device, ctx=max(chunk, 64))
@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from freetoken import formats
     from freetoken.convert.ftw_export import write_ftw
-    from freetoken.engine.load import load
-    from freetoken.engine.perplexity import perplexity
-    from freetoken.engine.sources import open_source
+    from freetoken.engine.generation.perplexity import perplexity
+    from freetoken.engine.loading.load import load
+    from freetoken.engine.loading.sources import open_source
 
     for f in args.formats:
         if f not in formats.NAMES:

@@ -32,7 +32,7 @@ def _logits(model, tokens, prompt: int) -> np.ndarray:
 
 
 def _decode_rate(model, prompt_ids, steps: int) -> float:
-    from freetoken.engine.sampling import SamplingParams
+    from freetoken.engine.generation.sampling import SamplingParams
 
     list(model.generate(prompt_ids, max_tokens=4, sampling=SamplingParams(temperature=0)))  # warm-up
     list(model.generate(prompt_ids, max_tokens=steps, sampling=SamplingParams(temperature=0)))
@@ -40,7 +40,7 @@ def _decode_rate(model, prompt_ids, steps: int) -> float:
 
 
 def _decode_table(path, dev_kind: str, slots_list, steps: int, label: str) -> None:
-    from freetoken.engine.load import load
+    from freetoken.engine.loading.load import load
     prompt = list(np.random.default_rng(7).integers(2, 4000, 16))
     for slots in slots_list:
         for mode in ("gpu", "hybrid", "cpu"):
@@ -55,7 +55,7 @@ def _decode_table(path, dev_kind: str, slots_list, steps: int, label: str) -> No
 def _anchor_check(model, ids: list[int]) -> int:
     """An anchor made on the device, spilled to (pinned) host memory, restored and verified: the logits after it
     equal a fresh prefill's. Returns 1 on failure."""
-    from freetoken.engine.sampling import SamplingParams
+    from freetoken.engine.generation.sampling import SamplingParams
 
     def last_logits(**kw):
         seen, forward = [], model.decoder.forward
@@ -89,7 +89,7 @@ def _anchor_check(model, ids: list[int]) -> int:
 
 
 def run(dev_kind: str, synthetic=None, steps: int = 32) -> int:
-    from freetoken.engine.load import load
+    from freetoken.engine.loading.load import load
     from freetoken.policy.measure import DEFAULT_SHAPE, layout_for, measure_cpu, measure_pcie
     from freetoken.policy.profile import recommend_mode
 
@@ -109,7 +109,7 @@ def run(dev_kind: str, synthetic=None, steps: int = 32) -> int:
     print(f"  logits vs cpu: NMSE {nmse:.2e} (bound {NMSE_BOUND:.0e}), top-1 agreement {top1:.1%}  {status}  "
           f"(load + {tokens.size} tokens: {time.perf_counter() - t0:.1f}s)")
 
-    from freetoken.engine.sampling import SamplingParams
+    from freetoken.engine.generation.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0)
     a = list(ref.generate(tokens[:16].tolist(), max_tokens=24, sampling=greedy))

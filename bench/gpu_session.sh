@@ -51,7 +51,7 @@ EOF
 $PY - >"$OUT/numba_warmup.txt" 2>&1 <<'EOF' &
 import time, numpy as np
 t = time.perf_counter()
-from freetoken.engine.load import load
+from freetoken.engine.loading.load import load
 m = load(None, device="cpu")
 ids = np.asarray(m.encode("import os\nimport sys\n\n\ndef main(argv):\n"))
 m.decoder.reset(); m.decoder.forward(ids); m.decoder.forward(ids[:1])

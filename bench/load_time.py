@@ -33,7 +33,7 @@ def make_checkpoint(out: Path, args) -> Path:
     import torch
     import transformers
 
-    from freetoken.engine.load import DEFAULT_MODEL
+    from freetoken.engine.loading.load import DEFAULT_MODEL
 
     out.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -71,7 +71,7 @@ def nbytes(path: Path) -> int:
 
 
 def time_load(path: Path, reps: int, **kw) -> float:
-    from freetoken.engine.load import load
+    from freetoken.engine.loading.load import load
 
     best = float("inf")
     for _ in range(reps):

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from freetoken.convert.gguf_export import write_gguf
-from freetoken.engine.load import DEFAULT_MODEL
+from freetoken.engine.loading.load import DEFAULT_MODEL
 from freetoken.loaders.gguf_tokenizer import gguf_tokenizer_fields
 from freetoken.models.config import ModelConfig
 

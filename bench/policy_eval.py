@@ -90,7 +90,7 @@ class Recorder:
     @property
     def model(self):
         if self._model is None:
-            from freetoken.engine.load import load
+            from freetoken.engine.loading.load import load
 
             self._model = load(None, device="cpu", ctx=4096)
         return self._model
@@ -106,7 +106,7 @@ class Recorder:
     def segment(self, rec, prompt, tokens: int, seed: int, reuse: bool = False) -> list[int]:
         """Generate from ``prompt`` (text or ids) and record it as one segment (as bench/qstar_sweep.py's record()
         does: the prefill's routing counts, then every decode step); returns the generated ids."""
-        from freetoken.engine.sampling import SamplingParams
+        from freetoken.engine.generation.sampling import SamplingParams
 
         m = self.model
         out = list(m.generate(prompt, tokens, SamplingParams(temperature=0.8, top_p=0.95, seed=seed),
@@ -144,7 +144,7 @@ def record_chat(rec: Recorder, cache: Path, index: int, turns: int, reply_tokens
     """One conversation of ``turns`` user turns, every turn a segment generated with ``reuse_cache=True``."""
     path = cache / f"chat-{index:02d}-{turns}x{reply_tokens}.npz"
     if not path.exists():
-        from freetoken.engine.chat import model_template
+        from freetoken.engine.generation.chat import model_template
 
         m = rec.model
         template = model_template(m)

@@ -148,7 +148,7 @@ def main(argv=None) -> int:
 
     import numba
 
-    from freetoken.engine.load import load
+    from freetoken.engine.loading.load import load
 
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     prompt = np.random.default_rng(0).integers(2, 4096, args.prompt_tokens).tolist()

@@ -21,7 +21,7 @@ import numpy as np
 
 
 def compare(path, fmt: str | None, tokens: np.ndarray) -> tuple[float, float, float]:
-    from freetoken.engine.load import load
+    from freetoken.engine.loading.load import load
 
     f32 = load(path, device="cpu", expert_format=fmt, cpu_activations="f32").logits(tokens)
     q8 = load(path, device="cpu", expert_format=fmt, cpu_activations="q8").logits(tokens)
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from freetoken.convert import export_gguf
     from freetoken.device.simd import simd_level
-    from freetoken.engine.load import DEFAULT_MODEL
+    from freetoken.engine.loading.load import DEFAULT_MODEL
 
     rng = np.random.default_rng(0)
     tokens = rng.integers(2, 4000, args.tokens)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 
 def record(path: Path, prompts: int, tokens: int, seed: int) -> None:
-    from freetoken.engine.load import load
-    from freetoken.engine.sampling import SamplingParams
+    from freetoken.engine.generation.sampling import SamplingParams
+    from freetoken.engine.loading.load import load
     from freetoken.trace.format import TraceRecorder
 
     model = load(None, device="cpu", ctx=1024)

@@ -10,8 +10,9 @@ from freetoken.version import __version__  # noqa: E402
 
 
 def load(path=None, device="auto", **kwargs):
-    """Load a model (see :func:`freetoken.engine.load.load`); imported lazily to keep ``import freetoken`` light."""
-    from freetoken.engine.load import load as _load
+    """Load a model (see :func:`freetoken.engine.loading.load.load`); imported lazily to keep ``import freetoken``
+    light."""
+    from freetoken.engine.loading.load import load as _load
 
     return _load(path, device, **kwargs)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from freetoken.engine.sampling import SamplingParams
+from freetoken.engine.generation.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

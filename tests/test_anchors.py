@@ -1,12 +1,13 @@
-"""Anchors (freetoken.engine.anchors): made at message boundaries, restored only after every check, and refused with
-a reason (the request then recomputed, its logits those of a fresh run) when a check fails: bytes changed on the
+"""Anchors (freetoken.engine.reuse.anchors): made at message boundaries, restored only after every check, and refused
+with a reason (the request then recomputed, its logits those of a fresh run) when a check fails: bytes changed on the
 device, a flipped byte or a torn anchor file, another model's anchor, a forged id whose tokens differ."""
 
 import pytest
 from reuse_checks import assert_reuse_close, prefill_logits
 
 from freetoken import load
-from freetoken.engine.anchors import (
+from freetoken.engine.generation.sampling import SamplingParams
+from freetoken.engine.reuse.anchors import (
     BLOCK_MAGIC,
     BLOCK_SUFFIX,
     FILE_MAGIC,
@@ -15,7 +16,6 @@ from freetoken.engine.anchors import (
     read_frame,
     write_frame,
 )
-from freetoken.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from tiny_models import make_checkpoint
 
-from freetoken.engine.build import build_decoder
+from freetoken.engine.loading.build import build_decoder
 from freetoken.engine.options import LoadOptions
 from freetoken.models import ConfigError, from_hf
 from freetoken.models.rope import query_temperature
@@ -85,7 +85,7 @@ def test_matches_patched_transformers(checkpoint, device):
 def test_config_keys_round_trip_through_gguf_and_ftw(checkpoint, tmp_path):
     from freetoken.convert.ftw_export import write_ftw
     from freetoken.convert.gguf_export import export_gguf
-    from freetoken.engine.sources import open_source
+    from freetoken.engine.loading.sources import open_source
 
     path = checkpoint[0]
     export_gguf(path, tmp_path / "m.gguf")

@@ -10,10 +10,10 @@ import pytest
 from reuse_checks import assert_reuse_close
 
 from freetoken.cli import main
-from freetoken.engine.chat import CHATML_TEMPLATE, Chat, ChatTemplate
-from freetoken.engine.generate import Model
-from freetoken.engine.load import DEFAULT_MODEL, load
-from freetoken.engine.sampling import SamplingParams
+from freetoken.engine.generation.chat import CHATML_TEMPLATE, Chat, ChatTemplate
+from freetoken.engine.generation.generate import Model
+from freetoken.engine.generation.sampling import SamplingParams
+from freetoken.engine.loading.load import DEFAULT_MODEL, load
 from freetoken.testing.oracles import need
 
 GREEDY = SamplingParams(temperature=0)

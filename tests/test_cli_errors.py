@@ -10,7 +10,7 @@ import pytest
 
 from freetoken.cli import main
 from freetoken.device import device_status
-from freetoken.engine.load import DEFAULT_MODEL
+from freetoken.engine.loading.load import DEFAULT_MODEL
 
 RUN = ["run", "--device", "cpu", "--max-tokens", "2"]
 

@@ -78,7 +78,7 @@ def test_run_the_new_families_from_hf_and_gguf(family, tmp_path, capsys):
     from tiny_models import GGUF_OVERRIDES, make_checkpoint
 
     from freetoken.convert import export_gguf
-    from freetoken.engine.load import DEFAULT_MODEL
+    from freetoken.engine.loading.load import DEFAULT_MODEL
 
     hf = tmp_path / "hf"
     make_checkpoint(family, hf, vocab_size=4096, **GGUF_OVERRIDES.get(family, {}))

@@ -9,7 +9,7 @@ import pytest
 from reuse_checks import assert_reuse_close, prefill_logits
 from tiny_models import FAMILIES, make_checkpoint
 
-from freetoken.engine.load import load
+from freetoken.engine.loading.load import load
 from freetoken.models import ConfigError
 from freetoken.models.config import from_hf
 from freetoken.models.kv import kv_token_bytes

@@ -6,8 +6,8 @@ import numpy as np
 
 import freetoken
 from freetoken.cli import main
-from freetoken.engine.load import DEFAULT_MODEL
-from freetoken.engine.sampling import SamplingParams
+from freetoken.engine.generation.sampling import SamplingParams
+from freetoken.engine.loading.load import DEFAULT_MODEL
 
 
 def test_bundled_files_are_small():

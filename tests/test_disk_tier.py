@@ -11,8 +11,8 @@ import pytest
 from freetoken.cache import HostTier, HostTierError
 from freetoken.convert.expert_plan import hot_cold_plan
 from freetoken.convert.ftw_export import write_ftw
-from freetoken.engine.load import DEFAULT_MODEL, load
-from freetoken.engine.sources import open_source
+from freetoken.engine.loading.load import DEFAULT_MODEL, load
+from freetoken.engine.loading.sources import open_source
 from freetoken.loaders import LoadError
 from freetoken.loaders.ftw_file import RECORD_HEADER_BYTES, FTWFile
 from freetoken.loaders.ftw_records import FTWRecordReader

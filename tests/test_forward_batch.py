@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tiny_models import make_checkpoint
 
-from freetoken.engine.build import build_decoder
+from freetoken.engine.loading.build import build_decoder
 from freetoken.engine.options import ExpertOptions, LoadOptions
 from freetoken.models import from_hf
 from freetoken.models.decoder import ContextExceeded

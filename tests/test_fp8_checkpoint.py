@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from tiny_models import make_checkpoint
 
-from freetoken.engine.load import load
+from freetoken.engine.loading.load import load
 from freetoken.formats import fp8_block
 from freetoken.loaders import LoadError
 from freetoken.testing.oracles import need

@@ -13,8 +13,8 @@ import pytest
 from tiny_models import FAMILIES, make_checkpoint
 
 from freetoken.convert.ftw_export import write_ftw
-from freetoken.engine.load import load
-from freetoken.engine.sources import open_source
+from freetoken.engine.loading.load import load
+from freetoken.engine.loading.sources import open_source
 from freetoken.loaders import LoadError
 from freetoken.loaders.ftw_file import ALIGN, PREAMBLE, RECORD_HEADER_BYTES, FTWFile, checksum
 from freetoken.testing.oracles import need
@@ -67,7 +67,7 @@ def test_the_file_holds_what_the_index_says(bundled_ftw):
     r = ftw.records[(layer0, 0)]
     assert r.offset % ALIGN == 0 and r.nbytes == RECORD_HEADER_BYTES + ftw.layout_of(r).record_bytes
     banks = ftw.record_banks(layer0, 0)
-    from freetoken.engine.load import DEFAULT_MODEL
+    from freetoken.engine.loading.load import DEFAULT_MODEL
     from freetoken.loaders import SafetensorsDir
 
     gate = SafetensorsDir(DEFAULT_MODEL).get(f"model.layers.{layer0}.mlp.experts.0.gate_proj.weight")

@@ -21,8 +21,8 @@ from freetoken.convert.expert_plan import (
     plan_summary,
 )
 from freetoken.convert.ftw_export import write_ftw
-from freetoken.engine.load import DEFAULT_MODEL
-from freetoken.engine.sources import open_source
+from freetoken.engine.loading.load import DEFAULT_MODEL
+from freetoken.engine.loading.sources import open_source
 from freetoken.formats import ALIGNMENT, MATRICES
 from freetoken.loaders.ftw_file import RECORD_HEADER_BYTES, FTWFile, checksum, record_header
 from freetoken.trace.format import load_trace, save_trace

@@ -9,8 +9,8 @@ import pytest
 
 from freetoken.convert.expert_plan import hot_cold_plan
 from freetoken.convert.ftw_export import write_ftw
-from freetoken.engine.load import DEFAULT_MODEL, load
-from freetoken.engine.sources import open_source
+from freetoken.engine.loading.load import DEFAULT_MODEL, load
+from freetoken.engine.loading.sources import open_source
 
 PROMPT = np.random.default_rng(7).integers(2, 4000, 40)
 STEPS = 6

@@ -18,8 +18,8 @@ from test_ftw import _flip, _preamble, _rewrite_index
 from freetoken.cli import main
 from freetoken.convert.expert_plan import hot_cold_plan
 from freetoken.convert.ftw_export import write_ftw
-from freetoken.engine.load import load
-from freetoken.engine.sources import open_source
+from freetoken.engine.loading.load import load
+from freetoken.engine.loading.sources import open_source
 from freetoken.loaders import LoadError
 from freetoken.loaders.ftw_file import RECORD_HEADER_BYTES, FTWFile, is_ftw
 
@@ -322,7 +322,7 @@ def test_bad_shard_sizes_are_refused(tmp_path, capsys, value, expected):
 
 
 def test_shard_size_is_for_ftw_outputs(tmp_path, capsys):
-    from freetoken.engine.load import DEFAULT_MODEL
+    from freetoken.engine.loading.load import DEFAULT_MODEL
 
     assert main(["convert", str(DEFAULT_MODEL), str(tmp_path / "o.gguf"), "--shard-size", "1GiB"]) == 2
     assert "--shard-size is for .ftw outputs" in capsys.readouterr().err

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from freetoken.engine.generate import Model
-from freetoken.engine.sampling import SamplingParams
+from freetoken.engine.generation.generate import Model
+from freetoken.engine.generation.sampling import SamplingParams
 
 
 class ByteTokenizer:

@@ -13,7 +13,7 @@ import pytest
 from tiny_models import FAMILIES, GGUF_OVERRIDES, make_checkpoint
 
 from freetoken.convert import export_gguf
-from freetoken.engine.load import load
+from freetoken.engine.loading.load import load
 from freetoken.loaders import LoadError
 from freetoken.models import ConfigError
 from freetoken.testing.oracles import need

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tiny_models import make_checkpoint
 
-from freetoken.engine.load import load
+from freetoken.engine.loading.load import load
 from freetoken.loaders import LoadError
 from freetoken.models import ConfigError
 from freetoken.models.config import from_hf

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tiny_models import GGUF_OVERRIDES, make_checkpoint, to_gpt_oss_mxfp4
 
-from freetoken.engine.load import load
+from freetoken.engine.loading.load import load
 from freetoken.models import ConfigError
 from freetoken.models.config import from_hf
 from freetoken.testing.oracles import need

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from tiny_models import FAMILIES, make_checkpoint
 
-from freetoken.engine.build import build_decoder
-from freetoken.engine.generate import Model
+from freetoken.engine.generation.generate import Model
+from freetoken.engine.generation.sampling import SamplingParams
+from freetoken.engine.loading.build import build_decoder
 from freetoken.engine.options import ExpertOptions, LoadOptions
-from freetoken.engine.sampling import SamplingParams
 from freetoken.models import from_hf
 from freetoken.testing.oracles import need
 
@@ -326,7 +326,7 @@ def test_state_bytes(hybrid):
     linear = cfg.layer_types.count("linear_attention")
     assert dec.state_bytes() == linear * per_layer
     assert dec.pool.num_layers == cfg.num_layers - linear  # KV rows for the full-attention layers only
-    from freetoken.engine.memory_report import memory_breakdown, memory_line
+    from freetoken.engine.loading.memory_report import memory_breakdown, memory_line
 
     model = Model(dec)
     list(model.generate(list(range(5, 17)), max_tokens=2, sampling=SamplingParams(temperature=0)))
@@ -367,7 +367,7 @@ def _release_layout(src, dst, tensors):
 
 
 def test_release_layout_loads(tmp_path):
-    from freetoken.engine.load import load
+    from freetoken.engine.loading.load import load
 
     need("torch")
     src = tmp_path / "hf"

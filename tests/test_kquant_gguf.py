@@ -19,7 +19,7 @@ from llama_oracle import llama_logits
 from tiny_models import GGUF_OVERRIDES, QWEN35_ROPE
 
 from freetoken.convert import export_gguf
-from freetoken.engine.load import DEFAULT_MODEL, load
+from freetoken.engine.loading.load import DEFAULT_MODEL, load
 from freetoken.testing.oracles import need
 
 llama_cpp = need("llama_cpp", "bash scripts/setup --llama-cpp builds it")
@@ -104,7 +104,7 @@ def test_ftw_from_the_file_keeps_every_tensor_as_stored(quantized_file, tmp_path
     """GGUF -> FTW (docs/ftw.md): the k-quant matrices move as their blocks and each layer's expert formats as
     records, bit for bit, so the FTW file runs to the GGUF file's logits exactly."""
     from freetoken.convert.ftw_export import write_ftw
-    from freetoken.engine.sources import open_source
+    from freetoken.engine.loading.sources import open_source
     from freetoken.loaders.ftw_file import FTWFile
 
     mix, path = quantized_file
@@ -120,7 +120,7 @@ def test_ftw_from_the_file_keeps_every_tensor_as_stored(quantized_file, tmp_path
 
 
 def _dense_linears(model):
-    from freetoken.engine.memory_report import _linears
+    from freetoken.engine.loading.memory_report import _linears
 
     return list(_linears(model.decoder, set()))
 

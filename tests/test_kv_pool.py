@@ -9,7 +9,7 @@ import pytest
 
 from freetoken import ops
 from freetoken.device import device_status, get_device
-from freetoken.engine.context import default_prefill_chunk, plan_context
+from freetoken.engine.loading.context import default_prefill_chunk, plan_context
 from freetoken.engine.options import LoadOptions
 from freetoken.models.kv import (
     KV_BLOCK_TOKENS,
@@ -181,7 +181,7 @@ def test_fork_without_a_free_block_for_the_tail_takes_nothing():
 
 # ---- the context plan --------------------------------------------------------------------------------------------
 def _cfg(max_position=4096):
-    from freetoken.engine.load import DEFAULT_MODEL
+    from freetoken.engine.loading.load import DEFAULT_MODEL
     from freetoken.loaders import SafetensorsDir
     from freetoken.models import from_hf
 
@@ -301,8 +301,8 @@ def test_context_exceeded_is_a_clear_error(bundled):
 
 
 def test_window_and_sinks_reach_the_attention_op(monkeypatch):
-    from freetoken.engine.build import build_decoder
-    from freetoken.engine.load import DEFAULT_MODEL
+    from freetoken.engine.loading.build import build_decoder
+    from freetoken.engine.loading.load import DEFAULT_MODEL
     from freetoken.loaders import SafetensorsDir
     from freetoken.models.weights import HFWeights
 

@@ -13,6 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Bottom to top: a package may import only packages listed before it.
 LAYERS = ["version", "paths", "default_model", "device", "info", "formats", "cpu_kernels", "ops", "cache", "loaders",
           "trace", "policy", "sim", "models", "convert", "engine", "testing", "serve", "cli", "__main__"]
+#: The engine's rooms, bottom to top (a room may import only those before it): what a load is told, the expert
+#: runners, KV reuse (prefix cache, anchors, state snapshots), one generation (the loaded Model, sampling, grammars,
+#: chat templates, text), loading (files -> decoder + runner -> Model), the batching step loop.
+ENGINE_ROOMS = ["options", "experts", "reuse", "generation", "loading", "batching"]
 #: The model's blocks compute with ops on a device; which experts are resident, how misses are served and what a
 #: run reports belong to the engine's expert runner.
 MODELS_MAY_IMPORT = {"paths", "device", "formats", "ops", "loaders", "models"}
@@ -117,6 +121,40 @@ def test_imports_point_down(edge):
     assert LAYERS.index(dst) < LAYERS.index(src), f"{src} is below {dst}: {EDGES[edge][:3]}"
     if src == "models":
         assert dst in MODELS_MAY_IMPORT, f"the model holds math only, yet: {EDGES[edge][:3]}"
+
+
+def _room(module: str) -> str | None:
+    """The engine room of ``module`` (None: outside the engine, or the engine package itself)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "engine" else None
+
+
+def _engine_edges():
+    edges = defaultdict(list)
+    for module, path in MODULES.items():
+        src = _room(module)
+        for target, _, line in _imports(module, path):
+            dst = _room(target)
+            if src is not None and dst is not None and dst != src:
+                edges[(src, dst)].append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    return edges
+
+
+ENGINE_EDGES = _engine_edges()
+
+
+def test_every_engine_module_is_in_a_room():
+    rooms = {_room(m) for m in MODULES} - {None}
+    assert rooms == set(ENGINE_ROOMS), f"place these in ENGINE_ROOMS: {sorted(rooms - set(ENGINE_ROOMS))}"
+    loose = [m for m in MODULES if m.startswith("freetoken.engine.") and m.count(".") == 2
+             and _room(m) not in ENGINE_ROOMS]
+    assert not loose, loose
+
+
+@pytest.mark.parametrize("edge", sorted(ENGINE_EDGES), ids=lambda e: f"{e[0]}->{e[1]}")
+def test_engine_rooms_import_down(edge):
+    src, dst = edge
+    assert ENGINE_ROOMS.index(dst) < ENGINE_ROOMS.index(src), f"{src} is below {dst}: {ENGINE_EDGES[edge][:3]}"
 
 
 def test_no_private_names_across_packages():

@@ -340,7 +340,7 @@ def test_decoder_logits_match_the_numpy_path(family, storage, tmp_path, monkeypa
     from tiny_models import make_checkpoint
 
     from freetoken import ops
-    from freetoken.engine.build import build_decoder
+    from freetoken.engine.loading.build import build_decoder
     from freetoken.engine.options import LoadOptions
     from freetoken.models import from_hf
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from tiny_models import GGUF_OVERRIDES
 
-from freetoken.engine.load import DEFAULT_MODEL, load
+from freetoken.engine.loading.load import DEFAULT_MODEL, load
 from freetoken.testing.oracles import need
 
 pytestmark = pytest.mark.llama_cpp

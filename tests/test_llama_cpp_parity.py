@@ -21,7 +21,7 @@ from llama_oracle import llama_logits
 from tiny_models import QWEN35_ROPE
 
 from freetoken.convert import export_gguf
-from freetoken.engine.load import DEFAULT_MODEL, load
+from freetoken.engine.loading.load import DEFAULT_MODEL, load
 from freetoken.testing.oracles import need
 
 llama_cpp = need("llama_cpp", "bash scripts/setup --llama-cpp builds it")  # every test compares with llama.cpp

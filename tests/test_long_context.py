@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from freetoken.engine.context import activation_bytes_per_token, default_prefill_chunk
+from freetoken.engine.loading.context import activation_bytes_per_token, default_prefill_chunk
 from freetoken.models.kv import KV_BLOCK_TOKENS, kv_token_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def _peak_rss_of(cmd: list[str]) -> tuple[int, str]:
 def test_32k_prompt_on_cpu_stays_within_the_memory_bound(tmp_path):
     from tokenizers import Tokenizer
 
-    from freetoken.engine.load import DEFAULT_MODEL
+    from freetoken.engine.loading.load import DEFAULT_MODEL
 
     sys.path.insert(0, str(ROOT / "bench"))
     from make_synthetic_gguf import main as make_synthetic

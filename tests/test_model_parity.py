@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tiny_models import FAMILIES, make_checkpoint
 
-from freetoken.engine.build import build_decoder
+from freetoken.engine.loading.build import build_decoder
 from freetoken.engine.options import ExpertOptions, LoadOptions
 from freetoken.models import ConfigError, from_hf
 from freetoken.testing.oracles import need
@@ -72,8 +72,8 @@ def test_greedy_generation_matches_transformers(checkpoint):
     from safetensors.numpy import load_file
 
     from freetoken.device import get_device
-    from freetoken.engine.generate import Model
-    from freetoken.engine.sampling import SamplingParams
+    from freetoken.engine.generation.generate import Model
+    from freetoken.engine.generation.sampling import SamplingParams
 
     torch, transformers = need("torch"), need("transformers")
     family, path, tokens, _ = checkpoint

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from freetoken.cli import main
-from freetoken.engine.load import load
-from freetoken.engine.perplexity import perplexity, token_nll
+from freetoken.engine.generation.perplexity import perplexity, token_nll
+from freetoken.engine.loading.load import load
 
 TEXT = "import os\nimport sys\n\n\ndef main(argv):\n    return len(argv)\n\n" * 12
 

@@ -114,7 +114,7 @@ def _decode(path, device, **kw):
 
     from safetensors.numpy import load_file
 
-    from freetoken.engine.build import build_decoder
+    from freetoken.engine.loading.build import build_decoder
     from freetoken.engine.options import ExpertOptions, LoadOptions
     from freetoken.models import from_hf
 
@@ -235,7 +235,7 @@ def _forward_chunks(path, device, chunks, prompt=40, **kw):
 
     from safetensors.numpy import load_file
 
-    from freetoken.engine.build import build_decoder
+    from freetoken.engine.loading.build import build_decoder
     from freetoken.engine.options import ExpertOptions, LoadOptions
     from freetoken.models import from_hf
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from freetoken.cli import main
-from freetoken.engine.load import DEFAULT_MODEL
+from freetoken.engine.loading.load import DEFAULT_MODEL
 
 PROMPT = "def fibonacci(n):"
 RUN = ["run", "--device", "emu", "--max-tokens", "12", "--temperature", "0", "--cache-slots", "40"]

@@ -1,4 +1,4 @@
-"""The radix prefix cache (freetoken.engine.prefix_cache) on its own, and with anchors under a model: random
+"""The radix prefix cache (freetoken.engine.reuse.prefix_cache) on its own, and with anchors under a model: random
 interleavings of requests that share, extend, diverge from and roll back to prefixes give the logits of a fresh
 computation, every block's reference count equals its holders at every step, and everything returns to the pool."""
 
@@ -10,7 +10,7 @@ from reuse_checks import assert_reused_exactly, prefill_logits
 
 from freetoken import load
 from freetoken.device import get_device
-from freetoken.engine.prefix_cache import RadixCache
+from freetoken.engine.reuse.prefix_cache import RadixCache
 from freetoken.models.kv import KVPool, KVSequence, kv_block_bytes
 
 CPU = get_device("cpu")

@@ -64,7 +64,7 @@ _TENSORS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o_proj": ("attn_output",), "
 @pytest.mark.parametrize("dev_name", ["cpu", "emu"])
 def test_gguf_quantized_non_expert_matrices(quantized_gguf, dev_name, monkeypatch):
     from freetoken.device import device_status
-    from freetoken.engine.load import load
+    from freetoken.engine.loading.load import load
     from freetoken.models.weights import GGUFWeights
 
     ok, why = device_status()[dev_name]

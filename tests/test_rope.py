@@ -42,7 +42,7 @@ def test_yarn_model_matches_transformers(tmp_path):
     from safetensors.numpy import load_file
 
     from freetoken.device import get_device
-    from freetoken.engine.build import build_decoder
+    from freetoken.engine.loading.build import build_decoder
     from freetoken.engine.options import LoadOptions
 
     scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}

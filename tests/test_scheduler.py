@@ -1,13 +1,13 @@
-"""The continuous-batching scheduler (freetoken.engine.scheduler) over a real KV pool, driven by a stand-in model
-whose next token is a function of a sequence's whole history, and which writes each fed token's id into its K rows:
-so a sequence's outputs in a batch must equal its outputs alone (also across preemption and recompute), and its rows
-must hold exactly its tokens after every step (block tables, copy on write and preemption never mix sequences)."""
+"""The continuous-batching scheduler (freetoken.engine.batching.scheduler) over a real KV pool, driven by a stand-in
+model whose next token is a function of a sequence's whole history, and which writes each fed token's id into its K
+rows: so a sequence's outputs in a batch must equal its outputs alone (also across preemption and recompute), and its
+rows must hold exactly its tokens after every step (block tables, copy on write and preemption never mix sequences)."""
 
 import numpy as np
 import pytest
 
 from freetoken.device import get_device
-from freetoken.engine.scheduler import Scheduler, Sequence, Status
+from freetoken.engine.batching.scheduler import Scheduler, Sequence, Status
 from freetoken.models.kv import KVPool, KVSequence
 
 CPU = get_device("cpu")

@@ -20,7 +20,7 @@ import openai
 import pytest
 from live_server import CTX, KEY, MODEL, Server, kill_mid_stream, running_server
 
-from freetoken.engine.load import DEFAULT_MODEL
+from freetoken.engine.loading.load import DEFAULT_MODEL
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_chat_whole_and_streamed_agree(server):
     # the prompt as the template renders it: the bundled template writes each message and a newline
     from tokenizers import Tokenizer
 
-    from freetoken.engine.load import DEFAULT_MODEL
+    from freetoken.engine.loading.load import DEFAULT_MODEL
 
     tok = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
     assert u.prompt_tokens == len(tok.encode("def add(a, b):\n", add_special_tokens=False).ids)

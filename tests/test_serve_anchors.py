@@ -15,9 +15,9 @@ import httpx
 import pytest
 from live_server import CTX, KEY, MODEL, Server, running_server
 
-from freetoken.engine.anchors import FILE_SUFFIX
-from freetoken.engine.chat import model_template
-from freetoken.engine.sampling import SamplingParams
+from freetoken.engine.generation.chat import model_template
+from freetoken.engine.generation.sampling import SamplingParams
+from freetoken.engine.reuse.anchors import FILE_SUFFIX
 
 MAX_TOKENS = 6
 #: (no newline at its end: the template adds one, and "\n\n" at the end of a text is one token of the bundled
@@ -39,7 +39,7 @@ class _Engine:
     """The bundled model in process: prompts rendered as the server renders them, answers recomputed whole."""
 
     def __init__(self):
-        from freetoken.engine.load import load
+        from freetoken.engine.loading.load import load
 
         self.model = load(None, device="cpu", ctx=CTX)
         self.template = model_template(self.model)
@@ -184,7 +184,7 @@ def test_an_unknown_anchor_is_recomputed_and_reported(server, engine):
 
 def _flip_a_kv_byte(path) -> None:
     """Flip one byte in the middle of the KV rows of the anchor's first block file (past its header)."""
-    from freetoken.engine.anchors import BLOCK_SUFFIX, FILE_MAGIC, read_frame
+    from freetoken.engine.reuse.anchors import BLOCK_SUFFIX, FILE_MAGIC, read_frame
 
     header, _ = read_frame(path, FILE_MAGIC)
     block = path.parent / "blocks" / f"{header['sums'][0]}{BLOCK_SUFFIX}"

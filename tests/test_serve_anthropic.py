@@ -18,7 +18,7 @@ import pytest
 from live_server import CTX, KEY, MODEL, kill_mid_stream, running_server
 from tokenizers import Tokenizer
 
-from freetoken.engine.load import DEFAULT_MODEL
+from freetoken.engine.loading.load import DEFAULT_MODEL
 
 USER = [{"role": "user", "content": "def add(a, b):"}]
 
@@ -176,7 +176,7 @@ def test_claude_codes_requests_as_it_sends_them(server, tokens):
 
 
 def test_system_entries_fold_into_the_system_prompt_where_the_template_refuses_them():
-    from freetoken.engine.chat import ChatTemplate
+    from freetoken.engine.generation.chat import ChatTemplate
     from freetoken.serve.anthropic_api import template_messages
     from freetoken.serve.anthropic_schemas import CountTokensRequest
 
@@ -199,7 +199,7 @@ def test_system_entries_fold_into_the_system_prompt_where_the_template_refuses_t
 
 
 def test_thinking_reaches_a_template_that_renders_reasoning():
-    from freetoken.engine.chat import ChatTemplate
+    from freetoken.engine.generation.chat import ChatTemplate
     from freetoken.serve.anthropic_api import template_messages
     from freetoken.serve.anthropic_schemas import CountTokensRequest
 
@@ -331,7 +331,7 @@ class _FakeModel:
     fails (``fail``) or ends."""
 
     def __init__(self, fail: bool):
-        from freetoken.engine.chat import ChatTemplate
+        from freetoken.engine.generation.chat import ChatTemplate
 
         self.fail = fail
         self.chat_template = ChatTemplate.chatml()
@@ -343,7 +343,7 @@ class _FakeModel:
         return list(range(len(text.split())))
 
     def generate_text(self, ids, max_tokens, sampling, **options):
-        from freetoken.engine.generate import GenerationStats
+        from freetoken.engine.generation.generate import GenerationStats
 
         self.stats = GenerationStats(generated_tokens=1, finish_reason="stop")
         yield "Hello"

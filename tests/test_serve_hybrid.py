@@ -16,9 +16,9 @@ import pytest
 from live_server import running_server
 from tiny_models import make_checkpoint
 
-from freetoken.engine.chat import model_template
-from freetoken.engine.load import DEFAULT_MODEL
-from freetoken.engine.sampling import SamplingParams
+from freetoken.engine.generation.chat import model_template
+from freetoken.engine.generation.sampling import SamplingParams
+from freetoken.engine.loading.load import DEFAULT_MODEL
 from freetoken.testing.oracles import need
 
 NAME = "tiny-qwen35"
@@ -44,7 +44,7 @@ def server(tmp_path_factory, checkpoint):
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    from freetoken.engine.load import load
+    from freetoken.engine.loading.load import load
 
     model = load(checkpoint, device="cpu", ctx=512)
     return model, model_template(model)
@@ -119,7 +119,7 @@ def test_anchors_keep_the_linear_states(server, engine):
 def test_chat_anchor_and_rollback(engine):
     """`freetoken chat`'s /anchor and /rollback on a hybrid model: the anchor is taken at the longest start of the
     conversation whose linear states were kept, and after a rollback the next turn answers as a fresh chat does."""
-    from freetoken.engine.chat import Chat
+    from freetoken.engine.generation.chat import Chat
 
     model, _ = engine
     greedy = SamplingParams(temperature=0)

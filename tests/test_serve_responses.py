@@ -119,7 +119,7 @@ def _error(server, body: dict, status: int = 400) -> dict:
 def _tokens(text: str) -> int:
     from tokenizers import Tokenizer
 
-    from freetoken.engine.load import DEFAULT_MODEL
+    from freetoken.engine.loading.load import DEFAULT_MODEL
 
     return len(Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json")).encode(text, add_special_tokens=False).ids)
 

@@ -6,9 +6,9 @@ seeded sampling."""
 import numpy as np
 import pytest
 
-from freetoken.engine.load import load
-from freetoken.engine.sampling import SamplingParams
-from freetoken.engine.step_loop import StepLoop
+from freetoken.engine.batching.step_loop import StepLoop
+from freetoken.engine.generation.sampling import SamplingParams
+from freetoken.engine.loading.load import load
 from freetoken.models.kv import KVPool
 
 TEXTS = ("def fibonacci(n):\n    if n < 2:\n        return n\n",

@@ -135,7 +135,7 @@ def test_kimi_checkpoint_loads_and_llama_cpp_reads_its_gguf(kimi, tmp_path):
     from tokenizers import Regex, pre_tokenizers
 
     from freetoken.convert import export_gguf
-    from freetoken.engine.load import load
+    from freetoken.engine.loading.load import load
 
     root, ranks, enc = kimi
     make_checkpoint("deepseek_v3", tmp_path / "hf", vocab_size=len(ranks) + SPECIAL_COUNT)

@@ -155,7 +155,7 @@ def test_harmony(piece):
 
 
 def test_harmony_template_stops_at_the_turn_not_the_message():
-    from freetoken.engine.chat import ChatTemplate
+    from freetoken.engine.generation.chat import ChatTemplate
 
     template = ChatTemplate("{% for m in messages %}<|start|>{{ m.role }}<|channel|>final<|message|>{{ m.content }}"
                             "{% if m.role == 'assistant' %}<|return|>{% else %}<|end|>{% endif %}{% endfor %}"
@@ -207,7 +207,7 @@ def test_forced_call_grammars(form, text, accepted):
     from llguidance import LLMatcher, LLTokenizer
     from tokenizers import Tokenizer
 
-    from freetoken.engine.load import DEFAULT_MODEL
+    from freetoken.engine.loading.load import DEFAULT_MODEL
     from freetoken.serve.tool_calls import forced_call_grammar
 
     tok = Tokenizer.from_file(str(DEFAULT_MODEL / "tokenizer.json"))
@@ -249,7 +249,7 @@ def test_glm45(piece):
 def test_glm45_renders_what_it_parses():
     """The GLM-4.5 template's own tool-call rendering (its macro, as the checkpoint's chat_template writes it) parsed
     back gives the calls it rendered."""
-    from freetoken.engine.chat import ChatTemplate
+    from freetoken.engine.generation.chat import ChatTemplate
     from freetoken.serve.tool_calls import Glm45Parser
 
     source = ("{% for m in messages %}{% if m.role == 'assistant' %}{% for tc in m.tool_calls %}"

@@ -2,7 +2,7 @@
 
 Reads one user message per line from stdin (a ``> `` prompt only when stdin is a terminal), streams each reply to
 stdout and a per-turn stats line to stderr. ``/reset`` starts the conversation over, ``/anchor`` and ``/rollback``
-mark the conversation and return to a mark (its K/V rows restored, verified: :mod:`freetoken.engine.anchors`),
+mark the conversation and return to a mark (its K/V rows restored, verified: :mod:`freetoken.engine.reuse.anchors`),
 ``/exit`` (or end of input) ends the session. The KV cache is reused from turn to turn: a turn prefills only what
 the previous one did not run.
 """
@@ -64,8 +64,8 @@ def _turn_stats(model) -> str:
 def cmd_chat(args: argparse.Namespace) -> int:
     from freetoken.cli.args import check_text, context_kwargs
     from freetoken.cli.policy import policy_kwargs
-    from freetoken.engine.load import load
-    from freetoken.engine.sampling import SamplingParams
+    from freetoken.engine.generation.sampling import SamplingParams
+    from freetoken.engine.loading.load import load
 
     # bad input fails here, before the model loads; freetoken.cli.main turns it into one line and exit code 2
     if args.system is not None:
@@ -85,7 +85,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _report_memory(model, verbose: bool) -> None:
-    from freetoken.engine.memory_report import breakdown_line, memory_line, types_line
+    from freetoken.engine.loading.memory_report import breakdown_line, memory_line, types_line
 
     kind = model.decoder.dev.kind
     print(f"[{kind}] {memory_line(model)}", file=sys.stderr)
@@ -99,7 +99,7 @@ def _report_memory(model, verbose: bool) -> None:
 def _converse(model, args: argparse.Namespace, sampling) -> int:
     """The session's loop: one user message a line until /exit or the end of input; the exit code."""
     from freetoken.cli.policy import apply_pinning
-    from freetoken.engine.chat import Chat
+    from freetoken.engine.generation.chat import Chat
 
     apply_pinning(model, args, None)
     chat = Chat(model, system=args.system)

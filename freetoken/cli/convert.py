@@ -85,7 +85,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         from pathlib import Path
 
         from freetoken.convert.ftw_export import existing_outputs, write_ftw
-        from freetoken.engine.sources import open_source
+        from freetoken.engine.loading.sources import open_source
 
         replaced = existing_outputs(Path(args.output))
         if replaced and not args.force:  # before planning, which may read every expert

@@ -18,8 +18,8 @@ Example: freetoken perplexity --model model.ftw --ctx 512 held_out.txt
 def _cmd_perplexity(args: argparse.Namespace) -> int:
     from freetoken.cli.args import context_kwargs, read_prompt_file
     from freetoken.cli.policy import policy_kwargs
-    from freetoken.engine.load import load
-    from freetoken.engine.perplexity import perplexity
+    from freetoken.engine.generation.perplexity import perplexity
+    from freetoken.engine.loading.load import load
 
     text = read_prompt_file(args.file)
     if not text:

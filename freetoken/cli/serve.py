@@ -102,7 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from freetoken.cli.args import context_kwargs
     from freetoken.cli.policy import apply_pinning, policy_kwargs
-    from freetoken.engine.load import load
+    from freetoken.engine.loading.load import load
     from freetoken.serve.app import Defaults, create_app
 
     if args.port > 65535:

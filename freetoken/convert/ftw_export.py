@@ -1,5 +1,5 @@
 """Write an FTW file (docs/ftw.md) from any weight source the decoder reads: an HF directory, a GGUF file or
-another FTW file (:func:`freetoken.engine.sources.open_source` opens them).
+another FTW file (:func:`freetoken.engine.loading.sources.open_source` opens them).
 
 Tensors are stored under the decoder's canonical keys: a matrix the source keeps in a block type the decoder runs
 (a GGUF Q4_K attention matrix, a block-FP8 projection) as those blocks, bit for bit; every other tensor as float,

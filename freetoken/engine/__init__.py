@@ -1,2 +1,4 @@
-"""Running a loaded model: load (files -> options -> decoder + expert runner, kernels warmed), the expert runners
-(:mod:`freetoken.engine.experts`), sampling, generation and chat."""
+"""Running a loaded model, in rooms that import only those below them (tests/test_layering.py): :mod:`.options`
+(what a load is told), :mod:`.experts` (the routed experts' runners), :mod:`.reuse` (prefix cache, anchors, state
+snapshots), :mod:`.generation` (the loaded Model, sampling, grammars, chat), :mod:`.loading` (files -> Model) and
+:mod:`.batching` (the scheduler and step loop)."""

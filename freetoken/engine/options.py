@@ -82,7 +82,7 @@ class LoadOptions:
     """``expert_format``: the :mod:`freetoken.formats` name the routed experts run in (None: as stored).
     ``kv_dtype``: how the paged KV cache stores keys and values (:data:`KV_KINDS`: bf16, the default; f16; f32;
     fp8 e4m3 with a float32 scale per token and kv head). ``kv_memory``: bytes of the KV pool (None: sized by
-    :func:`freetoken.engine.context.plan_context`). ``ctx``: the longest sequence (prompt and generated tokens)
+    :func:`freetoken.engine.loading.context.plan_context`). ``ctx``: the longest sequence (prompt and generated tokens)
     the model runs (None: the model's ``max_position_embeddings``, capped by the pool). ``prefill_chunk``: prompt
     tokens per forward pass (None: sized from the model's activations). ``progress``: progress lines on stderr while
     loading and preparing kernels. ``allow_widen``: a GGUF file's non-expert matrices in a block type no dense storage

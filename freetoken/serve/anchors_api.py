@@ -1,7 +1,7 @@
 """The anchor endpoints (not in the OpenAI or Anthropic APIs): ``POST /v1/anchors``, ``GET /v1/anchors``,
 ``DELETE /v1/anchors/{id}``.
 
-An anchor (:mod:`freetoken.engine.anchors`) is the verified KV state of a prompt's start; a chat request that
+An anchor (:mod:`freetoken.engine.reuse.anchors`) is the verified KV state of a prompt's start; a chat request that
 names it (``anchor``) resumes from it instead of prefilling that start again. Chat requests make anchors at their
 message boundaries by themselves; ``POST /v1/anchors`` makes one on purpose, of
 

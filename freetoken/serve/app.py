@@ -85,8 +85,8 @@ def create_app(load: Callable[[], object], model_name: str | list[str], api_key:
                defaults: Defaults = Defaults(), on_load_error: Callable[[BaseException], None] | None = None,
                on_ready: Callable[[object], None] | None = None, script: list[str] | None = None,
                max_seqs: int = 1, step_tokens: int | None = None) -> FastAPI:
-    """``load()`` returns the :class:`freetoken.engine.generate.Model`; it runs on a thread once the app starts,
-    so ``/health`` answers (503) meanwhile. ``on_load_error(e)`` / ``on_ready(model)`` are told how it went.
+    """``load()`` returns the :class:`freetoken.engine.generation.generate.Model`; it runs on a thread once the app
+    starts, so ``/health`` answers (503) meanwhile. ``on_load_error(e)`` / ``on_ready(model)`` are told how it went.
     ``script``: replies the worker gives instead of generating (tests; :class:`EngineWorker`). ``max_seqs`` > 1:
     requests batched, that many at once, ``step_tokens`` a step (:class:`freetoken.serve.batch_worker.BatchWorker`;
     a model with linear-attention layers runs one request at a time whatever it says)."""

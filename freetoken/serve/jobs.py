@@ -4,7 +4,7 @@ server's defaults (and the grammar its reply must follow), and the job's text co
 Each API module only reads its own request shape and writes its own response shape (their tools:
 :mod:`freetoken.serve.tool_use`).
 
-Anchors (:mod:`freetoken.engine.anchors`): a chat job makes one at each message boundary of its prompt as rendered
+Anchors (:mod:`freetoken.engine.reuse.anchors`): a chat job makes one at each message boundary of its prompt as rendered
 (and resumes from the longest one there), or resumes from the one its request names (``anchor``). What came of
 that is the response's extra field ``anchor`` (:func:`anchor_report`): a refused or unknown anchor is not an
 error, the prompt is recomputed and the field says why.
@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from pydantic import ValidationError
 
-from freetoken.engine.grammar import GrammarError
-from freetoken.engine.sampling import SamplingParams
+from freetoken.engine.generation.grammar import GrammarError
+from freetoken.engine.generation.sampling import SamplingParams
 from freetoken.serve.errors import APIError, validation_error
 from freetoken.serve.request_body import decode_json, read_body
 from freetoken.serve.worker import Job

@@ -133,8 +133,8 @@ class _LiveCollector:
 
 
 def _step_metrics(loop):
-    """A batching worker's step loop (:class:`freetoken.engine.step_loop.StepLoop`), read at scrape time."""
-    from freetoken.engine.step_loop import BATCH_SIZE_BOUNDS, STEP_TOKEN_BOUNDS
+    """A batching worker's step loop (:class:`freetoken.engine.batching.step_loop.StepLoop`), read at scrape time."""
+    from freetoken.engine.batching.step_loop import BATCH_SIZE_BOUNDS, STEP_TOKEN_BOUNDS
 
     st = loop.stats
     steps = CounterMetricFamily("freetoken_steps", "Forward passes of the step loop (each runs every running "

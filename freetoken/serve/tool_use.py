@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from freetoken.engine.chat import message_boundaries
+from freetoken.engine.generation.chat import message_boundaries
 from freetoken.serve.errors import APIError
 from freetoken.serve.jobs import grammar_constraint, render_chat
 from freetoken.serve.tool_calls import forced_call_grammar, inject_history, make_parser, tool_format

@@ -101,7 +101,7 @@ def make_seeds(root: str | os.PathLike) -> Seeds:
     from safetensors.numpy import save_file
 
     from freetoken.convert.gguf_export import export_gguf
-    from freetoken.engine.load import DEFAULT_MODEL
+    from freetoken.engine.loading.load import DEFAULT_MODEL
     from freetoken.trace.format import TraceRecorder
 
     root = Path(root)
@@ -131,7 +131,7 @@ def make_seeds(root: str | os.PathLike) -> Seeds:
         rec.save(trace)
     if not ftw.is_file():
         from freetoken.convert.ftw_export import write_ftw
-        from freetoken.engine.sources import open_source
+        from freetoken.engine.loading.sources import open_source
 
         write_ftw(open_source(hf), ftw)
     return Seeds(root, hf, gguf, trace, ftw)
@@ -623,7 +623,7 @@ def load_input(kind: str, path: Path) -> str:
         if summarize is not None:
             summarize(t)
         return f"trace {t.steps} steps"
-    from freetoken.engine.load import load
+    from freetoken.engine.loading.load import load
 
     m = load(path, device="cpu", ctx=64)
     m.decoder.forward(np.arange(3))

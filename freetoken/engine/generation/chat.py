@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from freetoken.engine.sampling import SamplingParams
+from freetoken.engine.generation.sampling import SamplingParams
 
 # Used when a model has no chat template (documented in the module docstring; the CLI warns).
 CHATML_TEMPLATE = (
@@ -231,7 +231,7 @@ class Chat:
         return self.model.encode(text, add_special_tokens=False)
 
     def anchor(self, label: str | None = None):
-        """An anchor of the conversation as it stands (its K/V rows held, see :mod:`freetoken.engine.anchors`), to
+        """An anchor of the conversation as it stands (its K/V rows held, see :mod:`freetoken.engine.reuse.anchors`), to
         :meth:`rollback` to. Made from the tokens the model holds of it: the conversation so far, rendered."""
         if not self.messages:
             raise ValueError("nothing to anchor: the conversation is empty")
@@ -307,8 +307,8 @@ def message_boundaries(template: ChatTemplate, messages: Sequence[dict], encode,
     earlier turn otherwise once more follows leaves that boundary out.
 
     With ``full_text`` (what ``ids`` encode) and ``offsets`` (each token's ``(start, end)`` characters in it, as
-    :meth:`freetoken.engine.generate.Model.token_offsets` gives them), each leading part of the conversation is
-    rendered and found at the start of ``full_text``, and its boundary is the number of tokens that end within
+    :meth:`freetoken.engine.generation.generate.Model.token_offsets` gives them), each leading part of the conversation
+    is rendered and found at the start of ``full_text``, and its boundary is the number of tokens that end within
     it: one encoding of the prompt in all. Otherwise ``encode(text)`` gives each leading part's token ids (no
     special-token post-processing: a pass over the whole prefix each, quadratic in a long conversation), which must
     be a prefix of ``ids`` up to its last :data:`BOUNDARY_SLACK` tokens (text at the end of a message can merge

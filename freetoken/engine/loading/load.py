@@ -6,17 +6,17 @@ import json
 from pathlib import Path
 
 from freetoken.device import get_device
-from freetoken.engine.build import build_decoder
-from freetoken.engine.chat import ChatTemplate
-from freetoken.engine.context import kv_load_bytes
-from freetoken.engine.generate import Model
+from freetoken.engine.generation.chat import ChatTemplate
+from freetoken.engine.generation.generate import Model
+from freetoken.engine.loading.build import build_decoder
+from freetoken.engine.loading.context import kv_load_bytes
 from freetoken.engine.options import ExpertOptions, LoadOptions
 from freetoken.loaders import LoadError, SafetensorsDir
 from freetoken.loaders.ftw_file import is_ftw
 from freetoken.models import from_hf
 from freetoken.models.weights import HFWeights, check_hf_tensors
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "default_model"
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "default_model"
 
 
 def _eos_ids(config: dict, path: Path, tokenizer) -> list[int]:
@@ -48,7 +48,7 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
 
     Context: ``ctx`` tokens at most (prompt and generated; default the model's ``max_position_embeddings`` capped
     by the KV pool), keys and values stored as ``kv_dtype`` (bf16, f16, f32 or fp8) in a paged pool of
-    ``kv_memory`` bytes (default: sized from free memory, see :mod:`freetoken.engine.context`); prompts run in
+    ``kv_memory`` bytes (default: sized from free memory, see :mod:`freetoken.engine.loading.context`); prompts run in
     forward passes of ``prefill_chunk`` tokens (default sized from the model's activations).
 
     Miss policy (gpu/emu): ``moe_mode`` ``gpu`` (copy every miss in), ``cpu`` (compute misses on the CPU),
@@ -79,7 +79,7 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
         raise LoadError(str(p), "no such model directory or file")
     dev = get_device(device)
     if ftw_model:
-        from freetoken.engine.sources import ftw_tokenizer_side, open_ftw
+        from freetoken.engine.loading.sources import ftw_tokenizer_side, open_ftw
 
         ftw, src = open_ftw(p, options.verify)
         check_ftw_memory(ftw, src, kv_load_bytes(src.cfg, dev.kind, options), options.expert_format,
@@ -88,7 +88,7 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
         tokenizer, eos, template = ftw_tokenizer_side(src, p)
         return Model(decoder, tokenizer, eos, chat_template=template, weight_files=ftw.shards)
     if p.is_file():
-        from freetoken.engine.load_gguf import load_gguf
+        from freetoken.engine.loading.load_gguf import load_gguf
 
         decoder, tokenizer, eos, template = load_gguf(p, dev, options)
         return Model(decoder, tokenizer, eos, chat_template=template, weight_files=[p])

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from freetoken.engine.sampling import Sampler, SamplingParams
-from freetoken.engine.text_stream import TextStream
+from freetoken.engine.generation.sampling import Sampler, SamplingParams
+from freetoken.engine.generation.text_stream import TextStream
 
 
 @dataclass
@@ -55,13 +55,13 @@ class Model:
     ``cached_ids`` are the token ids whose K/V rows the decoder holds (rows ``[0, decoder.length)``).
     ``generate(..., reuse_cache=True)`` reuses the longest prefix of the new prompt whose K/V rows are still in the
     pool: the decoder's own sequence, or any earlier one in the radix prefix cache (:attr:`prefix_cache`, made on
-    first use; :mod:`freetoken.engine.prefix_cache`), or a verified anchor (:attr:`anchors`,
-    :mod:`freetoken.engine.anchors`), and prefills only the rest. A model with linear-attention layers resumes only
-    where the layers' recurrent states were kept as well: the decoder's own snapshots, the states of earlier
-    sequences in :attr:`state_cache` (:mod:`freetoken.engine.state_cache`), an anchor's states. This bookkeeping
+    first use; :mod:`freetoken.engine.reuse.prefix_cache`), or a verified anchor (:attr:`anchors`,
+    :mod:`freetoken.engine.reuse.anchors`), and prefills only the rest. A model with linear-attention layers resumes
+    only where the layers' recurrent states were kept as well: the decoder's own snapshots, the states of earlier
+    sequences in :attr:`state_cache` (:mod:`freetoken.engine.reuse.state_cache`), an anchor's states. This bookkeeping
     assumes the decoder is driven through this Model only. ``chat_template`` is the model's
-    :class:`freetoken.engine.chat.ChatTemplate` (None when the model has none). ``weight_files``: the files the
-    weights came from (part of :attr:`fingerprint`)."""
+    :class:`freetoken.engine.generation.chat.ChatTemplate` (None when the model has none). ``weight_files``: the files
+    the weights came from (part of :attr:`fingerprint`)."""
 
     def __init__(self, decoder, tokenizer=None, eos_ids: Sequence[int] = (), chat_template=None,
                  weight_files: Sequence[str] = ()):
@@ -83,9 +83,9 @@ class Model:
     # ---- reuse: prefix cache and anchors -------------------------------------------------------------------------
     @property
     def fingerprint(self) -> str:
-        """What an anchor must match to be used with this model (:mod:`freetoken.engine.fingerprint`)."""
+        """What an anchor must match to be used with this model (:mod:`freetoken.engine.reuse.fingerprint`)."""
         if self._fingerprint is None:
-            from freetoken.engine.fingerprint import model_fingerprint
+            from freetoken.engine.reuse.fingerprint import model_fingerprint
 
             self._fingerprint = model_fingerprint(self.decoder.cfg, self.decoder.embed,
                                                   self.experts.formats_name(), self.weight_files)
@@ -95,7 +95,7 @@ class Model:
     def prefix_cache(self):
         """The radix prefix cache over the decoder's KV pool (made on first use, and anew for a new pool)."""
         if self._prefix_cache is None or self._prefix_cache.pool is not self.decoder.pool:
-            from freetoken.engine.prefix_cache import RadixCache
+            from freetoken.engine.reuse.prefix_cache import RadixCache
 
             self._prefix_cache = RadixCache(self.decoder.pool)
         return self._prefix_cache
@@ -105,7 +105,7 @@ class Model:
         """The linear-attention states of earlier sequences by token prefix (made on first use; a model without
         linear-attention layers never fills it)."""
         if self._state_cache is None:
-            from freetoken.engine.state_cache import StateCache
+            from freetoken.engine.reuse.state_cache import StateCache
 
             self._state_cache = StateCache()
         return self._state_cache
@@ -119,8 +119,8 @@ class Model:
 
     def use_anchor_dir(self, directory, **store_options):
         """(Re)make the anchor store, its anchors written to and indexed from ``directory`` (None: memory only);
-        ``store_options``: :class:`freetoken.engine.anchors.AnchorStore` keywords. Returns the store."""
-        from freetoken.engine.anchors import AnchorStore
+        ``store_options``: :class:`freetoken.engine.reuse.anchors.AnchorStore` keywords. Returns the store."""
+        from freetoken.engine.reuse.anchors import AnchorStore
 
         if self._anchors is not None:  # the old store lets go of the pool; its files stay where they are
             self._anchors.close()
@@ -146,7 +146,7 @@ class Model:
 
     def rollback(self, anchor) -> int:
         """Make the decoder's sequence the anchor's tokens again (verified, see
-        :meth:`freetoken.engine.anchors.AnchorStore.restore`); returns their number. ValueError when the anchor is
+        :meth:`freetoken.engine.reuse.anchors.AnchorStore.restore`); returns their number. ValueError when the anchor is
         refused."""
         a = self.anchors.get(anchor) if isinstance(anchor, str) else anchor
         if a is None:
@@ -335,11 +335,11 @@ class Model:
         prompt and the tokens generated after it, an earlier sequence in the prefix cache, an anchor at one of
         ``boundaries``) and prefill only the rest. ``stats.cached_tokens`` counts the reused tokens and
         ``stats.prompt_tokens`` the prefilled ones. Default: a fresh sequence, the whole prompt prefilled.
-        ``anchor``: an :class:`freetoken.engine.anchors.Anchor` (or its id) to resume from; it is verified first
+        ``anchor``: an :class:`freetoken.engine.reuse.anchors.Anchor` (or its id) to resume from; it is verified first
         and, refused, recomputed (``stats.anchor_refused`` says why). ``boundaries``: positions in the prompt
         (message boundaries) at which anchors are made once the prompt has run (``stats.anchors_made``).
-        ``constraint``: a :class:`freetoken.engine.grammar.TokenConstraint` the tokens must follow; generation ends
-        when its grammar is complete."""
+        ``constraint``: a :class:`freetoken.engine.generation.grammar.TokenConstraint` the tokens must follow;
+        generation ends when its grammar is complete."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
         if not ids:
             raise ValueError("the prompt is empty")

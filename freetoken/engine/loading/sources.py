@@ -34,7 +34,7 @@ def ftw_tokenizer_side(src: FTWSource, path: Path):
             raise LoadError(str(path), f"its tokenizer does not load ({e})", "index") from None
     template = None
     if src.chat_template:
-        from freetoken.engine.chat import ChatTemplate
+        from freetoken.engine.generation.chat import ChatTemplate
 
         template = ChatTemplate(src.chat_template["source"], src.chat_template.get("special_tokens"),
                                 name=f"{path.name}: chat template")
@@ -43,7 +43,7 @@ def ftw_tokenizer_side(src: FTWSource, path: Path):
 
 def open_source(path: str | Path, allow_widen: bool = False) -> FTWSource:
     """An HF directory, a GGUF file or an FTW file as an :class:`FTWSource` (what ``freetoken convert`` reads)."""
-    from freetoken.engine.load import DEFAULT_MODEL, _eos_ids
+    from freetoken.engine.loading.load import DEFAULT_MODEL, _eos_ids
 
     p = Path(path) if path is not None else DEFAULT_MODEL
     ftw_model = is_ftw(p)  # a file, or a sharded set by the name it was written as (which is no file)
@@ -54,12 +54,12 @@ def open_source(path: str | Path, allow_widen: bool = False) -> FTWSource:
         src.name = f"{p.name}, from {src.name}" if src.name else p.name  # the chain of conversions
         return src
     if p.is_file():
-        from freetoken.engine.load_gguf import open_gguf
+        from freetoken.engine.loading.load_gguf import open_gguf
 
         cfg, weights, tokenizer, eos, template = open_gguf(p, kv_bytes=0, expert_format=None, allow_widen=allow_widen)
         return FTWSource(cfg, weights, tokenizer.to_str() if tokenizer is not None else None, eos,
                          _template_json(template), p.name)
-    from freetoken.engine.load import open_hf_dir
+    from freetoken.engine.loading.load import open_hf_dir
 
     cfg, weights, sd = open_hf_dir(p, kv_bytes=0, expert_format=None)
     tokenizer_json = (p / "tokenizer.json").read_text() if (p / "tokenizer.json").is_file() else None
@@ -70,7 +70,7 @@ def open_source(path: str | Path, allow_widen: bool = False) -> FTWSource:
             tokenizer_json = tokenizer_from_tiktoken(p).to_str()
     template = None
     if tokenizer_json is not None:
-        from freetoken.engine.chat import ChatTemplate
+        from freetoken.engine.generation.chat import ChatTemplate
 
         template = ChatTemplate.from_dir(p)
     tok = None

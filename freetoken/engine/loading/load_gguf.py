@@ -1,4 +1,4 @@
-"""A GGUF file (llama.cpp) -> the decoder and tokenizer of a :class:`freetoken.engine.generate.Model`.
+"""A GGUF file (llama.cpp) -> the decoder and tokenizer of a :class:`freetoken.engine.generation.generate.Model`.
 
 Everything that can be checked before the long work is: the architecture and config come from the metadata
 (:func:`freetoken.models.config.from_gguf`), every tensor the decoder will read is looked up by name and shape
@@ -175,7 +175,7 @@ def open_gguf(path: Path, kv_bytes, expert_format: str | None, allow_widen: bool
     eos = sorted({meta[k] for k in ("eos_token_id", "eot_token_id") if meta and meta.get(k) is not None})
     template = None
     if meta is not None and meta.get("chat_template"):
-        from freetoken.engine.chat import ChatTemplate
+        from freetoken.engine.generation.chat import ChatTemplate
 
         special = {f"{k}_token": meta["tokens"][meta[f"{k}_token_id"]] for k in ("bos", "eos")
                    if meta.get(f"{k}_token_id") is not None}
@@ -186,8 +186,8 @@ def open_gguf(path: Path, kv_bytes, expert_format: str | None, allow_widen: bool
 def load_gguf(path: Path, device, options):
     """(decoder, tokenizer or None, eos ids, :class:`ChatTemplate` or None) of a GGUF file loaded as ``options``
     (:class:`freetoken.engine.options.LoadOptions`) say."""
-    from freetoken.engine.build import build_decoder
-    from freetoken.engine.context import kv_load_bytes
+    from freetoken.engine.loading.build import build_decoder
+    from freetoken.engine.loading.context import kv_load_bytes
 
     cfg, weights, tokenizer, eos, template = open_gguf(
         path, lambda c: kv_load_bytes(c, device.kind, options), options.expert_format, options.allow_widen)

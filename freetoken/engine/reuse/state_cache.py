@@ -5,7 +5,7 @@ A recurrent state cannot be cut back to a shorter prefix the way the KV rows can
 length where its states were kept. The decoder keeps a few snapshots of its own sequence
 (:meth:`freetoken.models.decoder.MoeDecoder.resume_points`: prompt ends, message boundaries, every few thousand tokens
 of a long prompt); when that sequence is replaced (another conversation, a request that departs earlier), the
-engine moves its KV blocks into the radix prefix cache (:mod:`freetoken.engine.prefix_cache`) and its states into
+engine moves its KV blocks into the radix prefix cache (:mod:`freetoken.engine.reuse.prefix_cache`) and its states into
 this cache, so a later request that shares one of those prefixes resumes there instead of prefilling from the start.
 
 Each entry is the exact token ids of a prefix and host copies of every linear layer's conv and recurrent state at

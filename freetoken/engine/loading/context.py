@@ -1,7 +1,7 @@
 """How long a context a loaded model gets, how big its KV pool is, and how many prompt tokens one forward pass takes.
 
 The pool is sized after the weights and the expert slots are in place (:func:`plan_context`, called by
-:func:`freetoken.engine.build.build_decoder`), from a memory budget:
+:func:`freetoken.engine.loading.build.build_decoder`), from a memory budget:
 
 * ``--kv-memory SIZE`` (``LoadOptions.kv_memory``): that many bytes, on any device;
 * gpu, by default: the device memory still free after the weights and the expert slots, less

@@ -1,7 +1,7 @@
 """The step loop: many generation requests share each forward pass (continuous batching).
 
-A :class:`StepLoop` holds a :class:`~freetoken.engine.scheduler.Scheduler` over the model's KV pool and runs each
-step it plans as one :meth:`~freetoken.models.decoder.MoeDecoder.forward_batch`: the decode token of every running
+A :class:`StepLoop` holds a :class:`~freetoken.engine.batching.scheduler.Scheduler` over the model's KV pool and runs
+each step it plans as one :meth:`~freetoken.models.decoder.MoeDecoder.forward_batch`: the decode token of every running
 request and chunks of the prompts being prefilled, so the routed experts of a layer are read once for all of them.
 Each request keeps its own sampler (parameters, seed, grammar) and stop ids; :meth:`StepLoop.step` returns what each
 request produced in that step as values (:class:`StepEvent`), and a request's tokens and end are on its
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from freetoken.engine.generate import GenerationStats
-from freetoken.engine.sampling import Sampler, SamplingParams
-from freetoken.engine.scheduler import Scheduler, Sequence, Status
+from freetoken.engine.batching.scheduler import Scheduler, Sequence, Status
+from freetoken.engine.generation.generate import GenerationStats
+from freetoken.engine.generation.sampling import Sampler, SamplingParams
 
 #: Running sequences at once unless told otherwise.
 DEFAULT_MAX_SEQS = 16
@@ -103,7 +103,7 @@ class StepEvent:
 
 
 class StepLoop:
-    """Runs requests on ``model`` (a :class:`freetoken.engine.generate.Model`) in batched steps.
+    """Runs requests on ``model`` (a :class:`freetoken.engine.generation.generate.Model`) in batched steps.
 
     ``max_seqs``: requests running at once (the rest wait, first come first served); ``step_tokens``: tokens in one
     forward pass (default: the decoder's prompt chunk, which its activation buffers are sized for, and at least
@@ -145,7 +145,7 @@ class StepLoop:
                constraint=None, stop_ids: Collection[int] | None = None, anchor=None,
                boundaries: Seq[int] = ()) -> Request:
         """Queue a request: ``prompt`` token ids, at most ``max_tokens`` new ones, its own ``sampling`` parameters
-        and seed, a :class:`freetoken.engine.grammar.TokenConstraint` (the request ends when its grammar is
+        and seed, a :class:`freetoken.engine.generation.grammar.TokenConstraint` (the request ends when its grammar is
         complete), ``stop_ids`` (default: the model's end-of-sequence ids), an ``anchor`` to resume from and the
         prompt's message ``boundaries`` (see the module doc; a hybrid model's requests use neither yet). ValueError
         for an empty prompt, one longer than the context, or ``max_tokens`` < 1."""

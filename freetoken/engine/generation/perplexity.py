@@ -42,8 +42,8 @@ def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 def perplexity(model, ids: list[int] | np.ndarray, ctx: int = 512, max_chunks: int | None = None,
                progress: Callable[[int, int, float], None] | None = None) -> Perplexity:
-    """The perplexity of ``model`` (a :class:`freetoken.engine.generate.Model`) on token ids ``ids``; ``progress``
-    is called after each chunk with (chunks done, chunks, running perplexity)."""
+    """The perplexity of ``model`` (a :class:`freetoken.engine.generation.generate.Model`) on token ids ``ids``;
+    ``progress`` is called after each chunk with (chunks done, chunks, running perplexity)."""
     ids = np.asarray(ids, np.int64).reshape(-1)
     if ctx < 2:
         raise ValueError(f"ctx must be at least 2 tokens, got {ctx}")

@@ -1,7 +1,7 @@
 """Semantic anchors: verified snapshots of a sequence's KV state at a message boundary, to return to later.
 
 An :class:`Anchor` is the exact token ids of a prefix, the KV blocks that hold their keys and values, and what a
-restore must check: the model's fingerprint (:mod:`freetoken.engine.fingerprint`), the KV kind and the pool's
+restore must check: the model's fingerprint (:mod:`freetoken.engine.reuse.fingerprint`), the KV kind and the pool's
 layout, and checksums of the KV bytes taken when the anchor was made (xxh3-128 per block over the anchor's rows of
 every layer's K, V and fp8 scales; the anchor's checksum is xxh3-128 over those). Its id is the BLAKE3-256 of the
 fingerprint and the token ids, so a request can name the anchors its own message boundaries would have.

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from freetoken.engine.context import plan_context
 from freetoken.engine.experts import make_runner
+from freetoken.engine.loading.context import plan_context
 from freetoken.engine.options import ExpertOptions, LoadOptions
 from freetoken.models import MoeDecoder
 from freetoken.models.config import ModelConfig
@@ -27,7 +27,7 @@ def build_decoder(cfg: ModelConfig, weights: Weights | Callable[[str], np.ndarra
     decode is ever timed with compilation in it (:func:`warm_up_kernels`).
 
     The KV pool and the context are sized once the weights and the expert slots are in place
-    (:func:`freetoken.engine.context.plan_context`); the plan is kept as ``decoder.context_plan`` (its ``why``
+    (:func:`freetoken.engine.loading.context.plan_context`); the plan is kept as ``decoder.context_plan`` (its ``why``
     is the line ``run`` and ``chat`` print)."""
     if options is None:
         options = LoadOptions(experts=ExpertOptions(**experts))

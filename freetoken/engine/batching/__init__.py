@@ -1,0 +1,2 @@
+"""Continuous batching: the scheduler (admission, step budget, KV blocks, preemption) and the step loop that runs
+many requests in each forward pass."""
