@@ -324,6 +324,7 @@ class ScriptedDecoder:
         self.kv = KVSequence(self.pool, self.pool.tokens)
         self.cfg, self.embed = SimpleNamespace(script=bytes(script)), np.zeros((256, 1), np.float32)
         self.experts = SimpleNamespace(formats_name=lambda: "none", last_routing=[])
+        self.seq = self  # its one sequence (a DecoderSequence's kv and length are all the reuse code takes of it)
 
     @property
     def length(self):

@@ -80,6 +80,19 @@ def test_one_sequence_prefills_in_chunks_then_decodes():
     assert seq.kv is None and pool.free_blocks == pool.num_blocks
 
 
+def test_prompt_chunks_end_at_the_cuts():
+    """A sequence's cuts (where the engine copies linear-attention states) end its prompt chunks there, whatever
+    the budget; the rest of the budget is not spent on it in that step."""
+    pool = _pool(16)
+    sched = Scheduler(pool, ctx=64, step_tokens=8, max_seqs=2)
+    seq = Sequence(prompt=list(range(10, 30)), max_tokens=2, cuts=(3, 5, 13))
+    sched.add(seq)
+    plans = _drain(sched)
+    assert [[(c.start, len(c.ids)) for c in p.chunks] for p in plans] == [
+        [(0, 3)], [(3, 2)], [(5, 8)], [(13, 7)], [(20, 1)]]
+    assert seq.output == _alone(seq.prompt, 2)
+
+
 def test_decodes_share_every_step_with_a_long_prompt():
     sched = Scheduler(_pool(32), ctx=64, step_tokens=6, max_seqs=4)
     a = Sequence(prompt=[5, 6, 7], max_tokens=20)

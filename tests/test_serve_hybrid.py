@@ -1,135 +1,80 @@
-"""`freetoken serve` with a Qwen3.5-MoE model (Gated DeltaNet layers): a live server in a subprocess on a tiny random
-checkpoint that carries the bundled tokenizer, and the same checkpoint in process to recompute each greedy answer
-from scratch.
+"""A model with linear-attention layers (a tiny Qwen3-Next with the bundled tokenizer) served with continuous
+batching, in process: concurrent chat requests get the greedy replies they get one at a time, and a conversation's
+next turn resumes from the states its last turn left (reported as cached prompt tokens)."""
 
-An agent's requests repeat the conversation so far: the second request resumes from the linear layers' state kept at
-the first one's message boundary (reported as cached tokens) and answers as a fresh run does, also after another
-conversation replaced the engine's sequence; anchors carry the linear layers' states.
-"""
-
-from __future__ import annotations
-
-import json
+import re
 import shutil
+import threading
+import time
 
 import pytest
-from live_server import running_server
 from tiny_models import make_checkpoint
 
-from freetoken.engine.generation.chat import model_template
-from freetoken.engine.generation.sampling import SamplingParams
-from freetoken.engine.loading.load import DEFAULT_MODEL
-from freetoken.testing.oracles import need
+from freetoken.engine.loading.load import DEFAULT_MODEL, load
 
-NAME = "tiny-qwen35"
-MAX_TOKENS = 5
-SYSTEM = "You review Python code." + "".join(f"\n# rule {i}: keep functions short" for i in range(6))
+MODEL = "tiny-qwen3-next"
+QUESTIONS = ("def add(a, b):", "import os\nimport sys", "class Point:")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    need("torch")
-    path = tmp_path_factory.mktemp("hybrid") / "qwen35"
-    vocab = json.loads((DEFAULT_MODEL / "config.json").read_text())["vocab_size"]
-    make_checkpoint("qwen3_5_moe", path, vocab_size=vocab, eos_token_id=0)
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_next_served")
+    make_checkpoint("qwen3_next", path, vocab_size=4096)  # the bundled tokenizer's vocabulary
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEFAULT_MODEL / name, path / name)
     return path
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, checkpoint):
-    yield from running_server(tmp_path_factory, "--model", str(checkpoint), "--served-model-name", NAME)
+def _client(model_dir, max_seqs: int):
+    from starlette.testclient import TestClient
+
+    from freetoken.serve.app import create_app
+
+    model = load(model_dir, device="cpu", ctx=512, kv_dtype="f32")
+    assert model.decoder.recurrent
+    return TestClient(create_app(lambda: model, MODEL, api_key=None, max_seqs=max_seqs))
 
 
-@pytest.fixture(scope="module")
-def engine(checkpoint):
-    from freetoken.engine.loading.load import load
-
-    model = load(checkpoint, device="cpu", ctx=512)
-    return model, model_template(model)
-
-
-def _conv(user: str) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+def _ready(client):
+    deadline = time.monotonic() + 120
+    while client.get("/health").status_code != 200:
+        assert time.monotonic() < deadline, "the model did not load"
+        time.sleep(0.02)
 
 
-def _answer(engine, messages) -> str:
-    model, template = engine
-    ids = model.encode(template.render(messages, add_generation_prompt=True), add_special_tokens=False)
-    return "".join(model.generate_text(ids, MAX_TOKENS, SamplingParams(temperature=0), stop=template.stop_strings()))
-
-
-def _chat(server, messages):
-    return server.client().chat.completions.create(model=NAME, messages=messages, temperature=0,
-                                                   max_tokens=MAX_TOKENS)
-
-
-def test_a_shared_system_prompt_resumes_from_its_state(server, engine):
-    model, template = engine
-    system = len(model.encode(template.render(_conv("x")[:1], add_generation_prompt=False),
-                              add_special_tokens=False))
-    first = _chat(server, _conv("def add(a, b):"))
-    assert first.usage.prompt_tokens_details.cached_tokens == 0
-    assert first.choices[0].message.content == _answer(engine, _conv("def add(a, b):"))
-    second = _chat(server, _conv("def mul(a, b):"))
-    assert second.usage.prompt_tokens_details.cached_tokens == system  # the state at the system message's end
-    assert second.choices[0].message.content == _answer(engine, _conv("def mul(a, b):"))
-
-
-def test_a_conversation_resumes_after_another_one(server, engine):
-    """Another conversation (another system prompt) in between replaces the engine's sequence; the first one's next
-    request still resumes at its system message, from the state kept there (an anchor at that boundary, or the state
-    cache), and answers as a fresh run does."""
-    model, template = engine
-    other = [{"role": "system", "content": "You write haiku."}, {"role": "user", "content": "autumn"}]
-    system = len(model.encode(template.render(_conv("x")[:1], add_generation_prompt=False),
-                              add_special_tokens=False))
-    _chat(server, _conv("def div(a, b):"))
-    _chat(server, other)
-    back = _chat(server, _conv("def mod(a, b):"))
-    assert back.usage.prompt_tokens_details.cached_tokens == system
-    assert back.choices[0].message.content == _answer(engine, _conv("def mod(a, b):"))
-
-
-def test_anchors_keep_the_linear_states(server, engine):
-    """``POST /v1/anchors`` anchors the conversation with the linear layers' states; a request naming the anchor,
-    after another conversation, resumes from it whole and answers as a fresh run does."""
-    model, template = engine
-    conv = _conv("def neg(a):")
-    r = server.post("/v1/anchors", {"messages": conv})
+def _chat(client, messages):
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 8,
+                                                  "temperature": 0})
     assert r.status_code == 200, r.text
-    a = r.json()
-    assert a["linear_states"] and a["tokens"] == len(model.encode(template.render(conv, add_generation_prompt=False),
-                                                                   add_special_tokens=False))
-    _chat(server, _conv("something else entirely"))
-    later = conv + [{"role": "assistant", "content": "return -a"}, {"role": "user", "content": "and for zero?"}]
-    resp = server.client().chat.completions.create(model=NAME, messages=later, temperature=0, max_tokens=MAX_TOKENS,
-                                                   extra_body={"anchor": a["id"]})
-    assert resp.model_extra["anchor"]["restored"] == a["id"], resp.model_extra["anchor"]
-    assert resp.usage.prompt_tokens_details.cached_tokens == a["tokens"]
-    assert resp.choices[0].message.content == _answer(engine, later)
-    # the same conversation, no longer: its last token's logits are not kept with the states, so the anchor cannot
-    # serve it (the linear layers cannot step back one token); it is refused with that reason and recomputed
-    same = server.client().chat.completions.create(model=NAME, messages=conv, temperature=0, max_tokens=MAX_TOKENS,
-                                                   extra_body={"anchor": a["id"]})
-    assert "only" in same.model_extra["anchor"]["refused"] and same.choices[0].message.content == _answer(engine, conv)
+    return r.json()
 
 
-def test_chat_anchor_and_rollback(engine):
-    """`freetoken chat`'s /anchor and /rollback on a hybrid model: the anchor is taken at the longest start of the
-    conversation whose linear states were kept, and after a rollback the next turn answers as a fresh chat does."""
-    from freetoken.engine.generation.chat import Chat
+def test_batched_replies_equal_one_at_a_time_and_turns_resume(model_dir):
+    asks = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    with _client(model_dir, max_seqs=1) as one:
+        _ready(one)
+        want = [_chat(one, m)["choices"][0]["message"]["content"] for m in asks]
+    with _client(model_dir, max_seqs=3) as batched:
+        _ready(batched)
+        got = [None] * len(asks)
 
-    model, _ = engine
-    greedy = SamplingParams(temperature=0)
-    chat = Chat(model, system=SYSTEM)
-    "".join(chat.send("def add(a, b):", MAX_TOKENS, greedy))
-    a = chat.anchor()
-    assert a.info()["linear_states"] and a.length in model.decoder.resume_points()
-    "".join(chat.send("and sub?", MAX_TOKENS, greedy))
-    chat.rollback(a)
-    assert model.decoder.length == a.length and len(chat.messages) == 3
-    got = "".join(chat.send("and mul?", MAX_TOKENS, greedy))
-    assert model.stats.cached_tokens >= a.length
-    assert got == _answer(engine, chat.messages[:-1])  # recomputed from scratch
+        def ask(i):
+            got[i] = _chat(batched, asks[i])
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(asks))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [g["choices"][0]["message"]["content"] for g in got] == want
+        metrics = batched.get("/metrics").text
+        steps = float(re.search(r"^freetoken_steps_total (\S+)$", metrics, re.M).group(1))
+        alone = float(re.search(r'^freetoken_step_batch_size_bucket\{le="1.0"\} (\S+)$', metrics, re.M).group(1))
+        assert steps > alone  # the batching worker ran them, some steps together
+        # the next turn of the first conversation: its prompt repeats the first turn's
+        turn = asks[0] + [{"role": "assistant", "content": want[0]}, {"role": "user", "content": "and subtract?"}]
+        reply = _chat(batched, turn)
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > got[0]["usage"]["prompt_tokens"] // 2
+    with _client(model_dir, max_seqs=1) as fresh:
+        _ready(fresh)
+        assert _chat(fresh, turn)["choices"][0]["message"]["content"] == reply["choices"][0]["message"]["content"]

@@ -61,7 +61,7 @@ def add_serve_parser(sub) -> None:
                    help="continuous batching: up to N requests generate at once, sharing every step (a layer's "
                         "experts are read once for all of them), the rest wait first come first served; a long "
                         "prompt runs in chunks beside the running streams. Default 1: one request at a time, in "
-                        "order. A model with linear-attention layers (Qwen3-Next, Qwen3.5) runs one at a time")
+                        "order")
     p.add_argument("--step-tokens", type=count(1), default=None, metavar="N",
                    help="with --max-seqs > 1: tokens in one step, decode tokens first, then prompt chunks (default: "
                         "the prefill chunk the model's activations are sized for, at least --max-seqs)")

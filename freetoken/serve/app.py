@@ -88,8 +88,7 @@ def create_app(load: Callable[[], object], model_name: str | list[str], api_key:
     """``load()`` returns the :class:`freetoken.engine.generation.generate.Model`; it runs on a thread once the app
     starts, so ``/health`` answers (503) meanwhile. ``on_load_error(e)`` / ``on_ready(model)`` are told how it went.
     ``script``: replies the worker gives instead of generating (tests; :class:`EngineWorker`). ``max_seqs`` > 1:
-    requests batched, that many at once, ``step_tokens`` a step (:class:`freetoken.serve.batch_worker.BatchWorker`;
-    a model with linear-attention layers runs one request at a time whatever it says)."""
+    requests batched, that many at once, ``step_tokens`` a step (:class:`freetoken.serve.batch_worker.BatchWorker`)."""
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     state = ServerState(model_name=names[0], aliases=tuple(names[1:]), defaults=defaults, api_key=api_key or None)
 
@@ -101,7 +100,7 @@ def create_app(load: Callable[[], object], model_name: str | list[str], api_key:
             if on_load_error is not None:
                 on_load_error(e)
             return
-        if max_seqs > 1 and script is None and not model.decoder.recurrent:
+        if max_seqs > 1 and script is None:
             state.worker = BatchWorker(model, on_finish=state.metrics.job_finished, max_seqs=max_seqs,
                                        step_tokens=step_tokens)
         else:

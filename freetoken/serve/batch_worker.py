@@ -7,8 +7,8 @@ prefilled. A request's text goes through its own :class:`freetoken.engine.genera
 strings, held-back text), its reply ends as the one-job worker's does (the same :class:`Outcome`), a job whose client
 left is dropped from the loop before the next step. Prefix reuse and anchors work as they do alone (the step loop's).
 
-A model with linear-attention layers keeps the one-job worker (the step loop does not keep their states' snapshots
-yet). Jobs that carry a ``task`` (the anchor routes) run between two steps, on this thread.
+A model with linear-attention layers batches the same way (the step loop keeps their states where reuse needs
+them). Jobs that carry a ``task`` (the anchor routes) run between two steps, on this thread.
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ class BatchWorker(EngineWorker):
     ``step_tokens`` tokens a step (None: the step loop's default)."""
 
     def __init__(self, model, on_finish=None, max_seqs: int = 8, step_tokens: int | None = None):
-        if model.decoder.recurrent:
-            raise ValueError("continuous batching does not serve a model with linear-attention layers yet")
         self.loop_engine = StepLoop(model, max_seqs=max_seqs, step_tokens=step_tokens)
         self._active: dict[Request, _Active] = {}
         super().__init__(model, on_finish=on_finish)

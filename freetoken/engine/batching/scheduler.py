@@ -59,6 +59,9 @@ class Sequence:
     finish_reason: str | None = None
     preemptions: int = 0
     arrival: int = field(default_factory=lambda: next(_numbers))
+    #: positions at which a chunk must end (sorted): where the engine keeps a model's linear-attention states (a
+    #: recurrent state holds the sequence at one length only, so it is copied between two chunks)
+    cuts: tuple[int, ...] = ()
 
     @property
     def tokens(self) -> list[int]:
@@ -83,6 +86,11 @@ class Sequence:
     def pending(self) -> int:
         """Tokens still to feed before the next one can be sampled (1 while decoding)."""
         return self.length - self.computed
+
+    def clip(self, n: int) -> int:
+        """``n`` tokens from :attr:`computed` on, or fewer: up to the first of :attr:`cuts` inside them."""
+        start = self.computed
+        return next((c - start for c in self.cuts if start < c < start + n), n)
 
 
 @dataclass(frozen=True)
@@ -176,7 +184,7 @@ class Scheduler:
             budget = self.step_tokens - plan.tokens
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
-            n = min(seq.pending, budget)
+            n = seq.clip(min(seq.pending, budget))
             if self._reserve(seq, n, plan):
                 plan.chunks.append(self._chunk(seq, n))
         while (self.waiting and self.step_tokens > plan.tokens and len(self.running) < self.max_seqs
@@ -184,7 +192,7 @@ class Scheduler:
             seq = self.waiting[0]
             try:  # (attach may allocate too: the engine copies a shared, partly filled last block of a prefix)
                 self._attach(seq)
-                n = min(seq.pending, self.step_tokens - plan.tokens)
+                n = seq.clip(min(seq.pending, self.step_tokens - plan.tokens))
                 seq.kv.prepare(seq.computed, n)
             except OutOfKVBlocks:
                 self._drop_kv(seq)

@@ -7,14 +7,19 @@ Each request keeps its own sampler (parameters, seed, grammar) and stop ids; :me
 request produced in that step as values (:class:`StepEvent`), and a request's tokens and end are on its
 :class:`Request`.
 
-KV reuse, for a model without linear-attention layers, as ``Model.generate`` does it (``Model.adopt_prefix``): a
-request admitted adopts the longest prefix of its tokens that the radix prefix cache holds, or an anchor (the one it
-names, or the longest at one of its message boundaries, verified) when that holds more; once its prompt has run,
-the prompt's full blocks enter the prefix cache (a request arriving meanwhile with the same start shares them) and
-anchors are made at its boundaries; a sequence that ends or is preempted leaves all its rows in the prefix cache (a
-preempted one usually finds them again when it is recomputed). Not yet (issue 42): the linear-attention state
-snapshots of ``Model.generate`` (a hybrid model's request starts from an empty sequence), and the server as a
-client.
+KV reuse as ``Model.generate`` does it (``Model.adopt_prefix``): a request admitted adopts the longest prefix of its
+tokens that the radix prefix cache holds, or an anchor (the one it names, or the longest at one of its message
+boundaries, verified) when that holds more; once its prompt has run, the prompt's full blocks enter the prefix cache
+(a request arriving meanwhile with the same start shares them) and anchors are made at its boundaries; a sequence
+that ends or is preempted leaves all its rows in the prefix cache (``Model.retire_sequence``; a preempted one
+usually finds them again when it is readmitted).
+
+A model with linear-attention layers (Qwen3-Next, Qwen3.5) resumes only where their recurrent states were kept as
+well, since a state holds the sequence at one length: a request's prompt chunks end at its message boundaries and
+every ``decoder.snapshot_every`` tokens (the scheduler's ``cuts``), the states are copied there and at the prompt's
+end (the sequence's snapshots; at a boundary also for its anchor), and a sequence that leaves puts them, with its
+current length's, into the model's state cache, where the next request of the conversation (or the sequence itself,
+readmitted after a preemption) finds them beside the prefix cache's KV rows.
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ class Request:
     boundaries: Seq[int] = ()
     stats: GenerationStats = field(default_factory=GenerationStats)
     prompt_ran: bool = False  # its prompt has run once (the cache and anchors had what they take of it)
+    #: with linear-attention layers: the states at each boundary the prompt has reached, for the anchors made there
+    states_at: dict = field(default_factory=dict)
 
     @property
     def cached_tokens(self) -> int:
@@ -116,7 +123,8 @@ class StepLoop:
         if dec.pool is None:
             raise RuntimeError("the model's decoder has no KV pool yet")
         self.model, self.decoder = model, dec
-        self.cache = model.prefix_cache if reuse and not dec.recurrent else None
+        self.cache = model.prefix_cache if reuse else None
+        self.recurrent = bool(dec.recurrent)
         step_tokens = max(dec.prefill_chunk, max_seqs) if step_tokens is None else int(step_tokens)
         self.scheduler = Scheduler(dec.pool, dec.max_ctx, step_tokens, max_seqs,
                                    attach=self._attach, detach=self._detach)
@@ -128,17 +136,18 @@ class StepLoop:
         if self.cache is None:
             return
         req = self.requests[seq]
-        if seq.preemptions:  # recomputed: whatever of it the prefix cache still holds
-            self.model.adopt_prefix(seq.kv.kv, seq.tokens, None, (), GenerationStats())
+        if seq.preemptions:  # recomputed: whatever of it the prefix caches still hold
+            self.model.adopt_prefix(seq.kv, seq.tokens, None, (), GenerationStats())
             return
         st = req.stats
-        st.cached_tokens = self.model.adopt_prefix(seq.kv.kv, seq.prompt, req.anchor, req.boundaries, st)
+        st.cached_tokens = self.model.adopt_prefix(seq.kv, seq.prompt, req.anchor, req.boundaries, st)
         st.prompt_tokens = len(seq.prompt) - st.cached_tokens
+        if self.recurrent and st.cached_tokens in req.boundaries:  # the anchor there takes the states at hand
+            req.states_at[st.cached_tokens] = seq.kv.export_states()
 
     def _detach(self, seq: Sequence) -> None:
-        n = seq.kv.length
-        if self.cache is not None and n:
-            self.cache.insert(seq.tokens, seq.kv.kv.blocks, n)
+        if self.cache is not None:
+            self.model.retire_sequence(seq.kv, seq.tokens)
         seq.kv.reset()
 
     def submit(self, prompt: Iterable[int], max_tokens: int, sampling: SamplingParams | None = None,
@@ -147,17 +156,21 @@ class StepLoop:
         """Queue a request: ``prompt`` token ids, at most ``max_tokens`` new ones, its own ``sampling`` parameters
         and seed, a :class:`freetoken.engine.generation.grammar.TokenConstraint` (the request ends when its grammar is
         complete), ``stop_ids`` (default: the model's end-of-sequence ids), an ``anchor`` to resume from and the
-        prompt's message ``boundaries`` (see the module doc; a hybrid model's requests use neither yet). ValueError
-        for an empty prompt, one longer than the context, or ``max_tokens`` < 1."""
+        prompt's message ``boundaries`` (see the module doc). ValueError for an empty prompt, one longer than the
+        context, or ``max_tokens`` < 1."""
         ids = [int(i) for i in prompt]
         vocab = self.decoder.cfg.vocab_size
         if any(not 0 <= i < vocab for i in ids):
             raise ValueError(f"token ids must be in [0, {vocab})")
         stop = set(self.model.eos_ids if stop_ids is None else (int(i) for i in stop_ids))
+        marks = sorted({int(b) for b in boundaries if 0 < int(b) <= len(ids)})
         seq = Sequence(ids, int(max_tokens), stop_ids=stop)
+        if self.recurrent and self.cache is not None:  # where the states are kept (see the module doc)
+            every = self.decoder.snapshot_every
+            periodic = range(every, len(ids), every) if every > 0 else ()
+            seq.cuts = tuple(sorted({*(b for b in marks if b < len(ids)), *periodic}))
         self.scheduler.add(seq)
-        req = Request(seq, Sampler(sampling, constraint), anchor,
-                      sorted({int(b) for b in boundaries if 0 < int(b) <= len(ids)}))
+        req = Request(seq, Sampler(sampling, constraint), anchor, marks)
         req.stats.prompt_tokens = len(ids)
         self.requests[seq] = req
         return req
@@ -199,6 +212,8 @@ class StepLoop:
             return events
         logits = self.decoder.forward_batch([(c.seq.kv, np.asarray(c.ids, np.int64)) for c in plan.chunks])
         self.stats.record(len(plan.chunks), plan.tokens)
+        if self.recurrent and self.cache is not None:
+            self._keep_states(plan)
         sampled, done = {}, []
         for row, chunk in enumerate(plan.chunks):
             if chunk.samples:
@@ -224,17 +239,39 @@ class StepLoop:
             events.append(StepEvent(req, tok, seq.finish_reason if seq in ended else None))
         return events
 
+    def _keep_states(self, plan) -> None:
+        """Copies of the linear-attention states of each sequence whose chunk ended at one of its cuts or at the end
+        of its prompt (its snapshots, for the state cache when it leaves); at a message boundary also for the anchor
+        made there."""
+        for chunk in plan.chunks:
+            seq, req = chunk.seq, self.requests[chunk.seq]
+            end = chunk.start + len(chunk.ids)
+            prompt_end = end == len(seq.prompt) and not req.prompt_ran
+            if end in seq.cuts or prompt_end:
+                marked = prompt_end or end in req.boundaries
+                seq.kv.snapshot(self.decoder.max_snapshots, periodic=not marked)
+                if end in req.boundaries and not req.prompt_ran:
+                    req.states_at[end] = seq.kv.export_states()
+
     def _prompt_done(self, req: Request) -> None:
         """The prompt's full blocks into the prefix cache (for requests that share its start meanwhile), anchors at
-        its boundaries."""
+        its boundaries (with linear-attention layers, with the states kept there; a boundary inside the reused
+        prefix has none at hand: an anchor there already is reported instead)."""
         req.prompt_ran = True
         seq, bs = req.seq, self.cache.block_size
         if len(seq.prompt) >= bs:
             self.cache.insert(seq.prompt, seq.kv.kv.blocks, len(seq.prompt) // bs * bs)
         model = self.model
         for b in req.boundaries:
-            req.stats.anchors_made.append(model.anchors.create(seq.kv.kv, seq.prompt, b,
-                                                               residency=model._residency()).id)
+            states = req.states_at.get(b) if self.recurrent else None
+            if self.recurrent and states is None:
+                have = model.anchors.best_prefix(seq.prompt, [b])
+                if have is not None:
+                    req.stats.anchors_made.append(have)
+                continue
+            req.stats.anchors_made.append(model.anchors.create(seq.kv.kv, seq.prompt, b, residency=model._residency(),
+                                                               states=states).id)
+        req.states_at = {}
 
     def run(self) -> list[StepEvent]:
         """Step until every request has ended; all the events in order."""

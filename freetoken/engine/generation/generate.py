@@ -180,16 +180,23 @@ class Model:
         return max(p for p in self.decoder.resume_points() if p <= same)
 
     def _retire(self) -> None:
-        """Put the decoder's current sequence into the prefix cache (before it is replaced), and with
-        linear-attention layers the states it kept into the state cache (those not there already)."""
-        n = self.decoder.length
-        if not n or len(self.cached_ids) < n:  # fewer ids: the decoder ran tokens this Model did not see
+        """Put the decoder's current sequence into the prefix caches (before it is replaced)."""
+        if self.decoder.length:
+            self.retire_sequence(self.decoder.seq, self.cached_ids)
+
+    def retire_sequence(self, seq, tokens: Sequence[int]) -> None:
+        """Put ``seq`` (a :class:`freetoken.models.sequence.DecoderSequence` whose rows are those of ``tokens``'
+        first ``seq.length``) into the radix prefix cache, and with linear-attention layers the states it kept (its
+        snapshots and its current length) into the state cache, those not there already; the sequence itself is
+        left as it is."""
+        n = seq.length
+        if not n or len(tokens) < n:  # fewer ids: the sequence ran tokens the caller did not see
             return
-        self.prefix_cache.insert(self.cached_ids, self.decoder.kv.blocks, n)
+        self.prefix_cache.insert(tokens, seq.kv.blocks, n)
         if self._recurrent:
-            for m in self.decoder.resume_points():
-                if m and not self.state_cache.has(self.cached_ids[:m]):
-                    self.state_cache.put(self.cached_ids[:m], self.decoder.export_states(m))
+            for m in seq.resume_points():
+                if m and not self.state_cache.has(tokens[:m]):
+                    self.state_cache.put(tokens[:m], seq.export_states(m))
 
     def _anchor_candidate(self, ids: Sequence[int], anchor, boundaries: Sequence[int], st: GenerationStats):
         """(store, target, cand): the anchor to try, ``anchor`` (an Anchor or an id) or else the longest one at
@@ -218,13 +225,13 @@ class Model:
 
     def _reuse_recurrent(self, ids: Sequence[int], anchor, boundaries: Sequence[int], st: GenerationStats) -> int:
         """:meth:`_reuse` for a decoder with linear-attention layers: the longest prefix of ``ids`` whose states are
-        at hand as well as its KV rows, from the decoder's own sequence (no copy), an anchor (the one named, or the
-        longest at one of ``boundaries``; verified, states included) or the state cache (with the radix prefix
-        cache's KV blocks)."""
+        at hand as well as its KV rows, from the decoder's own sequence (no copy), or else as
+        :meth:`adopt_prefix` finds it."""
         limit = len(ids) - 1
         own = self._own_resume(ids)
         # at a boundary: one that ends before the prompt's last token (the states hold the token they end at)
-        store, target, cand = self._anchor_candidate(ids, anchor, [b for b in boundaries if b <= limit], st)
+        candidate = self._anchor_candidate(ids, anchor, [b for b in boundaries if b <= limit], st)
+        cand = candidate[2]
         cached = self._state_cache.best(ids, limit) if self._state_cache is not None else None
         elsewhere = max(cached.length if cached is not None else 0,
                         cand.length if cand is not None and cand.length <= limit else 0)
@@ -232,26 +239,8 @@ class Model:
             self.decoder.length = own  # (what is cut off is dropped: keeping it would share the last block)
             return own
         self._retire()
-        blocks, n = self.prefix_cache.match(ids, limit)
-        pool, seq = self.decoder.pool, self.decoder.kv
-        pool.retain(blocks)  # the match is held while room is made below
-        try:
-            self.decoder.reset()  # the old sequence is in the prefix caches now
-            keep = 0
-            if cand is not None:
-                states = {}
-                keep = self._restore_anchor(store, target, cand, ids, limit, blocks, n, st, states)
-                if keep:
-                    self.decoder.import_states(states)
-            entry = self.state_cache.best(ids, min(n, limit))  # states whose KV rows the match covers
-            if entry is not None and entry.length > keep:
-                keep = entry.length
-                seq.adopt(blocks[:-(-keep // pool.block_size)], keep)
-                self.decoder.import_states(entry.arrays)
-            seq.own_last()
-        finally:
-            pool.release(blocks)
-        return keep
+        self.decoder.reset()  # the old sequence is in the prefix caches now
+        return self._adopt_recurrent(self.decoder.seq, ids, candidate, st)
 
     def _reuse(self, ids: Sequence[int], anchor, boundaries: Sequence[int], st: GenerationStats) -> int:
         """Put the longest reusable prefix of ``ids`` into the decoder's sequence; returns its length."""
@@ -259,15 +248,20 @@ class Model:
             return self._reuse_recurrent(ids, anchor, boundaries, st)
         self._retire()
         self.decoder.kv.reset()  # the old sequence is in the prefix cache: what of it nobody needs can go when needed
-        return self.adopt_prefix(self.decoder.kv, ids, anchor, boundaries, st)
+        return self.adopt_prefix(self.decoder.seq, ids, anchor, boundaries, st)
 
     def adopt_prefix(self, seq, ids: Sequence[int], anchor, boundaries: Sequence[int], st: GenerationStats) -> int:
-        """Put the longest reusable prefix of ``ids`` into the empty :class:`freetoken.models.kv.KVSequence`
-        ``seq`` (a model without linear-attention layers): the radix prefix cache's match, or an anchor (``anchor``,
-        an Anchor or an id, or else the longest at one of ``boundaries``; verified, and refused into ``st``) when it
-        holds more; returns the tokens reused. The last token of ``ids`` is never among them (it is fed again, for
-        its logits)."""
+        """Put the longest reusable prefix of ``ids`` into the empty
+        :class:`freetoken.models.sequence.DecoderSequence` ``seq``: the radix prefix cache's match, or an anchor
+        (``anchor``, an Anchor or an id, or else the longest at one of ``boundaries``; verified, and refused into
+        ``st``) when it holds more; with linear-attention layers only a prefix whose states are at hand too (the
+        anchor's, or the state cache's over the match). Returns the tokens reused. The last token of ``ids`` is
+        never among them (it is fed again, for its logits)."""
         limit = len(ids) - 1
+        if self._recurrent:
+            candidate = self._anchor_candidate(ids, anchor, [b for b in boundaries if b <= limit], st)
+            return self._adopt_recurrent(seq, ids, candidate, st)
+        kv = seq.kv
         blocks, n = self.prefix_cache.match(ids, limit)
         pool = self.decoder.pool
         pool.retain(blocks)  # the match is held while room is made below (what else the tree holds may go)
@@ -275,11 +269,37 @@ class Model:
             store, target, cand = self._anchor_candidate(ids, anchor, boundaries, st)
             keep = 0
             if cand is not None and (anchor is not None or min(cand.length, limit) > n):
-                keep = self._restore_anchor(store, target, cand, ids, limit, blocks, n, st, seq=seq)
+                keep = self._restore_anchor(store, target, cand, ids, limit, blocks, n, st, seq=kv)
             if n > keep:
-                seq.adopt(blocks, n)
+                kv.adopt(blocks, n)
                 keep = n
-            seq.own_last()  # a shared partial last block copied now, while the pool can still make room for it
+            kv.own_last()  # a shared partial last block copied now, while the pool can still make room for it
+        finally:
+            pool.release(blocks)
+        return keep
+
+    def _adopt_recurrent(self, seq, ids: Sequence[int], candidate, st: GenerationStats) -> int:
+        """:meth:`adopt_prefix` with linear-attention layers, ``candidate`` the anchor to try
+        (:meth:`_anchor_candidate`): the anchor (verified, states included), or the state cache's longest entry
+        whose KV rows the radix prefix cache's match covers, whichever holds more."""
+        limit = len(ids) - 1
+        store, target, cand = candidate
+        blocks, n = self.prefix_cache.match(ids, limit)
+        pool, kv = self.decoder.pool, seq.kv
+        pool.retain(blocks)  # the match is held while room is made below
+        try:
+            keep = 0
+            if cand is not None:
+                states = {}
+                keep = self._restore_anchor(store, target, cand, ids, limit, blocks, n, st, states, seq=kv)
+                if keep:
+                    seq.import_states(states)
+            entry = self.state_cache.best(ids, min(n, limit))  # states whose KV rows the match covers
+            if entry is not None and entry.length > keep:
+                keep = entry.length
+                kv.adopt(blocks[:-(-keep // pool.block_size)], keep)
+                seq.import_states(entry.arrays)
+            kv.own_last()
         finally:
             pool.release(blocks)
         return keep
