@@ -7,14 +7,21 @@ output tokens per second (every request's tokens over the wall time of the whole
 same run, the per-request decode speed (tokens after the first over the time from its first to its last token), and
 TTFT p50 / p99 (submission to first token). The engine alone, no HTTP: what the scheduler and ``forward_batch`` give.
 
+``--llama-cpp`` (a GGUF model) runs llama.cpp's own batched decoding on the same file and threads in the same run,
+as ``llama-batched-bench`` does it through llama-cpp-python's low-level API: one sequence id per stream, the prompts
+prefilled together in batches of up to 512 tokens (logits of each prompt's last token only), then one
+``llama_decode`` per step holding every stream's next token, greedy from the logits; its aggregate tok/s and TTFT
+columns and freetoken / llama.cpp ratios are added.
+
     python bench/bench_batch.py                          # the bundled model, cpu
     python bench/make_synthetic_gguf.py /tmp/synthetic-moe.gguf
-    python bench/bench_batch.py --model /tmp/synthetic-moe.gguf --streams 1,2,4,8,16
+    python bench/bench_batch.py --model /tmp/synthetic-moe.gguf --streams 1,2,4,8,16 --llama-cpp
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import time
@@ -46,7 +53,69 @@ def run(model, n: int, prompt: int, output: int, max_seqs: int, step_tokens: int
     per = [(len(r.output) - 1) / (last[id(r)] - first[id(r)]) for r in reqs if last[id(r)] > first[id(r)]]
     return dict(n=n, tokens=tokens, wall=wall, agg=tokens / wall, per=float(np.mean(per)) if per else 0.0,
                 ttft50=float(np.percentile(ttft, 50)), ttft99=float(np.percentile(ttft, 99)), steps=loop.steps,
-                mean_step=float(np.mean(loop.step_token_counts)))
+                mean_step=loop.stats.tokens / max(loop.stats.steps, 1))
+
+
+def run_llama(path: str, n: int, prompt: int, output: int, seed: int, threads: int, repack: bool) -> dict:
+    """llama.cpp's batched decoding of ``n`` streams (see the module doc); the same measures as :func:`run`."""
+    import llama_cpp as ll
+
+    from freetoken.testing.oracles import llama_cpp_without_repacking
+
+    lib = ll.llama_cpp
+    with llama_cpp_without_repacking() if not repack else contextlib.nullcontext():
+        model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path}")
+    cp = lib.llama_context_default_params()
+    chunk = 512
+    cp.n_ctx = n * (prompt + output + 16)
+    cp.n_batch = cp.n_ubatch = max(chunk, n)
+    cp.n_seq_max = n
+    cp.n_threads = cp.n_threads_batch = threads
+    cp.kv_unified = True
+    ctx = lib.llama_init_from_model(model, cp)
+    vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+    batch = lib.llama_batch_init(cp.n_batch, 0, 1)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, vocab, prompt) for _ in range(n)]
+
+    def decode(items):
+        """One llama_decode of (sequence, position, token, wants logits) items; the logits rows asked for."""
+        batch.n_tokens = len(items)
+        for i, (s, pos, tok, want) in enumerate(items):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = int(tok), pos, 1
+            batch.seq_id[i][0], batch.logits[i] = s, want
+        if lib.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        return {s: int(np.argmax(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, i), shape=(vocab,))))
+                for i, (s, _, _, want) in enumerate(items) if want}
+
+    try:
+        t0 = time.perf_counter()
+        work = [(s, p, tok, p == prompt - 1) for s in range(n) for p, tok in enumerate(prompts[s])]
+        nxt, first, last = {}, {}, {}
+        for c in range(0, len(work), chunk):
+            got = decode(work[c:c + chunk])
+            now = time.perf_counter()
+            for s, tok in got.items():
+                nxt[s], first[s], last[s] = tok, now, now
+        outputs = {s: [nxt[s]] for s in range(n)}
+        for step in range(1, output):
+            got = decode([(s, prompt + step - 1, outputs[s][-1], True) for s in range(n)])
+            now = time.perf_counter()
+            for s, tok in got.items():
+                outputs[s].append(tok)
+                last[s] = now
+        wall = time.perf_counter() - t0
+    finally:
+        lib.llama_batch_free(batch)
+        lib.llama_free(ctx)
+        lib.llama_model_free(model)
+    ttft = np.array([first[s] - t0 for s in range(n)])
+    per = [(output - 1) / (last[s] - first[s]) for s in range(n) if last[s] > first[s]]
+    return dict(agg=n * output / wall, per=float(np.mean(per)) if per else 0.0,
+                ttft50=float(np.percentile(ttft, 50)), ttft99=float(np.percentile(ttft, 99)))
 
 
 def main():
@@ -60,7 +129,13 @@ def main():
     ap.add_argument("--step-tokens", type=int, default=None, help="tokens per step (default: the engine's)")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--llama-cpp", action="store_true", help="llama.cpp's batched decoding on the same GGUF, same run")
+    ap.add_argument("--llama-no-repack", action="store_true",
+                    help="llama.cpp without its weight repacking (llama-cpp-python 0.3.36 crashes on some AVX-512 "
+                         "machines with repacked k-quants)")
     args = ap.parse_args()
+    if args.llama_cpp and not str(args.model or "").endswith(".gguf"):
+        ap.error("--llama-cpp needs a GGUF --model (llama.cpp reads GGUF files only)")
     streams = [int(s) for s in args.streams.split(",")]
     from freetoken.engine.loading.load import load
     from freetoken.models.kv import KVPool
@@ -75,18 +150,33 @@ def main():
                                kind=dec.pool.kind, values=cfg.kv_cache_values), dec.max_ctx, dec.prefill_chunk)
     run(model, 1, min(args.prompt, 16), 4, max_seqs, args.step_tokens, args.seed)  # warm-up
     rows = [run(model, n, args.prompt, args.output, max_seqs, args.step_tokens, args.seed) for n in streams]
+    if args.llama_cpp:
+        threads = int(os.environ.get("NUMBA_NUM_THREADS", os.cpu_count()))
+        run_llama(args.model, 1, 16, 4, args.seed, threads, not args.llama_no_repack)  # warm-up
+        for r in rows:
+            r["llama"] = run_llama(args.model, r["n"], args.prompt, args.output, args.seed, threads,
+                                   not args.llama_no_repack)
     base = rows[0]["agg"] if rows[0]["n"] == 1 else None
     name = args.model or "bundled model"
     print(f"{name}, device {args.device}, {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
           f"{args.prompt} prompt + {args.output} output tokens per request, max_seqs {max_seqs}, step tokens "
           f"{args.step_tokens or 'default'}")
-    print("| streams | aggregate tok/s | x 1 stream | per-stream decode tok/s | TTFT p50 s | TTFT p99 s | steps | "
-          "tokens/step |")
-    print("|---|---|---|---|---|---|---|---|")
+    head = ("| streams | aggregate tok/s | x 1 stream | per-stream decode tok/s | TTFT p50 s | TTFT p99 s | steps | "
+            "tokens/step |")
+    if args.llama_cpp:
+        head += " llama.cpp tok/s | x 1 stream | per-stream | TTFT p50 s | freetoken / llama.cpp |"
+    print(head)
+    print("|---" * (head.count("|") - 1) + "|")
+    lbase = rows[0]["llama"]["agg"] if args.llama_cpp and rows[0]["n"] == 1 else None
     for r in rows:
         ratio = f"{r['agg'] / base:.2f}" if base else "-"
-        print(f"| {r['n']} | {r['agg']:.1f} | {ratio} | {r['per']:.1f} | {r['ttft50']:.2f} | {r['ttft99']:.2f} | "
-              f"{r['steps']} | {r['mean_step']:.1f} |")
+        line = (f"| {r['n']} | {r['agg']:.1f} | {ratio} | {r['per']:.1f} | {r['ttft50']:.2f} | {r['ttft99']:.2f} | "
+                f"{r['steps']} | {r['mean_step']:.1f} |")
+        if args.llama_cpp:
+            lr = r["llama"]
+            line += (f" {lr['agg']:.1f} | {lr['agg'] / lbase:.2f} |" if lbase else f" {lr['agg']:.1f} | - |")
+            line += f" {lr['per']:.1f} | {lr['ttft50']:.2f} | {r['agg'] / lr['agg']:.2f} |"
+        print(line)
 
 
 if __name__ == "__main__":
