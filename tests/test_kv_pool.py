@@ -212,6 +212,23 @@ def test_context_plan():
         LoadOptions(ctx=0)
 
 
+def test_context_plan_for_several_sequences():
+    """A batching server's pool: room for each of its sequences' whole contexts as the budget allows, the context
+    sized as for one (never shorter for the others' sake)."""
+    cfg = _cfg(4096)
+    block = kv_block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "bf16")
+    per_ctx = 4096 // KV_BLOCK_TOKENS
+    plan = plan_context(cfg, CPU, LoadOptions(kv_sequences=4))
+    assert plan.ctx == 4096 and plan.num_blocks == 4 * per_ctx and "room for 4.0 of 4 sequences" in plan.why
+    plan = plan_context(cfg, CPU, LoadOptions(ctx=1000, kv_sequences=3))
+    assert plan.ctx == 1000 and plan.num_blocks == 3 * -(-1000 // KV_BLOCK_TOKENS)
+    # an explicit budget is the pool, whatever the sequences
+    plan = plan_context(cfg, CPU, LoadOptions(kv_memory=per_ctx * 3 // 2 * block, kv_sequences=4))
+    assert plan.ctx == 4096 and plan.num_blocks == per_ctx * 3 // 2 and "room for 1.5 of 4" in plan.why
+    with pytest.raises(ValueError, match="kv_sequences must be > 0"):
+        LoadOptions(kv_sequences=0)
+
+
 # ---- the model on the pool ---------------------------------------------------------------------------------------
 PROMPT = ("import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser(description=__doc__)\n"
           "    parser.add_argument('--verbose', action='store_true')\n    args = parser.parse_args(argv)\n"

@@ -60,8 +60,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--max-seqs", type=count(1), default=1, metavar="N",
                    help="continuous batching: up to N requests generate at once, sharing every step (a layer's "
                         "experts are read once for all of them), the rest wait first come first served; a long "
-                        "prompt runs in chunks beside the running streams. Default 1: one request at a time, in "
-                        "order")
+                        "prompt runs in chunks beside the running streams; the KV pool makes room for N whole "
+                        "contexts as far as memory allows (--kv-memory sets it outright). Default 1: one request at "
+                        "a time, in order")
     p.add_argument("--step-tokens", type=count(1), default=None, metavar="N",
                    help="with --max-seqs > 1: tokens in one step, decode tokens first, then prompt chunks (default: "
                         "the prefill chunk the model's activations are sized for, at least --max-seqs)")
@@ -125,7 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def load_model():
         model = load(args.model, device=args.device, progress=False, cache_slots=args.cache_slots,
-                     **policy_kwargs(args), **context_kwargs(args))
+                     kv_sequences=args.max_seqs, **policy_kwargs(args), **context_kwargs(args))
         pin_note.append(apply_pinning(model, args, None))  # before the worker owns the model
         model.use_anchor_dir(args.anchor_dir)  # the anchor store, at load: DIR's files indexed before a request
         return model

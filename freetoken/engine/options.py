@@ -88,12 +88,14 @@ class LoadOptions:
     loading and preparing kernels. ``allow_widen``: a GGUF file's non-expert matrices in a block type no dense storage
     keeps are widened to float32 instead of refused. ``verify``: an FTW file's checksums, checked as its data is
     read: "full" (every tensor and record, the default: xxh3 hashes faster than a disk reads), "sample" (every
-    tensor, one record in 16) or "none"."""
+    tensor, one record in 16) or "none". ``kv_sequences``: sequences the default pool makes room for, each up to the
+    whole context (a batching server's ``--max-seqs``), as far as the memory budget allows (one at least)."""
 
     expert_format: str | None = None
     kv_dtype: str = "bf16"
     kv_memory: int | None = None
     ctx: int | None = None
+    kv_sequences: int = 1
     prefill_chunk: int | None = None
     progress: bool = False
     allow_widen: bool = False
@@ -107,6 +109,7 @@ class LoadOptions:
             raise ValueError(f"kv dtype {self.kv_dtype!r}: choose one of {', '.join(KV_KINDS)}")
         _positive("kv_memory", self.kv_memory, integer=True)
         _positive("ctx", self.ctx, integer=True)
+        _positive("kv_sequences", self.kv_sequences, integer=True, optional=False)
         _positive("prefill_chunk", self.prefill_chunk, integer=True)
         if self.expert_format is not None:
             from freetoken import formats

@@ -12,6 +12,10 @@ The pool is sized after the weights and the expert slots are in place (:func:`pl
   prefill activations, the OS and other processes: a pool the OS has to swap out is worse than a shorter context).
   Pool pages are touched only as the sequence grows, so a large context costs nothing until it is used.
 
+A batching server (``--max-seqs N``, ``LoadOptions.kv_sequences``) wants room for N whole contexts: the need is N
+times the context's, under the same budget, and the context itself is sized as for one sequence (the pool's other
+contexts are best effort: when the requests together outgrow the pool the scheduler preempts the newest).
+
 The context is ``--ctx`` when given (a clear error when the budget cannot hold it; beyond the model's
 ``max_position_embeddings`` it is allowed, and said), else ``max_position_embeddings`` capped by what the pool
 holds.
@@ -109,10 +113,11 @@ def plan_context(cfg: ModelConfig, device, options: LoadOptions) -> ContextPlan:
     block = kv_block_bytes(len(cfg.kv_layers), cfg.kv_cache_heads, cfg.kv_cache_dim, kind, values=cfg.kv_cache_values)
     want = options.ctx or cfg.max_position
     want_blocks = -(-want // KV_BLOCK_TOKENS)
-    budget, source = _budget(cfg, device, options, want_blocks * block)
+    seqs = options.kv_sequences
+    budget, source = _budget(cfg, device, options, seqs * want_blocks * block)
     blocks = budget // block
     if options.kv_memory is None:
-        blocks = min(blocks, want_blocks)
+        blocks = min(blocks, seqs * want_blocks)
     if blocks < 1:
         raise ValueError(f"the KV budget ({source}) holds no block of {KV_BLOCK_TOKENS} tokens: one takes "
                          f"{gib(block)} as {kind}")
@@ -132,8 +137,9 @@ def plan_context(cfg: ModelConfig, device, options: LoadOptions) -> ContextPlan:
     chunk = options.prefill_chunk or default_prefill_chunk(cfg)
     chunk_why = "--prefill-chunk" if options.prefill_chunk else "default"
     pool = blocks * block
+    holds = f", room for {blocks * KV_BLOCK_TOKENS / ctx:.1f} of {seqs} sequences' whole contexts" if seqs > 1 else ""
     why = (f"context {ctx} tokens ({reason}); KV pool {kind} {gib(pool)}, {blocks} blocks of {KV_BLOCK_TOKENS} "
-           f"tokens; prefill chunk {chunk} tokens ({chunk_why})")
+           f"tokens{holds}; prefill chunk {chunk} tokens ({chunk_why})")
     return ContextPlan(ctx=ctx, kind=kind, num_blocks=blocks, pool_bytes=pool, prefill_chunk=chunk, why=why)
 
 

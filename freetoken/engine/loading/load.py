@@ -36,7 +36,8 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
          progress: bool = False, cache_slots: int | None = None, moe_mode: str = "gpu",
          pcie_gbps: float | None = None, cpu_gbps: float | None = None, future_value: float = 0.0,
          prefetch: bool = False, cpu_activations: str = "auto", allow_widen: bool = False, verify: str = "full",
-         host_memory: int | None = None, cache_policy: str = "auto", options: LoadOptions | None = None) -> Model:
+         host_memory: int | None = None, cache_policy: str = "auto", kv_sequences: int = 1,
+         options: LoadOptions | None = None) -> Model:
     """Load a model: an HF directory (``config.json`` + safetensors + ``tokenizer.json``, or Kimi-K2's
     ``tiktoken.model``; bf16/f16/f32 or block FP8), a GGUF file or an FTW file (docs/ftw.md; a sharded set by any
     shard or the name it was written as; ``verify``: its checksums, "full", "sample" or "none"); None: the
@@ -49,7 +50,8 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
     Context: ``ctx`` tokens at most (prompt and generated; default the model's ``max_position_embeddings`` capped
     by the KV pool), keys and values stored as ``kv_dtype`` (bf16, f16, f32 or fp8) in a paged pool of
     ``kv_memory`` bytes (default: sized from free memory, see :mod:`freetoken.engine.loading.context`); prompts run in
-    forward passes of ``prefill_chunk`` tokens (default sized from the model's activations).
+    forward passes of ``prefill_chunk`` tokens (default sized from the model's activations). ``kv_sequences``: the
+    default pool makes room for that many whole contexts as far as the budget allows (a batching server's).
 
     Miss policy (gpu/emu): ``moe_mode`` ``gpu`` (copy every miss in), ``cpu`` (compute misses on the CPU),
     ``hybrid`` (q*: split by measured bandwidths) or ``auto`` (the stored ``freetoken bench bw`` profile's
@@ -68,7 +70,8 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
     used). Every kernel is compiled (or loaded from the on-disk caches) before this returns."""
     if options is None:
         options = LoadOptions(expert_format=expert_format, ctx=ctx, kv_dtype=kv_dtype, kv_memory=kv_memory,
-                              prefill_chunk=prefill_chunk, progress=progress, allow_widen=allow_widen, verify=verify,
+                              kv_sequences=kv_sequences, prefill_chunk=prefill_chunk, progress=progress,
+                              allow_widen=allow_widen, verify=verify,
                               experts=ExpertOptions(mode=moe_mode, cache_slots=cache_slots, pcie_gbps=pcie_gbps,
                                                     cpu_gbps=cpu_gbps, future_value=future_value,
                                                     prefetch=prefetch, cpu_activations=cpu_activations,
