@@ -80,6 +80,24 @@ def test_one_sequence_prefills_in_chunks_then_decodes():
     assert seq.kv is None and pool.free_blocks == pool.num_blocks
 
 
+def test_a_prompt_being_prefilled_is_not_computed_twice():
+    """share_prefills: a request whose prompt mostly repeats one still being prefilled waits for it (the engine's
+    prefix cache then holds the rows) and is admitted at the next step; one sharing a few first tokens only is not
+    held; without the flag both run at once."""
+    prompt = list(range(10, 30))
+    for share, others, first_step, second_at in ((True, prompt[:12] + [5], [0], 1),
+                                                 (False, prompt[:12] + [5], [0, 1], 0),
+                                                 (True, prompt[:3] + [7] * 10, [0, 1], 0)):
+        sched = Scheduler(_pool(32), ctx=64, step_tokens=32, max_seqs=3, share_prefills=share)
+        seqs = [Sequence(prompt=list(prompt), max_tokens=2), Sequence(prompt=others, max_tokens=2)]
+        for q in seqs:
+            sched.add(q)
+        plans = _drain(sched)
+        assert [seqs.index(c.seq) for c in plans[0].chunks] == first_step
+        assert next(i for i, p in enumerate(plans) if any(c.seq is seqs[1] for c in p.chunks)) == second_at
+        assert [q.output for q in seqs] == [_alone(q.prompt, 2) for q in seqs]
+
+
 def test_prompt_chunks_end_at_the_cuts():
     """A sequence's cuts (where the engine copies linear-attention states) end its prompt chunks there, whatever
     the budget; the rest of the budget is not spent on it in that step."""

@@ -151,6 +151,14 @@ def test_prefix_reuse(model):
     again = plain.submit(base, 6, GREEDY)
     plain.run()
     assert again.cached_tokens == 0 and again.output == want[0]
+    # submitted together, the same long start: the second waits one step for the first's prompt, then adopts it
+    model.prefix_cache.clear()
+    pair = [loop.submit(fresh, 8, GREEDY), loop.submit(fresh + [7], 3, GREEDY)]
+    loop.step()
+    assert pair[1].seq.kv is None  # not admitted beside it
+    loop.run()
+    assert pair[0].cached_tokens == 0 and pair[1].cached_tokens == len(fresh) // 16 * 16
+    assert pair[0].output == want_fresh
 
 
 def test_anchors(model):

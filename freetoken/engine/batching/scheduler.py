@@ -14,6 +14,12 @@ preempted: its blocks go back (or to whoever else holds them) and it waits at th
 recomputed from its prompt and the tokens it already produced. A sequence that cannot get its blocks while running
 alone does not fit the pool at all: it finishes with ``finish_reason`` ``"kv"`` rather than waiting forever.
 
+With ``share_prefills`` (an engine that reuses prompt rows through a prefix cache), a waiting sequence whose prompt
+shares at least half of itself with the prompt of a running sequence that is still being prefilled waits until
+that prefill is done, then adopts the shared rows instead of computing them a second time beside it (two agents
+starting at once from the same system prompt, say). It waits behind one prefill at most: an unrelated request
+sharing only a template's first tokens is not held.
+
 The scheduler holds policy and bookkeeping only: :meth:`Scheduler.schedule` returns a :class:`StepPlan`, the
 caller runs the forward pass it describes (writing rows ``chunk.start ..`` of each chunk's sequence) and hands the
 sampled tokens to :meth:`Scheduler.finish_step`, which returns the sequences that ended.
@@ -131,7 +137,7 @@ class Scheduler:
 
     def __init__(self, pool: KVPool, ctx: int, step_tokens: int, max_seqs: int,
                  attach: Callable[[Sequence], None] | None = None,
-                 detach: Callable[[Sequence], None] | None = None):
+                 detach: Callable[[Sequence], None] | None = None, share_prefills: bool = False):
         if max_seqs < 1:
             raise ValueError(f"max_seqs must be >= 1, got {max_seqs}")
         if step_tokens < max_seqs:
@@ -144,6 +150,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.share_prefills = share_prefills
 
     # ---- requests --------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -190,6 +197,8 @@ class Scheduler:
         while (self.waiting and self.step_tokens > plan.tokens and len(self.running) < self.max_seqs
                and not plan.preempted):
             seq = self.waiting[0]
+            if self.share_prefills and self._shares_a_prefill(seq):
+                break  # admitted once that prompt's rows are computed (and in the engine's prefix cache)
             try:  # (attach may allocate too: the engine copies a shared, partly filled last block of a prefix)
                 self._attach(seq)
                 n = seq.clip(min(seq.pending, self.step_tokens - plan.tokens))
@@ -229,6 +238,18 @@ class Scheduler:
         return ended
 
     # ---- internals -------------------------------------------------------------------------------------------
+    def _shares_a_prefill(self, seq: Sequence) -> bool:
+        """Whether a running sequence is still prefilling a prompt that starts with at least half of ``seq``'s
+        (see the module doc)."""
+        want = len(seq.prompt)
+        for r in self.running:
+            if r.computed >= len(r.prompt) or r.prompt[0] != seq.prompt[0]:
+                continue
+            half = -(-want // 2)
+            if len(r.prompt) >= half and r.prompt[:half] == seq.prompt[:half]:
+                return True
+        return False
+
     def _chunk(self, seq: Sequence, n: int) -> Chunk:
         start = seq.computed
         return Chunk(seq, start, seq.ids(start, start + n), samples=start + n == seq.length)

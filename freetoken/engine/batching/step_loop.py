@@ -126,8 +126,8 @@ class StepLoop:
         self.cache = model.prefix_cache if reuse else None
         self.recurrent = bool(dec.recurrent)
         step_tokens = max(dec.prefill_chunk, max_seqs) if step_tokens is None else int(step_tokens)
-        self.scheduler = Scheduler(dec.pool, dec.max_ctx, step_tokens, max_seqs,
-                                   attach=self._attach, detach=self._detach)
+        self.scheduler = Scheduler(dec.pool, dec.max_ctx, step_tokens, max_seqs, attach=self._attach,
+                                   detach=self._detach, share_prefills=self.cache is not None)
         self.requests: dict[Sequence, Request] = {}
         self.stats = StepStats()
 
