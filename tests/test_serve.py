@@ -2,8 +2,8 @@
 the bundled model on the cpu device.
 
 Greedy answers are compared between paths (streamed or whole, alone or among 16 concurrent clients): this server
-runs one sequence at a time, so the same prompt gives the same tokens whichever way it is asked for
-(tests/test_serve_batched.py runs these tests again on a server that batches them, ``--max-seqs 4``).
+runs one sequence at a time (``--max-seqs 1``), so the same prompt gives the same tokens whichever way it is asked
+for (tests/test_serve_batched.py runs these tests again on a server that batches them, as the default does).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from freetoken.engine.loading.load import DEFAULT_MODEL
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from running_server(tmp_path_factory, "--served-model-name", f"{MODEL},gpt-4o-mini")
+    # one request at a time: the worker without batching (the other API modules' servers batch, the default)
+    yield from running_server(tmp_path_factory, "--served-model-name", f"{MODEL},gpt-4o-mini", "--max-seqs", "1")
 
 
 def _chat(client, text: str, **kw):
@@ -515,7 +516,8 @@ def test_a_non_streamed_request_whose_client_leaves_is_stopped_running_or_queued
     a decode step (running) or leave the queue (waiting), and each is counted cancelled. A server of its own with
     the model's whole context: the first request has ~8,000 tokens to write (a minute and more here), so the second
     surely finds it running and waits (at the module server's 512 it could finish before the second arrived)."""
-    server = Server(tmp_path, ctx=None)  # the model's own 32k: the first request surely outlasts the second's arrival
+    # one at a time; the model's own 32k: the first request surely outlasts the second's arrival
+    server = Server(tmp_path, "--max-seqs", "1", ctx=None)
     try:
         _leaving_clients_are_cancelled(server)
     finally:

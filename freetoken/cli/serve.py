@@ -7,6 +7,10 @@ import os
 import sys
 from pathlib import Path
 
+#: Requests generating at once unless --max-seqs says otherwise: a coding agent's main request with a side request
+#: (a title, a summary) or a sub-agent beside it, or two people's agents, without one waiting for the other.
+DEFAULT_MAX_SEQS = 4
+
 SERVE_DESCRIPTION = """\
 Serve a model over HTTP with the OpenAI and Anthropic APIs, for coding agents and any of their clients:
 
@@ -21,10 +25,11 @@ Serve a model over HTTP with the OpenAI and Anthropic APIs, for coding agents an
   GET  /health               503 while the model loads, 200 when it serves (needs no key)
   GET  /metrics              Prometheus metrics: tokens, speeds, time to first token, queue, KV use, expert cache
 
-Requests queue for the one sequence engine (first come, first served); a client that disconnects frees it within
-one decode step. The KV cache is reused from request to request, so an agent's next turn prefills only its new
-tail; each chat request also anchors its KV state at its message boundaries (verified when restored), so a
-conversation that goes back to an earlier turn resumes there (--anchor-dir keeps anchors across restarts).
+Up to --max-seqs requests (default 4) generate together, sharing every step (continuous batching); the rest wait,
+first come first served; a client that disconnects leaves before the next step. The KV cache is reused from request
+to request, so an agent's next turn prefills only its new tail; each chat request also anchors its KV state at its
+message boundaries (verified when restored), so a conversation that goes back to an earlier turn resumes there
+(--anchor-dir keeps anchors across restarts).
 Point an OpenAI client at http://HOST:PORT/v1, an Anthropic one at http://HOST:PORT (any API key unless --api-key
 is set).
 """
@@ -57,12 +62,13 @@ def add_serve_parser(sub) -> None:
                    help="the most tokens one reply may have, whatever the request asks for (agents ask for "
                         "8,000-64,000); a request asking for more gets N and the reply's max_tokens_capped says so. "
                         "Default: what the context leaves after the prompt")
-    p.add_argument("--max-seqs", type=count(1), default=1, metavar="N",
+    p.add_argument("--max-seqs", type=count(1), default=DEFAULT_MAX_SEQS, metavar="N",
                    help="continuous batching: up to N requests generate at once, sharing every step (a layer's "
                         "experts are read once for all of them), the rest wait first come first served; a long "
                         "prompt runs in chunks beside the running streams; the KV pool makes room for N whole "
-                        "contexts as far as memory allows (--kv-memory sets it outright). Default 1: one request at "
-                        "a time, in order")
+                        "contexts as far as memory allows (--kv-memory sets it outright). Default "
+                        f"{DEFAULT_MAX_SEQS} (an agent's requests and a side request or sub-agent beside them); 1: "
+                        "one request at a time, in order")
     p.add_argument("--step-tokens", type=count(1), default=None, metavar="N",
                    help="with --max-seqs > 1: tokens in one step, decode tokens first, then prompt chunks (default: "
                         "the prefill chunk the model's activations are sized for, at least --max-seqs)")

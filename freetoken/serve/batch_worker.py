@@ -8,7 +8,8 @@ strings, held-back text), its reply ends as the one-job worker's does (the same 
 left is dropped from the loop before the next step. Prefix reuse and anchors work as they do alone (the step loop's).
 
 A model with linear-attention layers batches the same way (the step loop keeps their states where reuse needs
-them). Jobs that carry a ``task`` (the anchor routes) run between two steps, on this thread.
+them). Jobs that carry a ``task`` (the anchor routes) and prefill-only jobs (``POST /v1/anchors``) run between two
+steps, on this thread, as the one-job worker runs them.
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ class BatchWorker(EngineWorker):
         self._active.clear()
 
     def _admit(self, job: Job) -> None:
-        if job.task is not None:  # between two steps: this thread alone touches the model
+        if job.task is not None or job.max_tokens == 0:
+            # between two steps, this thread alone touching the model: the anchor routes' tasks, and a prefill-only
+            # job (POST /v1/anchors) on the decoder's own sequence, which shares the step loop's pool and caches
             self._run(job)
             return
         if job.cancelled.is_set():

@@ -113,9 +113,11 @@ def make_job(state, ids: list[int], stop: list[str], *, max_tokens: int | None, 
 def logit_bias_pairs(state, logit_bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     """A request's ``logit_bias`` as (token id, bias) pairs; a key that is not a token id of the model's vocabulary
     is a 400 naming ``logit_bias``."""
+    if not logit_bias:
+        return ()
     vocab = state.ready().model.config.vocab_size
     pairs = []
-    for key, bias in (logit_bias or {}).items():
+    for key, bias in logit_bias.items():
         tok = int(key) if key.strip().isdigit() else -1
         if not 0 <= tok < vocab:
             raise APIError(400, f"logit_bias: {key!r} is not a token id of this model's vocabulary (0..{vocab - 1})",
