@@ -56,7 +56,7 @@ Modes, each from an empty KV pool (the decoder, prefix cache and anchors cleared
 
 Measured per request: prompt tokens, tokens prefilled and reused, time to first token (from the ``generate`` call
 until it yields its first token: the reuse lookup, prefill, making anchors and the first sampling step), and in the
-radix mode whether the prompt's start came from an anchor (the ``anchor`` column: ``model.stats.anchor`` set, or
+radix mode whether the prompt's start came from an anchor (the ``anchor`` column: the call's ``stats.anchor`` set, or
 refused) and the seconds spent in ``AnchorStore.create`` / ``restore`` (timing wrappers on the store). The summary
 gives totals per mode, the prefix cache's evictions, the anchors made / restored / refused, how often anchors
 spilled to host memory and were read back, their tiers and the host bytes they hold at the end
@@ -469,7 +469,7 @@ def run_mode(model, mode: str, reqs, template, encode, args):
                 model.decoder.reset()
                 model.cached_ids = []
             total = time.perf_counter() - t0
-            st = model.stats
+            st = gen.stats
             if error and st.prompt_tokens + st.cached_tokens != len(ids):  # failed before the prefill was planned
                 st.prompt_tokens, st.cached_tokens = len(ids), 0
             rows.append({"mode": mode, "request": i, "turn": r["turn"], "call": r["call"], "kind": r["kind"],

@@ -29,10 +29,12 @@ def _misses(model) -> int:
     return int(model.experts.cache.stats()["misses"])
 
 
-def _run(model, ids, decode: int, **kw) -> list[int]:
+def _run(model, ids, decode: int, **kw):
+    """(the greedy tokens of ``ids``, reusing what the caches hold; the call's stats)."""
     from freetoken.engine.generation.sampling import SamplingParams
 
-    return list(model.generate(ids, decode, SamplingParams(temperature=0), reuse_cache=True, **kw))
+    gen = model.generate(ids, decode, SamplingParams(temperature=0), reuse_cache=True, **kw)
+    return list(gen), gen.stats
 
 
 def measure(device: str, slots: int, decode: int, readmit: bool) -> dict:
@@ -44,7 +46,7 @@ def measure(device: str, slots: int, decode: int, readmit: bool) -> dict:
     model.restore_residency = readmit
     a = model.encode(PROMPT_A, add_special_tokens=False)
     b = model.encode(PROMPT_B, add_special_tokens=False)
-    out_a = _run(model, a, decode)
+    out_a, _ = _run(model, a, decode)
     anchor = model.anchor(len(a) + len(out_a) - 1)
     _run(model, b, decode)
     model.prefix_cache.clear()  # only the anchor can give A back
@@ -58,8 +60,8 @@ def measure(device: str, slots: int, decode: int, readmit: bool) -> dict:
 
     model.experts.restore_residency = counted
     resumed = anchor.tokens.tolist()
-    out = _run(model, resumed, decode, anchor=anchor)
-    assert model.stats.anchor == anchor.id, model.stats.anchor_refused
+    out, st = _run(model, resumed, decode, anchor=anchor)
+    assert st.anchor == anchor.id, st.anchor_refused
     return {"readmit": readmit, "readmitted": copied[0], "decode_misses": _misses(model) - before,
             "total": copied[0] + _misses(model) - before, "tokens": out, "residency": len(anchor.residency or [])}
 

@@ -76,7 +76,7 @@ def run_single(model, agents, max_tokens: int) -> list[dict]:
             first = first or time.perf_counter()
             toks.append(int(tok))
         end = time.perf_counter()
-        st = model.stats
+        st = gen.stats
         rows.append(dict(agent=a, request=pending[a], kind=r["kind"], prompt=len(r["ids"]), prefilled=st.prompt_tokens,
                          cached=st.cached_tokens, ttft=first - t0 - arrived[a], wait=start - t0 - arrived[a],
                          tokens=toks))

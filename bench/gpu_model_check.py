@@ -35,8 +35,8 @@ def _decode_rate(model, prompt_ids, steps: int) -> float:
     from freetoken.engine.generation.sampling import SamplingParams
 
     list(model.generate(prompt_ids, max_tokens=4, sampling=SamplingParams(temperature=0)))  # warm-up
-    list(model.generate(prompt_ids, max_tokens=steps, sampling=SamplingParams(temperature=0)))
-    return model.stats.decode_tps
+    list(gen := model.generate(prompt_ids, max_tokens=steps, sampling=SamplingParams(temperature=0)))
+    return gen.stats.decode_tps
 
 
 def _decode_table(path, dev_kind: str, slots_list, steps: int, label: str) -> None:
@@ -58,33 +58,35 @@ def _anchor_check(model, ids: list[int]) -> int:
     from freetoken.engine.generation.sampling import SamplingParams
 
     def last_logits(**kw):
+        """(the prompt's last logits as the call's first forward pass computed them, the call's stats)."""
         seen, forward = [], model.decoder.forward
         model.decoder.forward = lambda t, **fkw: seen.append(forward(t, **fkw)) or seen[-1]
         try:
-            list(model.generate(ids, max_tokens=1, sampling=SamplingParams(temperature=0), **kw))
+            gen = model.generate(ids, max_tokens=1, sampling=SamplingParams(temperature=0), **kw)
+            list(gen)
         finally:
             del model.decoder.forward
-        return seen[0][-1]
+        return seen[0][-1], gen.stats
 
-    fresh = last_logits()
+    fresh, _ = last_logits()
     cut = len(ids) - 8
-    list(model.generate(ids, max_tokens=1, reuse_cache=True, boundaries=[cut]))
-    anchor = model.anchors.get(model.stats.anchors_made[0])
+    list(gen := model.generate(ids, max_tokens=1, reuse_cache=True, boundaries=[cut]))
+    anchor = model.anchors.get(gen.stats.anchors_made[0])
     model.anchors._to_host(anchor)
     model.prefix_cache.clear()
     model.decoder.reset()
     model.cached_ids = []
     t0 = time.perf_counter()
-    got = last_logits(anchor=anchor.id)
+    got, st = last_logits(anchor=anchor.id)
     ms = (time.perf_counter() - t0) * 1e3
     # the last 8 tokens run as a pass of their own after the restore: bf16 tensor-core tiles of another shape than
     # the fresh 40-token pass's, so rounding apart (the NMSE bound of a chunked prefill, tests/test_kv_pool.py)
     nmse = float(((got - fresh) ** 2).sum() / (fresh ** 2).sum())
-    ok = (model.stats.anchor == anchor.id and model.stats.cached_tokens == cut and nmse < 1e-5
+    ok = (st.anchor == anchor.id and st.cached_tokens == cut and nmse < 1e-5
           and got.argmax() == fresh.argmax())
     print(f"  anchor: {cut} tokens made on the device, spilled to host, restored and verified; logits NMSE "
           f"{nmse:.1e} (bound 1e-5), restore + 8-token prefill {ms:.1f} ms  {'ok' if ok else 'FAIL'}"
-          + ("" if model.stats.anchor else f" (refused: {model.stats.anchor_refused})"))
+          + ("" if st.anchor else f" (refused: {st.anchor_refused})"))
     return 0 if ok else 1
 
 

@@ -109,9 +109,9 @@ class Recorder:
         from freetoken.engine.generation.sampling import SamplingParams
 
         m = self.model
-        out = list(m.generate(prompt, tokens, SamplingParams(temperature=0.8, top_p=0.95, seed=seed),
+        out = list(gen := m.generate(prompt, tokens, SamplingParams(temperature=0.8, top_p=0.95, seed=seed),
                               record_routing=True, reuse_cache=reuse))
-        rec.add_segment(m.stats.prefill_routing, m.stats.routing)
+        rec.add_segment(gen.stats.prefill_routing, gen.stats.routing)
         return out
 
 

@@ -35,8 +35,8 @@ def record(path: Path, prompts: int, tokens: int, seed: int) -> None:
     for i, f in enumerate(files):
         prompt = f.read_text(errors="replace")[:600]
         sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=seed + i)
-        list(model.generate(prompt, tokens, sampling, record_routing=True))
-        rec.add_segment(model.stats.prefill_routing, model.stats.routing)
+        list(gen := model.generate(prompt, tokens, sampling, record_routing=True))
+        rec.add_segment(gen.stats.prefill_routing, gen.stats.routing)
     rec.save(path)
 
 

@@ -8,8 +8,8 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def prefill_logits(model, ids, **generate_kwargs):
-    """``model.generate(ids, 1 token, **generate_kwargs)``; the logits of the prompt's last token, as the prefill
-    of what was not reused computed them (the first ``decoder.forward`` of the call)."""
+    """``model.generate(ids, 1 token, **generate_kwargs)``: (the logits of the prompt's last token, as the prefill
+    of what was not reused computed them (the first ``decoder.forward`` of the call); the call's stats)."""
     seen = []
     forward = model.decoder.forward
 
@@ -20,10 +20,11 @@ def prefill_logits(model, ids, **generate_kwargs):
 
     model.decoder.forward = spy
     try:
-        list(model.generate(ids, max_tokens=1, sampling=GREEDY, **generate_kwargs))
+        gen = model.generate(ids, max_tokens=1, sampling=GREEDY, **generate_kwargs)
+        list(gen)
     finally:
         del model.decoder.forward  # back to the class's method
-    return seen[0][-1]
+    return seen[0][-1], gen.stats
 
 
 def assert_reuse_close(got, want) -> None:
@@ -43,8 +44,8 @@ def _prefix_rows(model, n: int) -> list[dict]:
     return model.decoder.pool.read_rows(blocks, [min(bs, n - j * bs) for j in range(len(blocks))])
 
 
-def assert_reused_exactly(model, ref, ids, got) -> None:
-    """The logits ``got`` of a call that reused ``model.stats.cached_tokens`` prompt tokens, checked twice:
+def assert_reused_exactly(model, ref, ids, got, n: int) -> None:
+    """The logits ``got`` of a call that reused ``n`` prompt tokens, checked twice:
 
     1. the reused K/V rows are the rows a fresh prefill of those tokens writes, up to one rounding of the storage
        (they were written by other passes: decode steps, other chunk boundaries; rows of other tokens or positions
@@ -56,7 +57,6 @@ def assert_reused_exactly(model, ref, ids, got) -> None:
     the bundled model reaches ~2e-3 of the logits' scale in rare prompts.)"""
     import numpy as np
 
-    n = model.stats.cached_tokens
     ref.decoder.reset()
     if n:
         ref.decoder.forward(np.asarray(ids[:n], np.int64))

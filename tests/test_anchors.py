@@ -49,8 +49,8 @@ def _close(got, want):
 
 
 def _anchored(model, ids, at):
-    list(model.generate(ids, max_tokens=1, sampling=GREEDY, reuse_cache=True, boundaries=[at]))
-    (aid,) = model.stats.anchors_made
+    list(gen := model.generate(ids, max_tokens=1, sampling=GREEDY, reuse_cache=True, boundaries=[at]))
+    (aid,) = gen.stats.anchors_made
     return model.anchors.get(aid)
 
 
@@ -69,8 +69,8 @@ def test_restore_from_each_tier_is_verified_and_exact(model, ref, tmp_path):
             store._drop_host(a)  # as if the host budget had dropped it: the files are left
         _forget(model)
         assert a.tier == tier
-        got = prefill_logits(model, longer, reuse_cache=True, boundaries=[150])
-        assert model.stats.anchor == a.id and model.stats.cached_tokens == 150, tier
+        got, st = prefill_logits(model, longer, reuse_cache=True, boundaries=[150])
+        assert st.anchor == a.id and st.cached_tokens == 150, tier
         _close(got, want)
         assert a.tier == ("device" if tier == "device" else "host")  # a disk anchor read back stays in host memory
     assert store.refusals == []
@@ -83,15 +83,15 @@ def test_changed_bytes_on_the_device_are_refused(model, ref):
     _forget(model)
     pool = model.decoder.pool
     pool.k[3, a.blocks[1], 5, 0, 7] ^= 0x0040  # a bit flipped in layer 3's keys
-    got = prefill_logits(model, ids, reuse_cache=True, boundaries=[130])
-    assert model.stats.anchor is None and model.stats.cached_tokens == 0
-    assert "block 1 changed" in model.stats.anchor_refused and store.refusals[-1][0] == a.id
+    got, st = prefill_logits(model, ids, reuse_cache=True, boundaries=[130])
+    assert st.anchor is None and st.cached_tokens == 0
+    assert "block 1 changed" in st.anchor_refused and store.refusals[-1][0] == a.id
     _close(got, ref.logits(ids)[-1])
     # the bad anchor left the store: that request made a sound one at the same boundary, which the next restores
-    assert model.stats.anchors_made == [a.id] and store.get(a.id) is not a
+    assert st.anchors_made == [a.id] and store.get(a.id) is not a
     _forget(model)
-    prefill_logits(model, ids, reuse_cache=True, boundaries=[130])
-    assert model.stats.anchor == a.id and model.stats.cached_tokens == 130
+    _, st = prefill_logits(model, ids, reuse_cache=True, boundaries=[130])
+    assert st.anchor == a.id and st.cached_tokens == 130
 
 
 @pytest.mark.parametrize("damage", ["flip_block", "flip_anchor", "truncate", "foreign", "garbage"])
@@ -128,18 +128,18 @@ def test_damaged_or_foreign_files_are_refused(ref, tmp_path, damage):
 
     restarted = load(None, device="cpu")  # a new server on the same directory
     store = restarted.use_anchor_dir(tmp_path)
-    got = prefill_logits(restarted, ids, reuse_cache=True, boundaries=[140])
+    got, st = prefill_logits(restarted, ids, reuse_cache=True, boundaries=[140])
     why = " ".join(w for _, w in store.refusals)
     expect = {"flip_block": "file checksum does not match", "flip_anchor": "file checksum does not match",
               "truncate": "torn or truncated", "foreign": "another model",
               "garbage": "not a freetoken anchor file"}[damage]
     assert expect in why, why
     if damage == "flip_block":  # indexed at start (its anchor file is fine), refused when read back
-        assert restarted.stats.anchor_refused is not None and expect in restarted.stats.anchor_refused
+        assert st.anchor_refused is not None and expect in st.anchor_refused
         read_frame(block, BLOCK_MAGIC)  # the bad anchor left the disk; the request wrote a sound one in its place
     _close(got, ref.logits(ids)[-1])
     if damage != "foreign":  # the request's own anchor at 140 (made again where the damaged one was refused)
-        assert restarted.stats.anchors_made == [a.id] and store.get(a.id).where == "device"
+        assert st.anchors_made == [a.id] and store.get(a.id).where == "device"
 
 
 def test_a_restarted_store_restores_from_disk(ref, tmp_path):
@@ -151,8 +151,8 @@ def test_a_restarted_store_restores_from_disk(ref, tmp_path):
     store = second.use_anchor_dir(tmp_path)
     assert [x.id for x in store.list()] == [a.id] and store.get(a.id).tier == "disk"
     assert store.get(a.id).sums == a.sums
-    got = prefill_logits(second, ids, anchor=a.id)
-    assert second.stats.anchor == a.id and second.stats.cached_tokens == 140 and store.refusals == []
+    got, st = prefill_logits(second, ids, anchor=a.id)
+    assert st.anchor == a.id and st.cached_tokens == 140 and store.refusals == []
     _close(got, ref.logits(ids)[-1])
 
 
@@ -165,12 +165,12 @@ def test_a_forged_id_with_other_tokens_is_refused(model, ref):
     # a hash collision, simulated: the other tokens' anchor filed under the id this request's boundary has
     forged = anchor_id(model.fingerprint, ids[:150])
     store.anchors[forged] = a
-    got = prefill_logits(model, ids, reuse_cache=True, boundaries=[150])
-    assert model.stats.anchor is None and model.stats.cached_tokens == 0
-    assert "not a prefix" in model.stats.anchor_refused or "id does not match" in model.stats.anchor_refused
+    got, st = prefill_logits(model, ids, reuse_cache=True, boundaries=[150])
+    assert st.anchor is None and st.cached_tokens == 0
+    assert "not a prefix" in st.anchor_refused or "id does not match" in st.anchor_refused
     _close(got, ref.logits(ids)[-1])
     assert store.get(a.id) is a  # the anchor itself is sound: only the entry filed under another id went
-    assert store.get(forged) is not a and model.stats.anchors_made == [forged]  # a true one made in its place
+    assert store.get(forged) is not a and st.anchors_made == [forged]  # a true one made in its place
 
 
 def test_another_models_anchor_and_unknown_ids_are_refused(model, ref):
@@ -178,12 +178,12 @@ def test_another_models_anchor_and_unknown_ids_are_refused(model, ref):
     a = _anchored(model, ids, 120)
     _forget(model)
     a.fingerprint = "f" * 64  # as if another model made it
-    got = prefill_logits(model, ids, anchor=a)
-    assert model.stats.cached_tokens == 0 and "another model" in model.stats.anchor_refused
+    got, st = prefill_logits(model, ids, anchor=a)
+    assert st.cached_tokens == 0 and "another model" in st.anchor_refused
     _close(got, ref.logits(ids)[-1])
     _forget(model)
-    got = prefill_logits(model, ids, anchor="ab" * 32)
-    assert model.stats.cached_tokens == 0 and model.stats.anchor_refused == "no such anchor"
+    got, st = prefill_logits(model, ids, anchor="ab" * 32)
+    assert st.cached_tokens == 0 and st.anchor_refused == "no such anchor"
 
 
 def test_rollback_and_the_fingerprint(model, ref):
@@ -217,10 +217,10 @@ def test_a_full_pool_makes_room_for_a_side_request_and_the_restore_after_it(ref)
     assert m.prefix_cache.match(convo)[1] < 590  # the side request took the conversation's blocks
     retry = convo[:590] + m.encode("print(f7(3))\n" * 12, add_special_tokens=False)[:150]
     assert len(retry) < m.decoder.ctx
-    got = prefill_logits(m, retry, reuse_cache=True, boundaries=[590])
-    assert m.stats.anchor == a.id and m.stats.cached_tokens == 590
+    got, st = prefill_logits(m, retry, reuse_cache=True, boundaries=[590])
+    assert st.anchor == a.id and st.cached_tokens == 590
     _close(got, ref.logits(retry)[-1])
     # and near the context's end: a prefix that ends inside a shared block is copied before the pass allocates
     near = retry + [5] * (m.decoder.ctx - len(retry) - 2)
-    prefill_logits(m, near, reuse_cache=True)
-    assert m.stats.cached_tokens == len(retry)
+    _, st = prefill_logits(m, near, reuse_cache=True)
+    assert st.cached_tokens == len(retry)

@@ -190,10 +190,10 @@ def _check_reuse(model, first: list[int], second: list[int], expect_cached: int)
     assert model.cached_ids == first + gen1[:-1] and model.decoder.length == len(model.cached_ids)
     calls = _spy_forward(model)
     try:
-        cont = list(model.generate(second, max_tokens=8, sampling=GREEDY, reuse_cache=True))
+        cont = list(gen := model.generate(second, max_tokens=8, sampling=GREEDY, reuse_cache=True))
     finally:
         _restore(model)
-    st = model.stats
+    st = gen.stats
     assert st.cached_tokens == expect_cached and st.prompt_tokens == len(second) - expect_cached
     assert list(calls[0][0]) == second[expect_cached:]  # only the new tail was prefilled
     reused_last = calls[0][1][-1]
@@ -202,8 +202,8 @@ def _check_reuse(model, first: list[int], second: list[int], expect_cached: int)
     # apart, amplified through the layers by the bf16 KV cache; which elements round to a neighbouring bf16 value
     # follows the machine's SIMD level (5.5e-5 of the scale on one AVX-512 machine), so the shared bound
     assert_reuse_close(reused_last, fresh_last)
-    assert cont == list(model.generate(second, max_tokens=8, sampling=GREEDY))  # fresh prefill, same tokens
-    assert model.stats.cached_tokens == 0 and model.stats.prompt_tokens == len(second)
+    assert cont == list(gen := model.generate(second, max_tokens=8, sampling=GREEDY))  # fresh prefill, same tokens
+    assert gen.stats.cached_tokens == 0 and gen.stats.prompt_tokens == len(second)
 
 
 def test_reuse_extends_previous_prompt(model):
@@ -235,8 +235,8 @@ def test_rollback_when_prompt_diverges(model):
 def test_whole_prompt_cached_feeds_the_last_token_again(model):
     prompt = model.encode("x = 1\ny = 2\n")
     a = list(model.generate(prompt, max_tokens=4, sampling=GREEDY))
-    b = list(model.generate(prompt, max_tokens=4, sampling=GREEDY, reuse_cache=True))
-    assert a == b and model.stats.cached_tokens == len(prompt) - 1 and model.stats.prompt_tokens == 1
+    b = list(gen := model.generate(prompt, max_tokens=4, sampling=GREEDY, reuse_cache=True))
+    assert a == b and gen.stats.cached_tokens == len(prompt) - 1 and gen.stats.prompt_tokens == 1
 
 
 def test_stopping_early_keeps_cache_bookkeeping(model):
@@ -245,16 +245,16 @@ def test_stopping_early_keeps_cache_bookkeeping(model):
     got = [next(stream), next(stream), next(stream)]
     stream.close()
     assert model.cached_ids == prompt + got[:2] and model.decoder.length == len(prompt) + 2
-    again = list(model.generate(prompt + got, max_tokens=3, sampling=GREEDY, reuse_cache=True))
-    assert model.stats.cached_tokens == len(prompt) + 2 and model.stats.prompt_tokens == 1
+    again = list(gen := model.generate(prompt + got, max_tokens=3, sampling=GREEDY, reuse_cache=True))
+    assert gen.stats.cached_tokens == len(prompt) + 2 and gen.stats.prompt_tokens == 1
     assert again == list(model.generate(prompt + got, max_tokens=3, sampling=GREEDY))
 
 
 def test_default_generate_is_unchanged(model):
     prompt = model.encode("def f(x):\n")
     list(model.generate(prompt, max_tokens=3, sampling=GREEDY))
-    list(model.generate(prompt, max_tokens=3, sampling=GREEDY))  # no reuse_cache: a full prefill
-    assert model.stats.cached_tokens == 0 and model.stats.prompt_tokens == len(prompt)
+    list(gen := model.generate(prompt, max_tokens=3, sampling=GREEDY))  # no reuse_cache: a full prefill
+    assert gen.stats.cached_tokens == 0 and gen.stats.prompt_tokens == len(prompt)
 
 
 # ---- Chat -----------------------------------------------------------------------------------------------------------
@@ -263,13 +263,13 @@ def test_chat_reuses_the_cache_across_turns(model):
     model.prefix_cache.clear()
     chat = Chat(model)
     assert not chat.uses_fallback and chat.stop == []
-    reply1 = "".join(chat.send("def add(a, b):", max_tokens=12, sampling=GREEDY))
-    assert chat.stats.cached_tokens == 0
+    reply1 = "".join(turn := chat.send("def add(a, b):", max_tokens=12, sampling=GREEDY))
+    assert turn.stats.cached_tokens == 0
     assert chat.messages == [{"role": "user", "content": "def add(a, b):"},
                              {"role": "assistant", "content": reply1}]
     prompt2 = chat.template.render([*chat.messages, {"role": "user", "content": "def sub(a, b):"}])
-    reply2 = "".join(chat.send("def sub(a, b):", max_tokens=12, sampling=GREEDY))
-    st = chat.stats
+    reply2 = "".join(turn := chat.send("def sub(a, b):", max_tokens=12, sampling=GREEDY))
+    st = turn.stats
     assert st.cached_tokens > 0 and st.cached_tokens + st.prompt_tokens == len(
         model.encode(prompt2, add_special_tokens=False))
     # The reply is the one a fresh prefill of the whole conversation gives.
@@ -285,8 +285,9 @@ def test_chat_system_prompt_survives_reset(model):
     "".join(chat.send("import os", max_tokens=3, sampling=GREEDY))
     chat.reset()
     assert chat.messages == [{"role": "system", "content": "# helpers"}]
-    "".join(chat.send("import sys", max_tokens=3, sampling=GREEDY))
-    assert chat.stats.cached_tokens >= len(model.encode("# helpers\n"))  # the system prompt's rows are reused
+    turn = chat.send("import sys", max_tokens=3, sampling=GREEDY)
+    "".join(turn)
+    assert turn.stats.cached_tokens >= len(model.encode("# helpers\n"))  # the system prompt's rows are reused
 
 
 class ByteTokenizer:

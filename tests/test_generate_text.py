@@ -42,10 +42,10 @@ class ScriptedDecoder:
 def test_pieces_never_split_a_character():
     text = "héllo → wörld"
     model = Model(ScriptedDecoder(text.encode(), eos=0), ByteTokenizer(), eos_ids=[0])
-    pieces = list(model.generate_text("x", max_tokens=100, sampling=SamplingParams(temperature=0)))
+    pieces = list(gen := model.generate_text("x", max_tokens=100, sampling=SamplingParams(temperature=0)))
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
-    assert model.stats.generated_tokens == len(text.encode()) + 1  # the end-of-sequence token is counted
+    assert gen.stats.generated_tokens == len(text.encode()) + 1  # the end-of-sequence token is counted
 
 
 def test_max_tokens_stops():
@@ -63,10 +63,10 @@ class ByteVocabTokenizer(ByteTokenizer):
 def test_the_stop_string_that_ended_the_text_is_reported():
     greedy = SamplingParams(temperature=0)
     model = Model(ScriptedDecoder(b"abcdef", eos=0), ByteTokenizer(), eos_ids=[0])
-    assert "".join(model.generate_text("x", max_tokens=10, sampling=greedy, stop=["zz", "de"])) == "abc"
-    assert model.stats.finish_reason == "stop" and model.stats.stop_sequence == "de"
-    assert "".join(model.generate_text("x", max_tokens=10, sampling=greedy)) == "abcdef"
-    assert model.stats.finish_reason == "stop" and model.stats.stop_sequence is None  # the end-of-sequence token
+    assert "".join(gen := model.generate_text("x", max_tokens=10, sampling=greedy, stop=["zz", "de"])) == "abc"
+    assert gen.stats.finish_reason == "stop" and gen.stats.stop_sequence == "de"
+    assert "".join(gen := model.generate_text("x", max_tokens=10, sampling=greedy)) == "abcdef"
+    assert gen.stats.finish_reason == "stop" and gen.stats.stop_sequence is None  # the end-of-sequence token
     model = Model(ScriptedDecoder(b"abcdef", eos=0), ByteVocabTokenizer(), eos_ids=[0])
-    assert "".join(model.generate_text("x", max_tokens=10, sampling=greedy, stop=["zz", "d"])) == "abc"
-    assert model.stats.finish_reason == "stop" and model.stats.stop_sequence == "d"
+    assert "".join(gen := model.generate_text("x", max_tokens=10, sampling=greedy, stop=["zz", "d"])) == "abc"
+    assert gen.stats.finish_reason == "stop" and gen.stats.stop_sequence == "d"

@@ -114,14 +114,14 @@ def test_resume_from_snapshot_equals_recompute(hybrid, device):
     first = tokens[:12].tolist()
     list(model.generate(first, max_tokens=5, sampling=greedy, reuse_cache=True))
     second = first + [int(t) for t in tokens[12:20]]  # not the generated tokens: the decode states do not apply
-    got = list(model.generate(second, max_tokens=6, sampling=greedy, reuse_cache=True))
-    assert model.stats.cached_tokens == len(first) and model.stats.prompt_tokens == len(second) - len(first)
+    got = list(gen := model.generate(second, max_tokens=6, sampling=greedy, reuse_cache=True))
+    assert gen.stats.cached_tokens == len(first) and gen.stats.prompt_tokens == len(second) - len(first)
     fresh = Model(_decoder(hybrid, device))
     assert got == list(fresh.generate(second, max_tokens=6, sampling=greedy))
     # the same prompt again: everything but its last token resumes (the snapshot at the prompt's end is one token
     # too long, so the state at the first prompt's end serves)
-    again = list(model.generate(second, max_tokens=6, sampling=greedy, reuse_cache=True))
-    assert again == got and model.stats.cached_tokens == len(first)
+    again = list(gen := model.generate(second, max_tokens=6, sampling=greedy, reuse_cache=True))
+    assert again == got and gen.stats.cached_tokens == len(first)
 
 
 def test_rollback_drops_later_snapshots(hybrid):
@@ -137,8 +137,8 @@ def test_rollback_drops_later_snapshots(hybrid):
         list(model.generate(prompt, max_tokens=2, sampling=greedy, reuse_cache=True))
     assert 20 not in model.decoder.resume_points()  # p + x's state at 20 went with the rollback to 12
     last = p + y + tokens[24:28].tolist()
-    got = list(model.generate(last, max_tokens=4, sampling=greedy, reuse_cache=True))
-    assert model.stats.cached_tokens == 12
+    got = list(gen := model.generate(last, max_tokens=4, sampling=greedy, reuse_cache=True))
+    assert gen.stats.cached_tokens == 12
     assert got == list(Model(_decoder(hybrid, get_device("cpu"))).generate(last, max_tokens=4, sampling=greedy))
 
 
@@ -157,8 +157,8 @@ def test_long_prompt_keeps_periodic_states(hybrid):
     list(model.generate(ids, max_tokens=1, sampling=greedy, reuse_cache=True))
     assert dec.resume_points() == [0, 9, 18, 22]  # chunk ends 3, 6, 9 (past 8), ..., 18 (past 16), the prompt's end
     other = ids[:17] + [(t + 5) % 128 for t in ids[17:]]
-    got = list(model.generate(other, max_tokens=3, sampling=greedy, reuse_cache=True))
-    assert model.stats.cached_tokens == 9
+    got = list(gen := model.generate(other, max_tokens=3, sampling=greedy, reuse_cache=True))
+    assert gen.stats.cached_tokens == 9
     assert got == list(Model(_decoder(hybrid, get_device("cpu"))).generate(other, max_tokens=3, sampling=greedy))
     dec.max_snapshots = 2
     dec.reset()
@@ -178,8 +178,8 @@ def test_message_boundaries_keep_states(hybrid):
     list(model.generate(ids, max_tokens=2, sampling=greedy, reuse_cache=True, boundaries=[10, 18]))
     assert {10, 18, 24} <= set(model.decoder.resume_points())
     other = ids[:10] + [(t + 1) % 128 for t in ids[10:16]]
-    got = list(model.generate(other, max_tokens=4, sampling=greedy, reuse_cache=True))
-    assert model.stats.cached_tokens == 10
+    got = list(gen := model.generate(other, max_tokens=4, sampling=greedy, reuse_cache=True))
+    assert gen.stats.cached_tokens == 10
     assert got == list(Model(_decoder(hybrid, get_device("cpu"))).generate(other, max_tokens=4, sampling=greedy))
 
 
@@ -216,20 +216,20 @@ def test_replaced_sequences_resume_from_the_state_cache(hybrid):
     model = Model(_decoder(hybrid, get_device("cpu"), ctx=256))  # room for the sequences the caches keep
     a, b = tokens[:14].tolist(), [(t + 7) % 128 for t in tokens[:12]]
     list(model.generate(a, max_tokens=3, sampling=greedy, reuse_cache=True, boundaries=[9]))
-    list(model.generate(b, max_tokens=3, sampling=greedy, reuse_cache=True))  # replaces a's sequence
-    assert model.stats.cached_tokens == 0 and {9, 14} <= set(model.state_cache.lengths())
+    list(gen := model.generate(b, max_tokens=3, sampling=greedy, reuse_cache=True))  # replaces a's sequence
+    assert gen.stats.cached_tokens == 0 and {9, 14} <= set(model.state_cache.lengths())
     longer = a + [5, 6, 7]
-    got = list(model.generate(longer, max_tokens=4, sampling=greedy, reuse_cache=True))
-    assert model.stats.cached_tokens == 14  # a's prompt end: not the decoder's own sequence any more
+    got = list(gen := model.generate(longer, max_tokens=4, sampling=greedy, reuse_cache=True))
+    assert gen.stats.cached_tokens == 14  # a's prompt end: not the decoder's own sequence any more
     assert got == _fresh(hybrid, longer)
     branch = a[:9] + [1, 2, 3]
-    got = list(model.generate(branch, max_tokens=4, sampling=greedy, reuse_cache=True))
-    assert model.stats.cached_tokens == 9 and got == _fresh(hybrid, branch)  # the boundary's state
+    got = list(gen := model.generate(branch, max_tokens=4, sampling=greedy, reuse_cache=True))
+    assert gen.stats.cached_tokens == 9 and got == _fresh(hybrid, branch)  # the boundary's state
     model.state_cache.clear()
     model.prefix_cache.clear()
     list(model.generate(b, max_tokens=1, sampling=greedy, reuse_cache=True))
-    list(model.generate(longer, max_tokens=1, sampling=greedy, reuse_cache=True))
-    assert model.stats.cached_tokens == 0  # nothing kept: recomputed
+    list(gen := model.generate(longer, max_tokens=1, sampling=greedy, reuse_cache=True))
+    assert gen.stats.cached_tokens == 0  # nothing kept: recomputed
 
 
 def test_state_cache_needs_the_kv_rows_too(hybrid):
@@ -243,8 +243,8 @@ def test_state_cache_needs_the_kv_rows_too(hybrid):
     list(model.generate(a, max_tokens=1, sampling=greedy, reuse_cache=True))
     list(model.generate([3] * 12, max_tokens=1, sampling=greedy, reuse_cache=True))
     model.prefix_cache.clear()
-    list(model.generate(a + [4], max_tokens=1, sampling=greedy, reuse_cache=True))
-    assert model.stats.cached_tokens == 0 and 14 in model.state_cache.lengths()
+    list(gen := model.generate(a + [4], max_tokens=1, sampling=greedy, reuse_cache=True))
+    assert gen.stats.cached_tokens == 0 and 14 in model.state_cache.lengths()
 
 
 def test_anchors_keep_the_states(hybrid, tmp_path):
@@ -258,25 +258,26 @@ def test_anchors_keep_the_states(hybrid, tmp_path):
     model = Model(_decoder(hybrid, get_device("cpu"), ctx=256))
     model.use_anchor_dir(tmp_path)
     ids = tokens[:16].tolist()
-    list(model.generate(ids, max_tokens=2, sampling=greedy, boundaries=[11, 16]))
-    made = model.stats.anchors_made
+    list(gen := model.generate(ids, max_tokens=2, sampling=greedy, boundaries=[11, 16]))
+    made = gen.stats.anchors_made
     assert len(made) == 2 and all(model.anchors.get(m).info()["linear_states"] for m in made)
     with pytest.raises(ValueError, match="state at 5 tokens is not kept"):
         model.anchor(5)
     assert model.rollback(made[0]) == 11 and model.decoder.length == 11
     later = ids[:11] + [9, 8, 7]
-    assert list(model.generate(later, max_tokens=4, sampling=greedy, reuse_cache=True)) == _fresh(hybrid, later)
-    assert model.stats.cached_tokens == 11
+    assert list(gen := model.generate(later, max_tokens=4, sampling=greedy, reuse_cache=True)) == _fresh(hybrid, later)
+    assert gen.stats.cached_tokens == 11
     list(model.generate([2] * 9, max_tokens=1, sampling=greedy))  # another sequence in between
     longer = ids + [1, 2]
-    assert list(model.generate(longer, max_tokens=4, sampling=greedy, anchor=made[1])) == _fresh(hybrid, longer)
-    assert model.stats.anchor == made[1] and model.stats.cached_tokens == 16
+    assert list(gen := model.generate(longer, max_tokens=4, sampling=greedy, anchor=made[1])) == _fresh(hybrid, longer)
+    assert gen.stats.anchor == made[1] and gen.stats.cached_tokens == 16
 
     restarted = Model(_decoder(hybrid, get_device("cpu"), ctx=256))
     restarted.use_anchor_dir(tmp_path)
     assert restarted.anchors.get(made[1]).tier == "disk"
-    assert list(restarted.generate(longer, max_tokens=4, sampling=greedy, anchor=made[1])) == _fresh(hybrid, longer)
-    assert restarted.stats.cached_tokens == 16 and restarted.stats.anchor_refused is None
+    gen = restarted.generate(longer, max_tokens=4, sampling=greedy, anchor=made[1])
+    assert list(gen) == _fresh(hybrid, longer)
+    assert gen.stats.cached_tokens == 16 and gen.stats.anchor_refused is None
 
     state_file = next((tmp_path / "blocks").glob("*.lss"))
     raw = bytearray(state_file.read_bytes())
@@ -287,8 +288,8 @@ def test_anchors_keep_the_states(hybrid, tmp_path):
     aid = next(a.id for a in damaged.anchors.list() if damaged.anchors.get(a.id).state_sum ==
                state_file.stem)
     n = len(damaged.anchors.get(aid).tokens)
-    got = list(damaged.generate(ids[:n] + [1], max_tokens=2, sampling=greedy, anchor=aid))
-    assert damaged.stats.cached_tokens == 0 and "linear-attention states" in damaged.stats.anchor_refused
+    got = list(gen := damaged.generate(ids[:n] + [1], max_tokens=2, sampling=greedy, anchor=aid))
+    assert gen.stats.cached_tokens == 0 and "linear-attention states" in gen.stats.anchor_refused
     assert got == _fresh(hybrid, ids[:n] + [1], 2) and damaged.anchors.get(aid) is None
 
 
@@ -303,16 +304,16 @@ def test_anchor_states_count_against_host_memory(hybrid, tmp_path, on_disk):
     model = Model(_decoder(hybrid, get_device("cpu"), ctx=256))
     store = model.use_anchor_dir(tmp_path if on_disk else None, host_bytes=model.decoder.state_bytes() * 3 // 2)
     ids = tokens[:14].tolist()
-    list(model.generate(ids, max_tokens=1, sampling=greedy, boundaries=[8, 14]))
-    first, second = model.stats.anchors_made
+    list(gen := model.generate(ids, max_tokens=1, sampling=greedy, boundaries=[8, 14]))
+    first, second = gen.stats.anchors_made
     assert store.get(second).tier == "device" and store.host_bytes_held() <= store.host_bytes
     if not on_disk:
         assert store.get(first) is None
         return
     assert store.get(first).tier == "disk"
     later = ids[:8] + [5, 6]
-    assert list(model.generate(later, max_tokens=3, sampling=greedy, anchor=first)) == _fresh(hybrid, later, 3)
-    assert model.stats.anchor == first and model.stats.cached_tokens == 8
+    assert list(gen := model.generate(later, max_tokens=3, sampling=greedy, anchor=first)) == _fresh(hybrid, later, 3)
+    assert gen.stats.anchor == first and gen.stats.cached_tokens == 8
 
 
 def test_state_bytes(hybrid):

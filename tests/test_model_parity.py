@@ -83,14 +83,14 @@ def test_greedy_generation_matches_transformers(checkpoint):
     # rounding flips (test_matches_transformers bounds the bf16 cache's logits error)
     opts = LoadOptions(ctx=64, kv_dtype="f32")
     model = Model(build_decoder(cfg, lambda name: tensors[name], get_device("cpu"), opts))
-    got = list(model.generate(tokens[:PROMPT].tolist(), max_tokens=8, sampling=SamplingParams(temperature=0)))
+    got = list(gen := model.generate(tokens[:PROMPT].tolist(), max_tokens=8, sampling=SamplingParams(temperature=0)))
     hf = getattr(transformers, FAMILIES[family][1]).from_pretrained(path).eval()
     with torch.no_grad():
         want = hf.generate(torch.tensor(tokens[None, :PROMPT]), max_new_tokens=8, do_sample=False,
                            pad_token_id=0, eos_token_id=None)[0, PROMPT:].tolist()
     agree = sum(a == b for a, b in zip(got, want, strict=True))
     assert agree >= 7, (got, want)  # bf16 experts may flip one near-tie
-    assert model.stats.prompt_tokens == PROMPT and model.stats.generated_tokens == 8
+    assert gen.stats.prompt_tokens == PROMPT and gen.stats.generated_tokens == 8
 
 
 @pytest.mark.parametrize("slots", [16, 20])

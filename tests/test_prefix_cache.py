@@ -150,13 +150,13 @@ def test_random_interleavings_reuse_exactly_and_release_everything(models, ops):
             ids = ids[-(model.decoder.ctx - 8):]  # within the context
             bounds = sorted({len(ids) // 2, len(ids)})
             anchor = a.id if kind == "rollback" and anchors and a.id in model.anchors.anchors else None
-            got = prefill_logits(model, ids, reuse_cache=True, boundaries=bounds, anchor=anchor)
-            assert_reused_exactly(model, ref, ids, got)
-            assert model.stats.anchor_refused is None
-            assert model.stats.cached_tokens + model.stats.prompt_tokens == len(ids)
+            got, st = prefill_logits(model, ids, reuse_cache=True, boundaries=bounds, anchor=anchor)
+            assert_reused_exactly(model, ref, ids, got, st.cached_tokens)
+            assert st.anchor_refused is None
+            assert st.cached_tokens + st.prompt_tokens == len(ids)
             _check_refs(model)
             history.append(ids)
-            anchors.extend(model.anchors.get(i) for i in model.stats.anchors_made)
+            anchors.extend(model.anchors.get(i) for i in st.anchors_made)
             anchors = [x for x in anchors if x is not None and x.id in model.anchors.anchors][-6:]
     finally:
         model.anchors.clear()
@@ -180,7 +180,7 @@ def test_share_extend_diverge_rollback_on_emu():
     a = segs[0] + segs[1] + segs[3]
     steps = [(a, [len(a) - 9]), (a + segs[2], []), (a[:70] + [5] + segs[4], []), (segs[5], [])]
     for ids, bounds in steps:
-        got = prefill_logits(model, ids, reuse_cache=True, boundaries=bounds)
+        got, st = prefill_logits(model, ids, reuse_cache=True, boundaries=bounds)
         want = ref.logits(ids)[-1]
         # a reused prefix was computed in another pass: the emu's bf16 tensor-core tiles round otherwise
         assert float(((got - want) ** 2).sum() / (want ** 2).sum()) < 1e-5
@@ -189,8 +189,8 @@ def test_share_extend_diverge_rollback_on_emu():
     model.anchors._to_host(anchor)
     model.prefix_cache.clear()
     ids = [*anchor.tokens.tolist(), *segs[2]]
-    got = prefill_logits(model, ids, reuse_cache=True, boundaries=[anchor.length])
-    assert model.stats.anchor == anchor.id and model.stats.cached_tokens == anchor.length
+    got, st = prefill_logits(model, ids, reuse_cache=True, boundaries=[anchor.length])
+    assert st.anchor == anchor.id and st.cached_tokens == anchor.length
     want = ref.logits(ids)[-1]
     assert float(((got - want) ** 2).sum() / (want ** 2).sum()) < 1e-5
     _check_refs(model)

@@ -337,15 +337,16 @@ class _FakeModel:
         self.chat_template = ChatTemplate.chatml()
         self.decoder = type("Decoder", (), {"ctx": 4096, "length": 0})()
         self.experts = type("Experts", (), {"counters": staticmethod(dict)})()
-        self.stats = None
 
     def encode(self, text, add_special_tokens=True):
         return list(range(len(text.split())))
 
     def generate_text(self, ids, max_tokens, sampling, **options):
-        from freetoken.engine.generation.generate import GenerationStats
+        from freetoken.engine.generation.generate import Generation, GenerationStats
 
-        self.stats = GenerationStats(generated_tokens=1, finish_reason="stop")
+        return Generation(self._words(), GenerationStats(generated_tokens=1, finish_reason="stop"))
+
+    def _words(self):
         yield "Hello"
         if self.fail:
             raise RuntimeError("the device fell off the bus")

@@ -62,11 +62,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     pin_note = apply_pinning(model, args, prompt)
     record = args.record_trace is not None
     sys.stdout.write(prompt)
-    for piece in model.generate_text(prompt, args.max_tokens, sampling, record_routing=record):
+    reply = model.generate_text(prompt, args.max_tokens, sampling, record_routing=record)
+    for piece in reply:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    st = model.stats
+    st = reply.stats
     print(f"[{kind}] prefill {st.prompt_tokens} tokens at {st.prefill_tps:.1f} tok/s, "
           f"generated {st.generated_tokens} tokens, decode at {st.decode_tps:.1f} tok/s; {model.experts.summary()}",
           file=sys.stderr)

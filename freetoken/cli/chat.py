@@ -54,8 +54,7 @@ def _read_line(interactive: bool) -> str | None:
     return line.rstrip("\r\n")
 
 
-def _turn_stats(model) -> str:
-    st = model.stats
+def _turn_stats(model, st) -> str:
     return (f"[{model.decoder.dev.kind}] prefill {st.prompt_tokens} new tokens at {st.prefill_tps:.1f} tok/s, "
             f"{st.cached_tokens} cached tokens reused, generated {st.generated_tokens} tokens, "
             f"decode at {st.decode_tps:.1f} tok/s; context {model.decoder.length}/{model.decoder.ctx}")
@@ -151,7 +150,7 @@ def _converse(model, args: argparse.Namespace, sampling) -> int:
             continue
         sys.stdout.write("\n")
         sys.stdout.flush()
-        print(_turn_stats(model), file=sys.stderr)
+        print(_turn_stats(model, reply.stats), file=sys.stderr)
         if model.decoder.length >= model.decoder.ctx:
             print("freetoken chat: warning: the context is full; /reset to go on", file=sys.stderr)
 

@@ -203,7 +203,7 @@ class EngineWorker:
             job.post("error", e)
             self._finished(job, None, e)
             return
-        st = model.stats
+        st = pieces.stats
         self.counters = dict(experts.counters())
         if job.cancelled.is_set() and st.finish_reason is None:
             self._finished(job, None, None)

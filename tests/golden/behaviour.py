@@ -57,10 +57,10 @@ def run_model(name: str) -> dict:
     model = freetoken.load(None, device=device, **kw)
     ids = model.encode(PROMPT)
     logits = model.logits(ids)
-    tokens = list(model.generate(ids, DECODE_TOKENS, SamplingParams(temperature=0.0), record_routing=True))
+    tokens = list(gen := model.generate(ids, DECODE_TOKENS, SamplingParams(temperature=0.0), record_routing=True))
     out = {"prompt_ids": np.asarray(ids, np.int64), "logits": logits[:, :LOGIT_COLUMNS].copy(),
            "tokens": np.asarray(tokens, np.int64),
-           "decode_routing": np.asarray(model.stats.routing, np.int32)}
+           "decode_routing": np.asarray(gen.stats.routing, np.int32)}
     # the counters a run reports: cache hits/misses (gpu/emu), the split's counts, prefetch precision
     out.update({f"stat_{k}": np.asarray(v, np.int64) for k, v in model.experts.counters().items()})
     if device == "cpu":  # the cpu kernels' sums follow the SIMD level they compiled for (bit-exact within a level)

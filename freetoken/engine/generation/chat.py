@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from freetoken.engine.generation.generate import Generation, GenerationStats
 from freetoken.engine.generation.sampling import SamplingParams
 
 # Used when a model has no chat template (documented in the module docstring; the CLI warns).
@@ -212,7 +213,6 @@ class Chat:
         self.system = system
         self.stop = self.template.stop_strings()
         self.messages: list[dict] = []
-        self.stats = None  # the last turn's GenerationStats
         self._turns = 0
         self._anchored: dict[str, list[dict]] = {}  # anchor id -> the messages it was made at
         self.reset()
@@ -257,16 +257,21 @@ class Chat:
         self.model.rollback(aid)
         self.messages = [dict(m) for m in self._anchored[aid]]
 
-    def send(self, text: str, max_tokens: int = 256, sampling: SamplingParams | None = None) -> Iterator[str]:
-        """Add the user message ``text``; yield the reply as text pieces, then add it to the conversation.
+    def send(self, text: str, max_tokens: int = 256, sampling: SamplingParams | None = None) -> Generation:
+        """Add the user message ``text``; the reply as a :class:`freetoken.engine.generation.generate.Generation` of
+        text pieces (its ``stats``: the turn's), added to the conversation as it ends.
 
         Stops at an end-of-sequence token, at the template's end-of-turn marker or after ``max_tokens``. A reply
         cut short (the iterator closed early) is kept as far as it went; an error before any reply text (a
         conversation longer than the context, an interrupt) takes the user message back out. With a seed, turn i samples
         with ``seed + i`` so that turns do not repeat one random sequence."""
+        stats = GenerationStats()
+        return Generation(self._turn(text, max_tokens, sampling, stats), stats)
+
+    def _turn(self, text: str, max_tokens: int, sampling: SamplingParams | None, stats) -> Iterator[str]:
+        """:meth:`send`'s work, the turn's stats kept in ``stats``."""
         self.messages.append({"role": "user", "content": text})
         pieces: list[str] = []
-        before = self.model.stats
         try:
             text = self.prompt()
             ids = self.model.encode(text, add_special_tokens=False)
@@ -280,7 +285,7 @@ class Chat:
             bounds = message_boundaries(self.template, self.messages, self._encode, ids, full_text=text,
                                         offsets=self.model.token_offsets(text, ids))
             for piece in self.model.generate_text(ids, max_tokens, sampling, reuse_cache=True, stop=self.stop,
-                                                  boundaries=bounds):
+                                                  boundaries=bounds, stats=stats):
                 pieces.append(piece)
                 yield piece
         except GeneratorExit:  # closed early: keep the reply as far as it went
@@ -294,9 +299,6 @@ class Chat:
             raise
         else:
             self.messages.append({"role": "assistant", "content": "".join(pieces)})
-        finally:
-            if self.model.stats is not before:
-                self.stats = self.model.stats
 
 
 def message_boundaries(template: ChatTemplate, messages: Sequence[dict], encode, ids: Sequence[int], *,

@@ -42,6 +42,22 @@ class GenerationStats:
         return max(self.generated_tokens - 1, 0) / self.decode_seconds if self.decode_seconds else 0.0
 
 
+class Generation(Iterator):
+    """One generation as it runs: iterate it for its items (token ids from :meth:`Model.generate`, text pieces from
+    :meth:`Model.generate_text`) as they come; ``stats`` (:class:`GenerationStats`) is its result, filled in as it
+    runs and final once the iteration has ended (or :meth:`close` stopped it early)."""
+
+    def __init__(self, items: Iterator, stats: GenerationStats):
+        self._items, self.stats = items, stats
+
+    def __next__(self):
+        return next(self._items)
+
+    def close(self) -> None:
+        """Stop here (the decoder keeps exactly the tokens it ran)."""
+        self._items.close()
+
+
 #: Default of :attr:`Model.restore_residency`: off, as measured (bench/bench_anchor_residency.py, bundled model on
 #: emu, 48 of 96 expert records in slots, 24 decode tokens after a side request): re-admitting the anchor's 48
 #: resident records copied 25 and saved 6 misses of the resumed decode, 69 records copied in all against 50 without.
@@ -70,7 +86,6 @@ class Model:
         self.eos_ids = set(int(i) for i in eos_ids)
         self.chat_template = chat_template
         self.weight_files = list(weight_files)
-        self.stats = GenerationStats()
         self.cached_ids: list[int] = []
         #: re-admit the experts an anchor recorded as resident when restoring it (gpu/emu expert cache; see
         #: bench/bench_anchor_residency.py for the measurement behind the default)
@@ -348,8 +363,10 @@ class Model:
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 64, sampling: SamplingParams | None = None,
                  record_routing: bool = False, reuse_cache: bool = False, constraint=None, anchor=None,
-                 boundaries: Sequence[int] = ()) -> Iterator[int]:
-        """Yield up to ``max_tokens`` new token ids (stops early at an end-of-sequence token).
+                 boundaries: Sequence[int] = (), stats: GenerationStats | None = None) -> Generation:
+        """Up to ``max_tokens`` new token ids (stops early at an end-of-sequence token), as a :class:`Generation`:
+        iterate it for the ids as they come; its ``stats`` say what the call did. The prompt is checked here; the
+        work runs as it is iterated.
 
         ``reuse_cache``: keep the K/V rows of the longest prefix of the prompt still in the pool (the previous
         prompt and the tokens generated after it, an earlier sequence in the prefix cache, an anchor at one of
@@ -359,14 +376,19 @@ class Model:
         and, refused, recomputed (``stats.anchor_refused`` says why). ``boundaries``: positions in the prompt
         (message boundaries) at which anchors are made once the prompt has run (``stats.anchors_made``).
         ``constraint``: a :class:`freetoken.engine.generation.grammar.TokenConstraint` the tokens must follow;
-        generation ends when its grammar is complete."""
+        generation ends when its grammar is complete. ``stats``: the object to fill in (default a new one)."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
         if not ids:
             raise ValueError("the prompt is empty")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        sampler = Sampler(sampling, constraint)
-        st = self.stats = GenerationStats()
+        st = GenerationStats() if stats is None else stats
+        return Generation(self._tokens(ids, max_tokens, Sampler(sampling, constraint), record_routing, reuse_cache,
+                                       constraint, anchor, boundaries, st), st)
+
+    def _tokens(self, ids: list[int], max_tokens: int, sampler: Sampler, record_routing: bool, reuse_cache: bool,
+                constraint, anchor, boundaries: Sequence[int], st: GenerationStats) -> Iterator[int]:
+        """:meth:`generate`'s work, its stats kept in ``st``."""
         keep = self._reuse(ids, anchor, boundaries, st) if reuse_cache or anchor is not None else 0
         if not keep:
             self.decoder.reset()
@@ -430,23 +452,30 @@ class Model:
     def generate_text(self, prompt: str | Sequence[int], max_tokens: int = 64, sampling: SamplingParams | None = None,
                       record_routing: bool = False, reuse_cache: bool = False,
                       stop: Sequence[str] = (), should_stop: Callable[[], bool] | None = None,
-                      constraint=None, anchor=None, boundaries: Sequence[int] = ()) -> Iterator[str]:
-        """Yield text pieces as tokens come (a piece is held back while it ends in an incomplete character).
+                      constraint=None, anchor=None, boundaries: Sequence[int] = (),
+                      stats: GenerationStats | None = None) -> Generation:
+        """Text pieces as tokens come (a piece is held back while it ends in an incomplete character), as a
+        :class:`Generation` whose ``stats`` are those of the tokens' :meth:`generate`.
 
         ``stop``: strings that end the text (not included). One that is a single token of the vocabulary stops at
         that token; any of them stops when it shows up in the decoded text, so text that could be the start of a
         stop string is held back until it is clear that it is not; ``stats.stop_sequence`` says which one ended the
         text. ``reuse_cache``: as in :meth:`generate`.
         ``should_stop``: asked after every token (held-back ones too); True ends generation there (a cancelled
-        request: ``stats.finish_reason`` stays None). ``constraint``, ``anchor``, ``boundaries``: as in
+        request: ``stats.finish_reason`` stays None). ``constraint``, ``anchor``, ``boundaries``, ``stats``: as in
         :meth:`generate`."""
-        text = TextStream(self, stop)
         tokens = self.generate(prompt, max_tokens, sampling, record_routing, reuse_cache=reuse_cache,
-                               constraint=constraint, anchor=anchor, boundaries=boundaries)
+                               constraint=constraint, anchor=anchor, boundaries=boundaries, stats=stats)
+        return Generation(self._pieces(tokens, TextStream(self, stop), should_stop), tokens.stats)
+
+    @staticmethod
+    def _pieces(tokens: Generation, text: TextStream, should_stop) -> Iterator[str]:
+        """:meth:`generate_text`'s work: ``tokens`` through ``text``."""
+        st = tokens.stats
         try:
             for tok in tokens:
                 if should_stop is not None and should_stop():
-                    self.stats.finish_reason = None
+                    st.finish_reason = None
                     return
                 piece = text.push(tok)
                 if piece:
@@ -457,6 +486,6 @@ class Model:
             tokens.close()  # stopping early: the decoder holds exactly the tokens it ran (``cached_ids``)
         piece = text.flush()
         if text.finish_reason is not None:
-            self.stats.finish_reason, self.stats.stop_sequence = text.finish_reason, text.stop_sequence
+            st.finish_reason, st.stop_sequence = text.finish_reason, text.stop_sequence
         if piece:
             yield piece
