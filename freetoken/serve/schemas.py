@@ -227,7 +227,7 @@ def refuse_unsupported(req: _Sampling) -> None:
         raise APIError(400, f"{param}: {why}", param=param, code="unsupported_parameter")
 
     if req.n != 1:
-        no("n", "one choice per request only (the engine runs one sequence)")
+        no("n", "one choice per request only")
     if req.logprobs:
         no("logprobs", "log probabilities are not returned by this server")
     if isinstance(req, ChatCompletionRequest):
