@@ -59,3 +59,19 @@ def kv_store_rows(k, v, k_pool, v_pool, block_table, start):
             for d in range(dim):
                 k_pool[block, row, h, d] = _encode(k[t, h, d], k_pool[0, 0, 0, 0])
                 v_pool[block, row, h, d] = _encode(v[t, h, d], v_pool[0, 0, 0, 0])
+
+
+@nb.njit(error_model="numpy", cache=True)
+def kv_store_rows_batch(k, v, k_pool, v_pool, tables, rows):
+    """:func:`kv_store_rows` for the rows of several sequences: ``rows`` int32 ``[n, 3]`` holds each row's (row of
+    ``k`` / ``v``, sequence, position); the position's block is looked up in the sequence's row of ``tables``
+    (int32 ``[S, W]``)."""
+    bs = k_pool.shape[1]
+    kv_heads, dim = k.shape[1], k.shape[2]
+    for i in range(rows.shape[0]):
+        t, pos = rows[i, 0], rows[i, 2]
+        block, row = tables[rows[i, 1], pos // bs], pos % bs
+        for h in range(kv_heads):
+            for d in range(dim):
+                k_pool[block, row, h, d] = _encode(k[t, h, d], k_pool[0, 0, 0, 0])
+                v_pool[block, row, h, d] = _encode(v[t, h, d], v_pool[0, 0, 0, 0])

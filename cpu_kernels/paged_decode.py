@@ -317,11 +317,11 @@ def splits_for(t_count: int, block_size: int, start: int, window: int) -> int:
     return max(1, (blocks + SPLIT_BLOCKS - 1) // SPLIT_BLOCKS)
 
 
-@nb.njit(error_model="numpy", parallel=True, cache=True, fastmath=_FASTMATH)
-def paged_decode_rows(q, k_pool, v_pool, block_table, start, window, sinks, scale, nsplit, out):
-    """As :func:`~freetoken.cpu_kernels.paged_attention.paged_attention_rows` for a float32, bf16 (uint16) or f16
-    (int16) pool, ``H / Hkv * T <= DECODE_ROWS`` and ``D % 16 == 0``, in ``nsplit`` runs of keys per kv head
-    (:func:`splits_for`). The fp8 kind runs the prompt kernel."""
+@nb.njit(error_model="numpy", cache=True, fastmath=_FASTMATH)
+def _decode_run(q, k_pool, v_pool, block_table, start, window, scale, nsplit, kvh, sp, m_out, l_out, o):
+    """Run ``sp`` of ``nsplit`` of kv head ``kvh`` for the queries ``q`` ``[T, H, D]`` at positions ``start ..``:
+    each row's (query x head of the group) running maximum into ``m_out``, sum into ``l_out``, unnormalised output
+    into ``o`` ``[rows padded to SCORE_ROWS, D]``."""
     t_count, heads, dim = q.shape
     bs, kv_heads = k_pool.shape[1], k_pool.shape[2]
     group = heads // kv_heads
@@ -336,81 +336,138 @@ def paged_decode_rows(q, k_pool, v_pool, block_table, start, window, sinks, scal
     nblocks = (hi - 1) // bs - b_first + 1
     rows_pad = (rows + SCORE_ROWS - 1) // SCORE_ROWS * SCORE_ROWS
     bsp = ngroups * _LANES
+    qs = np.zeros((rows_pad, dim), np.float32)  # padding rows: scores computed and never read
+    for r in range(rows):
+        t = r // group
+        h = kvh * group + r % group
+        for d in range(dim):
+            qs[r, d] = q[t, h, d] * scale
+    m = np.full(rows, -np.inf, np.float32)
+    lsum = np.zeros(rows, np.float32)
+    o[:rows_pad] = np.float32(0.0)
+    s = np.zeros((ngroups, rows_pad, _LANES), np.float32)
+    p = np.zeros((rows_pad, bsp), np.float32)  # padding rows stay 0
+    kbase, vbase = addr(k_pool), addr(v_pool)
+    for blk in range(b_first + sp * nblocks // nsplit, b_first + (sp + 1) * nblocks // nsplit):
+        base = blk * bs
+        block = block_table[blk]
+        j0 = max(lo - base, 0)
+        j1 = min(hi - base, bs)  # keys past the last query's position are not read
+        g_lo, g_hi = j0 // _LANES, (j1 + _LANES - 1) // _LANES
+        row0 = np.uint64(block * bs * kv_heads + kvh) * row_bytes
+        for g in range(g_lo, g_hi):
+            k0 = max(g * _LANES, j0)
+            _scores(addr(qs), rows_pad // SCORE_ROWS, kbase + row0 + np.uint64(k0 * kv_heads) * row_bytes,
+                    key_bytes, min(j1, g * _LANES + _LANES) - k0, n16,
+                    addr(s) + np.uint64(((g * rows_pad) * _LANES + k0 - g * _LANES) * 4), _LANES,
+                    k_pool[0, 0, 0, 0])
+        for r in range(rows):
+            pos = start + r // group
+            jhi = min(j1, pos - base + 1)  # keys up to the query's own position
+            jlo = j0 if window == 0 else max(0, pos - window + 1 - base)
+            if jhi <= jlo:  # no key of this block for the row (a window): it adds nothing
+                for j in range(g_lo * _LANES, g_hi * _LANES):
+                    p[r, j] = np.float32(0.0)
+                continue
+            m_old = m[r]
+            mx, total = _fold_lanes(addr(s), rows_pad, r, g_lo, g_hi, jlo, jhi, m_old, addr(p), bsp)
+            corr = _exp(m_old - mx) if m_old > -np.inf else np.float32(0.0)
+            lsum[r] = lsum[r] * corr + total
+            m[r] = mx
+            for d in range(dim):
+                o[r, d] *= corr
+        _weighted_values(addr(o), rows_pad // SCORE_ROWS, addr(p) + np.uint64(j0 * 4), bsp,
+                         vbase + row0 + np.uint64(j0 * kv_heads) * row_bytes, key_bytes, j1 - j0, n16,
+                         v_pool[0, 0, 0, 0])
+    for r in range(rows):
+        m_out[r] = m[r]
+        l_out[r] = lsum[r]
+
+
+@nb.njit(error_model="numpy", cache=True, fastmath=_FASTMATH)
+def _decode_merge(part_m, part_l, part_o, sinks, group, kvh, dim, out):
+    """Merge the runs of kv head ``kvh`` into ``out`` ``[T, H * D]``: ``part_m``, ``part_l`` ``[nsplit, rows]`` and
+    ``part_o`` ``[nsplit, rows padded, D]`` the runs' maxima, sums and unnormalised outputs (one run: out = o / (sum
+    + sink))."""
+    nsplit = part_m.shape[0]
+    for r in range(out.shape[0] * group):
+        t = r // group
+        h = kvh * group + r % group
+        mx = -np.inf
+        for sp in range(nsplit):
+            mx = max(mx, part_m[sp, r])
+        den = np.float32(0.0)
+        for sp in range(nsplit):
+            if part_m[sp, r] > -np.inf:
+                den += part_l[sp, r] * _exp(part_m[sp, r] - mx)
+        if sinks is not None:
+            den += np.float32(np.exp(np.float64(sinks[h]) - np.float64(mx)))
+        # every row sees at least its own key, so no finite maximum means NaN scores: NaN out, as NumPy gives
+        inv = np.float32(1.0) / den if mx > -np.inf else np.float32(np.nan)
+        for d in range(dim):
+            out[t, h * dim + d] = np.float32(0.0) if mx > -np.inf else inv
+        for sp in range(nsplit):
+            if part_m[sp, r] > -np.inf:
+                w = _exp(part_m[sp, r] - mx) * inv
+                for d in range(dim):
+                    out[t, h * dim + d] += part_o[sp, r, d] * w
+
+
+@nb.njit(error_model="numpy", parallel=True, cache=True, fastmath=_FASTMATH)
+def paged_decode_rows(q, k_pool, v_pool, block_table, start, window, sinks, scale, nsplit, out):
+    """As :func:`~freetoken.cpu_kernels.paged_attention.paged_attention_rows` for a float32, bf16 (uint16) or f16
+    (int16) pool, ``H / Hkv * T <= DECODE_ROWS`` and ``D % 16 == 0``, in ``nsplit`` runs of keys per kv head
+    (:func:`splits_for`). The fp8 kind runs the prompt kernel."""
+    t_count, heads, dim = q.shape
+    kv_heads = k_pool.shape[2]
+    group = heads // kv_heads
+    rows = t_count * group
+    rows_pad = (rows + SCORE_ROWS - 1) // SCORE_ROWS * SCORE_ROWS
     part_m = np.empty((kv_heads, nsplit, rows), np.float32)
     part_l = np.empty((kv_heads, nsplit, rows), np.float32)
     part_o = np.empty((kv_heads, nsplit, rows_pad, dim), np.float32)
     for task in nb.prange(kv_heads * nsplit):
         kvh = task // nsplit
         sp = task - kvh * nsplit
-        qs = np.zeros((rows_pad, dim), np.float32)  # padding rows: scores computed and never read
-        for r in range(rows):
-            t = r // group
-            h = kvh * group + r % group
-            for d in range(dim):
-                qs[r, d] = q[t, h, d] * scale
-        m = np.full(rows, -np.inf, np.float32)
-        lsum = np.zeros(rows, np.float32)
-        o = part_o[kvh, sp]
-        o[:] = np.float32(0.0)
-        s = np.zeros((ngroups, rows_pad, _LANES), np.float32)
-        p = np.zeros((rows_pad, bsp), np.float32)  # padding rows stay 0
-        kbase, vbase = addr(k_pool), addr(v_pool)
-        for blk in range(b_first + sp * nblocks // nsplit, b_first + (sp + 1) * nblocks // nsplit):
-            base = blk * bs
-            block = block_table[blk]
-            j0 = max(lo - base, 0)
-            j1 = min(hi - base, bs)  # keys past the last query's position are not read
-            g_lo, g_hi = j0 // _LANES, (j1 + _LANES - 1) // _LANES
-            row0 = np.uint64(block * bs * kv_heads + kvh) * row_bytes
-            for g in range(g_lo, g_hi):
-                k0 = max(g * _LANES, j0)
-                _scores(addr(qs), rows_pad // SCORE_ROWS, kbase + row0 + np.uint64(k0 * kv_heads) * row_bytes,
-                        key_bytes, min(j1, g * _LANES + _LANES) - k0, n16,
-                        addr(s) + np.uint64(((g * rows_pad) * _LANES + k0 - g * _LANES) * 4), _LANES,
-                        k_pool[0, 0, 0, 0])
-            for r in range(rows):
-                pos = start + r // group
-                jhi = min(j1, pos - base + 1)  # keys up to the query's own position
-                jlo = j0 if window == 0 else max(0, pos - window + 1 - base)
-                if jhi <= jlo:  # no key of this block for the row (a window): it adds nothing
-                    for j in range(g_lo * _LANES, g_hi * _LANES):
-                        p[r, j] = np.float32(0.0)
-                    continue
-                m_old = m[r]
-                mx, total = _fold_lanes(addr(s), rows_pad, r, g_lo, g_hi, jlo, jhi, m_old, addr(p), bsp)
-                corr = _exp(m_old - mx) if m_old > -np.inf else np.float32(0.0)
-                lsum[r] = lsum[r] * corr + total
-                m[r] = mx
-                for d in range(dim):
-                    o[r, d] *= corr
-            _weighted_values(addr(o), rows_pad // SCORE_ROWS, addr(p) + np.uint64(j0 * 4), bsp,
-                             vbase + row0 + np.uint64(j0 * kv_heads) * row_bytes, key_bytes, j1 - j0, n16,
-                             v_pool[0, 0, 0, 0])
-        for r in range(rows):
-            part_m[kvh, sp, r] = m[r]
-            part_l[kvh, sp, r] = lsum[r]
-    for kvh in range(kv_heads):  # merge the runs (one run: out = o / (sum + sink))
-        for r in range(rows):
-            t = r // group
-            h = kvh * group + r % group
-            mx = -np.inf
-            for sp in range(nsplit):
-                mx = max(mx, part_m[kvh, sp, r])
-            den = np.float32(0.0)
-            for sp in range(nsplit):
-                if part_m[kvh, sp, r] > -np.inf:
-                    den += part_l[kvh, sp, r] * _exp(part_m[kvh, sp, r] - mx)
-            if sinks is not None:
-                den += np.float32(np.exp(np.float64(sinks[h]) - np.float64(mx)))
-            # every row sees at least its own key, so no finite maximum means NaN scores: NaN out, as NumPy gives
-            inv = np.float32(1.0) / den if mx > -np.inf else np.float32(np.nan)
-            for d in range(dim):
-                out[t, h * dim + d] = np.float32(0.0) if mx > -np.inf else inv
-            for sp in range(nsplit):
-                if part_m[kvh, sp, r] > -np.inf:
-                    w = _exp(part_m[kvh, sp, r] - mx) * inv
-                    for d in range(dim):
-                        out[t, h * dim + d] += part_o[kvh, sp, r, d] * w
+        _decode_run(q, k_pool, v_pool, block_table, start, window, scale, nsplit, kvh, sp, part_m[kvh, sp],
+                    part_l[kvh, sp], part_o[kvh, sp])
+    for kvh in range(kv_heads):  # merge the runs
+        _decode_merge(part_m[kvh], part_l[kvh], part_o[kvh], sinks, group, kvh, dim, out)
+
+
+@nb.njit(error_model="numpy", parallel=True, cache=True, fastmath=_FASTMATH)
+def paged_decode_batch(q, k_pool, v_pool, tables, seqs, window, sinks, scale, splits, out):
+    """:func:`paged_decode_rows` for several sequences in one call: sequence ``i`` holds rows ``seqs[i, 0] ..
+    seqs[i, 0] + seqs[i, 1] - 1`` of ``q`` and ``out`` at positions ``seqs[i, 2] ..``, block table ``tables[i]``,
+    ``splits[i]`` runs of keys per kv head (``seqs``, ``splits`` int64). One parallel task per (sequence, kv head,
+    run); every sequence's result is the one :func:`paged_decode_rows` gives it alone."""
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads = k_pool.shape[2]
+    group = heads // kv_heads
+    nseq = seqs.shape[0]
+    first = np.zeros(nseq + 1, np.int64)  # the sequences' first tasks
+    most = 1
+    for i in range(nseq):
+        first[i + 1] = first[i] + kv_heads * splits[i]
+        most = max(most, seqs[i, 1] * group)
+    most_pad = (most + SCORE_ROWS - 1) // SCORE_ROWS * SCORE_ROWS
+    part_m = np.empty((first[nseq], most), np.float32)
+    part_l = np.empty((first[nseq], most), np.float32)
+    part_o = np.empty((first[nseq], most_pad, dim), np.float32)
+    for task in nb.prange(first[nseq]):
+        i = np.searchsorted(first, task, side="right") - 1
+        nsplit = splits[i]
+        kvh = (task - first[i]) // nsplit
+        sp = task - first[i] - kvh * nsplit
+        lo, n = seqs[i, 0], seqs[i, 1]
+        _decode_run(q[lo:lo + n], k_pool, v_pool, tables[i], seqs[i, 2], window, scale, nsplit, kvh, sp,
+                    part_m[task], part_l[task], part_o[task])
+    for i in nb.prange(nseq):
+        lo, n, nsplit = seqs[i, 0], seqs[i, 1], splits[i]
+        for kvh in range(kv_heads):
+            t0 = first[i] + kvh * nsplit
+            _decode_merge(part_m[t0:t0 + nsplit, :n * group], part_l[t0:t0 + nsplit, :n * group],
+                          part_o[t0:t0 + nsplit], sinks, group, kvh, dim, out[lo:lo + n])
 
 
 #: :func:`paged_decode_rows` on the calling thread (a short context: :data:`SERIAL_MACS`).
@@ -420,3 +477,12 @@ paged_decode_rows_serial = serial_copy(paged_decode_rows)
 def decode_kernel(keys: int, heads: int, dim: int):
     """:func:`paged_decode_rows` or its serial copy for a step over ``keys`` keys of ``heads`` query heads."""
     return paged_decode_rows_serial if keys * heads * dim < SERIAL_MACS else paged_decode_rows
+
+
+#: :func:`paged_decode_batch` on the calling thread.
+paged_decode_batch_serial = serial_copy(paged_decode_batch)
+
+
+def decode_batch_kernel(macs: int):
+    """:func:`paged_decode_batch` or its serial copy for steps of ``macs`` query-key multiply-adds in all."""
+    return paged_decode_batch_serial if macs < SERIAL_MACS else paged_decode_batch

@@ -50,19 +50,20 @@ __device__ __forceinline__ float finish(float o, float sum, float m, float sl) {
 }
 
 // ---- kv_store ----------------------------------------------------------------------------------------------------
-// Grid (T, Hkv, 2: keys then values), 32 threads: one warp encodes one row of D values.
+// Grid (T, Hkv, 2: keys then values), 32 threads: one warp encodes row t of k or v (kv head blockIdx.y) into the
+// cache at position pos.
 template <int KIND>
 __device__ __forceinline__ void store_row(const float* __restrict__ k, const float* __restrict__ v,
                                           typename ft::Kv<KIND>::T* __restrict__ k_pool,
                                           typename ft::Kv<KIND>::T* __restrict__ v_pool, float* __restrict__ k_scale,
                                           float* __restrict__ v_scale, const int* __restrict__ table, int Hkv, int D,
-                                          int block_size, int start) {
+                                          int block_size, int t, int pos) {
   using K = ft::Kv<KIND>;
-  const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
+  const int h = blockIdx.y, lane = threadIdx.x;
   const bool values = blockIdx.z == 1;
   const float* src = (values ? v : k) + (static_cast<long long>(t) * Hkv + h) * D;
   typename K::T* pool = values ? v_pool : k_pool;
-  const long long row = ft::kv_row(table, start + t, block_size, Hkv, h);
+  const long long row = ft::kv_row(table, pos, block_size, Hkv, h);
   float scale = 1.0f;
   if constexpr (K::scaled) {
     float amax = 0.0f;
@@ -131,8 +132,8 @@ template <int NC, int HB>
 __device__ __forceinline__ void decode_block(const float* __restrict__ q, const Paged& P,
                                              const float* __restrict__ sinks, float* __restrict__ out,
                                              float* __restrict__ part_o, float* __restrict__ part_ml, int T, int H,
-                                             int start, int window, int key0, int chunk, int nsplit, int has_sinks,
-                                             float qscale) {
+                                             int t, int qrow, int start, int window, int key0, int chunk, int nsplit,
+                                             int has_sinks, float qscale) {
   constexpr int DP = NC * 32;  // D padded to whole 32-lane chunks
   constexpr int U = NC <= 4 ? 8 : HB < 8 ? 4 : 2;  // K/V rows loaded per batch (memory-level parallelism)
   __shared__ float s_p[FT_ATT_WARPS][HB][FT_ATT_TILE];  // a warp's tile scores, then probabilities
@@ -141,7 +142,7 @@ __device__ __forceinline__ void decode_block(const float* __restrict__ q, const 
   __shared__ float s_acc[FT_ATT_WARPS][HB][DP];
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int split = blockIdx.x, t = blockIdx.z;
+  const int split = blockIdx.x;
   const int D = P.D, group = H / P.Hkv, chunks = (group + HB - 1) / HB;
   const int kvh = blockIdx.y / chunks;
   const int g0 = (blockIdx.y % chunks) * HB;  // first query head of this block within its group
@@ -157,7 +158,7 @@ __device__ __forceinline__ void decode_block(const float* __restrict__ q, const 
   float qr[HB][NC], acc[HB][NC], m[HB], l[HB];
 #pragma unroll
   for (int g = 0; g < HB; ++g) {
-    const float* qh = q + (static_cast<long long>(t) * H + h0 + min(g, hb - 1)) * D + lane;
+    const float* qh = q + (static_cast<long long>(qrow) * H + h0 + min(g, hb - 1)) * D + lane;
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
       const bool live = c < NC - 1 || tail_live;
@@ -243,11 +244,11 @@ __device__ __forceinline__ void decode_block(const float* __restrict__ q, const 
       sum = fmaf(s_l[w][g], e, sum);
       o = fmaf(s_acc[w][g][d], e, o);
     }
-    const long long row = static_cast<long long>(t) * H + h0 + g;  // [t, h] of the output
     if (nsplit == 1) {
+      const long long row = static_cast<long long>(qrow) * H + h0 + g;  // [qrow, h] of the output
       out[row * D + d] = finish(o, sum, mx, has_sinks ? sinks[h0 + g] * kLog2e : -ft::inf());
     } else {
-      const long long prow = static_cast<long long>(split) * T * H + row;
+      const long long prow = (static_cast<long long>(split) * T + t) * H + h0 + g;
       part_o[prow * D + d] = o;
       if (d == 0) {
         part_ml[2 * prow] = mx;
@@ -265,7 +266,7 @@ __device__ __forceinline__ void decode_block(const float* __restrict__ q, const 
 template <int DP>
 __device__ __forceinline__ void prefill_block(const float* __restrict__ q, const Paged& P,
                                               const float* __restrict__ sinks, float* __restrict__ out, int T, int H,
-                                              int start, int window, int has_sinks, float qscale) {
+                                              int start, int window, int has_sinks, float qscale, int tile) {
   static_assert(DP % 16 == 0 && DP <= 256, "DP: a multiple of 16 up to 256");
   constexpr int NKS = DP / 16;  // k-steps of Q K^T
   constexpr int NOT = DP / 8;   // 8-column tiles of O
@@ -275,7 +276,7 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, const
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
   const int D = P.D, group = H / P.Hkv;
   const int per_block = FT_PF_ROWS / group;  // queries per block (the launcher keeps group <= 64)
-  const int kvh = blockIdx.y, t0 = blockIdx.x * per_block;
+  const int kvh = blockIdx.y, t0 = tile * per_block;
   const int t_end = min(T, t0 + per_block);  // queries t0 .. t_end - 1
   const int rows = (t_end - t0) * group;
   // the two rows this thread holds: r[0] = 16 warp + g, r[1] = r[0] + 8; their query positions (a padding row takes
@@ -424,7 +425,20 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, const
       float* __restrict__ part_o, float* __restrict__ part_ml, int kind, int T, int H, int Hkv, int D,          \
       int block_size, int start, int window, int key0, int chunk, int nsplit, int has_sinks, float qscale) {   \
     const Paged P{k_pool, v_pool, k_scale, v_scale, table, kind, Hkv, D, block_size};                           \
-    decode_block<NC, HB>(q, P, sinks, out, part_o, part_ml, T, H, start, window, key0, chunk, nsplit,           \
+    decode_block<NC, HB>(q, P, sinks, out, part_o, part_ml, T, H, blockIdx.z, blockIdx.z, start, window, key0,  \
+                         chunk, nsplit, has_sinks, qscale);                                                      \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(FT_ATT_WARPS * 32) paged_decode_varlen_c##NC##_g##HB(            \
+      const float* __restrict__ q, const void* k_pool, const void* v_pool, const float* k_scale,               \
+      const float* v_scale, const int* tables, const int* __restrict__ rows, const float* __restrict__ sinks,   \
+      float* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int kind, int T, int H, \
+      int Hkv, int D, int block_size, int width, int window, int chunk, int nsplit, int has_sinks,              \
+      float qscale) {                                                                                            \
+    const int t = blockIdx.z, qrow = rows[3 * t], pos = rows[3 * t + 2];                                         \
+    const Paged P{k_pool, v_pool, k_scale, v_scale, tables + static_cast<long long>(rows[3 * t + 1]) * width,    \
+                  kind, Hkv, D, block_size};                                                                     \
+    const int key0 = window > 0 ? max(0, pos + 1 - window) : 0;                                                  \
+    decode_block<NC, HB>(q, P, sinks, out, part_o, part_ml, T, H, t, qrow, pos - t, window, key0, chunk, nsplit, \
                          has_sinks, qscale);                                                                     \
   }
 #define FT_PAGED_DECODE_HEADS(NC) \
@@ -445,7 +459,19 @@ FT_PAGED_DECODE_HEADS(8)
       int kind, int T, int H, int Hkv, int D, int block_size, int start, int window, int has_sinks,             \
       float qscale) {                                                                                            \
     const Paged P{k_pool, v_pool, k_scale, v_scale, table, kind, Hkv, D, block_size};                           \
-    prefill_block<DP>(q, P, sinks, out, T, H, start, window, has_sinks, qscale);                                \
+    prefill_block<DP>(q, P, sinks, out, T, H, start, window, has_sinks, qscale, blockIdx.x);                    \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(128) paged_prefill_varlen_d##DP(                                  \
+      const float* __restrict__ q, const void* k_pool, const void* v_pool, const float* k_scale,               \
+      const float* v_scale, const int* tables, const int* __restrict__ seqs, const int* __restrict__ tiles,     \
+      const float* __restrict__ sinks, float* __restrict__ out, int kind, int H, int Hkv, int D,               \
+      int block_size, int width, int window, int has_sinks, float qscale) {                                     \
+    const int s = tiles[2 * blockIdx.x], lo = seqs[3 * s];                                                       \
+    const Paged P{k_pool, v_pool, k_scale, v_scale, tables + static_cast<long long>(s) * width, kind, Hkv, D,    \
+                  block_size};                                                                                   \
+    const long long off = static_cast<long long>(lo) * H * D;                                                    \
+    prefill_block<DP>(q + off, P, sinks, out + off, seqs[3 * s + 1], H, seqs[3 * s + 2], window, has_sinks,      \
+                      qscale, tiles[2 * blockIdx.x + 1]);                                                        \
   }
 
 // Head dims up to 48, 64, 96, 128, 192, 256 (the list in freetoken/ops/paged_attention_cuda.py).
@@ -463,7 +489,16 @@ FT_PAGED_PREFILL(256)
       const float* __restrict__ k, const float* __restrict__ v, ft::Kv<KIND>::T* __restrict__ k_pool,           \
       ft::Kv<KIND>::T* __restrict__ v_pool, float* __restrict__ k_scale, float* __restrict__ v_scale,           \
       const int* __restrict__ table, int Hkv, int D, int block_size, int start) {                               \
-    store_row<KIND>(k, v, k_pool, v_pool, k_scale, v_scale, table, Hkv, D, block_size, start);                 \
+    store_row<KIND>(k, v, k_pool, v_pool, k_scale, v_scale, table, Hkv, D, block_size, blockIdx.x,            \
+                    start + blockIdx.x);                                                                         \
+  }                                                                                                              \
+  extern "C" __global__ void __launch_bounds__(32) kv_store_varlen_##NAME(                                       \
+      const float* __restrict__ k, const float* __restrict__ v, ft::Kv<KIND>::T* __restrict__ k_pool,           \
+      ft::Kv<KIND>::T* __restrict__ v_pool, float* __restrict__ k_scale, float* __restrict__ v_scale,           \
+      const int* __restrict__ tables, const int* __restrict__ rows, int Hkv, int D, int block_size, int width) { \
+    const int t = blockIdx.x;                                                                                    \
+    store_row<KIND>(k, v, k_pool, v_pool, k_scale, v_scale, tables + static_cast<long long>(rows[3 * t + 1]) * width, \
+                    Hkv, D, block_size, rows[3 * t], rows[3 * t + 2]);                                           \
   }
 
 FT_KV_STORE(f32, ft::KV_F32)
@@ -471,15 +506,12 @@ FT_KV_STORE(f16, ft::KV_F16)
 FT_KV_STORE(bf16, ft::KV_BF16)
 FT_KV_STORE(fp8, ft::KV_FP8)
 
-// Merge the decode splits: out[t, h, :] = sum_s part_o[s] w_s / (sum_s part_l[s] w_s [+ the sink]) with
-// w_s = exp2(m_s - max m). Grid (T * H), any multiple of 32 threads; the splits are summed in order.
-extern "C" __global__ void __launch_bounds__(1024) paged_combine(const float* __restrict__ part_o,
-                                                                 const float* __restrict__ part_ml,
-                                                                 const float* __restrict__ sinks,
-                                                                 float* __restrict__ out, int rows, int H, int D,
-                                                                 int nsplit, int has_sinks) {
-  const long long row = blockIdx.x;  // t * H + h
-  if (row >= rows) return;
+namespace {
+
+// Merge of one (t, h) row's splits (row = t * H + h of `rows`) into orow[0 .. D).
+__device__ __forceinline__ void combine_row(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                            const float* __restrict__ sinks, float* __restrict__ orow, long long row,
+                                            int rows, int H, int D, int nsplit, int has_sinks) {
   float mx = -ft::inf();
   for (int s = 0; s < nsplit; ++s) mx = fmaxf(mx, part_ml[2 * (s * static_cast<long long>(rows) + row)]);
   const float sl = has_sinks ? sinks[row % H] * kLog2e : -ft::inf();
@@ -491,6 +523,33 @@ extern "C" __global__ void __launch_bounds__(1024) paged_combine(const float* __
       sum = fmaf(part_ml[2 * prow + 1], e, sum);
       o = fmaf(part_o[prow * D + d], e, o);
     }
-    out[row * D + d] = finish(o, sum, mx, sl);
+    orow[d] = finish(o, sum, mx, sl);
   }
+}
+
+}  // namespace
+
+// Merge the decode splits: out[t, h, :] = sum_s part_o[s] w_s / (sum_s part_l[s] w_s [+ the sink]) with
+// w_s = exp2(m_s - max m). Grid (T * H), any multiple of 32 threads; the splits are summed in order.
+extern "C" __global__ void __launch_bounds__(1024) paged_combine(const float* __restrict__ part_o,
+                                                                 const float* __restrict__ part_ml,
+                                                                 const float* __restrict__ sinks,
+                                                                 float* __restrict__ out, int rows, int H, int D,
+                                                                 int nsplit, int has_sinks) {
+  const long long row = blockIdx.x;  // t * H + h
+  if (row >= rows) return;
+  combine_row(part_o, part_ml, sinks, out + row * D, row, rows, H, D, nsplit, has_sinks);
+}
+
+// paged_combine for paged_decode_varlen: partial row t * H + h goes to out[rows_map[3 t], h, :].
+extern "C" __global__ void __launch_bounds__(1024) paged_combine_varlen(const float* __restrict__ part_o,
+                                                                        const float* __restrict__ part_ml,
+                                                                        const float* __restrict__ sinks,
+                                                                        float* __restrict__ out,
+                                                                        const int* __restrict__ rows_map, int rows,
+                                                                        int H, int D, int nsplit, int has_sinks) {
+  const long long row = blockIdx.x;  // t * H + h
+  if (row >= rows) return;
+  const long long orow = static_cast<long long>(rows_map[3 * (row / H)]) * H + row % H;
+  combine_row(part_o, part_ml, sinks, out + orow * D, row, rows, H, D, nsplit, has_sinks);
 }

@@ -156,12 +156,13 @@ class Attention:
         gate = self.out_gate.nbytes if self.out_gate is not None else 0
         return self.qkv.nbytes + self.o_proj.nbytes + gate + sum(int(w.nbytes) for w in extra if w is not None)
 
-    def __call__(self, x, spans: list[Span], cos, sin, q_scale=None):
+    def __call__(self, x, spans: list[Span], cos, sin, q_scale=None, paged=None):
         """``x [T, hidden]``, the rows of ``spans`` (each a sequence's positions ``start ..``, its ``kv`` the layer's
         :class:`freetoken.models.kv.LayerKV` with those positions already allocated), ``cos``/``sin`` the rows'
         RoPE rows; appends each span's keys and values to its sequence and returns the output projection
         ``[T, hidden]``. ``q_scale`` ``[T]`` (device float32, or None): each roped query's factor
-        (:func:`freetoken.models.rope.query_temperature`)."""
+        (:func:`freetoken.models.rope.query_temperature`). ``paged``: the spans' :class:`freetoken.ops.PagedBatch`
+        (a pass over several sequences: the append and the attention run once for all of them), or None."""
         t, dev = x.shape[0], self.dev
         qkv = self.qkv(x)  # biases included
         qk = self.qk
@@ -180,6 +181,12 @@ class Attention:
         if q_scale is not None:
             q *= q_scale[:, None, None]
         a = self.scratch.get("att", (t, self.heads * dim))
+        if paged is not None:  # every span's kv is a view of the same layer pool, through its own block table
+            kv = spans[0].kv
+            ops.kv_store_batch(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, paged, device=dev, checked=True)
+            ops.paged_attention_batch(q, kv.k, kv.v, kv.k_scale, kv.v_scale, paged, window=self.window,
+                                      sinks=self.sinks, out=a, device=dev, checked=True)
+            spans = ()
         for kv, start, lo, hi in spans:  # (each span's rows are contiguous: slices of C-contiguous arrays)
             ops.kv_store(k[lo:hi], v[lo:hi], kv.k, kv.v, kv.k_scale, kv.v_scale, kv.block_table, start, device=dev,
                          checked=True)
@@ -254,9 +261,10 @@ class GatedDeltaNet:
         """Bytes of one sequence's state in this layer (:class:`LinearState`: conv and recurrent, float32)."""
         return 4 * ((self.taps - 1) * self.channels + self.v_heads * self.k_dim * self.v_dim)
 
-    def __call__(self, x, spans: list[Span], cos, sin, q_scale=None):
+    def __call__(self, x, spans: list[Span], cos, sin, q_scale=None, paged=None):
         """The layer's output ``[T, hidden]``; each span's state (its ``kv``, a :class:`LinearState`) advances by its
-        tokens (``cos``/``sin``/``q_scale``: the attention layers' position rows, which a recurrence does not use)."""
+        tokens, span by span (``cos``/``sin``/``q_scale``/``paged``: the attention layers' position rows and block
+        tables, which a recurrence does not use)."""
         t, dev, xp = x.shape[0], self.dev, self.dev.xp
         c, hv, dv = self.channels, self.v_heads, self.v_dim
         proj = self.inp(x)  # [T, C + Hv*Dv + 2 Hv]: q|k|v, z, b, a
@@ -344,9 +352,10 @@ class LatentAttention:
         vecs = [self.kv_a_norm, *halves] + ([] if self.q_a_norm is None else [self.q_a_norm])
         return sum(m.nbytes for m in mats) + sum(int(v.nbytes) for v in vecs)
 
-    def __call__(self, x, spans: list[Span], cos, sin, q_scale=None):
+    def __call__(self, x, spans: list[Span], cos, sin, q_scale=None, paged=None):
         """As :meth:`Attention.__call__`, with each span's ``kv`` the layer's latent pool (keys only) and
-        ``cos``/``sin`` the rope part's RoPE rows."""
+        ``cos``/``sin`` the rope part's RoPE rows; the latent append and attention run span by span (``paged`` is
+        not used)."""
         t, dev, xp = x.shape[0], self.dev, self.xp
         h, nope, rope, rank = self.heads, self.nope, self.rope, self.rank
         if self.q_proj is None:
@@ -493,10 +502,11 @@ class DecoderLayer:
         self.eps, self.dev = eps, device
         self.scratch = scratch if scratch is not None else Scratch(device)
 
-    def __call__(self, x, spans: list[Span], cos, sin, q_scale=None) -> None:
-        """Updates the residual stream ``x [T, hidden]`` (float32, C-contiguous; the rows of ``spans``) in place."""
+    def __call__(self, x, spans: list[Span], cos, sin, q_scale=None, paged=None) -> None:
+        """Updates the residual stream ``x [T, hidden]`` (float32, C-contiguous; the rows of ``spans``) in place;
+        ``paged``: the spans' block tables as one :class:`freetoken.ops.PagedBatch` (several spans) or None."""
         dev = self.dev
         h = ops.rms_norm(x, self.attn_norm, self.eps, out=self.scratch.get("h", x.shape), device=dev, checked=True)
-        a = self.attention(h, spans, cos, sin, q_scale)
+        a = self.attention(h, spans, cos, sin, q_scale, paged)
         ops.add_rms_norm(x, a, self.mlp_norm, self.eps, out=h, device=dev, checked=True)  # x += a; h = norm(x)
         x += self.mlp(h)

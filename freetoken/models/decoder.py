@@ -410,10 +410,11 @@ class MoeDecoder:
             pos = xp.asarray(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts, strict=True)]))
             cos, sin = self.rope_cos[pos], self.rope_sin[pos]
             q_scale = None if self.query_scale is None else self.query_scale[pos]
+        paged = self._paged_batch(work, starts, counts) if len(work) > 1 else None
         for i, layer in enumerate(self.layers):
             spans = [Span(seq.layer_kv[i], start, int(lo), int(hi))
                      for (seq, _), start, lo, hi in zip(work, starts, bounds[:-1], bounds[1:], strict=True)]
-            layer(x, spans, cos, sin, q_scale)
+            layer(x, spans, cos, sin, q_scale, paged)
         self.experts.end()
         for (seq, _), start, n in zip(work, starts, counts, strict=True):
             seq.kv.length = start + n
@@ -423,6 +424,19 @@ class MoeDecoder:
         h = ops.rms_norm(h, self.norm, cfg.rms_eps, out=self.scratch.get("h", h.shape), device=dev, checked=True)
         # the lm_head's output is a new array (on the cpu device to_host returns it as is): no second copy
         return dev.to_host(self.lm_head(h)).astype(np.float32, copy=False)
+
+    def _paged_batch(self, work, starts: list[int], counts: list[int]):
+        """The block tables of a pass over several sequences as one :class:`freetoken.ops.PagedBatch` (made once,
+        shared by every attention layer), or None when no layer keeps a paged KV cache of its own."""
+        if not any(isinstance(layer.attention, Attention) for layer in self.layers):
+            return None
+        bs = self.pool.block_size
+        width = max(-(-(s + n) // bs) for s, n in zip(starts, counts, strict=True))
+        tables = np.zeros((len(work), width), np.int32)
+        for row, (seq, _) in enumerate(work):
+            held = seq.kv.host_table[:width]
+            tables[row, :held.size] = held
+        return ops.PagedBatch(tables, starts, counts, device=self.dev)
 
     def forward_batch(self, work: list[tuple[DecoderSequence, object]]) -> np.ndarray:
         """One forward pass over several sequences: each ``(sequence, token_ids)`` item's tokens appended to its

@@ -197,6 +197,13 @@ class KVSequence:
     def layer(self, i: int) -> LayerKV:
         return self.pool.layer(i, self.block_table)
 
+    @property
+    def host_table(self) -> np.ndarray:
+        """The host mirror of ``block_table`` (read-only view)."""
+        view = self._table.view()
+        view.flags.writeable = False
+        return view
+
     def _sync(self, first: int) -> None:
         """Upload the table entries from block ``first`` on (what changed)."""
         n = len(self.blocks)

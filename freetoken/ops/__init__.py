@@ -27,6 +27,7 @@ from freetoken.ops.latent_attention import latent_attention, latent_store
 from freetoken.ops.linear_attention import gated_delta_rule, short_conv
 from freetoken.ops.moe_experts import MoeWorkspace, moe_experts
 from freetoken.ops.paged_attention import kv_store, paged_attention
+from freetoken.ops.paged_batch import PagedBatch, kv_store_batch, paged_attention_batch
 from freetoken.ops.reduce import row_sum
 from freetoken.ops.rms_norm import add_rms_norm, rms_norm
 from freetoken.ops.rope import rope, rope_qkv_cache
@@ -69,6 +70,12 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("paged_attention", paged_attention, ("paged_attention.cu",), "freetoken.ops.paged_attention",
        (_K + "paged_attention:paged_attention_rows", _K + "paged_decode:paged_decode_rows"),
        _R + "paged_attention:paged_attention_reference", _C + "paged_attention"),
+    Op("kv_store_batch", kv_store_batch, ("paged_attention.cu",), "freetoken.ops.paged_batch",
+       (_K + "kv_store:kv_store_rows_batch",), _R + "paged_attention:kv_store_batch_reference",
+       _C + "paged_attention", cpu="numba for f32/bf16 pools; array code a sequence at a time for f16/fp8"),
+    Op("paged_attention_batch", paged_attention_batch, ("paged_attention.cu",), "freetoken.ops.paged_batch",
+       (_K + "paged_decode:paged_decode_batch", _K + "paged_attention:paged_attention_rows"),
+       _R + "paged_attention:paged_attention_batch_reference", _C + "paged_attention"),
     Op("latent_store", latent_store, ("paged_attention.cu",), "freetoken.ops.latent_attention", (),
        _R + "latent_attention:latent_store_reference", _C + "latent_attention",
        cpu="array code (freetoken.ops.paged_attention.kv_encode and a scatter)"),
@@ -123,10 +130,11 @@ OPS: dict[str, Op] = {op.name: op for op in (
        (_K + "cache:cache_borrow_layer",), _R + "cache:CacheModel", _C + "cache"),
 )}
 
-__all__ = ["OPS", "MoeWorkspace", "Op", "add_rms_norm", "cache_admit", "cache_admit_scored",
+__all__ = ["OPS", "MoeWorkspace", "Op", "PagedBatch", "add_rms_norm", "cache_admit", "cache_admit_scored",
            "cache_borrow_layer", "cache_copy", "cache_scored_prefill", "cache_stream_bypassed", "constants",
            "dense", "dense_gemv", "dense_grouped",
            "gated_delta_rule", "histogram", "moe_experts",
-           "kv_store", "latent_attention", "latent_store", "paged_attention", "rms_norm", "rope", "rope_qkv_cache",
+           "kv_store", "kv_store_batch", "latent_attention", "latent_store", "paged_attention",
+           "paged_attention_batch", "rms_norm", "rope", "rope_qkv_cache",
            "route_sigmoid_group_topk", "route_softmax_group_topk", "route_softmax_topk", "row_sum", "short_conv",
            "topk", "transpose"]

@@ -123,3 +123,80 @@ def paged_attention_cuda(dev, q, k_pool, v_pool, k_scale, v_scale, block_table, 
     combine((t * heads,), (32 * -(-dim // 32),),
             (part_o, part_ml, sinks, out, check_int32("rows", t * heads), np.int32(heads), np.int32(dim),
              np.int32(nsplit), has_sinks))
+
+
+# ---- a batch of sequences (freetoken.ops.paged_batch) -------------------------------------------------------------
+def kv_store_batch_cuda(dev, k, v, k_pool, v_pool, k_scale, v_scale, batch) -> None:
+    t, kv_heads, dim = k.shape
+    kind, k_scale, v_scale = _pool_args(k_pool, v_pool, k_scale, v_scale)
+    rows = batch.device_array("rows", lambda: batch.row_table(range(batch.size)))
+    fn = cuda_kernel(dev, _SOURCE, f"kv_store_varlen_{kind}")
+    fn((check_int32("T", t), kv_heads, 2), (32,),
+       (k, v, k_pool, v_pool, k_scale, v_scale, batch.tables, rows, np.int32(kv_heads), np.int32(dim),
+        np.int32(k_pool.shape[1]), np.int32(batch.tables.shape[1])))
+
+
+def _prefill_tiles(batch, seqs: list[int], per_block: int) -> np.ndarray:
+    """int32 ``[blocks, 2]``: (sequence, query tile of ``per_block`` queries) of every prefill block."""
+    tiles = [(s, i) for s in seqs for i in range(-(-batch.counts[s] // per_block))]
+    return np.asarray(tiles, np.int32).reshape(-1, 2)
+
+
+def paged_attention_batch_cuda(dev, q, k_pool, v_pool, k_scale, v_scale, batch, window: int, sinks, scale: float,
+                               out, *, splits: int | None = None) -> None:
+    """Attention of every sequence of ``batch`` into ``out`` [T, H * D]: the decode kernel for the sequences of a
+    few queries (one launch; ``splits`` caps its context splits, a testing knob), the prefill kernel for the rest
+    (one launch)."""
+    t, heads, dim = q.shape
+    _, block_size, kv_heads, _ = k_pool.shape
+    kind, k_scale, v_scale = _pool_args(k_pool, v_pool, k_scale, v_scale)
+    group = heads // kv_heads
+    width = np.int32(batch.tables.shape[1])
+    for s in range(batch.size):
+        check_int32("start + T", batch.starts[s] + batch.counts[s])
+    qscale = np.float32(scale * math.log2(math.e))
+    has_sinks = np.int32(sinks is not None)
+    sinks = q if sinks is None else sinks  # never read without has_sinks
+    code = np.int32(KV_KIND_CODES[kind])
+    decoding = batch.decoding()
+    prompts = [s for s in range(batch.size) if s not in set(decoding)]
+    if prompts:
+        if group > MAX_GROUP:
+            raise ValueError(f"{group} query heads per kv head exceed the prefill kernel's {MAX_GROUP}")
+        per_block = PREFILL_ROWS // group
+        seqs = batch.device_array("seqs", lambda: np.stack([batch.bounds[:-1], batch.counts, batch.starts], 1))
+        tiles = batch.device_array(("tiles", per_block), lambda: _prefill_tiles(batch, prompts, per_block))
+        dp = next(d for d in PREFILL_DIMS if d >= dim)
+        opts = ("-DFT_NO_MMA",) if os.environ.get("FREETOKEN_NO_MMA") == "1" else ()
+        fn = cuda_kernel(dev, _SOURCE, f"paged_prefill_varlen_d{dp}", opts)
+        fn((tiles.shape[0], kv_heads), (128,),
+           (q, k_pool, v_pool, k_scale, v_scale, batch.tables, seqs, tiles, sinks, out, code, np.int32(heads),
+            np.int32(kv_heads), np.int32(dim), np.int32(block_size), width, check_int32("window", window),
+            has_sinks, qscale))
+    if not decoding:
+        return
+    rows = batch.device_array("decode_rows", lambda: batch.row_table(decoding))
+    n = rows.shape[0]
+    hb = heads_per_block(group)
+    kv_blocks = kv_heads * -(-group // hb)
+    if kv_blocks > _MAX_GRID_YZ:
+        raise ValueError(f"{kv_blocks} kv-head blocks exceed the grid limit {_MAX_GRID_YZ}")
+    # each query's keys: its own first key (the window) up to its position; the splits cover the longest
+    keys = max(batch.starts[s] + batch.counts[s] if window == 0 else min(batch.starts[s] + batch.counts[s], window)
+               for s in decoding)
+    nsplit, chunk = plan_splits(dev, n, kv_blocks, keys, splits)
+    nc = next(c for c in DECODE_CHUNKS if 32 * c >= dim)
+    fn = cuda_kernel(dev, _SOURCE, f"paged_decode_varlen_c{nc}_g{hb}")
+    ints = (code, np.int32(n), np.int32(heads), np.int32(kv_heads), np.int32(dim), np.int32(block_size), width,
+            np.int32(window), np.int32(chunk), np.int32(nsplit), has_sinks)
+    pools = (q, k_pool, v_pool, k_scale, v_scale, batch.tables, rows, sinks, out)
+    if nsplit == 1:
+        fn((1, kv_blocks, n), (32 * ATT_WARPS,), (*pools, out, out, *ints, qscale))
+        return
+    part_o = dev.empty((nsplit, n, heads, dim), np.float32)
+    part_ml = dev.empty((nsplit, n, heads, 2), np.float32)
+    fn((nsplit, kv_blocks, n), (32 * ATT_WARPS,), (*pools, part_o, part_ml, *ints, qscale))
+    combine = cuda_kernel(dev, _SOURCE, "paged_combine_varlen")
+    combine((n * heads,), (32 * -(-dim // 32),),
+            (part_o, part_ml, sinks, out, rows, check_int32("rows", n * heads), np.int32(heads), np.int32(dim),
+             np.int32(nsplit), has_sinks))

@@ -14,7 +14,9 @@ from freetoken.testing.cases.base import KernelCase, poisoned
 from freetoken.testing.reference.paged_attention import (
     KV_DTYPES,
     kv_encode_reference,
+    kv_store_batch_reference,
     kv_store_reference,
+    paged_attention_batch_reference,
     paged_attention_reference,
 )
 
@@ -173,4 +175,127 @@ ATTENTION_CASES = [
                flops=_attention_flops, op="paged_attention"),
 ]
 
-CASES = STORE_CASES + ATTENTION_CASES
+
+# ---- a batch of sequences (ops.kv_store_batch, ops.paged_attention_batch) ----------------------------------------
+def _batch_layout(rng, kind, seqs, block_size, kv_heads, dim, shared: int, fill_nan: bool):
+    """One pool for several sequences ``seqs`` [(start, rows)]: each sequence's blocks drawn from a shuffled pool
+    with spare blocks, the first ``shared`` blocks of sequences 0 and 1 the same blocks (a common prefix, before
+    either one's start); tables ``[S, W]`` with a spare entry past each sequence's last block."""
+    need = [-(-(start + n) // block_size) for start, n in seqs]
+    assert shared * block_size <= min(seqs[0][0], seqs[1][0])
+    nblocks = sum(need) - shared + 3
+    order = iter(rng.permutation(nblocks).astype(np.int32))
+    width = max(need) + 1
+    tables = np.zeros((len(seqs), width), np.int32)
+    for s, blocks in enumerate(need):
+        for b in range(width):
+            tables[s, b] = tables[0, b] if s == 1 and b < shared else next(order) if b < blocks else 0
+    shape = (nblocks, block_size, kv_heads, dim)
+    k, v = _pool(rng, kind, shape, fill_nan), _pool(rng, kind, shape, fill_nan)
+    ks = vs = None
+    if kind == "fp8":
+        ks = rng.uniform(0.5, 2.0, shape[:3]).astype(np.float32)
+        vs = rng.uniform(0.5, 2.0, shape[:3]).astype(np.float32)
+    return k, v, ks, vs, tables
+
+
+def _batch_seqs(size: str, prompt: bool):
+    """(start, rows) of each sequence: decode steps over contexts of different lengths (one only 4 keys long, one
+    4 queries), sequences 0 and 1 sharing their first blocks, and with ``prompt`` a prompt chunk among them."""
+    if size == "small":
+        seqs = [(150, 1), (37, 1), (3, 1), (64, 4)] + ([(19, 40)] if prompt else [])
+        return seqs, (6, 2, 48, 16), 2
+    seqs = [(4095 - 97 * i, 1) for i in range(16)] + ([(3072, 512)] if prompt else [])
+    return seqs, (32, 4, 128, 64), 32
+
+
+def _make_store_batch(kind: str):
+    def make(rng, size):
+        seqs, (_, kv_heads, dim, block_size), shared = _batch_seqs(size, prompt=True)
+        k, v, ks, vs, tables = _batch_layout(rng, kind, seqs, block_size, kv_heads, dim, shared, fill_nan=False)
+        t = sum(n for _, n in seqs)
+        return {"k": (3.0 * rng.standard_normal((t, kv_heads, dim))).astype(np.float32),
+                "v": rng.standard_normal((t, kv_heads, dim)).astype(np.float32), "k_pool": k, "v_pool": v,
+                "k_scale": ks, "v_scale": vs, "tables": tables, "starts": [s for s, _ in seqs],
+                "counts": [n for _, n in seqs]}
+
+    return make
+
+
+def _setup_store_batch(dev, inp):
+    st = _setup_store(dev, {**inp, "table": inp["tables"], "start": 0})
+    st["batch"] = ops.PagedBatch(inp["tables"], inp["starts"], inp["counts"], device=dev)
+    return st
+
+
+def _launch_store_batch(dev, st):
+    ops.kv_store_batch(st["k"], st["v"], st["out_k_pool"], st["out_v_pool"], st.get("out_k_scale"),
+                       st.get("out_v_scale"), st["batch"], device=dev)
+
+
+def _ref_store_batch(inp):
+    k, v, ks, vs = kv_store_batch_reference(inp["k"], inp["v"], inp["k_pool"], inp["v_pool"], inp["k_scale"],
+                                            inp["v_scale"], inp["tables"], inp["starts"], inp["counts"])
+    return {"k_pool": k, "v_pool": v, **({"k_scale": ks, "v_scale": vs} if ks is not None else {})}
+
+
+def _make_attention_batch(kind: str, window: int = 0, sinks: bool = False, prompt: bool = True):
+    def make(rng, size):
+        seqs, (heads, kv_heads, dim, block_size), shared = _batch_seqs(size, prompt)
+        k, v, ks, vs, tables = _batch_layout(rng, kind, seqs, block_size, kv_heads, dim, shared, fill_nan=True)
+        for s, (start, n) in enumerate(seqs):  # each sequence's positions hold real values (the shared ones once)
+            pos = np.arange(shared * block_size if s == 1 else 0, start + n)
+            blocks, rows = tables[s][pos // block_size], pos % block_size
+            for pool, scales in ((k, ks), (v, vs)):
+                vals, sc = kv_encode_reference(rng.standard_normal((pos.size, kv_heads, dim)).astype(np.float32),
+                                               kind)
+                pool[blocks, rows] = vals
+                if sc is not None:
+                    scales[blocks, rows] = sc
+        t = sum(n for _, n in seqs)
+        return {"q": (2.0 * rng.standard_normal((t, heads, dim))).astype(np.float32), "k_pool": k, "v_pool": v,
+                "k_scale": ks, "v_scale": vs, "tables": tables, "starts": [s for s, _ in seqs],
+                "counts": [n for _, n in seqs], "window": window,
+                "sinks": rng.uniform(-1.0, 3.0, heads).astype(np.float32) if sinks else None}
+
+    return make
+
+
+def _setup_attention_batch(dev, inp):
+    t, heads, dim = inp["q"].shape
+    return {**{key: _dev(dev, inp[key]) for key in ("q", "k_pool", "v_pool", "k_scale", "v_scale", "sinks")},
+            "batch": ops.PagedBatch(inp["tables"], inp["starts"], inp["counts"], device=dev),
+            "window": inp["window"], "out_out": poisoned(dev, (t, heads * dim), np.float32)}
+
+
+def _launch_attention_batch(dev, st):
+    ops.paged_attention_batch(st["q"], st["k_pool"], st["v_pool"], st["k_scale"], st["v_scale"], st["batch"],
+                              window=st["window"], sinks=st["sinks"], out=st["out_out"], device=dev)
+
+
+def _ref_attention_batch(inp):
+    return {"out": paged_attention_batch_reference(inp["q"], inp["k_pool"], inp["v_pool"], inp["k_scale"],
+                                                   inp["v_scale"], inp["tables"], inp["starts"], inp["counts"],
+                                                   window=inp["window"], sinks=inp["sinks"])}
+
+
+def _attention_batch_bytes(inp):
+    kv, dim = inp["k_pool"], inp["q"].shape[2]
+    keys = sum(start + n for start, n in zip(inp["starts"], inp["counts"], strict=True))
+    return 2 * keys * kv.shape[2] * dim * kv.dtype.itemsize + 2 * inp["q"].nbytes
+
+
+BATCH_CASES = [
+    KernelCase(f"kv_store_batch_{kind}", "paged_attention.cu", _make_store_batch(kind), _setup_store_batch,
+               _launch_store_batch, _ref_store_batch, bytes_moved=lambda inp: _store_bytes(inp), op="kv_store_batch")
+    for kind in ("bf16", "f16", "f32", "fp8")
+] + [  # with a prompt chunk among the sequences: its rows run the prefill kernel (bf16 products on the GPU)
+    KernelCase(f"paged_attention_batch_{kind}" + (f"_w{w}" if w else "") + ("_sinks" if s else "")
+               + ("" if p else "_decode"), "paged_attention.cu", _make_attention_batch(kind, w, s, p),
+               _setup_attention_batch, _launch_attention_batch, _ref_attention_batch,
+               rel_atol=1e-2 if p else 1e-5, bytes_moved=_attention_batch_bytes, op="paged_attention_batch")
+    for kind, w, s, p in (("bf16", 0, False, False), ("bf16", 0, False, True), ("fp8", 0, True, False),
+                          ("f16", 37, False, True), ("f32", 23, True, False))
+]
+
+CASES = STORE_CASES + ATTENTION_CASES + BATCH_CASES

@@ -137,3 +137,25 @@ def paged_attention_reference(q, k_pool, v_pool, k_scale, v_scale, block_table, 
         denom = denom + np.exp(np.asarray(sinks, np.float64)[:, None, None] - m)
     p /= denom
     return np.einsum("htn,nhd->thd", p, v).reshape(t_count, heads * dim)
+
+
+def kv_store_batch_reference(k, v, k_pool, v_pool, k_scale, v_scale, tables, starts, counts):
+    """:func:`kv_store_reference` for several sequences: rows ``bounds[s] .. bounds[s + 1] - 1`` of ``k``, ``v``
+    (``bounds`` the running sums of ``counts``) at positions ``starts[s] ..`` through block table ``tables[s]``."""
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+    for s, start in enumerate(starts):
+        lo, hi = bounds[s], bounds[s + 1]
+        k_pool, v_pool, k_scale, v_scale = kv_store_reference(k[lo:hi], v[lo:hi], k_pool, v_pool, k_scale, v_scale,
+                                                              tables[s], int(start))
+    return k_pool, v_pool, k_scale, v_scale
+
+
+def paged_attention_batch_reference(q, k_pool, v_pool, k_scale, v_scale, tables, starts, counts, *, window: int = 0,
+                                    sinks=None, scale: float | None = None) -> np.ndarray:
+    """:func:`paged_attention_reference` of each sequence's rows of ``q`` (laid out as for
+    :func:`kv_store_batch_reference`), stacked: ``[T, H * D]`` float64."""
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+    return np.concatenate([
+        paged_attention_reference(q[bounds[s]:bounds[s + 1]], k_pool, v_pool, k_scale, v_scale, tables[s], int(start),
+                                  window=window, sinks=sinks, scale=scale)
+        for s, start in enumerate(starts)])

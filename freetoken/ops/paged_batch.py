@@ -1,0 +1,165 @@
+"""The paged KV cache's two ops over a batch of sequences in one call (continuous batching): :func:`kv_store_batch`
+appends each sequence's keys and values, :func:`paged_attention_batch` runs each sequence's causal grouped-query
+attention, for a forward pass whose rows belong to several sequences of different lengths and block tables (varlen).
+
+The rows of sequence ``s`` are ``bounds[s] .. bounds[s + 1] - 1`` of ``q`` / ``k`` / ``v``, at its positions
+``starts[s] ..``, its block table row ``s`` of ``tables``; one :class:`PagedBatch` describes that layout for every
+layer of a pass (it uploads its descriptors once). Each sequence's result is what :func:`~freetoken.ops.paged_attention
+.paged_attention` gives it alone (the contract: ``freetoken/testing/reference/paged_attention.py``); sequences may
+share pool blocks (a common prefix), never a row they write.
+
+gpu/emu: one launch for all the sequences of a few queries (``paged_decode_varlen_*``, the decode kernel with a
+(query row, sequence, position) descriptor per query, flash-decoding splits merged by ``paged_combine_varlen``) and
+one for the prompt chunks (``paged_prefill_varlen_*``, the prefill kernel over a list of (sequence, query tile)
+blocks); the append is one ``kv_store_varlen_*`` launch. cpu: the decode steps of all the sequences in one Numba
+call (``cpu_kernels/paged_decode.py``'s ``paged_decode_batch``), each prompt chunk (already a parallel kernel of its
+own) by the single-sequence kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from freetoken.device.constants import DECODE_MAX_TOKENS
+from freetoken.ops._common import as_input, cpu_module, prepare_out, resolve
+from freetoken.ops.paged_attention import _check, _whole, kv_kind_of, kv_store, paged_attention
+
+
+class PagedBatch:
+    """The layout of one pass's rows over several sequences: ``tables`` int32 ``[S, W]`` (row ``s``: sequence
+    ``s``'s block table, at least as many entries as its positions need), ``starts`` (each sequence's first new
+    position) and ``counts`` (its rows, > 0), on ``device``. Device descriptors are made on first use and kept, so
+    every layer of the pass shares them."""
+
+    def __init__(self, tables, starts, counts, *, device=None):
+        dev = resolve(device)
+        self.dev = dev
+        self.tables = as_input(dev, tables, "tables", np.int32, 2)
+        self.starts = tuple(_whole(f"starts[{i}]", s) for i, s in enumerate(starts))
+        self.counts = tuple(_whole(f"counts[{i}]", c) for i, c in enumerate(counts))
+        if len(self.starts) != len(self.counts) or len(self.counts) != self.tables.shape[0]:
+            raise ValueError(f"{self.tables.shape[0]} block tables, {len(self.starts)} starts and "
+                             f"{len(self.counts)} counts: one of each per sequence")
+        if not self.counts or min(self.counts) == 0:
+            raise ValueError("a batch needs at least one sequence, each with at least one row")
+        self.bounds = tuple(int(b) for b in np.concatenate([[0], np.cumsum(self.counts)]))
+        self.rows = self.bounds[-1]
+        self._dev_arrays: dict = {}
+
+    @property
+    def size(self) -> int:
+        return len(self.counts)
+
+    def decoding(self) -> list[int]:
+        """The sequences whose rows the decode kernels take (a few queries each)."""
+        return [s for s, n in enumerate(self.counts) if n <= DECODE_MAX_TOKENS]
+
+    def row_table(self, seqs) -> np.ndarray:
+        """int32 ``[rows, 3]``: (row of q, sequence, position) of every row of the sequences ``seqs``, in order."""
+        parts = [np.stack([np.arange(self.bounds[s], self.bounds[s + 1]), np.full(self.counts[s], s),
+                           self.starts[s] + np.arange(self.counts[s])], axis=1) for s in seqs]
+        return np.concatenate(parts).astype(np.int32) if parts else np.zeros((0, 3), np.int32)
+
+    def device_array(self, key, make):
+        """A descriptor on the device, made by ``make()`` (host int32) on first use under ``key``."""
+        arr = self._dev_arrays.get(key)
+        if arr is None:
+            arr = self._dev_arrays[key] = self.dev.asarray(np.ascontiguousarray(make(), np.int32))
+        return arr
+
+
+def _check_batch(dev, batch: PagedBatch, k_pool, v_pool, k_scale, v_scale, t_count: int):
+    """The pools and scales checked as the single-sequence ops check them, every sequence's block table against
+    its positions; the rows against the batch."""
+    if not isinstance(batch, PagedBatch):
+        raise TypeError(f"batch must be a PagedBatch, got {type(batch).__name__}")
+    if batch.dev is not dev:
+        raise ValueError(f"the batch was made for the {batch.dev.kind} device, not {dev.kind}")
+    if t_count != batch.rows:
+        raise ValueError(f"{t_count} rows given for a batch of {batch.rows} ({batch.counts} per sequence)")
+    for s in range(batch.size):
+        k_pool, v_pool, k_scale, v_scale, _, _ = _check(dev, None, k_pool, v_pool, k_scale, v_scale,
+                                                        batch.tables[s], batch.starts[s], batch.counts[s])
+    return k_pool, v_pool, k_scale, v_scale
+
+
+def kv_store_batch(k, v, k_pool, v_pool, k_scale, v_scale, batch: PagedBatch, *, device=None, checked: bool = False):
+    """Append each sequence's rows of ``k``, ``v`` (float32 ``[T, Hkv, D]``, T = ``batch.rows``) at its positions
+    (in place): :func:`~freetoken.ops.paged_attention.kv_store` for every sequence of ``batch`` at once."""
+    dev = resolve(device) if not checked else device
+    if not checked:
+        k = as_input(dev, k, "k", np.float32, 3)
+        v = as_input(dev, v, "v", np.float32, 3)
+        if tuple(v.shape) != tuple(k.shape):
+            raise ValueError(f"v shape {tuple(v.shape)} differs from k shape {tuple(k.shape)}")
+        k_pool, v_pool, k_scale, v_scale = _check_batch(dev, batch, k_pool, v_pool, k_scale, v_scale, k.shape[0])
+        if tuple(k.shape[1:]) != tuple(k_pool.shape[2:]):
+            raise ValueError(f"k rows [Hkv, D] = {tuple(k.shape[1:])} differ from the pool's "
+                             f"{tuple(k_pool.shape[2:])}")
+    if dev.kind != "cpu":
+        from freetoken.ops.paged_attention_cuda import kv_store_batch_cuda
+
+        kv_store_batch_cuda(dev, k, v, k_pool, v_pool, k_scale, v_scale, batch)
+        return None
+    if kv_kind_of(k_pool) in ("f32", "bf16"):
+        rows = batch.row_table(range(batch.size))
+        cpu_module("kv_store").kv_store_rows_batch(k, v, k_pool, v_pool, batch.tables, rows)
+        return None
+    for s in range(batch.size):  # f16 / fp8: the NumPy encoder, a sequence at a time
+        lo, hi = batch.bounds[s], batch.bounds[s + 1]
+        kv_store(k[lo:hi], v[lo:hi], k_pool, v_pool, k_scale, v_scale, batch.tables[s], batch.starts[s], device=dev,
+                 checked=True)
+    return None
+
+
+def paged_attention_batch(q, k_pool, v_pool, k_scale, v_scale, batch: PagedBatch, *, window: int = 0, sinks=None,
+                          scale: float | None = None, out=None, device=None, checked: bool = False):
+    """Each sequence's rows of ``q`` (float32 ``[T, H, D]``, T = ``batch.rows``) attend over its paged cache, which
+    already holds their keys and values (:func:`kv_store_batch`): :func:`~freetoken.ops.paged_attention.
+    paged_attention` for every sequence of ``batch`` at once (same ``window``, ``sinks``, ``scale`` for all).
+    Returns float32 ``[T, H * D]`` on the device (``out`` when given)."""
+    if checked:
+        dev = device
+    else:
+        dev = resolve(device)
+        q = as_input(dev, q, "q", np.float32, 3)
+        k_pool, v_pool, k_scale, v_scale = _check_batch(dev, batch, k_pool, v_pool, k_scale, v_scale, q.shape[0])
+        heads, dim = q.shape[1], q.shape[2]
+        kv_heads = k_pool.shape[2]
+        if dim != k_pool.shape[3]:
+            raise ValueError(f"head dim of q ({dim}) and of the pool ({k_pool.shape[3]}) differ")
+        if heads == 0 or heads % kv_heads:
+            raise ValueError(f"query heads ({heads}) must be a positive multiple of kv heads ({kv_heads})")
+        window = _whole("window", window, " (0: no window)")
+        if sinks is not None:
+            sinks = as_input(dev, sinks, "sinks", np.float32, 1)
+            if sinks.shape[0] != heads:
+                raise ValueError(f"sinks must have one logit per query head ({heads}), got {sinks.shape[0]}")
+        if scale is not None and not np.isfinite(scale):
+            raise ValueError(f"scale={scale} must be finite")
+        out = prepare_out(dev, out, (q.shape[0], heads * dim), np.float32)
+    t_count, heads, dim = q.shape
+    if out is None:
+        out = dev.empty((t_count, heads * dim), np.float32)
+    sc = float(1.0 / np.sqrt(dim)) if scale is None else float(scale)
+    if dev.kind != "cpu":
+        from freetoken.ops.paged_attention_cuda import paged_attention_batch_cuda
+
+        paged_attention_batch_cuda(dev, q, k_pool, v_pool, k_scale, v_scale, batch, window, sinks, sc, out)
+        return out
+    paged_decode = cpu_module("paged_decode")
+    kind, group = kv_kind_of(k_pool), heads // k_pool.shape[2]
+    bs = k_pool.shape[1]
+    fused = [s for s in range(batch.size) if paged_decode.handles(kind, dim, batch.counts[s] * group)]
+    if fused:  # every decode step in one call
+        seqs = np.array([(batch.bounds[s], batch.counts[s], batch.starts[s]) for s in fused], np.int64)
+        splits = np.array([paged_decode.splits_for(n, bs, st, window) for _, n, st in seqs], np.int64)
+        pools = (k_pool.view(np.int16), v_pool.view(np.int16)) if kind == "f16" else (k_pool, v_pool)
+        macs = sum(int(st + n) * heads * dim for _, n, st in seqs)
+        tables = batch.tables if len(fused) == batch.size else batch.tables[np.asarray(fused)]
+        paged_decode.decode_batch_kernel(macs)(q, *pools, tables, seqs, window, sinks, np.float32(sc), splits, out)
+    for s in sorted(set(range(batch.size)) - set(fused)):  # prompt chunks (and fp8 steps): a sequence at a time
+        lo, hi = batch.bounds[s], batch.bounds[s + 1]
+        paged_attention(q[lo:hi], k_pool, v_pool, k_scale, v_scale, batch.tables[s], batch.starts[s], window=window,
+                        sinks=sinks, scale=sc, out=out[lo:hi], device=dev, checked=True)
+    return out
