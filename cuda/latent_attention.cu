@@ -68,7 +68,8 @@ __device__ __forceinline__ void latent_block(const float* __restrict__ q, const 
                                              const float* __restrict__ pool_scale, const int* __restrict__ table,
                                              float* __restrict__ out, float* __restrict__ part_o,
                                              float* __restrict__ part_ml, int kind, int T, int H, int R, int C,
-                                             int block_size, int start, int chunk, int nsplit, float qscale) {
+                                             int block_size, int start, int chunk, int nsplit, float qscale, int r0,
+                                             long long prows) {
   static_assert(CMAX % 64 == 0 && CMAX <= FT_LATENT_MAX_DIM, "CMAX: a multiple of 64 up to FT_LATENT_MAX_DIM");
   constexpr int KS = CMAX / 64;  // k-steps of Q K^T per warp (16 values each, a quarter of the row)
   constexpr int NOT = CMAX / 32;  // 8-column tiles of O per warp (a quarter of R <= CMAX)
@@ -84,7 +85,7 @@ __device__ __forceinline__ void latent_block(const float* __restrict__ q, const 
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
   const int rg = warp >> 2, quarter = warp & 3;  // mma roles: row group (16 rows) and quarter of the k-steps / columns
-  const int rows = T * H, r0 = blockIdx.x * kRows, split = blockIdx.y;
+  const int rows = T * H, split = blockIdx.y;  // rows r0 .. r0 + kRows - 1 of this sequence's T H
   const int last = min(rows, r0 + kRows) - 1;  // the block's last real row
   const int lo = split * chunk;
   const int hi = min(start + last / H + 1, lo + chunk);  // keys [lo, hi): the split's, up to the last row's query
@@ -225,7 +226,7 @@ __device__ __forceinline__ void latent_block(const float* __restrict__ q, const 
     const int row = 16 * rg + g + 8 * hr, rr = r0 + row;
     if (rr > last) continue;
     const float lr = s_l[row];
-    const long long dst = (nsplit == 1 ? static_cast<long long>(rr) : static_cast<long long>(split) * rows + rr) * R;
+    const long long dst = (nsplit == 1 ? static_cast<long long>(rr) : split * prows + rr) * R;
     float* o_row = (nsplit == 1 ? out : part_o) + dst;
 #pragma unroll
     for (int j = 0; j < NOT; ++j) {
@@ -238,7 +239,7 @@ __device__ __forceinline__ void latent_block(const float* __restrict__ q, const 
       }
     }
     if (nsplit > 1 && quarter == 0 && tq == 0) {
-      const long long prow = static_cast<long long>(split) * rows + rr;
+      const long long prow = split * prows + rr;
       part_ml[2 * prow] = s_m[row];
       part_ml[2 * prow + 1] = lr;
     }
@@ -253,13 +254,30 @@ __device__ __forceinline__ void latent_block(const float* __restrict__ q, const 
 // table the block table. Split s holds the keys [s chunk, (s + 1) chunk). With nsplit == 1 the output is
 // out [T, H * R]; with nsplit > 1 part_o [nsplit, T H, R] and part_ml [nsplit, T H, 2] (max in log2 units, sum),
 // paged_combine's inputs. qscale = scale * log2(e).
+//
+// latent_attention_varlen_c<CMAX>: the same over several sequences in one launch: grid (blocks, nsplit), block b
+// taking rows tiles[2 b + 1] * 32 .. + 31 of sequence s = tiles[2 b], whose queries are rows seqs[3 s] .. + seqs[3 s +
+// 1] - 1 of q at positions seqs[3 s + 2] .., block table tables[s * width ..]. The partials are laid out over all
+// the rows of q (part_o [nsplit, T H, R], T the rows of every sequence), so one paged_combine merges them.
 #define FT_LATENT_ATTENTION(CMAX)                                                                                   \
   extern "C" __global__ void __launch_bounds__(256) latent_attention_c##CMAX(                                      \
       const float* __restrict__ q, const void* pool, const float* pool_scale, const int* table,                    \
       float* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int kind, int T, int H,    \
       int R, int C, int block_size, int start, int chunk, int nsplit, float qscale) {                              \
     latent_block<CMAX>(q, pool, pool_scale, table, out, part_o, part_ml, kind, T, H, R, C, block_size, start,      \
-                       chunk, nsplit, qscale);                                                                      \
+                       chunk, nsplit, qscale, blockIdx.x * kRows, static_cast<long long>(T) * H);                 \
+  }                                                                                                                 \
+  extern "C" __global__ void __launch_bounds__(256) latent_attention_varlen_c##CMAX(                               \
+      const float* __restrict__ q, const void* pool, const float* pool_scale, const int* tables,                   \
+      const int* __restrict__ seqs, const int* __restrict__ tiles, float* __restrict__ out,                        \
+      float* __restrict__ part_o, float* __restrict__ part_ml, int kind, int T, int H, int R, int C,               \
+      int block_size, int width, int chunk, int nsplit, float qscale) {                                            \
+    const int s = tiles[2 * blockIdx.x], lo = seqs[3 * s];                                                          \
+    const long long row0 = static_cast<long long>(lo) * H;  /* the sequence's first (query, head) row */           \
+    latent_block<CMAX>(q + row0 * C, pool, pool_scale, tables + static_cast<long long>(s) * width, out + row0 * R,  \
+                       part_o + row0 * R, part_ml + 2 * row0, kind, seqs[3 * s + 1], H, R, C, block_size,          \
+                       seqs[3 * s + 2], chunk, nsplit, qscale, tiles[2 * blockIdx.x + 1] * kRows,                   \
+                       static_cast<long long>(T) * H);                                                             \
   }
 
 // Rows up to 64, 128, 256, 576 (DeepSeek-V3: 512 + 64) and FT_LATENT_MAX_DIM values (LATENT_DIMS in

@@ -63,3 +63,17 @@ def test_batch_equals_alone_bitwise_on_cpu():
         alone = ops.paged_attention(q[at:at + n], k_pool, v_pool, None, None, tables[s], start, device=dev)
         np.testing.assert_array_equal(got[at:at + n], alone)
         at += n
+
+
+def test_latent_batch_ops_refuse_mismatches():
+    pool = np.zeros((6, 4, 1, 24), np.float32)
+    batch = ops.PagedBatch(np.array([[0, 1, 2], [3, 4, 5]], np.int32), [5, 2], [1, 3], device="cpu")
+    q = np.zeros((4, 2, 24), np.float32)
+    with pytest.raises(ValueError, match="3 rows given for a batch of 4"):
+        ops.latent_attention_batch(q[:3], pool, None, batch, 16, scale=0.1, device="cpu")
+    with pytest.raises(ValueError, match="rank=30 must be in"):
+        ops.latent_attention_batch(q, pool, None, batch, 30, scale=0.1, device="cpu")
+    with pytest.raises(ValueError, match="kv rows of 20 values differ"):
+        ops.latent_store_batch(np.zeros((4, 20), np.float32), pool, None, batch, device="cpu")
+    with pytest.raises(ValueError, match="an fp8 pool needs pool_scale"):
+        ops.latent_store_batch(np.zeros((4, 24), np.float32), pool.astype(np.uint8), None, batch, device="cpu")

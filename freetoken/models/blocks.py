@@ -354,8 +354,8 @@ class LatentAttention:
 
     def __call__(self, x, spans: list[Span], cos, sin, q_scale=None, paged=None):
         """As :meth:`Attention.__call__`, with each span's ``kv`` the layer's latent pool (keys only) and
-        ``cos``/``sin`` the rope part's RoPE rows; the latent append and attention run span by span (``paged`` is
-        not used)."""
+        ``cos``/``sin`` the rope part's RoPE rows (with ``paged``, the latent append and attention run once for all
+        the spans)."""
         t, dev, xp = x.shape[0], self.dev, self.xp
         h, nope, rope, rank = self.heads, self.nope, self.rope, self.rank
         if self.q_proj is None:
@@ -370,8 +370,11 @@ class LatentAttention:
         qk_rope = ops.rope(qk_rope, cos, sin, device=dev)
         row = self.scratch.get("latent_row", (t, rank + rope))
         row[:, :rank], row[:, rank:] = c, qk_rope[:, h]
-        for kv, start, lo, hi in spans:
-            ops.latent_store(row[lo:hi], kv.k, kv.k_scale, kv.block_table, start, device=dev, checked=True)
+        if paged is not None:  # every span's kv is a view of the same latent pool, through its own block table
+            ops.latent_store_batch(row, spans[0].kv.k, spans[0].kv.k_scale, paged, device=dev, checked=True)
+        else:
+            for kv, start, lo, hi in spans:
+                ops.latent_store(row[lo:hi], kv.k, kv.k_scale, kv.block_table, start, device=dev, checked=True)
         q_cat = self.scratch.get("latent_q", (t, h, rank + rope))
         if self.uk_rows is not None:  # q_lat[t, h] = W_uk_h^T q_nope[t, h]: one grouped fp8 GEMV for all heads
             q_cat[:, :, :rank] = ops.dense_grouped(xp.ascontiguousarray(q[:, :, :nope]), self.uk_rows, "fp8_block",
@@ -382,9 +385,13 @@ class LatentAttention:
         if q_scale is not None:
             q_cat *= q_scale[:, None, None]
         a = self.scratch.get("latent_att", (t, h * rank))
-        for kv, start, lo, hi in spans:
-            ops.latent_attention(q_cat[lo:hi], kv.k, kv.k_scale, kv.block_table, start, rank, scale=self.scale,
-                                 out=a[lo:hi], device=dev, checked=True)
+        if paged is not None:
+            ops.latent_attention_batch(q_cat, spans[0].kv.k, spans[0].kv.k_scale, paged, rank, scale=self.scale,
+                                       out=a, device=dev, checked=True)
+        else:
+            for kv, start, lo, hi in spans:
+                ops.latent_attention(q_cat[lo:hi], kv.k, kv.k_scale, kv.block_table, start, rank, scale=self.scale,
+                                     out=a[lo:hi], device=dev, checked=True)
         if self.uv_rows is not None:
             o = ops.dense_grouped(a.reshape(t, h, rank), self.uv_rows, "fp8_block", device=dev)  # [T, H, v]
             return self.o_proj(o.reshape(t, h * self.v_dim))

@@ -428,7 +428,7 @@ class MoeDecoder:
     def _paged_batch(self, work, starts: list[int], counts: list[int]):
         """The block tables of a pass over several sequences as one :class:`freetoken.ops.PagedBatch` (made once,
         shared by every attention layer), or None when no layer keeps a paged KV cache of its own."""
-        if not any(isinstance(layer.attention, Attention) for layer in self.layers):
+        if not any(isinstance(layer.attention, (Attention, LatentAttention)) for layer in self.layers):
             return None
         bs = self.pool.block_size
         width = max(-(-(s + n) // bs) for s, n in zip(starts, counts, strict=True))

@@ -27,7 +27,13 @@ from freetoken.ops.latent_attention import latent_attention, latent_store
 from freetoken.ops.linear_attention import gated_delta_rule, short_conv
 from freetoken.ops.moe_experts import MoeWorkspace, moe_experts
 from freetoken.ops.paged_attention import kv_store, paged_attention
-from freetoken.ops.paged_batch import PagedBatch, kv_store_batch, paged_attention_batch
+from freetoken.ops.paged_batch import (
+    PagedBatch,
+    kv_store_batch,
+    latent_attention_batch,
+    latent_store_batch,
+    paged_attention_batch,
+)
 from freetoken.ops.reduce import row_sum
 from freetoken.ops.rms_norm import add_rms_norm, rms_norm
 from freetoken.ops.rope import rope, rope_qkv_cache
@@ -82,6 +88,12 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("latent_attention", latent_attention, ("latent_attention.cu", "paged_attention.cu"),
        "freetoken.ops.latent_attention", (_K + "latent_attention:latent_attention_rows",),
        _R + "latent_attention:latent_attention_reference", _C + "latent_attention"),
+    Op("latent_store_batch", latent_store_batch, ("paged_attention.cu",), "freetoken.ops.paged_batch", (),
+       _R + "latent_attention:latent_store_batch_reference", _C + "latent_attention",
+       cpu="array code (freetoken.ops.paged_attention.kv_encode and one scatter for every sequence)"),
+    Op("latent_attention_batch", latent_attention_batch, ("latent_attention.cu", "paged_attention.cu"),
+       "freetoken.ops.paged_batch", (_K + "latent_attention:latent_attention_batch",),
+       _R + "latent_attention:latent_attention_batch_reference", _C + "latent_attention"),
     Op("short_conv", short_conv, ("linear_attention.cu",), "freetoken.ops.linear_attention",
        (_K + "linear_attention:short_conv_rows",), _R + "linear_attention:short_conv_reference",
        _C + "linear_attention"),
@@ -134,7 +146,8 @@ __all__ = ["OPS", "MoeWorkspace", "Op", "PagedBatch", "add_rms_norm", "cache_adm
            "cache_borrow_layer", "cache_copy", "cache_scored_prefill", "cache_stream_bypassed", "constants",
            "dense", "dense_gemv", "dense_grouped",
            "gated_delta_rule", "histogram", "moe_experts",
-           "kv_store", "kv_store_batch", "latent_attention", "latent_store", "paged_attention",
+           "kv_store", "kv_store_batch", "latent_attention", "latent_attention_batch", "latent_store",
+           "latent_store_batch", "paged_attention",
            "paged_attention_batch", "rms_norm", "rope", "rope_qkv_cache",
            "route_sigmoid_group_topk", "route_softmax_group_topk", "route_softmax_topk", "row_sum", "short_conv",
            "topk", "transpose"]

@@ -83,3 +83,49 @@ def latent_attention_cuda(dev, q, pool, pool_scale, block_table, start: int, ran
     combine = cuda_kernel(dev, _PAGED, "paged_combine")
     combine((int(rows),), (32 * -(-rank // 32),),
             (part_o, part_ml, out, out, rows, np.int32(heads), np.int32(rank), np.int32(nsplit), np.int32(0)))
+
+
+# ---- a batch of sequences (freetoken.ops.paged_batch) -------------------------------------------------------------
+def latent_store_batch_cuda(dev, kv, pool, pool_scale, batch) -> None:
+    t, width = kv.shape
+    kind, sc = _scale_arg(pool, pool_scale)
+    rows = batch.device_array("rows", lambda: batch.row_table(range(batch.size)))
+    fn = cuda_kernel(dev, _PAGED, f"kv_store_varlen_{kind}")
+    fn((check_int32("T", t), 1, 1), (32,),  # blockIdx.z = 0: the "keys" only (as latent_store_cuda)
+       (kv, kv, pool, pool, sc, sc, batch.tables, rows, np.int32(1), np.int32(width), np.int32(pool.shape[1]),
+        np.int32(batch.tables.shape[1])))
+
+
+def latent_attention_batch_cuda(dev, q, pool, pool_scale, batch, rank: int, scale: float, out, *,
+                                splits: int | None = None) -> None:
+    """Attention of every sequence of ``batch`` into ``out`` [T, H * R], one launch over a list of (sequence, block
+    of 32 rows) and, with context splits, one ``paged_combine``; ``splits`` caps the splits (a testing knob)."""
+    t, heads, width = q.shape
+    kind, sc = _scale_arg(pool, pool_scale)
+    rows = check_int32("T * H", t * heads)
+    keys = max(int(check_int32("start + T", st + n)) for st, n in zip(batch.starts, batch.counts, strict=True))
+    per_seq = [-(-n * heads // LATENT_ROWS) for n in batch.counts]
+    tiles = batch.device_array(("latent_tiles", heads), lambda: np.asarray(
+        [(s, i) for s, n in enumerate(per_seq) for i in range(n)], np.int32).reshape(-1, 2))
+    seqs = batch.device_array("seqs", lambda: np.stack([batch.bounds[:-1], batch.counts, batch.starts], 1))
+    nsplit, chunk = plan_splits(dev, 1, sum(per_seq), keys, splits)
+    if nsplit > _MAX_GRID_YZ:
+        raise ValueError(f"{nsplit} context splits exceed the grid limit {_MAX_GRID_YZ}")
+    cmax = next(c for c in LATENT_DIMS if c >= width)
+    opts = ("-DFT_NO_MMA",) if os.environ.get("FREETOKEN_NO_MMA") == "1" else ()
+    fn = cuda_kernel(dev, _SOURCE, f"latent_attention_varlen_c{cmax}", opts)
+    qscale = np.float32(scale * math.log2(math.e))
+    ints = (np.int32(KV_KIND_CODES[kind]), np.int32(t), np.int32(heads), np.int32(rank), np.int32(width),
+            np.int32(pool.shape[1]), np.int32(batch.tables.shape[1]), np.int32(chunk), np.int32(nsplit))
+    tables = batch.tables
+    if nsplit == 1:
+        fn((tiles.shape[0], 1), (THREADS,), (q, pool, sc, tables, seqs, tiles, out, out, out, *ints, qscale),
+           shared_mem=smem_bytes(cmax))
+        return
+    part_o = dev.empty((nsplit, int(rows), rank), np.float32)
+    part_ml = dev.empty((nsplit, int(rows), 2), np.float32)
+    fn((tiles.shape[0], nsplit), (THREADS,), (q, pool, sc, tables, seqs, tiles, out, part_o, part_ml, *ints, qscale),
+       shared_mem=smem_bytes(cmax))
+    combine = cuda_kernel(dev, _PAGED, "paged_combine")
+    combine((int(rows),), (32 * -(-rank // 32),),
+            (part_o, part_ml, out, out, rows, np.int32(heads), np.int32(rank), np.int32(nsplit), np.int32(0)))

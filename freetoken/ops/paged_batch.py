@@ -1,6 +1,8 @@
-"""The paged KV cache's two ops over a batch of sequences in one call (continuous batching): :func:`kv_store_batch`
+"""The paged KV cache's ops over a batch of sequences in one call (continuous batching): :func:`kv_store_batch`
 appends each sequence's keys and values, :func:`paged_attention_batch` runs each sequence's causal grouped-query
-attention, for a forward pass whose rows belong to several sequences of different lengths and block tables (varlen).
+attention, :func:`latent_store_batch` and :func:`latent_attention_batch` the same for multi-head latent attention
+(DeepSeek-V3's latent rows), for a forward pass whose rows belong to several sequences of different lengths and
+block tables (varlen).
 
 The rows of sequence ``s`` are ``bounds[s] .. bounds[s + 1] - 1`` of ``q`` / ``k`` / ``v``, at its positions
 ``starts[s] ..``, its block table row ``s`` of ``tables``; one :class:`PagedBatch` describes that layout for every
@@ -20,9 +22,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from freetoken.device.constants import DECODE_MAX_TOKENS
+from freetoken.device.constants import DECODE_MAX_TOKENS, LATENT_MAX_DIM
 from freetoken.ops._common import as_input, cpu_module, prepare_out, resolve
-from freetoken.ops.paged_attention import _check, _whole, kv_kind_of, kv_store, paged_attention
+from freetoken.ops.latent_attention import _check as _check_latent
+from freetoken.ops.paged_attention import (
+    _NO_TABLE,
+    _check,
+    _whole,
+    decode_table,
+    kv_encode,
+    kv_kind_of,
+    kv_store,
+    paged_attention,
+)
 
 
 class PagedBatch:
@@ -162,4 +174,81 @@ def paged_attention_batch(q, k_pool, v_pool, k_scale, v_scale, batch: PagedBatch
         lo, hi = batch.bounds[s], batch.bounds[s + 1]
         paged_attention(q[lo:hi], k_pool, v_pool, k_scale, v_scale, batch.tables[s], batch.starts[s], window=window,
                         sinks=sinks, scale=sc, out=out[lo:hi], device=dev, checked=True)
+    return out
+
+
+def _check_latent_batch(dev, batch: PagedBatch, pool, pool_scale, t_count: int, max_width=None):
+    if not isinstance(batch, PagedBatch):
+        raise TypeError(f"batch must be a PagedBatch, got {type(batch).__name__}")
+    if batch.dev is not dev:
+        raise ValueError(f"the batch was made for the {batch.dev.kind} device, not {dev.kind}")
+    if t_count != batch.rows:
+        raise ValueError(f"{t_count} rows given for a batch of {batch.rows} ({batch.counts} per sequence)")
+    for s in range(batch.size):
+        pool, pool_scale, _, _ = _check_latent(dev, pool, pool_scale, batch.tables[s], batch.starts[s],
+                                               batch.counts[s], max_width)
+    return pool, pool_scale
+
+
+def latent_store_batch(kv, pool, pool_scale, batch: PagedBatch, *, device=None, checked: bool = False):
+    """Append each sequence's latent rows of ``kv`` (float32 ``[T, R + P]``, T = ``batch.rows``) at its positions
+    (in place): :func:`~freetoken.ops.latent_attention.latent_store` for every sequence of ``batch`` at once."""
+    dev = resolve(device) if not checked else device
+    if not checked:
+        kv = as_input(dev, kv, "kv", np.float32, 2)
+        pool, pool_scale = _check_latent_batch(dev, batch, pool, pool_scale, kv.shape[0])
+        if kv.shape[1] != pool.shape[3]:
+            raise ValueError(f"kv rows of {kv.shape[1]} values differ from the pool's {pool.shape[3]}")
+    if dev.kind != "cpu":
+        from freetoken.ops.latent_attention_cuda import latent_store_batch_cuda
+
+        latent_store_batch_cuda(dev, kv, pool, pool_scale, batch)
+        return None
+    rows = batch.row_table(range(batch.size))  # (row, sequence, position): one scatter for all of them
+    bs = pool.shape[1]
+    tables = np.asarray(batch.tables)
+    blocks, at = tables[rows[:, 1], rows[:, 2] // bs], rows[:, 2] % bs
+    stored, sc = kv_encode(kv[rows[:, 0]], kv_kind_of(pool))
+    pool[blocks, at, 0] = stored
+    if sc is not None:
+        pool_scale[blocks, at, 0] = sc
+    return None
+
+
+def latent_attention_batch(q, pool, pool_scale, batch: PagedBatch, rank, *, scale: float, out=None, device=None,
+                           checked: bool = False):
+    """Each sequence's rows of ``q`` (float32 ``[T, H, R + P]``, T = ``batch.rows``) attend over its cached latent
+    rows (:func:`latent_store_batch`): :func:`~freetoken.ops.latent_attention.latent_attention` for every sequence
+    of ``batch`` at once. Returns float32 ``[T, H * R]`` on the device (``out`` when given)."""
+    if checked:
+        dev = device
+    else:
+        dev = resolve(device)
+        q = as_input(dev, q, "q", np.float32, 3)
+        pool, pool_scale = _check_latent_batch(dev, batch, pool, pool_scale, q.shape[0], LATENT_MAX_DIM)
+        if q.shape[2] != pool.shape[3]:
+            raise ValueError(f"q rows of {q.shape[2]} values (R + P) differ from the pool's {pool.shape[3]}")
+        if q.shape[1] == 0:
+            raise ValueError("q must have at least one head")
+        rank = _whole("rank", rank)
+        if not 1 <= rank <= q.shape[2]:
+            raise ValueError(f"rank={rank} must be in [1, {q.shape[2]}] (R of rows of R + P = {q.shape[2]} values)")
+        if not np.isfinite(scale):
+            raise ValueError(f"scale={scale} must be finite")
+        out = prepare_out(dev, out, (q.shape[0], q.shape[1] * rank), np.float32)
+    t_count, heads, _ = q.shape
+    if out is None:
+        out = dev.empty((t_count, heads * rank), np.float32)
+    if dev.kind != "cpu":
+        from freetoken.ops.latent_attention_cuda import latent_attention_batch_cuda
+
+        latent_attention_batch_cuda(dev, q, pool, pool_scale, batch, rank, float(scale), out)
+        return out
+    kind = kv_kind_of(pool)
+    if kind == "f16":  # the kernel widens IEEE half bits from int16 (Numba has no float16 arithmetic)
+        pool = pool.view(np.int16)
+    table = decode_table("fp8") if kind == "fp8" else _NO_TABLE
+    seqs = np.stack([batch.bounds[:-1], batch.counts, batch.starts], axis=1).astype(np.int64)
+    cpu_module("latent_attention").latent_attention_batch(q, pool, pool_scale, table, batch.tables, seqs, rank,
+                                                          np.float32(scale), out)
     return out

@@ -14,7 +14,12 @@ import numpy as np
 from freetoken import ops
 from freetoken.testing.cases.base import KernelCase, poisoned
 from freetoken.testing.cases.paged_attention import _pool
-from freetoken.testing.reference.latent_attention import latent_attention_reference, latent_store_reference
+from freetoken.testing.reference.latent_attention import (
+    latent_attention_batch_reference,
+    latent_attention_reference,
+    latent_store_batch_reference,
+    latent_store_reference,
+)
 from freetoken.testing.reference.paged_attention import kv_encode_reference
 
 #: DeepSeek-V3's attention: 128 heads, latent rank 512, rope dims 64, 64-token blocks.
@@ -156,4 +161,104 @@ ATTENTION_CASES = [
     )
 ]
 
-CASES = STORE_CASES + ATTENTION_CASES
+
+# ---- a batch of sequences (ops.latent_store_batch, ops.latent_attention_batch) -------------------------------------
+def _make_batch(kind: str, heads: int, rank: int, rope: int, seqs_small):
+    """Sequences ``seqs`` [(start, rows)] over one pool (small: 16-row blocks; large: DeepSeek-V3, 16 decode steps
+    and a 256-token chunk), sequences 0 and 1 sharing their first block (a common prefix before either one's
+    start); each sequence's positions hold real values, the rest of the pool NaN / random codes."""
+    def make(rng, size):
+        if size == "small":
+            seqs, h, r, p, block_size = seqs_small, heads, rank, rope, 16
+        else:
+            seqs = [(4095 - 97 * i, 1) for i in range(16)] + [(3072, 256)]
+            h, r, p, block_size = DEEPSEEK["heads"], DEEPSEEK["rank"], DEEPSEEK["rope"], DEEPSEEK["block_size"]
+        width = r + p
+        need = [-(-(st + n) // block_size) for st, n in seqs]
+        nblocks = sum(need) + 2
+        order = iter(rng.permutation(nblocks).astype(np.int32))
+        tables = np.zeros((len(seqs), max(need) + 1), np.int32)
+        for s, blocks in enumerate(need):
+            for b in range(blocks):
+                tables[s, b] = tables[0, 0] if s == 1 and b == 0 else next(order)
+        pool = _pool(rng, kind, (nblocks, block_size, 1, width), fill_nan=True)
+        scale = rng.uniform(0.5, 2.0, (nblocks, block_size, 1)).astype(np.float32) if kind == "fp8" else None
+        for s, (st, n) in enumerate(seqs):
+            pos = np.arange(block_size if s == 1 else 0, st + n)
+            vals, sc = kv_encode_reference(rng.standard_normal((pos.size, 1, width)).astype(np.float32), kind)
+            blocks, rows = tables[s][pos // block_size], pos % block_size
+            pool[blocks, rows] = vals
+            if sc is not None:
+                scale[blocks, rows] = sc
+        t = sum(n for _, n in seqs)
+        return {"q": (2.0 * rng.standard_normal((t, h, width))).astype(np.float32),
+                "kv": (3.0 * rng.standard_normal((t, width))).astype(np.float32), "pool": pool, "pool_scale": scale,
+                "tables": tables, "starts": [st for st, _ in seqs], "counts": [n for _, n in seqs], "rank": r,
+                "scale": float(1.0 / np.sqrt(width))}
+
+    return make
+
+
+def _setup_batch(dev, inp):
+    t, heads, _ = inp["q"].shape
+    return {**{key: _dev(dev, inp[key]) for key in ("q", "kv")},
+            "batch": ops.PagedBatch(inp["tables"], inp["starts"], inp["counts"], device=dev), "rank": inp["rank"],
+            "scale": inp["scale"], "pool": dev.asarray(inp["pool"]), "pool_scale": _dev(dev, inp["pool_scale"]),
+            "out_pool": dev.asarray(inp["pool"]), "out_pool_scale": _dev(dev, inp["pool_scale"]),
+            "out_out": poisoned(dev, (t, heads * inp["rank"]), np.float32)}
+
+
+def _fetch_store_batch(dev, st):
+    got = {"pool": dev.to_host(st["out_pool"])}
+    if st["out_pool_scale"] is not None:
+        got["pool_scale"] = dev.to_host(st["out_pool_scale"])
+    return got
+
+
+def _launch_store_batch(dev, st):
+    ops.latent_store_batch(st["kv"], st["out_pool"], st["out_pool_scale"], st["batch"], device=dev)
+
+
+def _ref_store_batch(inp):
+    pool, scale = latent_store_batch_reference(inp["kv"], inp["pool"], inp["pool_scale"], inp["tables"],
+                                               inp["starts"], inp["counts"])
+    return {"pool": pool} if scale is None else {"pool": pool, "pool_scale": scale}
+
+
+def _launch_attention_batch(dev, st):
+    ops.latent_attention_batch(st["q"], st["pool"], st["pool_scale"], st["batch"], st["rank"], scale=st["scale"],
+                               out=st["out_out"], device=dev)
+
+
+def _ref_attention_batch(inp):
+    return {"out": latent_attention_batch_reference(inp["q"], inp["pool"], inp["pool_scale"], inp["tables"],
+                                                    inp["starts"], inp["counts"], inp["rank"], scale=inp["scale"])}
+
+
+def _batch_bytes(inp):
+    pool = inp["pool"]
+    row = pool.shape[3] * pool.dtype.itemsize + (4 if inp["pool_scale"] is not None else 0)
+    keys = sum(st + n for st, n in zip(inp["starts"], inp["counts"], strict=True))
+    return keys * row + inp["q"].nbytes + 4 * inp["q"].shape[0] * inp["q"].shape[1] * inp["rank"]
+
+
+_DECODE_SEQS = [(150, 1), (37, 1), (3, 1), (64, 3)]  # decode steps: splits on gpu/emu, one only 4 keys long
+BATCH_CASES = [
+    KernelCase(f"latent_store_batch_{kind}", "paged_attention.cu", _make_batch(kind, 4, 32, 16, _DECODE_SEQS),
+               _setup_batch, _launch_store_batch, _ref_store_batch, fetch_fn=_fetch_store_batch,
+               bytes_moved=lambda inp: inp["kv"].shape[0] * inp["kv"].shape[1] * (4 + inp["pool"].dtype.itemsize),
+               op="latent_store_batch")
+    for kind in ("bf16", "fp8")
+] + [
+    KernelCase(f"latent_attention_batch_{kind}_h{heads}_r{rank}_p{rope}" + ("_prompt" if len(seqs) > 4 else ""),
+               "latent_attention.cu", _make_batch(kind, heads, rank, rope, seqs), _setup_batch,
+               _launch_attention_batch, _ref_attention_batch, rel_atol=1e-2, bytes_moved=_batch_bytes,
+               fetch_fn=lambda dev, st: {"out": dev.to_host(st["out_out"])}, op="latent_attention_batch")
+    for kind, heads, rank, rope, seqs in (
+        ("bf16", 16, 64, 16, _DECODE_SEQS),
+        ("fp8", 4, 32, 16, _DECODE_SEQS + [(19, 40)]),  # a prompt chunk among them: several row blocks of its own
+        ("f32", 3, 31, 0, _DECODE_SEQS),  # odd rows: 3 heads of 31 values
+    )
+]
+
+CASES = STORE_CASES + ATTENTION_CASES + BATCH_CASES

@@ -82,3 +82,24 @@ def latent_attention_reference(q, pool, pool_scale, block_table, start: int, ran
         p /= p.sum(axis=-1, keepdims=True)
         out[t0:t1] = p @ rows[:, :rank]
     return out.reshape(t_count, heads * rank)
+
+
+def latent_store_batch_reference(kv, pool, pool_scale, tables, starts, counts):
+    """:func:`latent_store_reference` for several sequences: rows ``bounds[s] .. bounds[s + 1] - 1`` of ``kv``
+    (``bounds`` the running sums of ``counts``) at positions ``starts[s] ..`` through block table ``tables[s]``."""
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+    for s, start in enumerate(starts):
+        pool, pool_scale = latent_store_reference(kv[bounds[s]:bounds[s + 1]], pool, pool_scale, tables[s],
+                                                  int(start))
+    return pool, pool_scale
+
+
+def latent_attention_batch_reference(q, pool, pool_scale, tables, starts, counts, rank: int, *,
+                                     scale: float) -> np.ndarray:
+    """:func:`latent_attention_reference` of each sequence's rows of ``q`` (laid out as for
+    :func:`latent_store_batch_reference`), stacked: ``[T, H * R]`` float64."""
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+    return np.concatenate([
+        latent_attention_reference(q[bounds[s]:bounds[s + 1]], pool, pool_scale, tables[s], int(start), rank,
+                                   scale=scale)
+        for s, start in enumerate(starts)])
