@@ -16,6 +16,7 @@ columns and freetoken / llama.cpp ratios are added.
     python bench/bench_batch.py                          # the bundled model, cpu
     python bench/make_synthetic_gguf.py /tmp/synthetic-moe.gguf
     python bench/bench_batch.py --model /tmp/synthetic-moe.gguf --streams 1,2,4,8,16 --llama-cpp
+    python bench/bench_batch.py --model /tmp/synthetic-moe.gguf --streams 1,8,16 --profile   # where a step goes
 """
 
 from __future__ import annotations
@@ -29,7 +30,60 @@ import time
 import numpy as np
 
 
-def run(model, n: int, prompt: int, output: int, max_seqs: int, step_tokens: int | None, seed: int) -> dict:
+class StepProfile:
+    """Where the steps' time goes (``--profile``; a synchronous device: cpu): each step's wall time split into the
+    routed-expert layers (``MoeMLP``: router, shared expert, routed experts), the token mixers (attention or
+    DeltaNet with their projections), the rest of the forward pass (embedding, norms, head) and the host work
+    around it (scheduling, sampling); and the bytes of routed experts the steps read (each layer's union of routed
+    experts x the record size), over the time in the expert layers."""
+
+    def __init__(self, model):
+        from freetoken.models import blocks
+        from freetoken.models.decoder import MoeDecoder
+
+        self.model, self.parts = model, {"experts": 0.0, "mixers": 0.0, "forward": 0.0, "step": 0.0}
+        self.expert_bytes, self.steps = 0, 0
+        self._patched = []
+        for cls, part in ((blocks.MoeMLP, "experts"), (blocks.Attention, "mixers"), (blocks.LatentAttention, "mixers"),
+                          (blocks.GatedDeltaNet, "mixers"), (MoeDecoder, "forward")):
+            name = "__call__" if part != "forward" else "forward_batch"
+            self._wrap(cls, name, part)
+
+    def _wrap(self, cls, name: str, part: str) -> None:
+        original = getattr(cls, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.parts[part] += time.perf_counter() - t0
+
+        setattr(cls, name, timed)
+        self._patched.append((cls, name, original))
+
+    def after_step(self, seconds: float) -> None:
+        self.parts["step"] += seconds
+        self.steps += 1
+        experts = self.model.experts
+        record = experts.layout.record_bytes if experts.layout is not None else 0
+        for ids in experts.last_routing:
+            self.expert_bytes += len(np.unique(self.model.decoder.dev.to_host(ids))) * record
+
+    def close(self) -> None:
+        for cls, name, original in reversed(self._patched):
+            setattr(cls, name, original)
+
+    def row(self) -> dict:
+        p, n = self.parts, max(self.steps, 1)
+        return dict(step_ms=p["step"] / n * 1e3, experts_ms=p["experts"] / n * 1e3, mixers_ms=p["mixers"] / n * 1e3,
+                    rest_ms=(p["forward"] - p["experts"] - p["mixers"]) / n * 1e3,
+                    host_ms=(p["step"] - p["forward"]) / n * 1e3,
+                    expert_gbs=self.expert_bytes / max(p["experts"], 1e-9) / 1e9)
+
+
+def run(model, n: int, prompt: int, output: int, max_seqs: int, step_tokens: int | None, seed: int,
+        profile: bool = False) -> dict:
     from freetoken.engine.batching.step_loop import StepLoop
     from freetoken.engine.generation.sampling import SamplingParams
 
@@ -40,20 +94,26 @@ def run(model, n: int, prompt: int, output: int, max_seqs: int, step_tokens: int
     t0 = time.perf_counter()
     reqs = [loop.submit(rng.integers(3, vocab, prompt), output, greedy, stop_ids=()) for _ in range(n)]
     first, last = {}, {}
+    prof = StepProfile(model) if profile else None
     while loop.has_work:
+        t_step = time.perf_counter()
         events = loop.step()
         now = time.perf_counter()
+        if prof is not None:
+            prof.after_step(now - t_step)
         for ev in events:
             if ev.token is not None:
                 first.setdefault(id(ev.request), now)
                 last[id(ev.request)] = now
     wall = time.perf_counter() - t0
+    if prof is not None:
+        prof.close()
     tokens = sum(len(r.output) for r in reqs)
     ttft = np.array([first[id(r)] - t0 for r in reqs])
     per = [(len(r.output) - 1) / (last[id(r)] - first[id(r)]) for r in reqs if last[id(r)] > first[id(r)]]
     return dict(n=n, tokens=tokens, wall=wall, agg=tokens / wall, per=float(np.mean(per)) if per else 0.0,
                 ttft50=float(np.percentile(ttft, 50)), ttft99=float(np.percentile(ttft, 99)), steps=loop.steps,
-                mean_step=loop.stats.tokens / max(loop.stats.steps, 1))
+                mean_step=loop.stats.tokens / max(loop.stats.steps, 1), profile=prof.row() if prof else None)
 
 
 def run_llama(path: str, n: int, prompt: int, output: int, seed: int, threads: int, repack: bool) -> dict:
@@ -129,6 +189,8 @@ def main():
     ap.add_argument("--step-tokens", type=int, default=None, help="tokens per step (default: the engine's)")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true",
+                    help="a second table: each step's time by part and the routed experts' read rate (cpu)")
     ap.add_argument("--llama-cpp", action="store_true", help="llama.cpp's batched decoding on the same GGUF, same run")
     ap.add_argument("--llama-no-repack", action="store_true",
                     help="llama.cpp without its weight repacking (llama-cpp-python 0.3.36 crashes on some AVX-512 "
@@ -148,8 +210,11 @@ def main():
     if blocks > dec.pool.num_blocks:
         dec.set_context(KVPool(dec.dev, len(cfg.kv_layers), cfg.kv_cache_heads, cfg.kv_cache_dim, blocks,
                                kind=dec.pool.kind, values=cfg.kv_cache_values), dec.max_ctx, dec.prefill_chunk)
-    run(model, 1, min(args.prompt, 16), 4, max_seqs, args.step_tokens, args.seed)  # warm-up
-    rows = [run(model, n, args.prompt, args.output, max_seqs, args.step_tokens, args.seed) for n in streams]
+    # warm-up: one stream and two at once (the batch kernels compile on their first call)
+    for n in (1, min(2, max_seqs)):
+        run(model, n, min(args.prompt, 16), 4, max_seqs, args.step_tokens, args.seed)
+    rows = [run(model, n, args.prompt, args.output, max_seqs, args.step_tokens, args.seed, args.profile)
+            for n in streams]
     if args.llama_cpp:
         threads = int(os.environ.get("NUMBA_NUM_THREADS", os.cpu_count()))
         run_llama(args.model, 1, 16, 4, args.seed, threads, not args.llama_no_repack)  # warm-up
@@ -177,6 +242,17 @@ def main():
             line += (f" {lr['agg']:.1f} | {lr['agg'] / lbase:.2f} |" if lbase else f" {lr['agg']:.1f} | - |")
             line += f" {lr['per']:.1f} | {lr['ttft50']:.2f} | {r['agg'] / lr['agg']:.2f} |"
         print(line)
+
+    if args.profile:
+        print("\nPer step (ms; a step: every running stream's token and prompt chunks), and the routed experts' read "
+              "rate:")
+        print("| streams | step | expert layers | token mixers | rest of the pass | host (schedule, sample) | "
+              "expert GB/s |")
+        print("|---" * 7 + "|")
+        for r in rows:
+            p = r["profile"]
+            print(f"| {r['n']} | {p['step_ms']:.2f} | {p['experts_ms']:.2f} | {p['mixers_ms']:.2f} | "
+                  f"{p['rest_ms']:.2f} | {p['host_ms']:.2f} | {p['expert_gbs']:.1f} |")
 
 
 if __name__ == "__main__":
