@@ -4,8 +4,9 @@ batch ops (``ops.kv_store_batch`` + ``ops.paged_attention_batch``), in the same 
 
 Each of S sequences appends one token and attends over its own context (lengths spread over ``--context`` / 2 ..
 ``--context``, block tables drawn from one shuffled pool, as a running server's are). Per S the table gives the time
-of one layer's step both ways (median of ``--repeat``, after a warm-up), their ratio, the KV bytes read per second by
-the batch call, and on gpu / emu the kernel launches per layer step each way.
+of one layer's step both ways (median of ``--repeat``, after a warm-up; the batch's ``PagedBatch`` is made once, as
+a forward pass makes it once for all its layers, and its cost is the last column), their ratio, the KV bytes read
+per second by the batch call, and on gpu / emu the kernel launches per layer step each way.
 
     python bench/bench_attention_batch.py                                 # cpu, Qwen3-30B-A3B attention shape
     python bench/bench_attention_batch.py --device emu --shape bundled    # launches on the emulator
@@ -52,12 +53,16 @@ def _setup(dev, s: int, context: int, heads: int, kv_heads: int, dim: int, block
             ops.paged_attention(q[i:i + 1], k_pool, v_pool, None, None, single[i], starts[i], out=out[i:i + 1],
                                 device=dev, checked=True)
 
+    batch = ops.PagedBatch(tables, starts, [1] * s, device=dev)  # made once per pass, shared by its layers
+
     def batched():
-        batch = ops.PagedBatch(tables, starts, [1] * s, device=dev)  # made once per pass in the decoder
         ops.kv_store_batch(k, v, k_pool, v_pool, None, None, batch, device=dev, checked=True)
         ops.paged_attention_batch(q, k_pool, v_pool, None, None, batch, out=out, device=dev, checked=True)
 
-    return alone, batched, 2 * keys * kv_heads * dim * 2
+    def make():
+        ops.PagedBatch(tables, starts, [1] * s, device=dev)
+
+    return alone, batched, make, 2 * keys * kv_heads * dim * 2
 
 
 def _time(dev, fn, repeat: int) -> float:
@@ -115,13 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     print(f"# {args.device} ({platform.processor() or platform.machine()}), {args.shape}: {heads} query / {kv_heads}"
           f" kv heads of {dim}, bf16 KV, contexts {args.context // 2}..{args.context}, block {args.block_size}")
-    print(f"{'S':>3} {'alone us':>10} {'batch us':>10} {'ratio':>6} {'batch GB/s':>11} {'launches alone/batch':>21}")
+    print(f"{'S':>3} {'alone us':>10} {'batch us':>10} {'ratio':>6} {'batch GB/s':>11} {'launches alone/batch':>21} "
+          f"{'PagedBatch us':>13}")
     for s in (int(x) for x in args.sequences.split(",")):
-        alone, batched, nbytes = _setup(dev, s, args.context, heads, kv_heads, dim, args.block_size, rng)
-        ta, tb = _time(dev, alone, args.repeat), _time(dev, batched, args.repeat)
+        alone, batched, make, nbytes = _setup(dev, s, args.context, heads, kv_heads, dim, args.block_size, rng)
+        ta, tb, tm = (_time(dev, fn, args.repeat) for fn in (alone, batched, make))
         la, lb = _launches(dev, alone), _launches(dev, batched)
         launches = "-" if la is None else f"{la}/{lb}"
-        print(f"{s:>3} {ta * 1e6:>10.1f} {tb * 1e6:>10.1f} {ta / tb:>6.2f} {nbytes / tb / 1e9:>11.2f} {launches:>21}")
+        print(f"{s:>3} {ta * 1e6:>10.1f} {tb * 1e6:>10.1f} {ta / tb:>6.2f} {nbytes / tb / 1e9:>11.2f} {launches:>21}"
+              f" {tm * 1e6:>13.1f}")
     return 0
 
 

@@ -57,6 +57,7 @@ class PagedBatch:
         self.bounds = tuple(int(b) for b in np.concatenate([[0], np.cumsum(self.counts)]))
         self.rows = self.bounds[-1]
         self._dev_arrays: dict = {}
+        self._host: dict = {}  # the cpu kernels' descriptors, made on first use (every layer of a pass shares them)
 
     @property
     def size(self) -> int:
@@ -71,6 +72,13 @@ class PagedBatch:
         parts = [np.stack([np.arange(self.bounds[s], self.bounds[s + 1]), np.full(self.counts[s], s),
                            self.starts[s] + np.arange(self.counts[s])], axis=1) for s in seqs]
         return np.concatenate(parts).astype(np.int32) if parts else np.zeros((0, 3), np.int32)
+
+    def host_value(self, key, make):
+        """A host descriptor made by ``make()`` on first use under ``key`` and kept."""
+        value = self._host.get(key)
+        if value is None:
+            value = self._host[key] = make()
+        return value
 
     def device_array(self, key, make):
         """A descriptor on the device, made by ``make()`` (host int32) on first use under ``key``."""
@@ -114,7 +122,7 @@ def kv_store_batch(k, v, k_pool, v_pool, k_scale, v_scale, batch: PagedBatch, *,
         kv_store_batch_cuda(dev, k, v, k_pool, v_pool, k_scale, v_scale, batch)
         return None
     if kv_kind_of(k_pool) in ("f32", "bf16"):
-        rows = batch.row_table(range(batch.size))
+        rows = batch.host_value("rows", lambda: batch.row_table(range(batch.size)))
         cpu_module("kv_store").kv_store_rows_batch(k, v, k_pool, v_pool, batch.tables, rows)
         return None
     for s in range(batch.size):  # f16 / fp8: the NumPy encoder, a sequence at a time
@@ -122,6 +130,22 @@ def kv_store_batch(k, v, k_pool, v_pool, k_scale, v_scale, batch: PagedBatch, *,
         kv_store(k[lo:hi], v[lo:hi], k_pool, v_pool, k_scale, v_scale, batch.tables[s], batch.starts[s], device=dev,
                  checked=True)
     return None
+
+
+def _cpu_plan(batch: PagedBatch, kind: str, heads: int, dim: int, pool_shape, window: int):
+    """(kernel, fused, tables, seqs, splits, rest) of the cpu path: the sequences whose steps the decode kernel takes
+    (``fused``: their block tables, (first row, rows, start) and key runs, and the kernel build for their size), and
+    the ``rest`` run a sequence at a time."""
+    paged_decode = cpu_module("paged_decode")
+    block_size, kv_heads = pool_shape
+    group = heads // kv_heads
+    fused = [s for s in range(batch.size) if paged_decode.handles(kind, dim, batch.counts[s] * group)]
+    rest = [s for s in range(batch.size) if s not in set(fused)]
+    seqs = np.array([(batch.bounds[s], batch.counts[s], batch.starts[s]) for s in fused], np.int64).reshape(-1, 3)
+    splits = np.array([paged_decode.splits_for(int(n), block_size, int(st), window) for _, n, st in seqs], np.int64)
+    macs = sum(int(st + n) * heads * dim for _, n, st in seqs)
+    tables = batch.tables if len(fused) == batch.size else batch.tables[np.asarray(fused, np.int64)]
+    return paged_decode.decode_batch_kernel(macs), fused, tables, seqs, splits, rest
 
 
 def paged_attention_batch(q, k_pool, v_pool, k_scale, v_scale, batch: PagedBatch, *, window: int = 0, sinks=None,
@@ -159,18 +183,14 @@ def paged_attention_batch(q, k_pool, v_pool, k_scale, v_scale, batch: PagedBatch
 
         paged_attention_batch_cuda(dev, q, k_pool, v_pool, k_scale, v_scale, batch, window, sinks, sc, out)
         return out
-    paged_decode = cpu_module("paged_decode")
-    kind, group = kv_kind_of(k_pool), heads // k_pool.shape[2]
-    bs = k_pool.shape[1]
-    fused = [s for s in range(batch.size) if paged_decode.handles(kind, dim, batch.counts[s] * group)]
+    kind = kv_kind_of(k_pool)
+    kernel, fused, tables, seqs, splits, rest = batch.host_value(
+        ("decode", kind, heads, dim, k_pool.shape[1:3], window), lambda: _cpu_plan(batch, kind, heads, dim,
+                                                                                    k_pool.shape[1:3], window))
     if fused:  # every decode step in one call
-        seqs = np.array([(batch.bounds[s], batch.counts[s], batch.starts[s]) for s in fused], np.int64)
-        splits = np.array([paged_decode.splits_for(n, bs, st, window) for _, n, st in seqs], np.int64)
         pools = (k_pool.view(np.int16), v_pool.view(np.int16)) if kind == "f16" else (k_pool, v_pool)
-        macs = sum(int(st + n) * heads * dim for _, n, st in seqs)
-        tables = batch.tables if len(fused) == batch.size else batch.tables[np.asarray(fused)]
-        paged_decode.decode_batch_kernel(macs)(q, *pools, tables, seqs, window, sinks, np.float32(sc), splits, out)
-    for s in sorted(set(range(batch.size)) - set(fused)):  # prompt chunks (and fp8 steps): a sequence at a time
+        kernel(q, *pools, tables, seqs, window, sinks, np.float32(sc), splits, out)
+    for s in rest:  # prompt chunks (and fp8 steps): a sequence at a time
         lo, hi = batch.bounds[s], batch.bounds[s + 1]
         paged_attention(q[lo:hi], k_pool, v_pool, k_scale, v_scale, batch.tables[s], batch.starts[s], window=window,
                         sinks=sinks, scale=sc, out=out[lo:hi], device=dev, checked=True)
@@ -204,10 +224,10 @@ def latent_store_batch(kv, pool, pool_scale, batch: PagedBatch, *, device=None, 
 
         latent_store_batch_cuda(dev, kv, pool, pool_scale, batch)
         return None
-    rows = batch.row_table(range(batch.size))  # (row, sequence, position): one scatter for all of them
+    rows = batch.host_value("rows", lambda: batch.row_table(range(batch.size)))  # one scatter for all of them
     bs = pool.shape[1]
-    tables = np.asarray(batch.tables)
-    blocks, at = tables[rows[:, 1], rows[:, 2] // bs], rows[:, 2] % bs
+    blocks, at = batch.host_value(("latent_rows", bs), lambda: (batch.tables[rows[:, 1], rows[:, 2] // bs],
+                                                                rows[:, 2] % bs))
     stored, sc = kv_encode(kv[rows[:, 0]], kv_kind_of(pool))
     pool[blocks, at, 0] = stored
     if sc is not None:
@@ -248,7 +268,8 @@ def latent_attention_batch(q, pool, pool_scale, batch: PagedBatch, rank, *, scal
     if kind == "f16":  # the kernel widens IEEE half bits from int16 (Numba has no float16 arithmetic)
         pool = pool.view(np.int16)
     table = decode_table("fp8") if kind == "fp8" else _NO_TABLE
-    seqs = np.stack([batch.bounds[:-1], batch.counts, batch.starts], axis=1).astype(np.int64)
+    seqs = batch.host_value("seqs", lambda: np.stack([batch.bounds[:-1], batch.counts, batch.starts], 1)
+                            .astype(np.int64))
     cpu_module("latent_attention").latent_attention_batch(q, pool, pool_scale, table, batch.tables, seqs, rank,
                                                           np.float32(scale), out)
     return out
