@@ -1,6 +1,7 @@
 """Continuous batching in the engine: aggregate decode speed and time to first token at N concurrent requests.
 
-N requests of ``--prompt`` tokens each (distinct random token ids, so no two share a prefix) and ``--output`` new
+N requests of ``--prompt`` tokens each (distinct random token ids, so no two share a prefix, within a run or across
+runs) and ``--output`` new
 tokens (greedy, end-of-sequence ignored) are submitted at once to a
 :class:`freetoken.engine.batching.step_loop.StepLoop` and run to the end. For each N the table gives the aggregate
 output tokens per second (every request's tokens over the wall time of the whole run), its ratio to one request in the
@@ -211,10 +212,14 @@ def main():
         dec.set_context(KVPool(dec.dev, len(cfg.kv_layers), cfg.kv_cache_heads, cfg.kv_cache_dim, blocks,
                                kind=dec.pool.kind, values=cfg.kv_cache_values), dec.max_ctx, dec.prefill_chunk)
     # warm-up: one stream and two at once (the batch kernels compile on their first call)
+    # and a whole prompt first: every expert's pages touched before the first measured run
+    run(model, 1, args.prompt, 4, max_seqs, args.step_tokens, args.seed + 10_000)
     for n in (1, min(2, max_seqs)):
         run(model, n, min(args.prompt, 16), 4, max_seqs, args.step_tokens, args.seed)
-    rows = [run(model, n, args.prompt, args.output, max_seqs, args.step_tokens, args.seed, args.profile)
-            for n in streams]
+    # each run its own prompts (seed + 1 + its index): the prefix cache holds the earlier runs' rows, and prompts
+    # repeated across runs would be reused instead of prefilled
+    rows = [run(model, n, args.prompt, args.output, max_seqs, args.step_tokens, args.seed + 1 + i, args.profile)
+            for i, n in enumerate(streams)]
     if args.llama_cpp:
         threads = int(os.environ.get("NUMBA_NUM_THREADS", os.cpu_count()))
         run_llama(args.model, 1, 16, 4, args.seed, threads, not args.llama_no_repack)  # warm-up
