@@ -205,7 +205,7 @@ def _batch_seqs(size: str, prompt: bool):
     if size == "small":
         seqs = [(150, 1), (37, 1), (3, 1), (64, 4)] + ([(19, 40)] if prompt else [])
         return seqs, (6, 2, 48, 16), 2
-    seqs = [(4095 - 97 * i, 1) for i in range(16)] + ([(3072, 512)] if prompt else [])
+    seqs = [(4095 - 97 * i, 1) for i in range(16)] + ([(3072, 256)] if prompt else [])
     return seqs, (32, 4, 128, 64), 32
 
 
