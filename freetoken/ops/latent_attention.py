@@ -56,6 +56,21 @@ def _check(dev, pool, pool_scale, block_table, start, t_count, max_width=None):
     return pool, pool_scale, table, start
 
 
+def check_latent_query(dev, q, pool, rank, scale, out):
+    """The queries' rows against the pool's, the latent ``rank``, ``scale`` and ``out`` (checked or allocated);
+    returns (rank, out)."""
+    if q.shape[2] != pool.shape[3]:
+        raise ValueError(f"q rows of {q.shape[2]} values (R + P) differ from the pool's {pool.shape[3]}")
+    if q.shape[1] == 0:
+        raise ValueError("q must have at least one head")
+    rank = _whole("rank", rank)
+    if not 1 <= rank <= q.shape[2]:
+        raise ValueError(f"rank={rank} must be in [1, {q.shape[2]}] (R of rows of R + P = {q.shape[2]} values)")
+    if not np.isfinite(scale):
+        raise ValueError(f"scale={scale} must be finite")
+    return rank, prepare_out(dev, out, (q.shape[0], q.shape[1] * rank), np.float32)
+
+
 def latent_store(kv, pool, pool_scale, block_table, start, *, device=None, checked: bool = False):
     """Append latent rows at positions ``start .. start + T - 1`` of a sequence's paged cache (in place).
 
@@ -124,16 +139,7 @@ def latent_attention(q, pool, pool_scale, block_table, start, rank, *, scale: fl
         q = as_input(dev, q, "q", np.float32, 3)
         pool, pool_scale, block_table, start = _check(dev, pool, pool_scale, block_table, start, q.shape[0],
                                                       LATENT_MAX_DIM)
-        if q.shape[2] != pool.shape[3]:
-            raise ValueError(f"q rows of {q.shape[2]} values (R + P) differ from the pool's {pool.shape[3]}")
-        if q.shape[1] == 0:
-            raise ValueError("q must have at least one head")
-        rank = _whole("rank", rank)
-        if not 1 <= rank <= q.shape[2]:
-            raise ValueError(f"rank={rank} must be in [1, {q.shape[2]}] (R of rows of R + P = {q.shape[2]} values)")
-        if not np.isfinite(scale):
-            raise ValueError(f"scale={scale} must be finite")
-        out = prepare_out(dev, out, (q.shape[0], q.shape[1] * rank), np.float32)
+        rank, out = check_latent_query(dev, q, pool, rank, scale, out)
     t_count, heads, _ = q.shape
     if out is None:
         out = dev.empty((t_count, heads * rank), np.float32)

@@ -120,6 +120,34 @@ def _check(dev, q, k_pool, v_pool, k_scale, v_scale, block_table, start, t_count
     return k_pool, v_pool, k_scale, v_scale, table, start
 
 
+def kv_rows(dev, k, v):
+    """``k``, ``v`` as float32 ``[T, Hkv, D]`` arrays of one shape on ``dev``."""
+    k = as_input(dev, k, "k", np.float32, 3)
+    v = as_input(dev, v, "v", np.float32, 3)
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v shape {tuple(v.shape)} differs from k shape {tuple(k.shape)}")
+    return k, v
+
+
+def check_query(dev, q, k_pool, window, sinks, scale, out):
+    """The queries' heads against the pool's, and the attention's ``window``, ``sinks``, ``scale`` and ``out``
+    (checked or allocated); returns (window, sinks, out)."""
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads = k_pool.shape[2]
+    if dim != k_pool.shape[3]:
+        raise ValueError(f"head dim of q ({dim}) and of the pool ({k_pool.shape[3]}) differ")
+    if heads == 0 or heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) must be a positive multiple of kv heads ({kv_heads})")
+    window = _whole("window", window, " (0: no window)")
+    if sinks is not None:
+        sinks = as_input(dev, sinks, "sinks", np.float32, 1)
+        if sinks.shape[0] != heads:
+            raise ValueError(f"sinks must have one logit per query head ({heads}), got {sinks.shape[0]}")
+    if scale is not None and not np.isfinite(scale):
+        raise ValueError(f"scale={scale} must be finite")
+    return window, sinks, prepare_out(dev, out, (q.shape[0], heads * dim), np.float32)
+
+
 def kv_store(k, v, k_pool, v_pool, k_scale, v_scale, block_table, start, *, device=None, checked: bool = False):
     """Append keys and values at positions ``start .. start + T - 1`` of a sequence's paged cache (in place).
 
@@ -136,10 +164,7 @@ def kv_store(k, v, k_pool, v_pool, k_scale, v_scale, block_table, start, *, devi
     """
     dev = resolve(device) if not checked else device
     if not checked:
-        k = as_input(dev, k, "k", np.float32, 3)
-        v = as_input(dev, v, "v", np.float32, 3)
-        if tuple(v.shape) != tuple(k.shape):
-            raise ValueError(f"v shape {tuple(v.shape)} differs from k shape {tuple(k.shape)}")
+        k, v = kv_rows(dev, k, v)
         k_pool, v_pool, k_scale, v_scale, block_table, start = _check(
             dev, None, k_pool, v_pool, k_scale, v_scale, block_table, start, k.shape[0])
         if tuple(k.shape[1:]) != tuple(k_pool.shape[2:]):
@@ -201,20 +226,7 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, block_table, start, *, 
         q = as_input(dev, q, "q", np.float32, 3)
         k_pool, v_pool, k_scale, v_scale, block_table, start = _check(
             dev, q, k_pool, v_pool, k_scale, v_scale, block_table, start, q.shape[0])
-        heads, dim = q.shape[1], q.shape[2]
-        kv_heads = k_pool.shape[2]
-        if dim != k_pool.shape[3]:
-            raise ValueError(f"head dim of q ({dim}) and of the pool ({k_pool.shape[3]}) differ")
-        if heads == 0 or heads % kv_heads:
-            raise ValueError(f"query heads ({heads}) must be a positive multiple of kv heads ({kv_heads})")
-        window = _whole("window", window, " (0: no window)")
-        if sinks is not None:
-            sinks = as_input(dev, sinks, "sinks", np.float32, 1)
-            if sinks.shape[0] != heads:
-                raise ValueError(f"sinks must have one logit per query head ({heads}), got {sinks.shape[0]}")
-        if scale is not None and not np.isfinite(scale):
-            raise ValueError(f"scale={scale} must be finite")
-        out = prepare_out(dev, out, (q.shape[0], heads * dim), np.float32)
+        window, sinks, out = check_query(dev, q, k_pool, window, sinks, scale, out)
     t_count, heads, dim = q.shape
     if out is None:
         out = dev.empty((t_count, heads * dim), np.float32)

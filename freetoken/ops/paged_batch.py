@@ -23,15 +23,18 @@ from __future__ import annotations
 import numpy as np
 
 from freetoken.device.constants import DECODE_MAX_TOKENS, LATENT_MAX_DIM
-from freetoken.ops._common import as_input, cpu_module, prepare_out, resolve
+from freetoken.ops._common import as_input, cpu_module, resolve
 from freetoken.ops.latent_attention import _check as _check_latent
+from freetoken.ops.latent_attention import check_latent_query
 from freetoken.ops.paged_attention import (
     _NO_TABLE,
     _check,
     _whole,
+    check_query,
     decode_table,
     kv_encode,
     kv_kind_of,
+    kv_rows,
     kv_store,
     paged_attention,
 )
@@ -88,15 +91,20 @@ class PagedBatch:
         return arr
 
 
-def _check_batch(dev, batch: PagedBatch, k_pool, v_pool, k_scale, v_scale, t_count: int):
-    """The pools and scales checked as the single-sequence ops check them, every sequence's block table against
-    its positions; the rows against the batch."""
+def _check_rows(dev, batch, t_count: int) -> None:
+    """``batch`` a PagedBatch of ``dev`` with ``t_count`` rows."""
     if not isinstance(batch, PagedBatch):
         raise TypeError(f"batch must be a PagedBatch, got {type(batch).__name__}")
     if batch.dev is not dev:
         raise ValueError(f"the batch was made for the {batch.dev.kind} device, not {dev.kind}")
     if t_count != batch.rows:
         raise ValueError(f"{t_count} rows given for a batch of {batch.rows} ({batch.counts} per sequence)")
+
+
+def _check_batch(dev, batch: PagedBatch, k_pool, v_pool, k_scale, v_scale, t_count: int):
+    """The pools and scales checked as the single-sequence ops check them, every sequence's block table against
+    its positions; the rows against the batch."""
+    _check_rows(dev, batch, t_count)
     for s in range(batch.size):
         k_pool, v_pool, k_scale, v_scale, _, _ = _check(dev, None, k_pool, v_pool, k_scale, v_scale,
                                                         batch.tables[s], batch.starts[s], batch.counts[s])
@@ -108,10 +116,7 @@ def kv_store_batch(k, v, k_pool, v_pool, k_scale, v_scale, batch: PagedBatch, *,
     (in place): :func:`~freetoken.ops.paged_attention.kv_store` for every sequence of ``batch`` at once."""
     dev = resolve(device) if not checked else device
     if not checked:
-        k = as_input(dev, k, "k", np.float32, 3)
-        v = as_input(dev, v, "v", np.float32, 3)
-        if tuple(v.shape) != tuple(k.shape):
-            raise ValueError(f"v shape {tuple(v.shape)} differs from k shape {tuple(k.shape)}")
+        k, v = kv_rows(dev, k, v)
         k_pool, v_pool, k_scale, v_scale = _check_batch(dev, batch, k_pool, v_pool, k_scale, v_scale, k.shape[0])
         if tuple(k.shape[1:]) != tuple(k_pool.shape[2:]):
             raise ValueError(f"k rows [Hkv, D] = {tuple(k.shape[1:])} differ from the pool's "
@@ -160,20 +165,7 @@ def paged_attention_batch(q, k_pool, v_pool, k_scale, v_scale, batch: PagedBatch
         dev = resolve(device)
         q = as_input(dev, q, "q", np.float32, 3)
         k_pool, v_pool, k_scale, v_scale = _check_batch(dev, batch, k_pool, v_pool, k_scale, v_scale, q.shape[0])
-        heads, dim = q.shape[1], q.shape[2]
-        kv_heads = k_pool.shape[2]
-        if dim != k_pool.shape[3]:
-            raise ValueError(f"head dim of q ({dim}) and of the pool ({k_pool.shape[3]}) differ")
-        if heads == 0 or heads % kv_heads:
-            raise ValueError(f"query heads ({heads}) must be a positive multiple of kv heads ({kv_heads})")
-        window = _whole("window", window, " (0: no window)")
-        if sinks is not None:
-            sinks = as_input(dev, sinks, "sinks", np.float32, 1)
-            if sinks.shape[0] != heads:
-                raise ValueError(f"sinks must have one logit per query head ({heads}), got {sinks.shape[0]}")
-        if scale is not None and not np.isfinite(scale):
-            raise ValueError(f"scale={scale} must be finite")
-        out = prepare_out(dev, out, (q.shape[0], heads * dim), np.float32)
+        window, sinks, out = check_query(dev, q, k_pool, window, sinks, scale, out)
     t_count, heads, dim = q.shape
     if out is None:
         out = dev.empty((t_count, heads * dim), np.float32)
@@ -198,12 +190,7 @@ def paged_attention_batch(q, k_pool, v_pool, k_scale, v_scale, batch: PagedBatch
 
 
 def _check_latent_batch(dev, batch: PagedBatch, pool, pool_scale, t_count: int, max_width=None):
-    if not isinstance(batch, PagedBatch):
-        raise TypeError(f"batch must be a PagedBatch, got {type(batch).__name__}")
-    if batch.dev is not dev:
-        raise ValueError(f"the batch was made for the {batch.dev.kind} device, not {dev.kind}")
-    if t_count != batch.rows:
-        raise ValueError(f"{t_count} rows given for a batch of {batch.rows} ({batch.counts} per sequence)")
+    _check_rows(dev, batch, t_count)
     for s in range(batch.size):
         pool, pool_scale, _, _ = _check_latent(dev, pool, pool_scale, batch.tables[s], batch.starts[s],
                                                batch.counts[s], max_width)
@@ -246,16 +233,7 @@ def latent_attention_batch(q, pool, pool_scale, batch: PagedBatch, rank, *, scal
         dev = resolve(device)
         q = as_input(dev, q, "q", np.float32, 3)
         pool, pool_scale = _check_latent_batch(dev, batch, pool, pool_scale, q.shape[0], LATENT_MAX_DIM)
-        if q.shape[2] != pool.shape[3]:
-            raise ValueError(f"q rows of {q.shape[2]} values (R + P) differ from the pool's {pool.shape[3]}")
-        if q.shape[1] == 0:
-            raise ValueError("q must have at least one head")
-        rank = _whole("rank", rank)
-        if not 1 <= rank <= q.shape[2]:
-            raise ValueError(f"rank={rank} must be in [1, {q.shape[2]}] (R of rows of R + P = {q.shape[2]} values)")
-        if not np.isfinite(scale):
-            raise ValueError(f"scale={scale} must be finite")
-        out = prepare_out(dev, out, (q.shape[0], q.shape[1] * rank), np.float32)
+        rank, out = check_latent_query(dev, q, pool, rank, scale, out)
     t_count, heads, _ = q.shape
     if out is None:
         out = dev.empty((t_count, heads * rank), np.float32)

@@ -34,15 +34,20 @@ def _pool(rng, kind: str, shape, fill_nan: bool):
     return rng.integers(0, np.iinfo(dt).max + 1, shape, dtype=dt)
 
 
+def _pools(rng, kind: str, shape, fill_nan: bool):
+    """(k_pool, v_pool, k_scale, v_scale): two pools of ``shape`` (:func:`_pool`), fp8 with random row scales."""
+    k, v = _pool(rng, kind, shape, fill_nan), _pool(rng, kind, shape, fill_nan)
+    if kind != "fp8":
+        return k, v, None, None
+    ks = rng.uniform(0.5, 2.0, shape[:3]).astype(np.float32)
+    return k, v, ks, rng.uniform(0.5, 2.0, shape[:3]).astype(np.float32)
+
+
 def _layout(rng, kind, tokens, block_size, kv_heads, dim, spare=3, fill_nan=False):
     nblocks = -(-tokens // block_size) + spare
     table = rng.permutation(nblocks).astype(np.int32)
     shape = (nblocks, block_size, kv_heads, dim)
-    k, v = _pool(rng, kind, shape, fill_nan), _pool(rng, kind, shape, fill_nan)
-    ks = vs = None
-    if kind == "fp8":
-        ks = rng.uniform(0.5, 2.0, shape[:3]).astype(np.float32)
-        vs = rng.uniform(0.5, 2.0, shape[:3]).astype(np.float32)
+    k, v, ks, vs = _pools(rng, kind, shape, fill_nan)
     return k, v, ks, vs, table[: -(-tokens // block_size) + 1]  # one spare entry past the last used block
 
 
@@ -191,11 +196,7 @@ def _batch_layout(rng, kind, seqs, block_size, kv_heads, dim, shared: int, fill_
         for b in range(width):
             tables[s, b] = tables[0, b] if s == 1 and b < shared else next(order) if b < blocks else 0
     shape = (nblocks, block_size, kv_heads, dim)
-    k, v = _pool(rng, kind, shape, fill_nan), _pool(rng, kind, shape, fill_nan)
-    ks = vs = None
-    if kind == "fp8":
-        ks = rng.uniform(0.5, 2.0, shape[:3]).astype(np.float32)
-        vs = rng.uniform(0.5, 2.0, shape[:3]).astype(np.float32)
+    k, v, ks, vs = _pools(rng, kind, shape, fill_nan)
     return k, v, ks, vs, tables
 
 
