@@ -255,28 +255,29 @@ __device__ __forceinline__ void latent_block(const float* __restrict__ q, const 
 // out [T, H * R]; with nsplit > 1 part_o [nsplit, T H, R] and part_ml [nsplit, T H, 2] (max in log2 units, sum),
 // paged_combine's inputs. qscale = scale * log2(e).
 //
-// latent_attention_varlen_c<CMAX>: the same over several sequences in one launch: grid (blocks, nsplit), block b
-// taking rows tiles[2 b + 1] * 32 .. + 31 of sequence s = tiles[2 b], whose queries are rows seqs[3 s] .. + seqs[3 s +
-// 1] - 1 of q at positions seqs[3 s + 2] .., block table tables[s * width ..]. The partials are laid out over all
-// the rows of q (part_o [nsplit, T H, R], T the rows of every sequence), so one paged_combine merges them.
+// width > 0: several sequences in one launch (latent_attention_batch): grid (blocks, nsplit), block b taking rows
+// tiles[2 b + 1] * 32 .. + 31 of sequence s = tiles[2 b], whose queries are rows seqs[3 s] .. + seqs[3 s + 1] - 1 of
+// q at positions seqs[3 s + 2] .., block table table[s * width ..]; T is then the rows of every sequence (start not
+// read) and the partials are laid out over all of them, so one paged_combine merges them.
 #define FT_LATENT_ATTENTION(CMAX)                                                                                   \
   extern "C" __global__ void __launch_bounds__(256) latent_attention_c##CMAX(                                      \
       const float* __restrict__ q, const void* pool, const float* pool_scale, const int* table,                    \
-      float* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int kind, int T, int H,    \
-      int R, int C, int block_size, int start, int chunk, int nsplit, float qscale) {                              \
-    latent_block<CMAX>(q, pool, pool_scale, table, out, part_o, part_ml, kind, T, H, R, C, block_size, start,      \
-                       chunk, nsplit, qscale, blockIdx.x * kRows, static_cast<long long>(T) * H);                 \
-  }                                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(256) latent_attention_varlen_c##CMAX(                               \
-      const float* __restrict__ q, const void* pool, const float* pool_scale, const int* tables,                   \
       const int* __restrict__ seqs, const int* __restrict__ tiles, float* __restrict__ out,                        \
       float* __restrict__ part_o, float* __restrict__ part_ml, int kind, int T, int H, int R, int C,               \
-      int block_size, int width, int chunk, int nsplit, float qscale) {                                            \
-    const int s = tiles[2 * blockIdx.x], lo = seqs[3 * s];                                                          \
-    const long long row0 = static_cast<long long>(lo) * H;  /* the sequence's first (query, head) row */           \
-    latent_block<CMAX>(q + row0 * C, pool, pool_scale, tables + static_cast<long long>(s) * width, out + row0 * R,  \
-                       part_o + row0 * R, part_ml + 2 * row0, kind, seqs[3 * s + 1], H, R, C, block_size,          \
-                       seqs[3 * s + 2], chunk, nsplit, qscale, tiles[2 * blockIdx.x + 1] * kRows,                   \
+      int block_size, int width, int start, int chunk, int nsplit, float qscale) {                                 \
+    long long row0 = 0;  /* one sequence; in a batch, its first (query, head) row, and this block's rows: */      \
+    const int* tb = table;                                                                                          \
+    int count = T, first = start, r0 = blockIdx.x * kRows;                                                          \
+    if (width > 0) {                                                                                                \
+      const int s = tiles[2 * blockIdx.x];                                                                          \
+      row0 = static_cast<long long>(seqs[3 * s]) * H;                                                               \
+      tb = table + static_cast<long long>(s) * width;                                                               \
+      count = seqs[3 * s + 1];                                                                                      \
+      first = seqs[3 * s + 2];                                                                                      \
+      r0 = tiles[2 * blockIdx.x + 1] * kRows;                                                                       \
+    }                                                                                                               \
+    latent_block<CMAX>(q + row0 * C, pool, pool_scale, tb, out + row0 * R, part_o + row0 * R, part_ml + 2 * row0,   \
+                       kind, count, H, R, C, block_size, first, chunk, nsplit, qscale, r0,                          \
                        static_cast<long long>(T) * H);                                                             \
   }
 

@@ -417,28 +417,30 @@ __device__ __forceinline__ void prefill_block(const float* __restrict__ q, const
 // the keys [key0 + s chunk, key0 + (s + 1) chunk) of those a query sees (key0: the first key any query of the call
 // sees). With nsplit > 1 the outputs are part_o [nsplit, T, H, D] and part_ml [nsplit, T, H, 2] (max in log2 units,
 // sum) and `out` is not touched; with nsplit == 1 the reverse. kind: ft::KvKind of the pools; k_scale / v_scale are
-// read for fp8 only, sinks [H] when has_sinks; qscale = scale * log2(e).
+// read for fp8 only, sinks [H] when has_sinks; qscale = scale * log2(e). width == 0: one sequence, query t at
+// position start + t, block table `table`, `rows` not read. width > 0: a batch of sequences (paged_attention_batch):
+// query t is row rows[3 t] of q and out at position rows[3 t + 2] of sequence rows[3 t + 1], whose block table is
+// table[rows[3 t + 1] * width ..]; its keys are split from its own first key (start and key0 not read); partials
+// are indexed by t (paged_combine_varlen writes them to their q rows).
 #define FT_PAGED_DECODE(NC, HB)                                                                                  \
   extern "C" __global__ void __launch_bounds__(FT_ATT_WARPS * 32) paged_decode_c##NC##_g##HB(                   \
       const float* __restrict__ q, const void* k_pool, const void* v_pool, const float* k_scale,               \
-      const float* v_scale, const int* table, const float* __restrict__ sinks, float* __restrict__ out,         \
-      float* __restrict__ part_o, float* __restrict__ part_ml, int kind, int T, int H, int Hkv, int D,          \
-      int block_size, int start, int window, int key0, int chunk, int nsplit, int has_sinks, float qscale) {   \
-    const Paged P{k_pool, v_pool, k_scale, v_scale, table, kind, Hkv, D, block_size};                           \
-    decode_block<NC, HB>(q, P, sinks, out, part_o, part_ml, T, H, blockIdx.z, blockIdx.z, start, window, key0,  \
-                         chunk, nsplit, has_sinks, qscale);                                                      \
-  }                                                                                                              \
-  extern "C" __global__ void __launch_bounds__(FT_ATT_WARPS * 32) paged_decode_varlen_c##NC##_g##HB(            \
-      const float* __restrict__ q, const void* k_pool, const void* v_pool, const float* k_scale,               \
-      const float* v_scale, const int* tables, const int* __restrict__ rows, const float* __restrict__ sinks,   \
+      const float* v_scale, const int* table, const int* __restrict__ rows, const float* __restrict__ sinks,    \
       float* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int kind, int T, int H, \
-      int Hkv, int D, int block_size, int width, int window, int chunk, int nsplit, int has_sinks,              \
-      float qscale) {                                                                                            \
-    const int t = blockIdx.z, qrow = rows[3 * t], pos = rows[3 * t + 2];                                         \
-    const Paged P{k_pool, v_pool, k_scale, v_scale, tables + static_cast<long long>(rows[3 * t + 1]) * width,    \
-                  kind, Hkv, D, block_size};                                                                     \
-    const int key0 = window > 0 ? max(0, pos + 1 - window) : 0;                                                  \
-    decode_block<NC, HB>(q, P, sinks, out, part_o, part_ml, T, H, t, qrow, pos - t, window, key0, chunk, nsplit, \
+      int Hkv, int D, int block_size, int width, int start, int window, int key0, int chunk, int nsplit,        \
+      int has_sinks, float qscale) {                                                                             \
+    const int t = blockIdx.z;                                                                                    \
+    int qrow = t, first = start, k0 = key0;                                                                      \
+    const int* tb = table;                                                                                       \
+    if (width > 0) { /* a batch: query t is row rows[3 t] of q, at position rows[3 t + 2] of sequence rows[3 t + 1] */ \
+      const int pos = rows[3 * t + 2];                                                                           \
+      qrow = rows[3 * t];                                                                                        \
+      tb = table + static_cast<long long>(rows[3 * t + 1]) * width;                                              \
+      first = pos - t;                                                                                           \
+      k0 = window > 0 ? max(0, pos + 1 - window) : 0;                                                            \
+    }                                                                                                            \
+    const Paged P{k_pool, v_pool, k_scale, v_scale, tb, kind, Hkv, D, block_size};                              \
+    decode_block<NC, HB>(q, P, sinks, out, part_o, part_ml, T, H, t, qrow, first, window, k0, chunk, nsplit,     \
                          has_sinks, qscale);                                                                     \
   }
 #define FT_PAGED_DECODE_HEADS(NC) \
@@ -451,27 +453,28 @@ FT_PAGED_DECODE_HEADS(4)
 FT_PAGED_DECODE_HEADS(8)
 
 // paged_prefill_d<DP>: grid (ceil(T / (64 / G)), Hkv), 128 threads; D <= DP, G = H / Hkv <= 64; the other arguments
-// as for paged_decode.
+// as for paged_decode. width > 0: a batch of sequences, grid (blocks, Hkv): block b takes query tile tiles[2 b + 1] of
+// sequence s = tiles[2 b], whose queries are rows seqs[3 s] .. + seqs[3 s + 1] - 1 of q at positions seqs[3 s + 2]
+// .., block table table[s * width ..] (T and start not read).
 #define FT_PAGED_PREFILL(DP)                                                                                     \
   extern "C" __global__ void __launch_bounds__(128) paged_prefill_d##DP(                                         \
       const float* __restrict__ q, const void* k_pool, const void* v_pool, const float* k_scale,               \
-      const float* v_scale, const int* table, const float* __restrict__ sinks, float* __restrict__ out,         \
-      int kind, int T, int H, int Hkv, int D, int block_size, int start, int window, int has_sinks,             \
-      float qscale) {                                                                                            \
-    const Paged P{k_pool, v_pool, k_scale, v_scale, table, kind, Hkv, D, block_size};                           \
-    prefill_block<DP>(q, P, sinks, out, T, H, start, window, has_sinks, qscale, blockIdx.x);                    \
-  }                                                                                                              \
-  extern "C" __global__ void __launch_bounds__(128) paged_prefill_varlen_d##DP(                                  \
-      const float* __restrict__ q, const void* k_pool, const void* v_pool, const float* k_scale,               \
-      const float* v_scale, const int* tables, const int* __restrict__ seqs, const int* __restrict__ tiles,     \
-      const float* __restrict__ sinks, float* __restrict__ out, int kind, int H, int Hkv, int D,               \
-      int block_size, int width, int window, int has_sinks, float qscale) {                                     \
-    const int s = tiles[2 * blockIdx.x], lo = seqs[3 * s];                                                       \
-    const Paged P{k_pool, v_pool, k_scale, v_scale, tables + static_cast<long long>(s) * width, kind, Hkv, D,    \
-                  block_size};                                                                                   \
-    const long long off = static_cast<long long>(lo) * H * D;                                                    \
-    prefill_block<DP>(q + off, P, sinks, out + off, seqs[3 * s + 1], H, seqs[3 * s + 2], window, has_sinks,      \
-                      qscale, tiles[2 * blockIdx.x + 1]);                                                        \
+      const float* v_scale, const int* table, const int* __restrict__ seqs, const int* __restrict__ tiles,      \
+      const float* __restrict__ sinks, float* __restrict__ out, int kind, int T, int H, int Hkv, int D,        \
+      int block_size, int width, int start, int window, int has_sinks, float qscale) {                         \
+    long long off = 0;  /* one sequence; in a batch, this block's sequence and query tile: */                    \
+    const int* tb = table;                                                                                       \
+    int count = T, first = start, tile = blockIdx.x;                                                             \
+    if (width > 0) {                                                                                             \
+      const int s = tiles[2 * blockIdx.x];                                                                       \
+      off = static_cast<long long>(seqs[3 * s]) * H * D;                                                         \
+      tb = table + static_cast<long long>(s) * width;                                                            \
+      count = seqs[3 * s + 1];                                                                                   \
+      first = seqs[3 * s + 2];                                                                                   \
+      tile = tiles[2 * blockIdx.x + 1];                                                                          \
+    }                                                                                                            \
+    const Paged P{k_pool, v_pool, k_scale, v_scale, tb, kind, Hkv, D, block_size};                              \
+    prefill_block<DP>(q + off, P, sinks, out + off, count, H, first, window, has_sinks, qscale, tile);           \
   }
 
 // Head dims up to 48, 64, 96, 128, 192, 256 (the list in freetoken/ops/paged_attention_cuda.py).

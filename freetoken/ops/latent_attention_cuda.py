@@ -71,14 +71,15 @@ def latent_attention_cuda(dev, q, pool, pool_scale, block_table, start: int, ran
     fn = cuda_kernel(dev, _SOURCE, f"latent_attention_c{cmax}", opts)
     qscale = np.float32(scale * math.log2(math.e))
     ints = (np.int32(KV_KIND_CODES[kind]), np.int32(t), np.int32(heads), np.int32(rank), np.int32(width),
-            np.int32(pool.shape[1]), np.int32(start), np.int32(chunk), np.int32(nsplit))
+            np.int32(pool.shape[1]), np.int32(0), np.int32(start), np.int32(chunk), np.int32(nsplit))
+    table = (block_table, block_table, block_table)  # width 0: one sequence (the batch descriptors never read)
     if nsplit == 1:
-        fn((row_blocks, 1), (THREADS,), (q, pool, sc, block_table, out, out, out, *ints, qscale),
+        fn((row_blocks, 1), (THREADS,), (q, pool, sc, *table, out, out, out, *ints, qscale),
            shared_mem=smem_bytes(cmax))
         return
     part_o = dev.empty((nsplit, int(rows), rank), np.float32)
     part_ml = dev.empty((nsplit, int(rows), 2), np.float32)
-    fn((row_blocks, nsplit), (THREADS,), (q, pool, sc, block_table, out, part_o, part_ml, *ints, qscale),
+    fn((row_blocks, nsplit), (THREADS,), (q, pool, sc, *table, out, part_o, part_ml, *ints, qscale),
        shared_mem=smem_bytes(cmax))
     combine = cuda_kernel(dev, _PAGED, "paged_combine")
     combine((int(rows),), (32 * -(-rank // 32),),
@@ -113,10 +114,11 @@ def latent_attention_batch_cuda(dev, q, pool, pool_scale, batch, rank: int, scal
         raise ValueError(f"{nsplit} context splits exceed the grid limit {_MAX_GRID_YZ}")
     cmax = next(c for c in LATENT_DIMS if c >= width)
     opts = ("-DFT_NO_MMA",) if os.environ.get("FREETOKEN_NO_MMA") == "1" else ()
-    fn = cuda_kernel(dev, _SOURCE, f"latent_attention_varlen_c{cmax}", opts)
+    fn = cuda_kernel(dev, _SOURCE, f"latent_attention_c{cmax}", opts)
     qscale = np.float32(scale * math.log2(math.e))
     ints = (np.int32(KV_KIND_CODES[kind]), np.int32(t), np.int32(heads), np.int32(rank), np.int32(width),
-            np.int32(pool.shape[1]), np.int32(batch.tables.shape[1]), np.int32(chunk), np.int32(nsplit))
+            np.int32(pool.shape[1]), np.int32(batch.tables.shape[1]), np.int32(0), np.int32(chunk),
+            np.int32(nsplit))
     tables = batch.tables
     if nsplit == 1:
         fn((tiles.shape[0], 1), (THREADS,), (q, pool, sc, tables, seqs, tiles, out, out, out, *ints, qscale),

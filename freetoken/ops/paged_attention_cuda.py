@@ -88,7 +88,6 @@ def paged_attention_cuda(dev, q, k_pool, v_pool, k_scale, v_scale, block_table, 
     qscale = np.float32(scale * math.log2(math.e))
     has_sinks = np.int32(sinks is not None)
     sinks = q if sinks is None else sinks  # never read without has_sinks
-    pools = (q, k_pool, v_pool, k_scale, v_scale, block_table, sinks, out)
     code = np.int32(KV_KIND_CODES[kind])
     if t > DECODE_MAX_TOKENS:
         if group > MAX_GROUP:
@@ -99,9 +98,10 @@ def paged_attention_cuda(dev, q, k_pool, v_pool, k_scale, v_scale, block_table, 
         # tell a tensor-core fault on a GPU from the rest of the kernel)
         opts = ("-DFT_NO_MMA",) if os.environ.get("FREETOKEN_NO_MMA") == "1" else ()
         fn = cuda_kernel(dev, _SOURCE, f"paged_prefill_d{dp}", opts)
-        fn((-(-t // per_block), kv_heads), (128,),
-           (*pools, code, np.int32(t), np.int32(heads), np.int32(kv_heads), np.int32(dim), np.int32(block_size),
-            np.int32(start), check_int32("window", window), has_sinks, qscale))
+        fn((-(-t // per_block), kv_heads), (128,),  # width 0: one sequence (the descriptors stand in, never read)
+           (q, k_pool, v_pool, k_scale, v_scale, block_table, block_table, block_table, sinks, out, code, np.int32(t),
+            np.int32(heads), np.int32(kv_heads), np.int32(dim), np.int32(block_size), np.int32(0), np.int32(start),
+            check_int32("window", window), has_sinks, qscale))
         return
     hb = heads_per_block(group)
     kv_blocks = kv_heads * -(-group // hb)
@@ -111,8 +111,9 @@ def paged_attention_cuda(dev, q, k_pool, v_pool, k_scale, v_scale, block_table, 
     nsplit, chunk = plan_splits(dev, t, kv_blocks, start + t - key0, splits)
     nc = next(c for c in DECODE_CHUNKS if 32 * c >= dim)
     fn = cuda_kernel(dev, _SOURCE, f"paged_decode_c{nc}_g{hb}")
-    ints = (code, np.int32(t), np.int32(heads), np.int32(kv_heads), np.int32(dim), np.int32(block_size),
+    ints = (code, np.int32(t), np.int32(heads), np.int32(kv_heads), np.int32(dim), np.int32(block_size), np.int32(0),
             np.int32(start), np.int32(window), np.int32(key0), np.int32(chunk), np.int32(nsplit), has_sinks)
+    pools = (q, k_pool, v_pool, k_scale, v_scale, block_table, block_table, sinks, out)  # width 0: rows not read
     if nsplit == 1:
         fn((1, kv_blocks, t), (32 * ATT_WARPS,), (*pools, out, out, *ints, qscale))
         return
@@ -168,11 +169,11 @@ def paged_attention_batch_cuda(dev, q, k_pool, v_pool, k_scale, v_scale, batch, 
         tiles = batch.device_array(("tiles", per_block), lambda: _prefill_tiles(batch, prompts, per_block))
         dp = next(d for d in PREFILL_DIMS if d >= dim)
         opts = ("-DFT_NO_MMA",) if os.environ.get("FREETOKEN_NO_MMA") == "1" else ()
-        fn = cuda_kernel(dev, _SOURCE, f"paged_prefill_varlen_d{dp}", opts)
+        fn = cuda_kernel(dev, _SOURCE, f"paged_prefill_d{dp}", opts)
         fn((tiles.shape[0], kv_heads), (128,),
-           (q, k_pool, v_pool, k_scale, v_scale, batch.tables, seqs, tiles, sinks, out, code, np.int32(heads),
-            np.int32(kv_heads), np.int32(dim), np.int32(block_size), width, check_int32("window", window),
-            has_sinks, qscale))
+           (q, k_pool, v_pool, k_scale, v_scale, batch.tables, seqs, tiles, sinks, out, code, np.int32(t),
+            np.int32(heads), np.int32(kv_heads), np.int32(dim), np.int32(block_size), width, np.int32(0),
+            check_int32("window", window), has_sinks, qscale))
     if not decoding:
         return
     rows = batch.device_array("decode_rows", lambda: batch.row_table(decoding))
@@ -186,9 +187,9 @@ def paged_attention_batch_cuda(dev, q, k_pool, v_pool, k_scale, v_scale, batch, 
                for s in decoding)
     nsplit, chunk = plan_splits(dev, n, kv_blocks, keys, splits)
     nc = next(c for c in DECODE_CHUNKS if 32 * c >= dim)
-    fn = cuda_kernel(dev, _SOURCE, f"paged_decode_varlen_c{nc}_g{hb}")
+    fn = cuda_kernel(dev, _SOURCE, f"paged_decode_c{nc}_g{hb}")
     ints = (code, np.int32(n), np.int32(heads), np.int32(kv_heads), np.int32(dim), np.int32(block_size), width,
-            np.int32(window), np.int32(chunk), np.int32(nsplit), has_sinks)
+            np.int32(0), np.int32(window), np.int32(0), np.int32(chunk), np.int32(nsplit), has_sinks)
     pools = (q, k_pool, v_pool, k_scale, v_scale, batch.tables, rows, sinks, out)
     if nsplit == 1:
         fn((1, kv_blocks, n), (32 * ATT_WARPS,), (*pools, out, out, *ints, qscale))

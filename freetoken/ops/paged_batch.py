@@ -10,12 +10,12 @@ layer of a pass (it uploads its descriptors once). Each sequence's result is wha
 .paged_attention` gives it alone (the contract: ``freetoken/testing/reference/paged_attention.py``); sequences may
 share pool blocks (a common prefix), never a row they write.
 
-gpu/emu: one launch for all the sequences of a few queries (``paged_decode_varlen_*``, the decode kernel with a
-(query row, sequence, position) descriptor per query, flash-decoding splits merged by ``paged_combine_varlen``) and
-one for the prompt chunks (``paged_prefill_varlen_*``, the prefill kernel over a list of (sequence, query tile)
-blocks); the append is one ``kv_store_varlen_*`` launch. cpu: the decode steps of all the sequences in one Numba
-call (``cpu_kernels/paged_decode.py``'s ``paged_decode_batch``), each prompt chunk (already a parallel kernel of its
-own) by the single-sequence kernel.
+gpu/emu: one launch for all the sequences of a few queries (``paged_decode_*`` given a (query row, sequence,
+position) descriptor per query, flash-decoding splits merged by ``paged_combine_varlen``) and one for the prompt
+chunks (``paged_prefill_*`` given a list of (sequence, query tile) blocks): the single-sequence kernels themselves,
+in their batch mode (``width`` > 0), so each build serves both; the append is one ``kv_store_varlen_*`` launch.
+cpu: the decode steps of all the sequences in one Numba call (``cpu_kernels/paged_decode.py``'s
+``paged_decode_batch``), each prompt chunk (already a parallel kernel of its own) by the single-sequence kernel.
 """
 
 from __future__ import annotations
