@@ -54,36 +54,47 @@ def latent_store_cuda(dev, kv, pool, pool_scale, block_table, start: int) -> Non
         check_int32("start", start)))
 
 
-def latent_attention_cuda(dev, q, pool, pool_scale, block_table, start: int, rank: int, scale: float, out, *,
-                          splits: int | None = None) -> None:
-    """Attention into ``out`` [T, H * R]; ``splits`` caps the context splits (a testing knob)."""
-    t, heads, width = q.shape
+def _launch(dev, q, pool, pool_scale, descriptors, blocks: int, rows: int, rank: int, start: int, keys: int,
+            scale: float, out, splits: int | None) -> None:
+    """One ``latent_attention_c*`` launch over ``blocks`` row blocks (``descriptors``: table, seqs, tiles and the
+    batch width, 0 for one sequence) with the context split as :func:`plan_splits` says, merged by
+    ``paged_combine``."""
+    t, heads, row_width = q.shape
     kind, sc = _scale_arg(pool, pool_scale)
-    rows = check_int32("T * H", t * heads)
-    keys = check_int32("start + T", start + t)
-    row_blocks = -(-int(rows) // LATENT_ROWS)
-    nsplit, chunk = plan_splits(dev, 1, row_blocks, int(keys), splits)
+    nsplit, chunk = plan_splits(dev, 1, blocks, keys, splits)
     if nsplit > _MAX_GRID_YZ:
         raise ValueError(f"{nsplit} context splits exceed the grid limit {_MAX_GRID_YZ}")
-    cmax = next(c for c in LATENT_DIMS if c >= width)
+    cmax = next(c for c in LATENT_DIMS if c >= row_width)
     # FREETOKEN_NO_MMA=1: the portable mma twin instead of tensor cores (as for paged_attention's prefill)
     opts = ("-DFT_NO_MMA",) if os.environ.get("FREETOKEN_NO_MMA") == "1" else ()
     fn = cuda_kernel(dev, _SOURCE, f"latent_attention_c{cmax}", opts)
     qscale = np.float32(scale * math.log2(math.e))
-    ints = (np.int32(KV_KIND_CODES[kind]), np.int32(t), np.int32(heads), np.int32(rank), np.int32(width),
-            np.int32(pool.shape[1]), np.int32(0), np.int32(start), np.int32(chunk), np.int32(nsplit))
-    table = (block_table, block_table, block_table)  # width 0: one sequence (the batch descriptors never read)
+    table, seqs, tiles, batch_width = descriptors
+    ints = (np.int32(KV_KIND_CODES[kind]), np.int32(t), np.int32(heads), np.int32(rank), np.int32(row_width),
+            np.int32(pool.shape[1]), np.int32(batch_width), np.int32(start), np.int32(chunk), np.int32(nsplit))
     if nsplit == 1:
-        fn((row_blocks, 1), (THREADS,), (q, pool, sc, *table, out, out, out, *ints, qscale),
+        fn((blocks, 1), (THREADS,), (q, pool, sc, table, seqs, tiles, out, out, out, *ints, qscale),
            shared_mem=smem_bytes(cmax))
         return
-    part_o = dev.empty((nsplit, int(rows), rank), np.float32)
-    part_ml = dev.empty((nsplit, int(rows), 2), np.float32)
-    fn((row_blocks, nsplit), (THREADS,), (q, pool, sc, *table, out, part_o, part_ml, *ints, qscale),
+    part_o = dev.empty((nsplit, rows, rank), np.float32)
+    part_ml = dev.empty((nsplit, rows, 2), np.float32)
+    fn((blocks, nsplit), (THREADS,), (q, pool, sc, table, seqs, tiles, out, part_o, part_ml, *ints, qscale),
        shared_mem=smem_bytes(cmax))
     combine = cuda_kernel(dev, _PAGED, "paged_combine")
-    combine((int(rows),), (32 * -(-rank // 32),),
-            (part_o, part_ml, out, out, rows, np.int32(heads), np.int32(rank), np.int32(nsplit), np.int32(0)))
+    combine((rows,), (32 * -(-rank // 32),),
+            (part_o, part_ml, out, out, np.int32(rows), np.int32(heads), np.int32(rank), np.int32(nsplit),
+             np.int32(0)))
+
+
+def latent_attention_cuda(dev, q, pool, pool_scale, block_table, start: int, rank: int, scale: float, out, *,
+                          splits: int | None = None) -> None:
+    """Attention into ``out`` [T, H * R]; ``splits`` caps the context splits (a testing knob)."""
+    t, heads, _ = q.shape
+    rows = int(check_int32("T * H", t * heads))
+    keys = int(check_int32("start + T", start + t))
+    # width 0: one sequence (the batch descriptors never read)
+    _launch(dev, q, pool, pool_scale, (block_table, block_table, block_table, 0), -(-rows // LATENT_ROWS), rows,
+            rank, start, keys, scale, out, splits)
 
 
 # ---- a batch of sequences (freetoken.ops.paged_batch) -------------------------------------------------------------
@@ -101,33 +112,12 @@ def latent_attention_batch_cuda(dev, q, pool, pool_scale, batch, rank: int, scal
                                 splits: int | None = None) -> None:
     """Attention of every sequence of ``batch`` into ``out`` [T, H * R], one launch over a list of (sequence, block
     of 32 rows) and, with context splits, one ``paged_combine``; ``splits`` caps the splits (a testing knob)."""
-    t, heads, width = q.shape
-    kind, sc = _scale_arg(pool, pool_scale)
-    rows = check_int32("T * H", t * heads)
+    t, heads, _ = q.shape
+    rows = int(check_int32("T * H", t * heads))
     keys = max(int(check_int32("start + T", st + n)) for st, n in zip(batch.starts, batch.counts, strict=True))
     per_seq = [-(-n * heads // LATENT_ROWS) for n in batch.counts]
     tiles = batch.device_array(("latent_tiles", heads), lambda: np.asarray(
         [(s, i) for s, n in enumerate(per_seq) for i in range(n)], np.int32).reshape(-1, 2))
     seqs = batch.device_array("seqs", lambda: np.stack([batch.bounds[:-1], batch.counts, batch.starts], 1))
-    nsplit, chunk = plan_splits(dev, 1, sum(per_seq), keys, splits)
-    if nsplit > _MAX_GRID_YZ:
-        raise ValueError(f"{nsplit} context splits exceed the grid limit {_MAX_GRID_YZ}")
-    cmax = next(c for c in LATENT_DIMS if c >= width)
-    opts = ("-DFT_NO_MMA",) if os.environ.get("FREETOKEN_NO_MMA") == "1" else ()
-    fn = cuda_kernel(dev, _SOURCE, f"latent_attention_c{cmax}", opts)
-    qscale = np.float32(scale * math.log2(math.e))
-    ints = (np.int32(KV_KIND_CODES[kind]), np.int32(t), np.int32(heads), np.int32(rank), np.int32(width),
-            np.int32(pool.shape[1]), np.int32(batch.tables.shape[1]), np.int32(0), np.int32(chunk),
-            np.int32(nsplit))
-    tables = batch.tables
-    if nsplit == 1:
-        fn((tiles.shape[0], 1), (THREADS,), (q, pool, sc, tables, seqs, tiles, out, out, out, *ints, qscale),
-           shared_mem=smem_bytes(cmax))
-        return
-    part_o = dev.empty((nsplit, int(rows), rank), np.float32)
-    part_ml = dev.empty((nsplit, int(rows), 2), np.float32)
-    fn((tiles.shape[0], nsplit), (THREADS,), (q, pool, sc, tables, seqs, tiles, out, part_o, part_ml, *ints, qscale),
-       shared_mem=smem_bytes(cmax))
-    combine = cuda_kernel(dev, _PAGED, "paged_combine")
-    combine((int(rows),), (32 * -(-rank // 32),),
-            (part_o, part_ml, out, out, rows, np.int32(heads), np.int32(rank), np.int32(nsplit), np.int32(0)))
+    _launch(dev, q, pool, pool_scale, (batch.tables, seqs, tiles, batch.tables.shape[1]), sum(per_seq), rows, rank,
+            0, keys, scale, out, splits)
