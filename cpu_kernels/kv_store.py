@@ -47,18 +47,22 @@ def _encode_typed(x, sample):
 
 
 @nb.njit(error_model="numpy", cache=True)
+def _store_row(k, v, t, k_pool, v_pool, block, row):
+    """Row ``t`` of ``k``, ``v`` into row ``row`` of pool block ``block``."""
+    for h in range(k.shape[1]):
+        for d in range(k.shape[2]):
+            k_pool[block, row, h, d] = _encode(k[t, h, d], k_pool[0, 0, 0, 0])
+            v_pool[block, row, h, d] = _encode(v[t, h, d], v_pool[0, 0, 0, 0])
+
+
+@nb.njit(error_model="numpy", cache=True)
 def kv_store_rows(k, v, k_pool, v_pool, block_table, start):
     """Rows ``t`` of ``k``, ``v`` (float32 ``[T, Hkv, D]``) into pool block ``block_table[(start + t) // BS]``, row
     ``(start + t) % BS`` of ``k_pool``, ``v_pool`` (``[NB, BS, Hkv, D]``: float32, or uint16 bf16 bits)."""
     bs = k_pool.shape[1]
-    kv_heads, dim = k.shape[1], k.shape[2]
     for t in range(k.shape[0]):
         pos = start + t
-        block, row = block_table[pos // bs], pos % bs
-        for h in range(kv_heads):
-            for d in range(dim):
-                k_pool[block, row, h, d] = _encode(k[t, h, d], k_pool[0, 0, 0, 0])
-                v_pool[block, row, h, d] = _encode(v[t, h, d], v_pool[0, 0, 0, 0])
+        _store_row(k, v, t, k_pool, v_pool, block_table[pos // bs], pos % bs)
 
 
 @nb.njit(error_model="numpy", cache=True)
@@ -67,11 +71,6 @@ def kv_store_rows_batch(k, v, k_pool, v_pool, tables, rows):
     ``k`` / ``v``, sequence, position); the position's block is looked up in the sequence's row of ``tables``
     (int32 ``[S, W]``)."""
     bs = k_pool.shape[1]
-    kv_heads, dim = k.shape[1], k.shape[2]
     for i in range(rows.shape[0]):
-        t, pos = rows[i, 0], rows[i, 2]
-        block, row = tables[rows[i, 1], pos // bs], pos % bs
-        for h in range(kv_heads):
-            for d in range(dim):
-                k_pool[block, row, h, d] = _encode(k[t, h, d], k_pool[0, 0, 0, 0])
-                v_pool[block, row, h, d] = _encode(v[t, h, d], v_pool[0, 0, 0, 0])
+        pos = rows[i, 2]
+        _store_row(k, v, rows[i, 0], k_pool, v_pool, tables[rows[i, 1], pos // bs], pos % bs)

@@ -186,12 +186,12 @@ class Attention:
             ops.kv_store_batch(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, paged, device=dev, checked=True)
             ops.paged_attention_batch(q, kv.k, kv.v, kv.k_scale, kv.v_scale, paged, window=self.window,
                                       sinks=self.sinks, out=a, device=dev, checked=True)
-            spans = ()
-        for kv, start, lo, hi in spans:  # (each span's rows are contiguous: slices of C-contiguous arrays)
-            ops.kv_store(k[lo:hi], v[lo:hi], kv.k, kv.v, kv.k_scale, kv.v_scale, kv.block_table, start, device=dev,
-                         checked=True)
-            ops.paged_attention(q[lo:hi], kv.k, kv.v, kv.k_scale, kv.v_scale, kv.block_table, start,
-                                window=self.window, sinks=self.sinks, out=a[lo:hi], device=dev, checked=True)
+        else:
+            for kv, start, lo, hi in spans:  # (each span's rows are contiguous: slices of C-contiguous arrays)
+                ops.kv_store(k[lo:hi], v[lo:hi], kv.k, kv.v, kv.k_scale, kv.v_scale, kv.block_table, start,
+                             device=dev, checked=True)
+                ops.paged_attention(q[lo:hi], kv.k, kv.v, kv.k_scale, kv.v_scale, kv.block_table, start,
+                                    window=self.window, sinks=self.sinks, out=a[lo:hi], device=dev, checked=True)
         if self.out_gate is not None:  # Qwen3-Next / Qwen3.5: every output value scaled by sigmoid(gate . x)
             sigmoid_gate(dev.xp, a, self.out_gate(x))
         return self.o_proj(a)

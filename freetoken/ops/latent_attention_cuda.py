@@ -114,7 +114,7 @@ def latent_attention_batch_cuda(dev, q, pool, pool_scale, batch, rank: int, scal
     of 32 rows) and, with context splits, one ``paged_combine``; ``splits`` caps the splits (a testing knob)."""
     t, heads, _ = q.shape
     rows = int(check_int32("T * H", t * heads))
-    keys = max(int(check_int32("start + T", st + n)) for st, n in zip(batch.starts, batch.counts, strict=True))
+    keys = max(batch.ends)
     per_seq = [-(-n * heads // LATENT_ROWS) for n in batch.counts]
     tiles = batch.device_array(("latent_tiles", heads), lambda: np.asarray(
         [(s, i) for s, n in enumerate(per_seq) for i in range(n)], np.int32).reshape(-1, 2))

@@ -153,14 +153,12 @@ def paged_attention_batch_cuda(dev, q, k_pool, v_pool, k_scale, v_scale, batch, 
     kind, k_scale, v_scale = _pool_args(k_pool, v_pool, k_scale, v_scale)
     group = heads // kv_heads
     width = np.int32(batch.tables.shape[1])
-    for s in range(batch.size):
-        check_int32("start + T", batch.starts[s] + batch.counts[s])
     qscale = np.float32(scale * math.log2(math.e))
     has_sinks = np.int32(sinks is not None)
     sinks = q if sinks is None else sinks  # never read without has_sinks
     code = np.int32(KV_KIND_CODES[kind])
     decoding = batch.decoding()
-    prompts = [s for s in range(batch.size) if s not in set(decoding)]
+    prompts = sorted(set(range(batch.size)) - set(decoding))
     if prompts:
         if group > MAX_GROUP:
             raise ValueError(f"{group} query heads per kv head exceed the prefill kernel's {MAX_GROUP}")
@@ -183,7 +181,7 @@ def paged_attention_batch_cuda(dev, q, k_pool, v_pool, k_scale, v_scale, batch, 
     if kv_blocks > _MAX_GRID_YZ:
         raise ValueError(f"{kv_blocks} kv-head blocks exceed the grid limit {_MAX_GRID_YZ}")
     # each query's keys: its own first key (the window) up to its position; the splits cover the longest
-    keys = max(batch.starts[s] + batch.counts[s] if window == 0 else min(batch.starts[s] + batch.counts[s], window)
+    keys = max(batch.ends[s] if window == 0 else min(batch.ends[s], window)
                for s in decoding)
     nsplit, chunk = plan_splits(dev, n, kv_blocks, keys, splits)
     nc = next(c for c in DECODE_CHUNKS if 32 * c >= dim)

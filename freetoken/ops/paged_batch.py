@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from freetoken.device.constants import DECODE_MAX_TOKENS, LATENT_MAX_DIM
-from freetoken.ops._common import as_input, cpu_module, resolve
+from freetoken.ops._common import as_input, check_int32, cpu_module, resolve
 from freetoken.ops.latent_attention import _check as _check_latent
 from freetoken.ops.latent_attention import check_latent_query
 from freetoken.ops.paged_attention import (
@@ -59,6 +59,9 @@ class PagedBatch:
             raise ValueError("a batch needs at least one sequence, each with at least one row")
         self.bounds = tuple(int(b) for b in np.concatenate([[0], np.cumsum(self.counts)]))
         self.rows = self.bounds[-1]
+        #: Each sequence's length after the pass (the kernels' int32 positions: checked to fit once, here).
+        self.ends = tuple(int(check_int32(f"starts[{i}] + counts[{i}]", s + n))
+                          for i, (s, n) in enumerate(zip(self.starts, self.counts, strict=True)))
         self._dev_arrays: dict = {}
         self._host: dict = {}  # the cpu kernels' descriptors, made on first use (every layer of a pass shares them)
 
@@ -145,7 +148,7 @@ def _cpu_plan(batch: PagedBatch, kind: str, heads: int, dim: int, pool_shape, wi
     block_size, kv_heads = pool_shape
     group = heads // kv_heads
     fused = [s for s in range(batch.size) if paged_decode.handles(kind, dim, batch.counts[s] * group)]
-    rest = [s for s in range(batch.size) if s not in set(fused)]
+    rest = sorted(set(range(batch.size)) - set(fused))
     seqs = np.array([(batch.bounds[s], batch.counts[s], batch.starts[s]) for s in fused], np.int64).reshape(-1, 3)
     splits = np.array([paged_decode.splits_for(int(n), block_size, int(st), window) for _, n, st in seqs], np.int64)
     macs = sum(int(st + n) * heads * dim for _, n, st in seqs)
@@ -215,7 +218,7 @@ def latent_store_batch(kv, pool, pool_scale, batch: PagedBatch, *, device=None, 
     bs = pool.shape[1]
     blocks, at = batch.host_value(("latent_rows", bs), lambda: (batch.tables[rows[:, 1], rows[:, 2] // bs],
                                                                 rows[:, 2] % bs))
-    stored, sc = kv_encode(kv[rows[:, 0]], kv_kind_of(pool))
+    stored, sc = kv_encode(kv, kv_kind_of(pool))  # (the rows are kv's, in order)
     pool[blocks, at, 0] = stored
     if sc is not None:
         pool_scale[blocks, at, 0] = sc
