@@ -28,13 +28,16 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
          (static_cast<unsigned>(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
 }
 
-__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-#if FT_USE_MMA
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+// The portable twin: what every lane computes without the tensor-core instruction. In an NVRTC build (FT_NO_MMA, the
+// diagnostic build) it is one call, not inlined: inlined at each unrolled call site of the prefill kernels it made
+// that build ~3x slower to compile than the tensor-core one (paged_attention.cu for sm_86: 185 s). The emulator
+// inlines it as before.
+#if defined(__CUDA_ARCH__)
+__device__ __noinline__
 #else
+__device__ __forceinline__
+#endif
+void mma_bf16_16816_portable(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   float arow[2][16], bcol[2][16];  // rows g, g + 8 of A; columns 2t, 2t + 1 of B; k = 0..15
 #pragma unroll
@@ -68,6 +71,16 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const unsigned (&a
     for (int k = 0; k < 16; ++k) s = fmaf(arow[e >> 1][k], bcol[e & 1][k], s);
     c[e] += s;
   }
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+#if FT_USE_MMA
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  mma_bf16_16816_portable(c, a, b);
 #endif
 }
 
