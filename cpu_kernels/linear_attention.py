@@ -190,3 +190,48 @@ def gated_delta_rule_rows(qkv, g, beta, state, k_heads, out):
             _rule_columns(qk, qkv, g, beta, state[h], h, h // rep, j0, COLUMNS, out)
         else:
             _rule_columns(qk, qkv, g, beta, state[h], h, h // rep, j0, dv - j0, out)
+
+
+# ---- batch mode (continuous batching: freetoken/ops/linear_batch.py) ----------------------------------------------
+@nb.njit(error_model="numpy", parallel=True, cache=True, boundscheck=False, fastmath=_FASTMATH)
+def short_conv_batch_rows(x, weight, states, desc, out):
+    """:func:`short_conv_rows` for several sequences in one call: ``desc`` int32 [S, 3] holds each sequence's
+    (state index in ``states`` [N, K - 1, C], first row, end row) of ``x`` / ``out``. The parallel tasks are the
+    sequences, each running its rows in order (the op gives sequences of :data:`PARALLEL_TOKENS` rows or more to
+    :func:`short_conv_rows`, which spreads them over the threads)."""
+    for s in nb.prange(desc.shape[0]):
+        lo, hi = desc[s, 1], desc[s, 2]
+        xs, os_, st = x[lo:hi], out[lo:hi], states[desc[s, 0]]
+        for t in range(hi - lo):
+            _conv_token(xs, weight, st, os_, t)
+        _conv_state(xs, st)
+
+
+@nb.njit(error_model="numpy", parallel=True, cache=True, boundscheck=False, fastmath=_FASTMATH)
+def gated_delta_rule_batch_rows(qkv, g, beta, states, desc, k_heads, out):
+    """:func:`gated_delta_rule_rows` for several sequences in one call: ``desc`` int32 [S, 3] holds each sequence's
+    (state index in ``states`` [N, Hv, Dk, Dv], first row, end row) of ``qkv`` / ``g`` / ``beta`` / ``out``. The
+    parallel tasks are (sequence, head, block of :data:`COLUMNS` columns), each the single kernel's task on its
+    sequence's rows, so every sequence's result is bit-equal to the single call's."""
+    t_count = qkv.shape[0]
+    hv, dk, dv = states.shape[1], states.shape[2], states.shape[3]
+    rep = hv // k_heads
+    qk = np.empty((t_count, k_heads, 2, dk), np.float32)
+    if t_count >= PARALLEL_TOKENS:
+        for t in nb.prange(t_count):
+            _normalise_token(qkv, t, qk)
+    else:
+        for t in range(t_count):
+            _normalise_token(qkv, t, qk)
+    nb_ = (dv + COLUMNS - 1) // COLUMNS
+    per = hv * nb_
+    for task in nb.prange(desc.shape[0] * per):
+        s = task // per
+        h = (task - s * per) // nb_
+        j0 = (task - s * per - h * nb_) * COLUMNS
+        lo, hi = desc[s, 1], desc[s, 2]
+        st = states[desc[s, 0], h]
+        if j0 + COLUMNS <= dv:
+            _rule_columns(qk[lo:hi], qkv[lo:hi], g[lo:hi], beta[lo:hi], st, h, h // rep, j0, COLUMNS, out[lo:hi])
+        else:
+            _rule_columns(qk[lo:hi], qkv[lo:hi], g[lo:hi], beta[lo:hi], st, h, h // rep, j0, dv - j0, out[lo:hi])

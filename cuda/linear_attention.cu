@@ -6,17 +6,42 @@
 // gated_delta_rule_f32: the gated delta rule over T tokens in its recurrent form (decode and short prompts),
 // continuing from the per-head state S [Dk, Dv].
 // gated_delta_chunk_prep_f32 + gated_delta_chunk_scan_f32: the same rule in its chunked (WY) form, for prefill.
+//
+// Batch mode (continuous batching, freetoken/ops/linear_batch.py): short_conv_f32 and gated_delta_rule_f32 given
+// `width` > 0 run `width` sequences in one launch, the last grid axis picking the sequence: desc[3 s .. 3 s + 2] =
+// (its state's index in a pool of states laid one after another, its first row, its end row) of the x / qkv rows.
+// With width 0 they run one sequence, rows 0 .. t_count - 1, on `state` itself (desc is not read).
 #include "common.cuh"
+
+namespace {
+
+// (rows lo .. hi of the launch's inputs, the state's element offset) of the sequence this block runs.
+struct SeqRows {
+  int lo, hi;
+  long long state;
+};
+
+__device__ __forceinline__ SeqRows seq_rows(const int* __restrict__ desc, int width, int s, int t_count,
+                                             long long state_elems) {
+  if (width == 0) return {0, t_count, 0};
+  return {desc[3 * s + 1], desc[3 * s + 2], static_cast<long long>(desc[3 * s]) * state_elems};
+}
+
+}  // namespace
 
 // ---- short_conv_f32 ----------------------------------------------------------------------------------------------
 // x, out [T, C]; w [C, K]; state [K - 1, C] (oldest first), updated in place. One thread per channel (block:
 // FT_LINEAR_CONV_THREADS channels, coalesced over C): the K - 1 state values in registers slide over the T inputs;
 // out[t, c] = silu(sum_j w[c, j] u[t + j, c]) with u = concat(state, x); the last K - 1 rows of u are written back.
+// Batch mode: grid.y = width, state the pool [N, K - 1, C].
 extern "C" __global__ void __launch_bounds__(FT_LINEAR_CONV_THREADS)
-    short_conv_f32(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ state,
-                   float* __restrict__ out, int t_count, int channels, int k) {
+    short_conv_f32(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ state_in,
+                   float* __restrict__ out, int t_count, int channels, int k, const int* __restrict__ desc,
+                   int width) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= channels) return;
+  const SeqRows seq = seq_rows(desc, width, blockIdx.y, t_count, static_cast<long long>(k - 1) * channels);
+  float* __restrict__ state = state_in + seq.state;
   // win[j]: u[t + j] for the token t about to be computed (oldest first; K - 1 used). Every index below is static
   // after unrolling, so the window and the taps stay in registers.
   float win[FT_LINEAR_CONV_MAX_TAPS];
@@ -27,7 +52,7 @@ extern "C" __global__ void __launch_bounds__(FT_LINEAR_CONV_THREADS)
     wt[j] = j < k ? wc[j] : 0.0f;
     win[j] = j < k - 1 ? state[static_cast<long long>(j) * channels + c] : 0.0f;
   }
-  for (int t = 0; t < t_count; ++t) {
+  for (int t = seq.lo; t < seq.hi; ++t) {
     const float u = x[static_cast<long long>(t) * channels + c];
     float acc = 0.0f;
 #pragma unroll
@@ -67,10 +92,11 @@ extern "C" __global__ void __launch_bounds__(FT_LINEAR_CONV_THREADS)
 // rk = rsqrt(|k|^2 + eps), eps = FT_LINEAR_L2NORM_EPS:
 //   pass 1: S[:, j] *= exp(g); kv = sum_i S[i, j] k[i]                      (decay first, then k^T S)
 //   pass 2: delta = beta (v_j - kv); S[i, j] += k[i] delta; out_j = sum_i S[i, j] q[i]
+// Batch mode: grid.z = width, state the pool [N, Hv, Dk, Dv].
 extern "C" __global__ void __launch_bounds__(FT_LINEAR_COLUMNS)
     gated_delta_rule_f32(const float* __restrict__ qkv, const float* __restrict__ g, const float* __restrict__ beta,
-                         float* __restrict__ state, float* __restrict__ out, int t_count, int k_heads, int v_heads,
-                         int dk, int dv) {
+                         float* __restrict__ state_in, float* __restrict__ out, int t_count, int k_heads, int v_heads,
+                         int dk, int dv, const int* __restrict__ desc, int width) {
   __shared__ float s[FT_LINEAR_MAX_HEAD_DIM * FT_LINEAR_COLUMNS];
   __shared__ float qs[FT_LINEAR_MAX_HEAD_DIM];
   __shared__ float ks[FT_LINEAR_MAX_HEAD_DIM];
@@ -81,10 +107,11 @@ extern "C" __global__ void __launch_bounds__(FT_LINEAR_COLUMNS)
   const bool live = j < dv;  // threads past Dv still join the block sums
   const int kh = h / (v_heads / k_heads);
   const long long row = 2LL * k_heads * dk + static_cast<long long>(v_heads) * dv;
-  float* sh = state + static_cast<long long>(h) * dk * dv + j;  // column j of head h, rows dv apart
+  const SeqRows seq = seq_rows(desc, width, blockIdx.z, t_count, static_cast<long long>(v_heads) * dk * dv);
+  float* sh = state_in + seq.state + static_cast<long long>(h) * dk * dv + j;  // column j of head h, rows dv apart
   for (int i = 0; i < dk; ++i) s[i * FT_LINEAR_COLUMNS + tid] = live ? sh[static_cast<long long>(i) * dv] : 0.0f;
   const float qscale = rsqrtf(static_cast<float>(dk));
-  for (int t = 0; t < t_count; ++t) {
+  for (int t = seq.lo; t < seq.hi; ++t) {
     const float* qt = qkv + t * row + static_cast<long long>(kh) * dk;
     const float* kt = qt + static_cast<long long>(k_heads) * dk;
     float sq = 0.0f, sk = 0.0f;

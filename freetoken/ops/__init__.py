@@ -25,6 +25,7 @@ from freetoken.ops.dense import dense, dense_gemv, dense_grouped
 from freetoken.ops.histogram import histogram
 from freetoken.ops.latent_attention import latent_attention, latent_store
 from freetoken.ops.linear_attention import gated_delta_rule, short_conv
+from freetoken.ops.linear_batch import StateBatch, gated_delta_rule_batch, short_conv_batch
 from freetoken.ops.moe_experts import MoeWorkspace, moe_experts
 from freetoken.ops.paged_attention import kv_store, paged_attention
 from freetoken.ops.paged_batch import (
@@ -100,6 +101,12 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("gated_delta_rule", gated_delta_rule, ("linear_attention.cu",), "freetoken.ops.linear_attention",
        (_K + "linear_attention:gated_delta_rule_rows",), _R + "linear_attention:gated_delta_rule_reference",
        _C + "linear_attention"),
+    Op("short_conv_batch", short_conv_batch, ("linear_attention.cu",), "freetoken.ops.linear_batch",
+       (_K + "linear_attention:short_conv_batch_rows", _K + "linear_attention:short_conv_rows"),
+       _R + "linear_attention:short_conv_batch_reference", _C + "linear_attention"),
+    Op("gated_delta_rule_batch", gated_delta_rule_batch, ("linear_attention.cu",), "freetoken.ops.linear_batch",
+       (_K + "linear_attention:gated_delta_rule_batch_rows",),
+       _R + "linear_attention:gated_delta_rule_batch_reference", _C + "linear_attention"),
     Op("dense_gemv", dense_gemv, ("dense.cu",), "freetoken.ops.dense",
        (_K + "gemv:matmul_into", _K + "qgemv:qmatmul_into", _K + "fp8_dense:fp8_matmul_into"),
        _R + "dense:dense_reference", _C + "dense"),
@@ -142,12 +149,13 @@ OPS: dict[str, Op] = {op.name: op for op in (
        (_K + "cache:cache_borrow_layer",), _R + "cache:CacheModel", _C + "cache"),
 )}
 
-__all__ = ["OPS", "MoeWorkspace", "Op", "PagedBatch", "add_rms_norm", "cache_admit", "cache_admit_scored",
+__all__ = ["OPS", "MoeWorkspace", "Op", "PagedBatch", "StateBatch", "add_rms_norm", "cache_admit",
+           "cache_admit_scored",
            "cache_borrow_layer", "cache_copy", "cache_scored_prefill", "cache_stream_bypassed", "constants",
            "dense", "dense_gemv", "dense_grouped",
-           "gated_delta_rule", "histogram", "moe_experts",
+           "gated_delta_rule", "gated_delta_rule_batch", "histogram", "moe_experts",
            "kv_store", "kv_store_batch", "latent_attention", "latent_attention_batch", "latent_store",
            "latent_store_batch", "paged_attention",
            "paged_attention_batch", "rms_norm", "rope", "rope_qkv_cache",
            "route_sigmoid_group_topk", "route_softmax_group_topk", "route_softmax_topk", "row_sum", "short_conv",
-           "topk", "transpose"]
+           "short_conv_batch", "topk", "transpose"]

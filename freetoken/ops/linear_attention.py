@@ -63,22 +63,28 @@ def short_conv(x, weight, state, *, out=None, device=None, checked: bool = False
         _run_conv(device, x, weight, state, out)
         return out
     dev = resolve(device)
+    x, weight = check_conv_inputs(dev, x, weight)
+    st = dev.as_array(state)
+    want = (weight.shape[1] - 1, x.shape[1])
+    if st.dtype != np.float32 or tuple(st.shape) != want or not st.flags.c_contiguous:
+        raise ValueError(f"state must be float32 {want}, C-contiguous, got {st.dtype} {tuple(st.shape)}")
+    y = prepare_out(dev, out, tuple(x.shape), np.float32)
+    _run_conv(dev, x, weight, st, y)
+    return y
+
+
+def check_conv_inputs(dev, x, weight):
+    """(x, weight) on ``dev``, checked as :func:`short_conv` takes them (shared with its batch twin)."""
     x = as_input(dev, x, "x", np.float32, 2)
     weight = as_input(dev, weight, "weight", np.float32, 2)
-    st = dev.as_array(state)
     t, c = x.shape
     if t < 1:
         raise ValueError("x must have at least one row")
     if weight.shape[0] != c or not 2 <= weight.shape[1] <= LINEAR_CONV_MAX_TAPS:
         raise ValueError(f"weight must be [C={c}, 2 <= K <= {LINEAR_CONV_MAX_TAPS}], got {tuple(weight.shape)}")
-    want = (weight.shape[1] - 1, c)
-    if st.dtype != np.float32 or tuple(st.shape) != want or not st.flags.c_contiguous:
-        raise ValueError(f"state must be float32 {want}, C-contiguous, got {st.dtype} {tuple(st.shape)}")
-    y = prepare_out(dev, out, (t, c), np.float32)
     check_int32("T", t)
     check_int32("C", c)
-    _run_conv(dev, x, weight, st, y)
-    return y
+    return x, weight
 
 
 def _run_conv(dev, x, weight, state, out) -> None:
@@ -90,7 +96,8 @@ def _run_conv(dev, x, weight, state, out) -> None:
     t, c = x.shape
     cuda_kernel(dev, "linear_attention.cu", "short_conv_f32")(
         (-(-c // LINEAR_CONV_THREADS),), (LINEAR_CONV_THREADS,),
-        (x, weight, state, out, np.int32(t), np.int32(c), np.int32(weight.shape[1])))
+        (x, weight, state, out, np.int32(t), np.int32(c), np.int32(weight.shape[1]), state, np.int32(0)))
+    # (width 0: one sequence; the batch descriptor is not read, the state stands in for it)
 
 
 def gated_delta_rule(qkv, g, beta, state, k_heads: int, *, out=None, mode: str = "auto", device=None,
@@ -125,17 +132,26 @@ def gated_delta_rule(qkv, g, beta, state, k_heads: int, *, out=None, mode: str =
         _run_rule(device, qkv, g, beta, state, int(k_heads), out, mode)
         return out
     dev = resolve(device)
-    qkv = as_input(dev, qkv, "qkv", np.float32, 2)
-    g = as_input(dev, g, "g", np.float32, 2)
-    beta = as_input(dev, beta, "beta", np.float32, 2)
     st = dev.as_array(state)
     if st.dtype != np.float32 or st.ndim != 3 or not st.flags.c_contiguous:
         raise ValueError(f"state must be float32 [Hv, Dk, Dv], C-contiguous, got {st.dtype} {tuple(st.shape)}")
-    hv, dk, dv = st.shape
-    if not (1 <= dk <= LINEAR_MAX_HEAD_DIM and 1 <= dv <= LINEAR_MAX_HEAD_DIM):
-        raise ValueError(f"head dims Dk={dk}, Dv={dv} must be 1 .. {LINEAR_MAX_HEAD_DIM}")
     if mode not in RULE_MODES:
         raise ValueError(f"mode must be {', '.join(RULE_MODES)}, got {mode!r}")
+    qkv, g, beta, k_heads = check_rule_inputs(dev, qkv, g, beta, st.shape, k_heads)
+    y = prepare_out(dev, out, (qkv.shape[0], st.shape[0], st.shape[2]), np.float32)
+    _run_rule(dev, qkv, g, beta, st, k_heads, y, mode)
+    return y
+
+
+def check_rule_inputs(dev, qkv, g, beta, state_shape, k_heads):
+    """(qkv, g, beta, k_heads) on ``dev``, checked as :func:`gated_delta_rule` takes them for a state of
+    ``state_shape`` [Hv, Dk, Dv] (shared with its batch twin)."""
+    qkv = as_input(dev, qkv, "qkv", np.float32, 2)
+    g = as_input(dev, g, "g", np.float32, 2)
+    beta = as_input(dev, beta, "beta", np.float32, 2)
+    hv, dk, dv = state_shape
+    if not (1 <= dk <= LINEAR_MAX_HEAD_DIM and 1 <= dv <= LINEAR_MAX_HEAD_DIM):
+        raise ValueError(f"head dims Dk={dk}, Dv={dv} must be 1 .. {LINEAR_MAX_HEAD_DIM}")
     k_heads = int(k_heads)
     if k_heads < 1 or hv % k_heads:
         raise ValueError(f"k_heads {k_heads} must divide the {hv} value heads")
@@ -145,10 +161,8 @@ def gated_delta_rule(qkv, g, beta, state, k_heads: int, *, out=None, mode: str =
     for name, a in (("g", g), ("beta", beta)):
         if tuple(a.shape) != (t, hv):
             raise ValueError(f"{name} must be [{t}, {hv}], got {tuple(a.shape)}")
-    y = prepare_out(dev, out, (t, hv, dv), np.float32)
     check_int32("T", t)
-    _run_rule(dev, qkv, g, beta, st, k_heads, y, mode)
-    return y
+    return qkv, g, beta, k_heads
 
 
 def _run_rule(dev, qkv, g, beta, state, k_heads, out, mode="auto") -> None:
@@ -161,8 +175,8 @@ def _run_rule(dev, qkv, g, beta, state, k_heads, out, mode="auto") -> None:
     hv, dk, dv = state.shape
     dims = (np.int32(t), np.int32(k_heads), np.int32(hv), np.int32(dk), np.int32(dv))
     if mode == "recurrent" or (mode == "auto" and t < LINEAR_CHUNKED_MIN_TOKENS):
-        cuda_kernel(dev, "linear_attention.cu", "gated_delta_rule_f32")(
-            (hv, -(-dv // LINEAR_COLUMNS)), (LINEAR_COLUMNS,), (qkv, g, beta, state, out, *dims))
+        cuda_kernel(dev, "linear_attention.cu", "gated_delta_rule_f32")(  # width 0: one sequence (see short_conv)
+            (hv, -(-dv // LINEAR_COLUMNS)), (LINEAR_COLUMNS,), (qkv, g, beta, state, out, *dims, state, np.int32(0)))
         return
     # chunked: the prep kernel (all chunks at once, per key head) writes each (value head, chunk)'s Tb, P and
     # coefficients to the scratch; the scan (per value head and 16 state columns) runs the chunks in order

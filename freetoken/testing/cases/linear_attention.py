@@ -15,7 +15,12 @@ import numpy as np
 
 from freetoken import ops
 from freetoken.testing.cases.base import KernelCase, poisoned
-from freetoken.testing.reference.linear_attention import gated_delta_rule_reference, short_conv_reference
+from freetoken.testing.reference.linear_attention import (
+    gated_delta_rule_batch_reference,
+    gated_delta_rule_reference,
+    short_conv_batch_reference,
+    short_conv_reference,
+)
 
 QWEN35 = {"hk": 16, "hv": 32, "dk": 128, "dv": 128}
 QWEN35_CHANNELS = 2 * 16 * 128 + 32 * 128
@@ -120,4 +125,84 @@ RULE_CASES = [
                {"t": 512, "hk": 2, "hv": 4, "dk": 256, "dv": 256}, atol=2e-7, rel_atol=2e-7),
 ]
 
-CASES = CONV_CASES + RULE_CASES
+
+# ---- the batch twins (continuous batching): several sequences' rows in one call, each on its state in a pool -----
+# Each case's pool holds more states than the batch uses (the others must come out unchanged) and the slots are out
+# of order. "batch": (slots, counts) of the small shape; the large shape is 16 decode steps of Qwen3.5's layer.
+def _conv_batch_case(name: str, channels: int, taps: int, slots: tuple, counts: tuple, pool: int) -> KernelCase:
+    def make(rng, size):
+        sl, ct, n, c, k = (slots, counts, pool, channels, taps) if size == "small" else (
+            tuple(range(15, -1, -1)), (1,) * 16, 16, QWEN35_CHANNELS, 4)
+        return {"x": rng.standard_normal((sum(ct), c), dtype=np.float32),
+                "w": (0.5 * rng.standard_normal((c, k))).astype(np.float32),
+                "states": rng.standard_normal((n, k - 1, c), dtype=np.float32), "slots": sl, "counts": ct}
+
+    def setup(dev, inp):
+        return {"x": dev.asarray(inp["x"]), "w": dev.asarray(inp["w"]), "out_states": dev.asarray(inp["states"].copy()),
+                "batch": ops.StateBatch(inp["slots"], inp["counts"], device=dev),
+                "out_y": poisoned(dev, inp["x"].shape, np.float32)}
+
+    def launch(dev, st):
+        ops.short_conv_batch(st["x"], st["w"], st["out_states"], st["batch"], out=st["out_y"], device=dev)
+
+    def reference(inp):
+        y, s = short_conv_batch_reference(inp["x"], inp["w"], inp["states"], inp["slots"], inp["counts"])
+        return {"y": y, "states": s}
+
+    return KernelCase(name, "linear_attention.cu", make, setup, launch, reference, atol=1e-6, rtol=1e-6,
+                      bytes_moved=lambda inp: 2 * inp["x"].nbytes + 2 * inp["states"][0].nbytes * len(inp["slots"]),
+                      flops=lambda inp: 2 * inp["x"].size * inp["w"].shape[1], op="short_conv_batch")
+
+
+def _rule_batch_case(name: str, dims: dict, slots: tuple, counts: tuple, pool: int) -> KernelCase:
+    def make(rng, size):
+        p, sl, ct, n = (dims, slots, counts, pool) if size == "small" else (
+            QWEN35, tuple(range(15, -1, -1)), (1,) * 16, 16)
+        t, hk, hv, dk, dv = sum(ct), p["hk"], p["hv"], p["dk"], p["dv"]
+        return {"qkv": rng.standard_normal((t, 2 * hk * dk + hv * dv), dtype=np.float32),
+                "g": rng.uniform(-3.0, 0.0, (t, hv)).astype(np.float32),
+                "beta": rng.uniform(0.02, 0.98, (t, hv)).astype(np.float32),
+                "states": (0.5 * rng.standard_normal((n, hv, dk, dv))).astype(np.float32), "hk": hk,
+                "slots": sl, "counts": ct}
+
+    def setup(dev, inp):
+        t, (_, hv, _, dv) = inp["qkv"].shape[0], inp["states"].shape
+        return {"qkv": dev.asarray(inp["qkv"]), "g": dev.asarray(inp["g"]), "beta": dev.asarray(inp["beta"]),
+                "out_states": dev.asarray(inp["states"].copy()), "hk": inp["hk"],
+                "batch": ops.StateBatch(inp["slots"], inp["counts"], device=dev),
+                "out_o": poisoned(dev, (t, hv, dv), np.float32)}
+
+    def launch(dev, st):
+        ops.gated_delta_rule_batch(st["qkv"], st["g"], st["beta"], st["out_states"], st["hk"], st["batch"],
+                                   out=st["out_o"], device=dev)
+
+    def reference(inp):
+        o, s = gated_delta_rule_batch_reference(inp["qkv"], inp["g"], inp["beta"], inp["states"], inp["hk"],
+                                                inp["slots"], inp["counts"])
+        return {"o": o, "states": s}
+
+    def bytes_moved(inp):
+        t, (_, hv, _, dv) = inp["qkv"].shape[0], inp["states"].shape
+        return (inp["qkv"].nbytes + inp["g"].nbytes + inp["beta"].nbytes + 4 * t * hv * dv
+                + 2 * inp["states"][0].nbytes * len(inp["slots"]))
+
+    return KernelCase(name, "linear_attention.cu", make, setup, launch, reference, atol=2e-7, rel_atol=2e-7,
+                      bytes_moved=bytes_moved, flops=lambda inp: 6 * inp["qkv"].shape[0] * inp["states"][0].size,
+                      op="gated_delta_rule_batch")
+
+
+BATCH_CASES = [
+    # decode steps beside a 20-row prompt chunk (the cpu convolution's threaded single kernel) and a 3-row one
+    _conv_batch_case("short_conv_batch_mixed", 150, 4, slots=(3, 0, 4, 1), counts=(1, 20, 3, 1), pool=6),
+    # two taps (a state of one row), decode steps only
+    _conv_batch_case("short_conv_batch_decode", 40, 2, slots=(2, 0, 1), counts=(1, 1, 1), pool=4),
+    # decode steps and a 70-row prompt chunk (the chunked form on gpu/emu, on its own state) and a 5-row one; GQA,
+    # Dv not a multiple of the CUDA block's 32 columns
+    _rule_batch_case("gated_delta_batch_mixed", {"hk": 2, "hv": 4, "dk": 16, "dv": 24}, slots=(2, 5, 0, 3),
+                     counts=(1, 70, 5, 1), pool=6),
+    # Qwen's head dims (Dv over several CUDA blocks), decode steps only
+    _rule_batch_case("gated_delta_batch_decode", {"hk": 1, "hv": 2, "dk": 128, "dv": 128}, slots=(1, 3, 0),
+                     counts=(1, 1, 1), pool=4),
+]
+
+CASES = CONV_CASES + RULE_CASES + BATCH_CASES

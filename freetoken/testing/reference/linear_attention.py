@@ -33,3 +33,28 @@ def gated_delta_rule_reference(qkv, g, beta, state, k_heads: int):
             s[h] += np.outer(k[i, kh], beta[i, h] * (v[i, h] - k[i, kh] @ s[h]))
             out[i, h] = q[i, kh] @ s[h]
     return out, s
+
+
+def short_conv_batch_reference(x, weight, states, slots, counts):
+    """(out [T, C], new states [N, K-1, C]) in float64: each sequence's rows through :func:`short_conv_reference`
+    on its state ``states[slots[s]]``, rows in sequence order (``counts[s]`` each); the other states unchanged."""
+    st = np.array(states, np.float64)
+    outs, lo = [], 0
+    for slot, n in zip(slots, counts, strict=True):
+        y, st[slot] = short_conv_reference(np.asarray(x)[lo:lo + n], weight, st[slot])
+        outs.append(y)
+        lo += n
+    return np.concatenate(outs), st
+
+
+def gated_delta_rule_batch_reference(qkv, g, beta, states, k_heads: int, slots, counts):
+    """(out [T, Hv, Dv], new states [N, Hv, Dk, Dv]) in float64: :func:`gated_delta_rule_reference` per sequence
+    on its state ``states[slots[s]]``, rows in sequence order; the other states unchanged."""
+    st = np.array(states, np.float64)
+    outs, lo = [], 0
+    for slot, n in zip(slots, counts, strict=True):
+        o, st[slot] = gated_delta_rule_reference(np.asarray(qkv)[lo:lo + n], np.asarray(g)[lo:lo + n],
+                                                 np.asarray(beta)[lo:lo + n], st[slot], k_heads)
+        outs.append(o)
+        lo += n
+    return np.concatenate(outs), st
