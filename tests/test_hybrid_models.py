@@ -332,7 +332,10 @@ def test_state_bytes(hybrid):
     model = Model(dec)
     list(model.generate(list(range(5, 17)), max_tokens=2, sampling=SamplingParams(temperature=0)))
     assert dec.kept_snapshots == 1  # the prompt's end
-    assert memory_breakdown(model)["linear-attention states"] == 2 * linear * per_layer
+    # the sequences' pools (every slot, taken or free) and the current sequence's one snapshot
+    slots = dec.state_slots.capacity
+    assert slots >= 1 and dec.state_slots.nbytes == slots * linear * per_layer
+    assert memory_breakdown(model)["linear-attention states"] == (slots + 1) * linear * per_layer
     assert ", linear-attention states " in memory_line(model)
 
 

@@ -64,12 +64,23 @@ class Span(NamedTuple):
     """One sequence's rows in a forward pass over several: rows ``lo .. hi - 1`` of the pass's tokens are that
     sequence's positions ``start ..``; ``kv`` is what the layer's token mixer keeps of it (an attention layer's
     :class:`freetoken.models.kv.LayerKV`, a linear-attention layer's :class:`LinearState`). Every token-wise step
-    of a layer runs over all the pass's rows at once; only the mixing along a sequence runs span by span."""
+    of a layer runs over all the pass's rows at once; the mixing along a sequence runs per span, or once for all
+    the spans with a :class:`PassBatch`."""
 
     kv: object
     start: int
     lo: int
     hi: int
+
+
+class PassBatch(NamedTuple):
+    """What a forward pass over several sequences makes once and every layer shares: the attention layers' block
+    tables (a :class:`freetoken.ops.PagedBatch`, None when no layer has a paged cache of its own) and the
+    linear-attention layers' state slots (a :class:`freetoken.ops.StateBatch`, None when no layer has one). With
+    it the mixing along each sequence runs once for all the spans; without it (one sequence), span by span."""
+
+    paged: object | None
+    states: object | None
 
 
 # ---- attention ---------------------------------------------------------------------------------------------------
@@ -156,14 +167,15 @@ class Attention:
         gate = self.out_gate.nbytes if self.out_gate is not None else 0
         return self.qkv.nbytes + self.o_proj.nbytes + gate + sum(int(w.nbytes) for w in extra if w is not None)
 
-    def __call__(self, x, spans: list[Span], cos, sin, q_scale=None, paged=None):
+    def __call__(self, x, spans: list[Span], cos, sin, q_scale=None, batch: PassBatch | None = None):
         """``x [T, hidden]``, the rows of ``spans`` (each a sequence's positions ``start ..``, its ``kv`` the layer's
         :class:`freetoken.models.kv.LayerKV` with those positions already allocated), ``cos``/``sin`` the rows'
         RoPE rows; appends each span's keys and values to its sequence and returns the output projection
         ``[T, hidden]``. ``q_scale`` ``[T]`` (device float32, or None): each roped query's factor
-        (:func:`freetoken.models.rope.query_temperature`). ``paged``: the spans' :class:`freetoken.ops.PagedBatch`
-        (a pass over several sequences: the append and the attention run once for all of them), or None."""
+        (:func:`freetoken.models.rope.query_temperature`). ``batch``: the pass's :class:`PassBatch` (several
+        sequences: the append and the attention run once for all of them), or None."""
         t, dev = x.shape[0], self.dev
+        paged = batch.paged if batch is not None else None
         qkv = self.qkv(x)  # biases included
         qk = self.qk
         dim = qk.head_dim
@@ -199,11 +211,19 @@ class Attention:
 
 class LinearState:
     """One sequence's state in a Gated DeltaNet layer: the short convolution's last K - 1 inputs ``conv`` [K - 1, C]
-    and the recurrent state ``rec`` [Hv, Dk, Dv] (device float32, zeros at the start of a sequence)."""
+    and the recurrent state ``rec`` [Hv, Dk, Dv] (device float32, zeros at the start of a sequence). A sequence's
+    live state is a :class:`PooledLinearState`; a snapshot (:meth:`copy`) holds arrays of its own."""
 
-    def __init__(self, device, taps: int, channels: int, v_heads: int, k_dim: int, v_dim: int):
-        self.conv = device.zeros((taps - 1, channels), np.float32)
-        self.rec = device.zeros((v_heads, k_dim, v_dim), np.float32)
+    def __init__(self, conv, rec):
+        self._conv, self._rec = conv, rec
+
+    @property
+    def conv(self):
+        return self._conv
+
+    @property
+    def rec(self):
+        return self._rec
 
     @property
     def nbytes(self) -> int:
@@ -219,9 +239,33 @@ class LinearState:
 
     def copy(self) -> LinearState:
         """A second state with this one's values (new device arrays)."""
-        twin = object.__new__(LinearState)
-        twin.conv, twin.rec = self.conv.copy(), self.rec.copy()
-        return twin
+        return LinearState(self.conv.copy(), self.rec.copy())
+
+
+class PooledLinearState(LinearState):
+    """A sequence's live state: slot ``slot`` of a layer's pools ``[N, K - 1, C]`` / ``[N, Hv, Dk, Dv]`` in
+    ``slots`` (a :class:`freetoken.models.sequence.StateSlots`), which one call advances for every sequence of a
+    pass (:func:`freetoken.ops.gated_delta_rule_batch`). Read through the pools each time: they move when the
+    slots grow."""
+
+    def __init__(self, slots, layer: int, slot: int):
+        self.slots, self.layer, self.slot = slots, layer, slot
+
+    @property
+    def conv_pool(self):
+        return self.slots.conv[self.layer]
+
+    @property
+    def rec_pool(self):
+        return self.slots.rec[self.layer]
+
+    @property
+    def conv(self):
+        return self.slots.conv[self.layer][self.slot]
+
+    @property
+    def rec(self):
+        return self.slots.rec[self.layer][self.slot]
 
 
 class GatedDeltaNet:
@@ -253,25 +297,34 @@ class GatedDeltaNet:
         vecs = (self.conv_w, self.neg_a, self.dt_bias, self.norm_w)
         return self.inp.nbytes + self.out.nbytes + sum(int(v.nbytes) for v in vecs)
 
-    def new_state(self) -> LinearState:
-        return LinearState(self.dev, self.taps, self.channels, self.v_heads, self.k_dim, self.v_dim)
+    @property
+    def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """The shapes of one sequence's :class:`LinearState` in this layer: conv ``(K - 1, C)``, rec ``(Hv, Dk,
+        Dv)``."""
+        return (self.taps - 1, self.channels), (self.v_heads, self.k_dim, self.v_dim)
 
     @property
     def state_nbytes(self) -> int:
         """Bytes of one sequence's state in this layer (:class:`LinearState`: conv and recurrent, float32)."""
         return 4 * ((self.taps - 1) * self.channels + self.v_heads * self.k_dim * self.v_dim)
 
-    def __call__(self, x, spans: list[Span], cos, sin, q_scale=None, paged=None):
+    def __call__(self, x, spans: list[Span], cos, sin, q_scale=None, batch: PassBatch | None = None):
         """The layer's output ``[T, hidden]``; each span's state (its ``kv``, a :class:`LinearState`) advances by its
-        tokens, span by span (``cos``/``sin``/``q_scale``/``paged``: the attention layers' position rows and block
-        tables, which a recurrence does not use)."""
+        tokens: with ``batch`` (a pass over several sequences, its ``states`` their slots in the layer's
+        :class:`freetoken.models.sequence.StateSlots`) in one call for all the spans, else span by span
+        (``cos``/``sin``/``q_scale``: the attention layers' position rows, which a recurrence does not use)."""
         t, dev, xp = x.shape[0], self.dev, self.dev.xp
         c, hv, dv = self.channels, self.v_heads, self.v_dim
         proj = self.inp(x)  # [T, C + Hv*Dv + 2 Hv]: q|k|v, z, b, a
         conv_in = xp.ascontiguousarray(proj[:, :c])
         qkv = self.scratch.get("lin_qkv", (t, c))
-        for state, _, lo, hi in spans:
-            ops.short_conv(conv_in[lo:hi], self.conv_w, state.conv, out=qkv[lo:hi], device=dev, checked=True)
+        pooled = batch.states if batch is not None else None
+        if pooled is not None:
+            ops.short_conv_batch(conv_in, self.conv_w, spans[0].kv.conv_pool, pooled, out=qkv, device=dev,
+                                 checked=True)
+        else:
+            for state, _, lo, hi in spans:
+                ops.short_conv(conv_in[lo:hi], self.conv_w, state.conv, out=qkv[lo:hi], device=dev, checked=True)
         b = proj[:, c + hv * dv:c + hv * dv + hv]
         a = proj[:, c + hv * dv + hv:]
         beta = xp.negative(b)  # sigmoid(b), in one new contiguous array
@@ -281,9 +334,13 @@ class GatedDeltaNet:
         g = xp.logaddexp(np.float32(0.0), a + self.dt_bias)  # softplus(a + dt_bias): a new contiguous array
         g *= self.neg_a
         o = self.scratch.get("lin_o", (t, hv, dv))
-        for state, _, lo, hi in spans:
-            ops.gated_delta_rule(qkv[lo:hi], g[lo:hi], beta[lo:hi], state.rec, self.k_heads, out=o[lo:hi], device=dev,
-                                 checked=True)
+        if pooled is not None:
+            ops.gated_delta_rule_batch(qkv, g, beta, spans[0].kv.rec_pool, self.k_heads, pooled, out=o, device=dev,
+                                       checked=True)
+        else:
+            for state, _, lo, hi in spans:
+                ops.gated_delta_rule(qkv[lo:hi], g[lo:hi], beta[lo:hi], state.rec, self.k_heads, out=o[lo:hi],
+                                     device=dev, checked=True)
         o = ops.rms_norm(o, self.norm_w, self.eps, out=self.scratch.get("lin_n", (t, hv, dv)), device=dev,
                          checked=True)
         z = proj[:, c:c + hv * dv].reshape(t, hv, dv)
@@ -352,11 +409,12 @@ class LatentAttention:
         vecs = [self.kv_a_norm, *halves] + ([] if self.q_a_norm is None else [self.q_a_norm])
         return sum(m.nbytes for m in mats) + sum(int(v.nbytes) for v in vecs)
 
-    def __call__(self, x, spans: list[Span], cos, sin, q_scale=None, paged=None):
+    def __call__(self, x, spans: list[Span], cos, sin, q_scale=None, batch: PassBatch | None = None):
         """As :meth:`Attention.__call__`, with each span's ``kv`` the layer's latent pool (keys only) and
-        ``cos``/``sin`` the rope part's RoPE rows (with ``paged``, the latent append and attention run once for all
+        ``cos``/``sin`` the rope part's RoPE rows (with ``batch``, the latent append and attention run once for all
         the spans)."""
         t, dev, xp = x.shape[0], self.dev, self.xp
+        paged = batch.paged if batch is not None else None
         h, nope, rope, rank = self.heads, self.nope, self.rope, self.rank
         if self.q_proj is None:
             q = self.q_b(ops.rms_norm(self.q_a(x), self.q_a_norm, self.eps, device=dev))
@@ -509,11 +567,11 @@ class DecoderLayer:
         self.eps, self.dev = eps, device
         self.scratch = scratch if scratch is not None else Scratch(device)
 
-    def __call__(self, x, spans: list[Span], cos, sin, q_scale=None, paged=None) -> None:
+    def __call__(self, x, spans: list[Span], cos, sin, q_scale=None, batch: PassBatch | None = None) -> None:
         """Updates the residual stream ``x [T, hidden]`` (float32, C-contiguous; the rows of ``spans``) in place;
-        ``paged``: the spans' block tables as one :class:`freetoken.ops.PagedBatch` (several spans) or None."""
+        ``batch``: the pass's :class:`PassBatch` (several spans) or None."""
         dev = self.dev
         h = ops.rms_norm(x, self.attn_norm, self.eps, out=self.scratch.get("h", x.shape), device=dev, checked=True)
-        a = self.attention(h, spans, cos, sin, q_scale, paged)
+        a = self.attention(h, spans, cos, sin, q_scale, batch)
         ops.add_rms_norm(x, a, self.mlp_norm, self.eps, out=h, device=dev, checked=True)  # x += a; h = norm(x)
         x += self.mlp(h)

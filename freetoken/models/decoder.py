@@ -31,6 +31,7 @@ from freetoken.models.blocks import (
     LatentAttention,
     LinearState,
     MoeMLP,
+    PassBatch,
     PlainQK,
     ProjectionNormQK,
     SharedExpert,
@@ -47,7 +48,7 @@ from freetoken.models.linear import Linear
 from freetoken.models.qmatrix import QuantizedMatrix
 from freetoken.models.rope import partial_rotary_order, query_temperature, rope_tables
 from freetoken.models.scratch import Scratch
-from freetoken.models.sequence import DecoderSequence
+from freetoken.models.sequence import DecoderSequence, StateSlots
 from freetoken.models.weights import HFWeights, Weights
 
 
@@ -253,6 +254,8 @@ class MoeDecoder:
         self.prefill_chunk = DEFAULT_PREFILL_CHUNK
         # Gated DeltaNet layers carry a sequence in a state instead of KV rows (each DecoderSequence holds its own)
         self.recurrent = any(isinstance(layer.attention, GatedDeltaNet) for layer in self.layers)
+        self.state_slots = StateSlots([layer.attention for layer in self.layers], device)
+        self.paged_layers = any(isinstance(layer.attention, (Attention, LatentAttention)) for layer in self.layers)
         self.max_snapshots = MAX_STATE_SNAPSHOTS
         self.snapshot_every = STATE_SNAPSHOT_EVERY
 
@@ -293,7 +296,8 @@ class MoeDecoder:
         ctx = self.max_ctx if ctx is None else int(ctx)
         if not 1 <= ctx <= self.max_ctx:
             raise ValueError(f"a sequence of {ctx} tokens: the decoder's context is {self.max_ctx}")
-        return DecoderSequence([layer.attention for layer in self.layers], self.cfg.kv_layers, self.pool, ctx, self.dev)
+        return DecoderSequence([layer.attention for layer in self.layers], self.cfg.kv_layers, self.pool, ctx, self.dev,
+                               self.state_slots)
 
     def _sequence(self) -> DecoderSequence:
         if self.seq is None:
@@ -410,11 +414,14 @@ class MoeDecoder:
             pos = xp.asarray(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts, strict=True)]))
             cos, sin = self.rope_cos[pos], self.rope_sin[pos]
             q_scale = None if self.query_scale is None else self.query_scale[pos]
-        paged = self._paged_batch(work, starts, counts) if len(work) > 1 else None
+        batch = None
+        if len(work) > 1:  # made once, shared by every layer
+            states = ops.StateBatch([seq.slot for seq, _ in work], counts, device=dev) if self.recurrent else None
+            batch = PassBatch(self._paged_batch(work, starts, counts), states)
         for i, layer in enumerate(self.layers):
             spans = [Span(seq.layer_kv[i], start, int(lo), int(hi))
                      for (seq, _), start, lo, hi in zip(work, starts, bounds[:-1], bounds[1:], strict=True)]
-            layer(x, spans, cos, sin, q_scale, paged)
+            layer(x, spans, cos, sin, q_scale, batch)
         self.experts.end()
         for (seq, _), start, n in zip(work, starts, counts, strict=True):
             seq.kv.length = start + n
@@ -428,7 +435,7 @@ class MoeDecoder:
     def _paged_batch(self, work, starts: list[int], counts: list[int]):
         """The block tables of a pass over several sequences as one :class:`freetoken.ops.PagedBatch` (made once,
         shared by every attention layer), or None when no layer keeps a paged KV cache of its own."""
-        if not any(isinstance(layer.attention, (Attention, LatentAttention)) for layer in self.layers):
+        if not self.paged_layers:
             return None
         bs = self.pool.block_size
         width = max(-(-(s + n) // bs) for s, n in zip(starts, counts, strict=True))

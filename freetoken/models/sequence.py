@@ -3,30 +3,92 @@
 A decoder runs many sequences (:meth:`freetoken.models.decoder.MoeDecoder.forward_batch`): each holds its own
 :class:`DecoderSequence`, made by :meth:`~freetoken.models.decoder.MoeDecoder.new_sequence` in the decoder's KV pool.
 The attention layers' rows live in the pool under the sequence's block table (:class:`freetoken.models.kv.KVSequence`);
-a Gated DeltaNet layer carries the sequence in a recurrent state instead, and since such a state cannot be cut back to
-an earlier length the way a KV cache can, the sequence keeps copies of it at earlier lengths (snapshots) to resume
-from (:meth:`DecoderSequence.resume_points`).
+a Gated DeltaNet layer carries the sequence in a recurrent state instead (a slot of the layer's state pool in
+:class:`StateSlots`, so one call advances every sequence of a pass), and since such a state cannot be cut back to an
+earlier length the way a KV cache can, the sequence keeps copies of it at earlier lengths (snapshots) to resume from
+(:meth:`DecoderSequence.resume_points`).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 
 import numpy as np
 
+from freetoken.models.blocks import PooledLinearState
 from freetoken.models.kv import KVPool, KVSequence
+
+#: Slots a :class:`StateSlots` starts with; it grows by half when they are all taken.
+INITIAL_STATE_SLOTS = 4
+
+
+class StateSlots:
+    """The linear-attention states of every sequence of a decoder: per Gated DeltaNet layer ``i`` one pool
+    ``conv[i]`` [N, K - 1, C] and one ``rec[i]`` [N, Hv, Dk, Dv] (device float32), a sequence holding the same slot
+    of each. Pooled, one call advances the states of every sequence of a pass (:func:`freetoken.ops.
+    short_conv_batch`, :func:`freetoken.ops.gated_delta_rule_batch`). ``mixers``: the decoder's token mixers in
+    layer order (a Gated DeltaNet block has ``state_shapes``); no pools for a model without one."""
+
+    def __init__(self, mixers, device, capacity: int = INITIAL_STATE_SLOTS):
+        self.dev = device
+        self.shapes = {i: m.state_shapes for i, m in enumerate(mixers) if hasattr(m, "state_shapes")}
+        self.capacity = int(capacity) if self.shapes else 0
+        self.conv = {i: device.zeros((self.capacity, *c), np.float32) for i, (c, _) in self.shapes.items()}
+        self.rec = {i: device.zeros((self.capacity, *r), np.float32) for i, (_, r) in self.shapes.items()}
+        self._free = list(range(self.capacity - 1, -1, -1))  # popped from the end: the lowest slot first
+
+    @property
+    def taken(self) -> int:
+        return self.capacity - len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pools (every slot, taken or free)."""
+        return sum(int(a.nbytes) for pools in (self.conv, self.rec) for a in pools.values())
+
+    def take(self) -> int:
+        """A free slot, its states zeroed (the pools grow by half when every slot is taken)."""
+        if not self._free:
+            self._grow(max(self.capacity + 1, self.capacity * 3 // 2))
+        slot = self._free.pop()
+        for i in self.shapes:
+            self.conv[i][slot].fill(0)
+            self.rec[i][slot].fill(0)
+        return slot
+
+    def give_back(self, slot: int) -> None:
+        self._free.append(int(slot))
+
+    def state(self, layer: int, slot: int) -> PooledLinearState:
+        return PooledLinearState(self, layer, slot)
+
+    def _grow(self, capacity: int) -> None:
+        old = self.capacity
+        for pools in (self.conv, self.rec):
+            for i, arr in pools.items():
+                grown = self.dev.zeros((capacity, *arr.shape[1:]), np.float32)
+                grown[:old] = arr
+                pools[i] = grown
+        self._free = list(range(capacity - 1, old - 1, -1)) + self._free
+        self.capacity = capacity
 
 
 class DecoderSequence:
-    """A sequence of up to ``ctx`` tokens in ``pool``. ``mixers``: the decoder's token mixers in layer order (an
-    attention block, or a Gated DeltaNet block, which has ``new_state``); ``kv_layers``: the model layers whose KV rows
-    the pool holds, in the pool's layer order; ``device``: where the states live."""
+    """A sequence of up to ``ctx`` tokens in ``pool``. ``mixers``: the decoder's token mixers in layer order;
+    ``kv_layers``: the model layers whose KV rows the pool holds, in the pool's layer order; ``slots``: the decoder's
+    linear-attention states, of which the sequence holds one slot (given back when it is dropped); ``device``: where
+    the states live."""
 
-    def __init__(self, mixers, kv_layers, pool: KVPool, ctx: int, device):
+    def __init__(self, mixers, kv_layers, pool: KVPool, ctx: int, device, slots: StateSlots):
         self.dev = device
         self.kv = KVSequence(pool, ctx)
-        self.states = [m.new_state() if hasattr(m, "new_state") else None for m in mixers]
-        self.recurrent = any(st is not None for st in self.states)
+        self.recurrent = bool(slots.shapes)
+        self.slot = None
+        if self.recurrent:
+            self.slot = slots.take()
+            weakref.finalize(self, slots.give_back, self.slot)
+        self.states = [slots.state(i, self.slot) if i in slots.shapes else None for i in range(len(mixers))]
         slot = {layer: j for j, layer in enumerate(kv_layers)}
         # what each layer's token mixer reads and writes: its KV rows in the pool (views; the block table updates in
         # place), or a linear-attention layer's state

@@ -22,8 +22,10 @@ def memory_breakdown(model) -> dict[str, int]:
     out = dict(dec.weight_bytes())
     out.update(model.experts.memory())
     out["KV pool"] = int(dec.pool.nbytes) if dec.pool is not None else 0
-    if getattr(dec, "recurrent", False):  # the linear-attention layers' states: live, snapshots, earlier sequences'
-        out["linear-attention states"] = dec.state_bytes() * (1 + dec.kept_snapshots) + model.state_cache.nbytes
+    if getattr(dec, "recurrent", False):  # the linear-attention states: the sequences' slots, the current sequence's
+        # snapshots, the earlier sequences' kept in the state cache
+        out["linear-attention states"] = (dec.state_slots.nbytes + dec.state_bytes() * dec.kept_snapshots
+                                          + model.state_cache.nbytes)
     return out
 
 
