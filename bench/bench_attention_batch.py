@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """One layer's decode-step attention for S sequences: S calls of the single-sequence ops against one call of the
-batch ops (``ops.kv_store_batch`` + ``ops.paged_attention_batch``), in the same run.
+batch ops (``ops.kv_store_batch`` + ``ops.paged_attention_batch``; with ``--shape qwen3.5-linear`` a Gated DeltaNet
+layer's ``ops.short_conv_batch`` + ``ops.gated_delta_rule_batch`` on states in a pool), in the same run.
 
 Each of S sequences appends one token and attends over its own context (lengths spread over ``--context`` / 2 ..
 ``--context``, block tables drawn from one shuffled pool, as a running server's are). Per S the table gives the time
@@ -10,6 +11,9 @@ per second by the batch call, and on gpu / emu the kernel launches per layer ste
 
     python bench/bench_attention_batch.py                                 # cpu, Qwen3-30B-A3B attention shape
     python bench/bench_attention_batch.py --device emu --shape bundled    # launches on the emulator
+    python bench/bench_attention_batch.py --shape qwen3.5-linear          # Qwen3.5's linear-attention layer
+
+For the linear layer the bytes are the states read and written (each sequence's 4 MiB state, twice).
 """
 
 from __future__ import annotations
@@ -21,7 +25,41 @@ import time
 
 import numpy as np
 
-SHAPES = {"qwen3-30b-a3b": (32, 4, 128), "bundled": (4, 1, 48)}  # query heads, kv heads, head dim
+SHAPES = {"qwen3-30b-a3b": (32, 4, 128), "bundled": (4, 1, 48),  # query heads, kv heads, head dim
+          "qwen3.5-linear": (16, 32, 128)}  # key heads, value heads, head dim (Dk = Dv) of a Gated DeltaNet layer
+LINEAR_TAPS = 4
+
+
+def _setup_linear(dev, s: int, k_heads: int, v_heads: int, dim: int, rng):
+    from freetoken import ops
+
+    c = 2 * k_heads * dim + v_heads * dim
+    conv = dev.asarray(rng.standard_normal((s + 3, LINEAR_TAPS - 1, c)).astype(np.float32))  # a pool with spare slots
+    rec = dev.asarray((0.1 * rng.standard_normal((s + 3, v_heads, dim, dim))).astype(np.float32))
+    slots = [int(x) for x in rng.permutation(s + 3)[:s]]
+    w = dev.asarray((0.5 * rng.standard_normal((c, LINEAR_TAPS))).astype(np.float32))
+    x = dev.asarray(rng.standard_normal((s, c)).astype(np.float32))
+    g = dev.asarray(rng.uniform(-1, 0, (s, v_heads)).astype(np.float32))
+    beta = dev.asarray(rng.uniform(0, 1, (s, v_heads)).astype(np.float32))
+    y = dev.empty((s, c), np.float32)
+    o = dev.empty((s, v_heads, dim), np.float32)
+
+    def alone():
+        for i, slot in enumerate(slots):
+            ops.short_conv(x[i:i + 1], w, conv[slot], out=y[i:i + 1], device=dev, checked=True)
+            ops.gated_delta_rule(y[i:i + 1], g[i:i + 1], beta[i:i + 1], rec[slot], k_heads, out=o[i:i + 1],
+                                 device=dev, checked=True)
+
+    batch = ops.StateBatch(slots, [1] * s, device=dev)
+
+    def batched():
+        ops.short_conv_batch(x, w, conv, batch, out=y, device=dev, checked=True)
+        ops.gated_delta_rule_batch(y, g, beta, rec, k_heads, batch, out=o, device=dev, checked=True)
+
+    def make():
+        ops.StateBatch(slots, [1] * s, device=dev).desc(tuple(range(s)))
+
+    return alone, batched, make, 2 * s * (v_heads * dim * dim + (LINEAR_TAPS - 1) * c) * 4
 
 
 def _setup(dev, s: int, context: int, heads: int, kv_heads: int, dim: int, block_size: int, rng):
@@ -82,24 +120,31 @@ def _launches(dev, fn):
     wrapped for the call. Host-to-device copies (the batch's descriptors) are not launches and not counted."""
     if dev.kind == "cpu":
         return None
-    import freetoken.ops.paged_attention_cuda as launchers
+    import freetoken.ops.linear_attention as linear
+    import freetoken.ops.linear_batch as linear_batch
+    import freetoken.ops.paged_attention_cuda as paged
 
-    count, lookup = [0], launchers.cuda_kernel
+    count, modules = [0], (paged, linear, linear_batch)
+    lookups = [m.cuda_kernel for m in modules]
 
-    def counting(*args, **kwargs):
-        kernel = lookup(*args, **kwargs)
+    def counting(lookup):
+        def find(*args, **kwargs):
+            kernel = lookup(*args, **kwargs)
 
-        def launch(*a, **k):
-            count[0] += 1
-            return kernel(*a, **k)
-        return launch
+            def launch(*a, **k):
+                count[0] += 1
+                return kernel(*a, **k)
+            return launch
+        return find
 
-    launchers.cuda_kernel = counting
+    for m, lookup in zip(modules, lookups, strict=True):
+        m.cuda_kernel = counting(lookup)
     try:
         fn()
         dev.synchronize()
     finally:
-        launchers.cuda_kernel = lookup
+        for m, lookup in zip(modules, lookups, strict=True):
+            m.cuda_kernel = lookup
     return count[0]
 
 
@@ -117,13 +162,21 @@ def main(argv: list[str] | None = None) -> int:
 
     dev = get_device(args.device)
     heads, kv_heads, dim = SHAPES[args.shape]
+    linear = args.shape.endswith("-linear")
     rng = np.random.default_rng(0)
-    print(f"# {args.device} ({platform.processor() or platform.machine()}), {args.shape}: {heads} query / {kv_heads}"
-          f" kv heads of {dim}, bf16 KV, contexts {args.context // 2}..{args.context}, block {args.block_size}")
+    where = f"# {args.device} ({platform.processor() or platform.machine()}), {args.shape}: "
+    if linear:
+        print(where + f"{heads} key / {kv_heads} value heads of {dim}, {LINEAR_TAPS} taps, float32 states")
+    else:
+        print(where + f"{heads} query / {kv_heads} kv heads of {dim}, bf16 KV, contexts {args.context // 2}.."
+              f"{args.context}, block {args.block_size}")
     print(f"{'S':>3} {'alone us':>10} {'batch us':>10} {'ratio':>6} {'batch GB/s':>11} {'launches alone/batch':>21} "
-          f"{'PagedBatch us':>13}")
+          f"{'StateBatch us' if linear else 'PagedBatch us':>13}")
     for s in (int(x) for x in args.sequences.split(",")):
-        alone, batched, make, nbytes = _setup(dev, s, args.context, heads, kv_heads, dim, args.block_size, rng)
+        if linear:
+            alone, batched, make, nbytes = _setup_linear(dev, s, heads, kv_heads, dim, rng)
+        else:
+            alone, batched, make, nbytes = _setup(dev, s, args.context, heads, kv_heads, dim, args.block_size, rng)
         ta, tb, tm = (_time(dev, fn, args.repeat) for fn in (alone, batched, make))
         la, lb = _launches(dev, alone), _launches(dev, batched)
         launches = "-" if la is None else f"{la}/{lb}"
