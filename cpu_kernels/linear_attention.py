@@ -3,7 +3,8 @@
 
 * :func:`short_conv_rows`: the causal depthwise convolution with SiLU, one token row at a time, channels in the
   vector lanes (a ``prange`` over tokens for a prompt; decode runs on the calling thread);
-* :func:`gated_delta_rule_rows`: the gated delta rule in its recurrent form. A value column of the state evolves on
+* :func:`gated_delta_rule_rows`: the gated delta rule in its recurrent form, for one sequence or several (each its
+  state of a pool). A value column of the state evolves on
   its own, so the parallel tasks are (value head, block of :data:`COLUMNS` columns): the task's ``Dk x COLUMNS``
   tile of ``S`` stays in L1 over the T tokens, and per token two passes over it, columns in the lanes: ``S *=
   exp(g)`` with ``d = k^T S``, then ``S += k delta^T`` with ``out = q^T S``. Decode reads and writes each state once
@@ -162,37 +163,7 @@ def _rule_columns(qk, qkv, g, beta, s, h, kh, j0, w, out):
             ot[j] = o[j]
 
 
-@nb.njit(error_model="numpy", parallel=True, cache=True, boundscheck=False, fastmath=_FASTMATH)
-def gated_delta_rule_rows(qkv, g, beta, state, k_heads, out):
-    """qkv float32 [T, 2 Hk Dk + Hv Dv] (q, k, v heads); g, beta [T, Hv]; state [Hv, Dk, Dv], updated; k_heads Hk
-    -> out [T, Hv, Dv]; all C-contiguous. Per value head h (key head h // (Hv / Hk)) and token, q and k
-    l2-normalised (q also by 1 / sqrt(Dk)): ``S *= exp(g); S += k (beta (v - k^T S))^T; out = q^T S``.
-
-    A value column of S evolves on its own (k^T S, the update and q^T S are per column), so the parallel tasks are
-    (head, block of :data:`COLUMNS` columns): a task's ``Dk x COLUMNS`` tile of S (16 KiB at Dk = 128) stays in L1
-    over all T tokens; per token two passes over it, columns in the lanes (:func:`_rule_columns`). q and k are
-    normalised once per call."""
-    t_count = qkv.shape[0]
-    hv, dk, dv = state.shape
-    rep = hv // k_heads
-    qk = np.empty((t_count, k_heads, 2, dk), np.float32)
-    if t_count >= PARALLEL_TOKENS:
-        for t in nb.prange(t_count):
-            _normalise_token(qkv, t, qk)
-    else:
-        for t in range(t_count):
-            _normalise_token(qkv, t, qk)
-    nb_ = (dv + COLUMNS - 1) // COLUMNS
-    for task in nb.prange(hv * nb_):
-        h = task // nb_
-        j0 = (task - h * nb_) * COLUMNS
-        if j0 + COLUMNS <= dv:
-            _rule_columns(qk, qkv, g, beta, state[h], h, h // rep, j0, COLUMNS, out)
-        else:
-            _rule_columns(qk, qkv, g, beta, state[h], h, h // rep, j0, dv - j0, out)
-
-
-# ---- batch mode (continuous batching: freetoken/ops/linear_batch.py) ----------------------------------------------
+# ---- several sequences in one call (continuous batching: freetoken/ops/linear_batch.py) ---------------------------
 @nb.njit(error_model="numpy", parallel=True, cache=True, boundscheck=False, fastmath=_FASTMATH)
 def short_conv_batch_rows(x, weight, states, desc, out):
     """:func:`short_conv_rows` for several sequences in one call: ``desc`` int32 [S, 3] holds each sequence's
@@ -208,11 +179,17 @@ def short_conv_batch_rows(x, weight, states, desc, out):
 
 
 @nb.njit(error_model="numpy", parallel=True, cache=True, boundscheck=False, fastmath=_FASTMATH)
-def gated_delta_rule_batch_rows(qkv, g, beta, states, desc, k_heads, out):
-    """:func:`gated_delta_rule_rows` for several sequences in one call: ``desc`` int32 [S, 3] holds each sequence's
-    (state index in ``states`` [N, Hv, Dk, Dv], first row, end row) of ``qkv`` / ``g`` / ``beta`` / ``out``. The
-    parallel tasks are (sequence, head, block of :data:`COLUMNS` columns), each the single kernel's task on its
-    sequence's rows, so every sequence's result is bit-equal to the single call's."""
+def gated_delta_rule_rows(qkv, g, beta, states, desc, k_heads, out):
+    """qkv float32 [T, 2 Hk Dk + Hv Dv] (q, k, v heads); g, beta [T, Hv]; states [N, Hv, Dk, Dv], updated; ``desc``
+    int32 [S, 3]: each sequence's (state index in ``states``, first row, end row); k_heads Hk -> out [T, Hv, Dv];
+    all C-contiguous. One sequence (``gated_delta_rule``: N = S = 1) or several in one call (its batch twin). Per
+    value head h (key head h // (Hv / Hk)) and token, q and k l2-normalised (q also by 1 / sqrt(Dk)): ``S *=
+    exp(g); S += k (beta (v - k^T S))^T; out = q^T S``.
+
+    A value column of S evolves on its own (k^T S, the update and q^T S are per column), so the parallel tasks are
+    (sequence, head, block of :data:`COLUMNS` columns): a task's ``Dk x COLUMNS`` tile of S (16 KiB at Dk = 128)
+    stays in L1 over the sequence's tokens; per token two passes over it, columns in the lanes
+    (:func:`_rule_columns`). q and k are normalised once per call."""
     t_count = qkv.shape[0]
     hv, dk, dv = states.shape[1], states.shape[2], states.shape[3]
     rep = hv // k_heads

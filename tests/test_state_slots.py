@@ -4,17 +4,14 @@ the pools grow without touching the states they hold, a dropped sequence gives i
 bit-equal to the single call per sequence on cpu and makes two launches per layer on emu, misuse is refused."""
 
 import gc
-import json
 
 import numpy as np
 import pytest
+from test_forward_batch import _decoder  # the same tiny decoder (ctx 48, f32 KV)
 from tiny_models import make_checkpoint
 
 from freetoken import ops
 from freetoken.device import get_device
-from freetoken.engine.loading.build import build_decoder
-from freetoken.engine.options import ExpertOptions, LoadOptions
-from freetoken.models import from_hf
 from freetoken.models.sequence import INITIAL_STATE_SLOTS, StateSlots
 
 
@@ -46,14 +43,6 @@ def next_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_next")
     make_checkpoint("qwen3_next", path)
     return path, load_file(str(path / "model.safetensors"))
-
-
-def _decoder(checkpoint, device):
-    path, tensors = checkpoint
-    cfg = from_hf(json.loads((path / "config.json").read_text()))
-    experts = ExpertOptions(cache_slots=2 * cfg.num_experts + 4) if device.kind == "emu" else ExpertOptions()
-    return build_decoder(cfg, lambda name: tensors[name], device,
-                         LoadOptions(ctx=48, kv_dtype="f32", kv_memory=1 << 22, experts=experts))
 
 
 def test_sequences_hold_slots_while_alive(next_checkpoint):

@@ -105,7 +105,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
        (_K + "linear_attention:short_conv_batch_rows", _K + "linear_attention:short_conv_rows"),
        _R + "linear_attention:short_conv_batch_reference", _C + "linear_attention"),
     Op("gated_delta_rule_batch", gated_delta_rule_batch, ("linear_attention.cu",), "freetoken.ops.linear_batch",
-       (_K + "linear_attention:gated_delta_rule_batch_rows",),
+       (_K + "linear_attention:gated_delta_rule_rows",),
        _R + "linear_attention:gated_delta_rule_batch_reference", _C + "linear_attention"),
     Op("dense_gemv", dense_gemv, ("dense.cu",), "freetoken.ops.dense",
        (_K + "gemv:matmul_into", _K + "qgemv:qmatmul_into", _K + "fp8_dense:fp8_matmul_into"),

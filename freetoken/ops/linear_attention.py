@@ -169,7 +169,9 @@ def _run_rule(dev, qkv, g, beta, state, k_heads, out, mode="auto") -> None:
     if dev.kind == "cpu":
         gated_delta_rule_rows = cpu_module("linear_attention").gated_delta_rule_rows
 
-        gated_delta_rule_rows(qkv, g, beta, state, k_heads, out)
+        # one sequence: the kernel's pool of one state, rows 0 .. T
+        one = np.array([[0, 0, qkv.shape[0]]], np.int32)
+        gated_delta_rule_rows(qkv, g, beta, state.reshape(1, *state.shape), one, k_heads, out)
         return
     t = qkv.shape[0]
     hv, dk, dv = state.shape

@@ -11,8 +11,8 @@ result, and its state after the call, is what :func:`~freetoken.ops.linear_atten
 
 gpu/emu: one launch of ``short_conv_f32`` and one of ``gated_delta_rule_f32`` (the single-sequence kernels in their
 batch mode, ``width`` > 0) for the sequences of fewer than ``LINEAR_CHUNKED_MIN_TOKENS`` rows; a longer prompt chunk
-runs the rule's chunked form on its own state. cpu: one Numba call for the rule (``gated_delta_rule_batch_rows``,
-bit-equal to the single kernel per sequence), one for the convolution of the sequences under ``PARALLEL_TOKENS``
+runs the rule's chunked form on its own state. cpu: one Numba call for the rule (``gated_delta_rule_rows``, the
+single op's kernel, given every sequence), one for the convolution of the sequences under ``PARALLEL_TOKENS``
 rows (a longer one runs the single kernel, which spreads its rows over the threads).
 """
 
@@ -141,8 +141,8 @@ def gated_delta_rule_batch(qkv, g, beta, states, k_heads: int, batch: StateBatch
         out = dev.empty((qkv.shape[0], hv, dv), np.float32)
     k_heads = int(k_heads)
     if dev.kind == "cpu":
-        cpu_module("linear_attention").gated_delta_rule_batch_rows(qkv, g, beta, states,
-                                                                   batch.desc(tuple(range(batch.size))), k_heads, out)
+        cpu_module("linear_attention").gated_delta_rule_rows(qkv, g, beta, states, batch.desc(tuple(range(batch.size))),
+                                                             k_heads, out)
         return out
     short, long_ = batch.split(LINEAR_CHUNKED_MIN_TOKENS)
     if short:
