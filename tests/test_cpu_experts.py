@@ -91,13 +91,14 @@ def test_q8_is_the_default_where_the_cpu_has_int8_dots():
 def test_fp8_block_rows_tail_blocks_and_nan_codes(tokens):
     """fp8_block rows with a K that ends in a partial 128-block (H = 160: one whole block and 2 chunks of 16; I = 96),
     against the float64 reference; then the e4m3fn NaN codes (0x7F, 0xFF) in one gate row make that expert's
-    outputs NaN, as the reference's decode does, and leave the other tokens' experts finite."""
+    outputs NaN, as the reference's decode does, and leave the other tokens' experts finite (a code in a whole block,
+    which the kernel checks 64 bytes at a time, and one in the partial block)."""
     hidden, inter = 160, 96
     banks, deq = _record("fp8_block", hidden, inter, 3, bias=False, seed=8)
     _check("fp8_block", banks, deq, hidden, inter, "swiglu", tokens, 2, seed=8)
-    for code in (0x7F, 0xFF):
+    for code, at in ((0x7F, 150), (0xFF, 150), (0x7F, 20), (0xFF, 127)):
         bad = {name: a.copy() for name, a in banks.items()}
-        bad["gate.w"][1, 5, 150] = code  # expert 1, gate row 5, a value in the partial block
+        bad["gate.w"][1, 5, at] = code  # expert 1, gate row 5
         x = np.random.default_rng(1).standard_normal((2, hidden)).astype(np.float32)
         out = poison((2, hidden), np.float32)
         forward("fp8_block", x, np.array([[1], [2]], np.int32), np.ones((2, 1), np.float32), bad, hidden, inter,
