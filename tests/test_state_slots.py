@@ -56,11 +56,11 @@ def test_sequences_hold_slots_while_alive(next_checkpoint):
     assert slots.taken == base
 
 
-def test_batch_after_growth_equals_alone(next_checkpoint):
+def test_batch_after_growth_equals_alone(next_checkpoint, device):
     """Six sequences (the pools grow under live states), a prompt each then decode steps together: each sequence's
     logits equal its logits alone (within test_forward_batch's bound: the projections over the batch's rows round
     differently from one row's; the linear-attention ops themselves are bit-equal, next test)."""
-    dec = _decoder(next_checkpoint, get_device("cpu"))
+    dec = _decoder(next_checkpoint, device)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 128, n) for n in (5, 3, 7, 2, 4, 6)]
     steps = [rng.integers(0, 128, 2) for _ in prompts]
