@@ -18,6 +18,8 @@ columns and freetoken / llama.cpp ratios are added.
     python bench/make_synthetic_gguf.py /tmp/synthetic-moe.gguf
     python bench/bench_batch.py --model /tmp/synthetic-moe.gguf --streams 1,2,4,8,16 --llama-cpp
     python bench/bench_batch.py --model /tmp/synthetic-moe.gguf --streams 1,8,16 --profile   # where a step goes
+    python bench/make_synthetic_gguf.py /tmp/synthetic-qwen35.gguf --arch qwen35moe --other q8_0
+    python bench/bench_batch.py --model /tmp/synthetic-qwen35.gguf --streams 1,4,8 --linear-per-span   # the A/B
 """
 
 from __future__ import annotations
@@ -196,7 +198,14 @@ def main():
     ap.add_argument("--llama-no-repack", action="store_true",
                     help="llama.cpp without its weight repacking (llama-cpp-python 0.3.36 crashes on some AVX-512 "
                          "machines with repacked k-quants)")
+    ap.add_argument("--linear-per-span", action="store_true",
+                    help="run the Gated DeltaNet layers sequence by sequence, as before their batch ops (the A/B of "
+                         "ops.short_conv_batch / ops.gated_delta_rule_batch on a hybrid model)")
     args = ap.parse_args()
+    if args.linear_per_span:  # no StateBatch for a pass: GatedDeltaNet falls back to its per-span calls
+        from freetoken import ops
+
+        ops.StateBatch = lambda *a, **k: None
     if args.llama_cpp and not str(args.model or "").endswith(".gguf"):
         ap.error("--llama-cpp needs a GGUF --model (llama.cpp reads GGUF files only)")
     streams = [int(s) for s in args.streams.split(",")]
