@@ -53,17 +53,17 @@ def _scalar_kind(x: np.generic) -> str:
 
 
 @functools.cache
-def _scalar_layout(dtype: np.dtype) -> tuple[str, str, int]:
-    """(kind letter, struct code, size) of a NumPy scalar type; TypeError for one no kernel takes."""
+def _scalar_layout(dtype: np.dtype) -> tuple[str, str]:
+    """(kind letter, struct code) of a NumPy scalar type; TypeError for one no kernel takes."""
     kind = _scalar_kind(np.zeros((), dtype)[()])
     n = dtype.itemsize
     if kind in "bs":  # bfloat16, structs: their raw bytes
-        return kind, f"{n}s", n
+        return kind, f"{n}s"
     # struct's standard sizes ("<"), by kind and width (NumPy's type chars are the platform's C types: "l" is 8
     # bytes on Linux and 4 in struct's standard mode)
-    code = {"f": {2: "e", 4: "f", 8: "d"}, "h": {2: "e"}, "i": {1: "b", 2: "h", 4: "i", 8: "q"},
+    code = {"f": {4: "f", 8: "d"}, "h": {2: "e"}, "i": {1: "b", 2: "h", 4: "i", 8: "q"},
             "u": {1: "B", 2: "H", 4: "I", 8: "Q"}}[kind][n] if dtype.kind != "b" else "?"
-    return kind, code, n
+    return kind, code
 
 
 @functools.cache
@@ -97,7 +97,7 @@ def pack_args(
     codes, kinds, values = [], [], []
     for i, a in enumerate(args):
         if isinstance(a, np.generic):
-            kind, code, _ = _scalar_layout(a.dtype)
+            kind, code = _scalar_layout(a.dtype)
             values.append(a.tobytes() if kind in "bs" else a)
         else:
             if isinstance(a, (bool, int, float)):  # (np.float64 is a float too: caught above)

@@ -252,9 +252,10 @@ class MoeDecoder:
         self.max_ctx = 0
         self.seq: DecoderSequence | None = None  # the sequence forward() appends to
         self.prefill_chunk = DEFAULT_PREFILL_CHUNK
-        # Gated DeltaNet layers carry a sequence in a state instead of KV rows (each DecoderSequence holds its own)
-        self.recurrent = any(isinstance(layer.attention, GatedDeltaNet) for layer in self.layers)
+        # Gated DeltaNet layers carry a sequence in a state instead of KV rows: each DecoderSequence holds a slot of
+        # their state pools
         self.state_slots = StateSlots([layer.attention for layer in self.layers], device)
+        self.recurrent = bool(self.state_slots.shapes)
         self.paged_layers = any(isinstance(layer.attention, (Attention, LatentAttention)) for layer in self.layers)
         self.max_snapshots = MAX_STATE_SNAPSHOTS
         self.snapshot_every = STATE_SNAPSHOT_EVERY

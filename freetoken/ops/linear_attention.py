@@ -19,6 +19,8 @@ K <= ``LINEAR_CONV_MAX_TAPS`` taps and head dims Dk, Dv <= ``LINEAR_MAX_HEAD_DIM
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from freetoken.device.constants import (
@@ -165,13 +167,21 @@ def check_rule_inputs(dev, qkv, g, beta, state_shape, k_heads):
     return qkv, g, beta, k_heads
 
 
+@functools.lru_cache(maxsize=64)
+def _one_sequence(t: int) -> np.ndarray:
+    """The cpu rule kernel's descriptor of one sequence of ``t`` rows on state 0, made once per ``t`` (a decode step
+    asks for it in every linear layer; the kernel never writes it, and it stays writable so that Numba compiles one
+    specialisation for this and the batch's descriptors)."""
+    return np.array([[0, 0, t]], np.int32)
+
+
 def _run_rule(dev, qkv, g, beta, state, k_heads, out, mode="auto") -> None:
     if dev.kind == "cpu":
         gated_delta_rule_rows = cpu_module("linear_attention").gated_delta_rule_rows
 
         # one sequence: the kernel's pool of one state, rows 0 .. T
-        one = np.array([[0, 0, qkv.shape[0]]], np.int32)
-        gated_delta_rule_rows(qkv, g, beta, state.reshape(1, *state.shape), one, k_heads, out)
+        gated_delta_rule_rows(qkv, g, beta, state.reshape(1, *state.shape), _one_sequence(qkv.shape[0]), k_heads,
+                              out)
         return
     t = qkv.shape[0]
     hv, dk, dv = state.shape

@@ -24,9 +24,6 @@ from freetoken.device.constants import LINEAR_CHUNKED_MIN_TOKENS, LINEAR_COLUMNS
 from freetoken.ops._common import check_int32, cpu_module, cuda_kernel, prepare_out, resolve
 from freetoken.ops.linear_attention import _run_conv, _run_rule, check_conv_inputs, check_rule_inputs
 
-#: The cpu convolution's threshold (rows of one sequence) for the single, thread-parallel kernel.
-_CONV_PARALLEL_ROWS = 16
-
 
 class StateBatch:
     """The layout of one pass's rows over several sequences' states: ``slots`` (each sequence's state index in the
@@ -105,17 +102,17 @@ def short_conv_batch(x, weight, states, batch: StateBatch, *, out=None, device=N
         out = prepare_out(dev, out, tuple(x.shape), np.float32)
     if out is None:
         out = dev.empty(tuple(x.shape), np.float32)
-    if dev.kind == "cpu":
-        short, long_ = batch.split(_CONV_PARALLEL_ROWS)
-        if short:
-            cpu_module("linear_attention").short_conv_batch_rows(x, weight, states, batch.desc(short), out)
-    else:
-        short, long_ = tuple(range(batch.size)), ()
+    if dev.kind != "cpu":  # every sequence in one launch (the kernel runs each channel's rows in order anyway)
         t, c = x.shape
         cuda_kernel(dev, "linear_attention.cu", "short_conv_f32")(
             (-(-c // LINEAR_CONV_THREADS), batch.size), (LINEAR_CONV_THREADS,),
-            (x, weight, states, out, np.int32(t), np.int32(c), np.int32(weight.shape[1]), batch.desc(short),
-             np.int32(len(short))))
+            (x, weight, states, out, np.int32(t), np.int32(c), np.int32(weight.shape[1]),
+             batch.desc(tuple(range(batch.size))), np.int32(batch.size)))
+        return out
+    kernels = cpu_module("linear_attention")
+    short, long_ = batch.split(kernels.PARALLEL_TOKENS)  # a long chunk: the single kernel spreads its rows
+    if short:
+        kernels.short_conv_batch_rows(x, weight, states, batch.desc(short), out)
     for s in long_:
         lo, hi = batch.bounds[s], batch.bounds[s + 1]
         _run_conv(dev, x[lo:hi], weight, states[batch.slots[s]], out[lo:hi])
