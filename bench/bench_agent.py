@@ -384,16 +384,18 @@ def clear(model) -> None:
 
 
 class Instrument:
-    """Timing wrappers on the anchor store's create / restore, and a copy of every logits row the decoder returns
-    (generation samples from the last row of each forward call)."""
+    """Timing wrappers on the anchor store's create / restore, and a copy of every logits row generation samples a
+    token from (the sampler's input)."""
 
     def __init__(self, model):
         self.model = model
         self.create_s = self.restore_s = 0.0
         self.creates = self.new_anchors = self.restores = self.spills = self.reads_back = 0
         self.rows: list[np.ndarray] = []
-        store, dec = model.anchors, model.decoder
-        create, restore, forward = store.create, store.restore, dec.forward
+        from freetoken.engine.decoding.sampling import Sampler
+
+        store = model.anchors
+        create, restore, sample = store.create, store.restore, Sampler.__call__
         to_host, to_device = store._to_host, store._read_back
 
         def timed_create(seq, tokens, length=None, **kw):
@@ -414,10 +416,9 @@ class Instrument:
                 self.restore_s += time.perf_counter() - t0
                 self.restores += 1
 
-        def captured_forward(*a, **kw):
-            out = forward(*a, **kw)
-            self.rows.append(np.array(out[-1], np.float32))
-            return out
+        def captured_sample(sampler, logits, previous=()):
+            self.rows.append(np.array(logits, np.float32))
+            return sample(sampler, logits, previous)
 
         def counted_to_host(*a, **kw):
             self.spills += 1
@@ -427,19 +428,22 @@ class Instrument:
             self.reads_back += 1
             return to_device(*a, **kw)
 
-        store.create, store.restore, dec.forward = timed_create, timed_restore, captured_forward
+        store.create, store.restore, Sampler.__call__ = timed_create, timed_restore, captured_sample
         store._to_host, store._read_back = counted_to_host, counted_to_device
-        self._undo = lambda: [d.pop(k) for d, k in ((store.__dict__, "create"), (store.__dict__, "restore"),
-                                                    (store.__dict__, "_to_host"), (store.__dict__, "_read_back"),
-                                                    (dec.__dict__, "forward"))]
+
+        def undo():
+            for name in ("create", "restore", "_to_host", "_read_back"):
+                store.__dict__.pop(name)
+            Sampler.__call__ = sample
+        self._undo = undo
 
     def close(self):
         self._undo()
 
 
 def run_mode(model, mode: str, reqs, template, encode, args):
+    from freetoken.engine.decoding.sampling import SamplingParams
     from freetoken.engine.generation.chat import message_boundaries
-    from freetoken.engine.generation.sampling import SamplingParams
     from freetoken.models.kv import OutOfKVBlocks
 
     clear(model)

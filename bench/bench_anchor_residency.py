@@ -31,7 +31,7 @@ def _misses(model) -> int:
 
 def _run(model, ids, decode: int, **kw):
     """(the greedy tokens of ``ids``, reusing what the caches hold; the call's stats)."""
-    from freetoken.engine.generation.sampling import SamplingParams
+    from freetoken.engine.decoding.sampling import SamplingParams
 
     gen = model.generate(ids, decode, SamplingParams(temperature=0), reuse_cache=True, **kw)
     return list(gen), gen.stats

@@ -88,7 +88,7 @@ class StepProfile:
 def run(model, n: int, prompt: int, output: int, max_seqs: int, step_tokens: int | None, seed: int,
         profile: bool = False) -> dict:
     from freetoken.engine.batching.step_loop import StepLoop
-    from freetoken.engine.generation.sampling import SamplingParams
+    from freetoken.engine.decoding.sampling import SamplingParams
 
     vocab = model.decoder.cfg.vocab_size
     rng = np.random.default_rng(seed)

@@ -59,7 +59,7 @@ def sessions(model, args):
 
 def run_single(model, agents, max_tokens: int) -> list[dict]:
     """One request at a time, first come first served: the agents' requests alternate while both have work."""
-    from freetoken.engine.generation.sampling import SamplingParams
+    from freetoken.engine.decoding.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     pending = [0] * len(agents)  # each agent's next request
@@ -90,7 +90,7 @@ def run_single(model, agents, max_tokens: int) -> list[dict]:
 def run_batched(model, agents, max_tokens: int) -> list[dict]:
     """Both agents in the step loop, each submitting its next request when its last one ends."""
     from freetoken.engine.batching.step_loop import StepLoop
-    from freetoken.engine.generation.sampling import SamplingParams
+    from freetoken.engine.decoding.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     loop = StepLoop(model, max_seqs=len(agents))

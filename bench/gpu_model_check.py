@@ -32,7 +32,7 @@ def _logits(model, tokens, prompt: int) -> np.ndarray:
 
 
 def _decode_rate(model, prompt_ids, steps: int) -> float:
-    from freetoken.engine.generation.sampling import SamplingParams
+    from freetoken.engine.decoding.sampling import SamplingParams
 
     list(model.generate(prompt_ids, max_tokens=4, sampling=SamplingParams(temperature=0)))  # warm-up
     list(gen := model.generate(prompt_ids, max_tokens=steps, sampling=SamplingParams(temperature=0)))
@@ -55,17 +55,18 @@ def _decode_table(path, dev_kind: str, slots_list, steps: int, label: str) -> No
 def _anchor_check(model, ids: list[int]) -> int:
     """An anchor made on the device, spilled to (pinned) host memory, restored and verified: the logits after it
     equal a fresh prefill's. Returns 1 on failure."""
-    from freetoken.engine.generation.sampling import SamplingParams
+    from freetoken.engine.decoding.sampling import SamplingParams
 
     def last_logits(**kw):
-        """(the prompt's last logits as the call's first forward pass computed them, the call's stats)."""
-        seen, forward = [], model.decoder.forward
-        model.decoder.forward = lambda t, **fkw: seen.append(forward(t, **fkw)) or seen[-1]
+        """(the prompt's last logits as the call's first forward pass (a step of the model's step loop) computed
+        them, the call's stats)."""
+        seen, forward_batch = [], model.decoder.forward_batch
+        model.decoder.forward_batch = lambda work: seen.append(forward_batch(work)) or seen[-1]
         try:
             gen = model.generate(ids, max_tokens=1, sampling=SamplingParams(temperature=0), **kw)
             list(gen)
         finally:
-            del model.decoder.forward
+            del model.decoder.forward_batch
         return seen[0][-1], gen.stats
 
     fresh, _ = last_logits()
@@ -111,7 +112,7 @@ def run(dev_kind: str, synthetic=None, steps: int = 32) -> int:
     print(f"  logits vs cpu: NMSE {nmse:.2e} (bound {NMSE_BOUND:.0e}), top-1 agreement {top1:.1%}  {status}  "
           f"(load + {tokens.size} tokens: {time.perf_counter() - t0:.1f}s)")
 
-    from freetoken.engine.generation.sampling import SamplingParams
+    from freetoken.engine.decoding.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0)
     a = list(ref.generate(tokens[:16].tolist(), max_tokens=24, sampling=greedy))

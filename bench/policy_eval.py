@@ -106,7 +106,7 @@ class Recorder:
     def segment(self, rec, prompt, tokens: int, seed: int, reuse: bool = False) -> list[int]:
         """Generate from ``prompt`` (text or ids) and record it as one segment (as bench/qstar_sweep.py's record()
         does: the prefill's routing counts, then every decode step); returns the generated ids."""
-        from freetoken.engine.generation.sampling import SamplingParams
+        from freetoken.engine.decoding.sampling import SamplingParams
 
         m = self.model
         out = list(gen := m.generate(prompt, tokens, SamplingParams(temperature=0.8, top_p=0.95, seed=seed),

@@ -22,7 +22,7 @@ from pathlib import Path
 
 
 def record(path: Path, prompts: int, tokens: int, seed: int) -> None:
-    from freetoken.engine.generation.sampling import SamplingParams
+    from freetoken.engine.decoding.sampling import SamplingParams
     from freetoken.engine.loading.load import load
     from freetoken.trace.format import TraceRecorder
 

@@ -2,28 +2,29 @@
 
 from __future__ import annotations
 
-from freetoken.engine.generation.sampling import SamplingParams
+from freetoken.engine.decoding.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 def prefill_logits(model, ids, **generate_kwargs):
     """``model.generate(ids, 1 token, **generate_kwargs)``: (the logits of the prompt's last token, as the prefill
-    of what was not reused computed them (the first ``decoder.forward`` of the call); the call's stats)."""
+    of what was not reused computed them (the first forward pass of the call, a step of the model's step loop); the
+    call's stats)."""
     seen = []
-    forward = model.decoder.forward
+    forward_batch = model.decoder.forward_batch
 
-    def spy(tokens, **kw):
-        out = forward(tokens, **kw)
+    def spy(work):
+        out = forward_batch(work)
         seen.append(out)
         return out
 
-    model.decoder.forward = spy
+    model.decoder.forward_batch = spy
     try:
         gen = model.generate(ids, max_tokens=1, sampling=GREEDY, **generate_kwargs)
         list(gen)
     finally:
-        del model.decoder.forward  # back to the class's method
+        del model.decoder.forward_batch  # back to the class's method
     return seen[0][-1], gen.stats
 
 

@@ -6,7 +6,7 @@ import pytest
 from reuse_checks import assert_reuse_close, prefill_logits
 
 from freetoken import load
-from freetoken.engine.generation.sampling import SamplingParams
+from freetoken.engine.decoding.sampling import SamplingParams
 from freetoken.engine.reuse.anchors import (
     BLOCK_MAGIC,
     BLOCK_SUFFIX,

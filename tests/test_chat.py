@@ -8,11 +8,12 @@ import shutil
 import numpy as np
 import pytest
 from reuse_checks import assert_reuse_close
+from scripted_decoder import ScriptedDecoder
 
 from freetoken.cli import main
+from freetoken.engine.decoding.sampling import SamplingParams
 from freetoken.engine.generation.chat import CHATML_TEMPLATE, Chat, ChatTemplate
 from freetoken.engine.generation.generate import Model
-from freetoken.engine.generation.sampling import SamplingParams
 from freetoken.engine.loading.load import DEFAULT_MODEL, load
 from freetoken.testing.oracles import need
 
@@ -167,21 +168,23 @@ def model():
 
 
 def _spy_forward(model):
-    """Record the logits every decoder.forward call returns."""
+    """Record the tokens and logits of every forward pass of the model's step loop (generation runs one sequence:
+    each pass has one item)."""
     calls = []
-    forward = model.decoder.forward
+    forward_batch = model.decoder.forward_batch
 
-    def spy(ids, **kw):
-        out = forward(ids, **kw)
+    def spy(work):
+        out = forward_batch(work)
+        (_, ids), = work
         calls.append((np.asarray(ids).copy(), out))
         return out
 
-    model.decoder.forward = spy
+    model.decoder.forward_batch = spy
     return calls
 
 
 def _restore(model):
-    del model.decoder.forward  # back to the class's method
+    del model.decoder.forward_batch  # back to the class's method
 
 
 def _check_reuse(model, first: list[int], second: list[int], expect_cached: int):
@@ -308,44 +311,6 @@ class ByteTokenizer:
 
     def token_to_id(self, text):
         return 7 if self.special and text == "<|im_end|>" else None
-
-
-class ScriptedDecoder:
-    """Emits a fixed byte sequence whatever the input (a stand-in for MoeDecoder, with a real one-value KV pool so
-    that prefix reuse and anchors have blocks to hold)."""
-
-    def __init__(self, script: bytes):
-        from types import SimpleNamespace
-
-        from freetoken.device import get_device
-        from freetoken.models.kv import KVPool, KVSequence
-
-        self.script, self.ctx, self.i = list(script), 1000, 0
-        self.pool = KVPool(get_device("cpu"), 1, 1, 1, 16, "f32")
-        self.kv = KVSequence(self.pool, self.pool.tokens)
-        self.cfg, self.embed = SimpleNamespace(script=bytes(script)), np.zeros((256, 1), np.float32)
-        self.experts = SimpleNamespace(formats_name=lambda: "none", last_routing=[])
-        self.seq = self  # its one sequence (a DecoderSequence's kv and length are all the reuse code takes of it)
-
-    @property
-    def length(self):
-        return self.kv.length
-
-    @length.setter
-    def length(self, n):
-        self.kv.truncate(n)
-
-    def reset(self):
-        self.kv.reset()
-
-    def forward(self, ids, last_only=False):
-        self.kv.prepare(self.kv.length, len(ids))
-        self.kv.length += len(ids)
-        tok = self.script[self.i] if self.i < len(self.script) else 0
-        self.i += 1
-        logits = np.full((len(ids), 256), -10.0, np.float32)
-        logits[-1, tok] = 10.0
-        return logits
 
 
 def test_chat_stops_at_end_of_turn_text():

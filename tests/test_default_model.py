@@ -6,7 +6,7 @@ import numpy as np
 
 import freetoken
 from freetoken.cli import main
-from freetoken.engine.generation.sampling import SamplingParams
+from freetoken.engine.decoding.sampling import SamplingParams
 from freetoken.engine.loading.load import DEFAULT_MODEL
 
 

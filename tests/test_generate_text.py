@@ -1,9 +1,9 @@
 """Streaming text: pieces are held back while they end inside a multi-byte character."""
 
-import numpy as np
+from scripted_decoder import ScriptedDecoder
 
+from freetoken.engine.decoding.sampling import SamplingParams
 from freetoken.engine.generation.generate import Model
-from freetoken.engine.generation.sampling import SamplingParams
 
 
 class ByteTokenizer:
@@ -20,28 +20,9 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
-class ScriptedDecoder:
-    """Emits a fixed byte sequence whatever the input (a stand-in for MoeDecoder)."""
-
-    def __init__(self, script: bytes, eos: int):
-        self.script, self.eos, self.length, self.ctx, self.i = list(script), eos, 0, 1000, 0
-        self.last_routing = []
-
-    def reset(self):
-        self.length, self.i = 0, 0
-
-    def forward(self, ids, last_only=False):
-        self.length += len(ids)
-        tok = self.script[self.i] if self.i < len(self.script) else self.eos
-        self.i += 1
-        logits = np.full((len(ids), 256), -10.0, np.float32)
-        logits[-1, tok] = 10.0
-        return logits
-
-
 def test_pieces_never_split_a_character():
     text = "héllo → wörld"
-    model = Model(ScriptedDecoder(text.encode(), eos=0), ByteTokenizer(), eos_ids=[0])
+    model = Model(ScriptedDecoder(text.encode(), eos=0, replay=True), ByteTokenizer(), eos_ids=[0])
     pieces = list(gen := model.generate_text("x", max_tokens=100, sampling=SamplingParams(temperature=0)))
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
@@ -49,7 +30,7 @@ def test_pieces_never_split_a_character():
 
 
 def test_max_tokens_stops():
-    model = Model(ScriptedDecoder(b"abcdef", eos=0), ByteTokenizer(), eos_ids=[0])
+    model = Model(ScriptedDecoder(b"abcdef", eos=0, replay=True), ByteTokenizer(), eos_ids=[0])
     assert "".join(model.generate_text("x", max_tokens=3, sampling=SamplingParams(temperature=0))) == "abc"
 
 
@@ -62,11 +43,11 @@ class ByteVocabTokenizer(ByteTokenizer):
 
 def test_the_stop_string_that_ended_the_text_is_reported():
     greedy = SamplingParams(temperature=0)
-    model = Model(ScriptedDecoder(b"abcdef", eos=0), ByteTokenizer(), eos_ids=[0])
+    model = Model(ScriptedDecoder(b"abcdef", eos=0, replay=True), ByteTokenizer(), eos_ids=[0])
     assert "".join(gen := model.generate_text("x", max_tokens=10, sampling=greedy, stop=["zz", "de"])) == "abc"
     assert gen.stats.finish_reason == "stop" and gen.stats.stop_sequence == "de"
     assert "".join(gen := model.generate_text("x", max_tokens=10, sampling=greedy)) == "abcdef"
     assert gen.stats.finish_reason == "stop" and gen.stats.stop_sequence is None  # the end-of-sequence token
-    model = Model(ScriptedDecoder(b"abcdef", eos=0), ByteVocabTokenizer(), eos_ids=[0])
+    model = Model(ScriptedDecoder(b"abcdef", eos=0, replay=True), ByteVocabTokenizer(), eos_ids=[0])
     assert "".join(gen := model.generate_text("x", max_tokens=10, sampling=greedy, stop=["zz", "d"])) == "abc"
     assert gen.stats.finish_reason == "stop" and gen.stats.stop_sequence == "d"

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from tiny_models import FAMILIES, make_checkpoint
 
+from freetoken.engine.decoding.sampling import SamplingParams
 from freetoken.engine.generation.generate import Model
-from freetoken.engine.generation.sampling import SamplingParams
 from freetoken.engine.loading.build import build_decoder
 from freetoken.engine.options import ExpertOptions, LoadOptions
 from freetoken.models import from_hf
@@ -143,9 +143,9 @@ def test_rollback_drops_later_snapshots(hybrid):
 
 
 def test_long_prompt_keeps_periodic_states(hybrid):
-    """A prompt of several chunks leaves a state every snapshot_every tokens (at the chunk end reaching each multiple);
-    a later prompt that departs from it midway resumes from the last one before it. Periodic snapshots go first when
-    the budget is full."""
+    """A prompt of several chunks leaves a state every snapshot_every tokens (the step loop ends a chunk at each
+    multiple); a later prompt that departs from it midway resumes from the last one before it. Periodic snapshots go
+    first when the budget is full."""
     from freetoken.device import get_device
 
     _, _, tokens, _, _ = hybrid
@@ -155,15 +155,15 @@ def test_long_prompt_keeps_periodic_states(hybrid):
     model = Model(dec)
     ids = tokens[:22].tolist()
     list(model.generate(ids, max_tokens=1, sampling=greedy, reuse_cache=True))
-    assert dec.resume_points() == [0, 9, 18, 22]  # chunk ends 3, 6, 9 (past 8), ..., 18 (past 16), the prompt's end
+    assert dec.resume_points() == [0, 8, 16, 22]  # chunks 0-3, 3-6, 6-8, 8-11, ..., 14-16, 16-19, 19-22
     other = ids[:17] + [(t + 5) % 128 for t in ids[17:]]
     got = list(gen := model.generate(other, max_tokens=3, sampling=greedy, reuse_cache=True))
-    assert gen.stats.cached_tokens == 9
+    assert gen.stats.cached_tokens == 16
     assert got == list(Model(_decoder(hybrid, get_device("cpu"))).generate(other, max_tokens=3, sampling=greedy))
     dec.max_snapshots = 2
     dec.reset()
     list(model.generate(ids, max_tokens=1, sampling=greedy))
-    assert dec.resume_points() == [0, 18, 22]  # 9 dropped first, the prompt's end kept
+    assert dec.resume_points() == [0, 16, 22]  # 8 dropped first, the prompt's end kept
 
 
 def test_message_boundaries_keep_states(hybrid):

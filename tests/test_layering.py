@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["version", "paths", "default_model", "device", "info", "formats", "cpu_kernels", "ops", "cache", "loaders",
           "trace", "policy", "sim", "models", "convert", "engine", "testing", "serve", "cli", "__main__"]
 #: The engine's rooms, bottom to top (a room may import only those before it): what a load is told, the expert
-#: runners, KV reuse (prefix cache, anchors, state snapshots), one generation (the loaded Model, sampling, grammars,
-#: chat templates, text), loading (files -> decoder + runner -> Model), the batching step loop.
-ENGINE_ROOMS = ["options", "experts", "reuse", "generation", "loading", "batching"]
+#: runners, KV reuse (prefix cache, anchors, state snapshots), one sequence's decoding (sampling, grammars, the text
+#: of a token stream, what a generation returns), the batching step loop (scheduler and sequences), the generation
+#: front (the loaded Model, a client of the step loop; chat templates), loading (files -> decoder + runner -> Model).
+ENGINE_ROOMS = ["options", "experts", "reuse", "decoding", "batching", "generation", "loading"]
 #: The model's blocks compute with ops on a device; which experts are resident, how misses are served and what a
 #: run reports belong to the engine's expert runner.
 MODELS_MAY_IMPORT = {"paths", "device", "formats", "ops", "loaders", "models"}

@@ -72,8 +72,8 @@ def test_greedy_generation_matches_transformers(checkpoint):
     from safetensors.numpy import load_file
 
     from freetoken.device import get_device
+    from freetoken.engine.decoding.sampling import SamplingParams
     from freetoken.engine.generation.generate import Model
-    from freetoken.engine.generation.sampling import SamplingParams
 
     torch, transformers = need("torch"), need("transformers")
     family, path, tokens, _ = checkpoint

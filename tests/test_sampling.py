@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from freetoken.engine.generation.sampling import Sampler, SamplingParams
+from freetoken.engine.decoding.sampling import Sampler, SamplingParams
 
 
 def test_greedy_is_argmax():

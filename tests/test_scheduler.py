@@ -68,6 +68,20 @@ def _alone(prompt: list[int], max_tokens: int) -> list[int]:
     return history[len(prompt):]
 
 
+def test_prompt_only_sequence_ends_after_its_prompt():
+    pool = _pool(16)
+    sched = Scheduler(pool, ctx=64, step_tokens=4, max_seqs=2)
+    seq = Sequence(prompt=list(range(10, 20)), max_tokens=0)
+    sched.add(seq)
+    steps = 0
+    while sched.has_work:
+        plan = sched.schedule()
+        assert not plan.sampling or plan.chunks[-1].start + len(plan.chunks[-1].ids) == 10
+        assert sched.finish_step(plan, {}) == ([seq] if plan.sampling else [])
+        steps += 1
+    assert steps == 3 and seq.output == [] and seq.finish_reason == "length" and np.all(pool.refs == 0)
+
+
 def test_one_sequence_prefills_in_chunks_then_decodes():
     pool = _pool(16)
     sched = Scheduler(pool, ctx=64, step_tokens=4, max_seqs=2)
@@ -296,5 +310,5 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="context holds 16"):
         sched.add(Sequence(prompt=list(range(17)), max_tokens=1))
     with pytest.raises(ValueError, match="max_tokens"):
-        sched.add(Sequence(prompt=[1], max_tokens=0))
+        sched.add(Sequence(prompt=[1], max_tokens=-1))
     assert not sched.has_work and np.all(pool.refs == 0)

@@ -15,8 +15,8 @@ import httpx
 import pytest
 from live_server import CTX, KEY, MODEL, Server, running_server
 
+from freetoken.engine.decoding.sampling import SamplingParams
 from freetoken.engine.generation.chat import model_template
-from freetoken.engine.generation.sampling import SamplingParams
 from freetoken.engine.reuse.anchors import FILE_SUFFIX
 
 MAX_TOKENS = 6

@@ -342,7 +342,7 @@ class _FakeModel:
         return list(range(len(text.split())))
 
     def generate_text(self, ids, max_tokens, sampling, **options):
-        from freetoken.engine.generation.generate import Generation, GenerationStats
+        from freetoken.engine.decoding.stats import Generation, GenerationStats
 
         return Generation(self._words(), GenerationStats(generated_tokens=1, finish_reason="stop"))
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from freetoken.engine.batching.step_loop import StepLoop
-from freetoken.engine.generation.sampling import SamplingParams
+from freetoken.engine.decoding.sampling import SamplingParams
 from freetoken.engine.loading.load import load
 from freetoken.models.kv import KVPool
 
@@ -114,10 +114,31 @@ def test_refusals(model):
     with pytest.raises(ValueError, match="token ids"):
         loop.submit([model.decoder.cfg.vocab_size], 4)
     with pytest.raises(ValueError, match="max_tokens"):
-        loop.submit([1, 2], 0)
+        loop.submit([1, 2], -1)
     with pytest.raises(ValueError, match="context holds"):
         loop.submit(list(np.arange(model.decoder.max_ctx + 1) % 100), 4)
     assert not loop.has_work
+
+
+def test_prompt_only_request(model):
+    """``max_tokens`` 0: the prompt runs in the step with the others (its full blocks into the prefix cache), no
+    token is sampled, and the request ends with "length" and an event without a token; its rows retired whole, the
+    next request with that prompt adopts all of them but the last token (fed again for its logits)."""
+    _small_pool(model, blocks=64)
+    ids = model.encode(TEXTS[2] + TEXTS[0])
+    assert len(ids) >= 16
+    loop = StepLoop(model, max_seqs=2)
+    warm, other = loop.submit(ids, 0), loop.submit(model.encode(TEXTS[0]), 3, GREEDY)
+    events = loop.step()
+    assert [(e.request, e.token, e.finish_reason) for e in events if e.request is warm] == [(warm, None, "length")]
+    assert warm.finished and warm.output == [] and warm.stats.generated_tokens == 0
+    assert warm.stats.finish_reason == "length" and warm.stats.prompt_tokens == len(ids)
+    loop.run()
+    assert other.output == _alone(model, model.encode(TEXTS[0]), 3)
+    again = loop.submit(ids, 2, GREEDY)
+    loop.run()
+    assert again.stats.cached_tokens == len(ids) - 1 and again.output == _alone(model, ids, 2)
+    assert _all_back(model)
 
 
 def test_prefix_reuse(model):

@@ -11,8 +11,8 @@ from tiny_models import make_checkpoint
 
 from freetoken.device import get_device
 from freetoken.engine.batching.step_loop import StepLoop
+from freetoken.engine.decoding.sampling import SamplingParams
 from freetoken.engine.generation.generate import Model
-from freetoken.engine.generation.sampling import SamplingParams
 from freetoken.engine.loading.build import build_decoder
 from freetoken.engine.options import LoadOptions
 from freetoken.models import from_hf

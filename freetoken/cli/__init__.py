@@ -33,7 +33,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from freetoken.cli.args import check_text, check_writable, context_kwargs, read_prompt_file
     from freetoken.cli.policy import apply_pinning, policy_kwargs
-    from freetoken.engine.generation.sampling import SamplingParams
+    from freetoken.engine.decoding.sampling import SamplingParams
     from freetoken.engine.loading.load import load
     from freetoken.engine.loading.memory_report import breakdown_line, memory_line, types_line
 

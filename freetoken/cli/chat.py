@@ -63,7 +63,7 @@ def _turn_stats(model, st) -> str:
 def cmd_chat(args: argparse.Namespace) -> int:
     from freetoken.cli.args import check_text, context_kwargs
     from freetoken.cli.policy import policy_kwargs
-    from freetoken.engine.generation.sampling import SamplingParams
+    from freetoken.engine.decoding.sampling import SamplingParams
     from freetoken.engine.loading.load import load
 
     # bad input fails here, before the model loads; freetoken.cli.main turns it into one line and exit code 2

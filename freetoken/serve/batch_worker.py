@@ -3,7 +3,7 @@
 A :class:`BatchWorker` is an :class:`freetoken.serve.worker.EngineWorker` whose thread drives a
 :class:`freetoken.engine.batching.step_loop.StepLoop` instead of running one job to its end: every waiting job is
 submitted as it arrives, and each step runs the decode token of every running request and chunks of the prompts being
-prefilled. A request's text goes through its own :class:`freetoken.engine.generation.text_stream.TextStream` (stop
+prefilled. A request's text goes through its own :class:`freetoken.engine.decoding.text_stream.TextStream` (stop
 strings, held-back text), its reply ends as the one-job worker's does (the same :class:`Outcome`), a job whose client
 left is dropped from the loop before the next step. Prefix reuse and anchors work as they do alone (the step loop's).
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from freetoken.engine.batching.scheduler import Status
 from freetoken.engine.batching.step_loop import Request, StepLoop
-from freetoken.engine.generation.text_stream import TextStream
+from freetoken.engine.decoding.text_stream import TextStream
 from freetoken.serve.worker import FINISH_REASONS, EngineWorker, Job, Outcome
 
 

@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from pydantic import ValidationError
 
-from freetoken.engine.generation.grammar import GrammarError
-from freetoken.engine.generation.sampling import SamplingParams
+from freetoken.engine.decoding.grammar import GrammarError
+from freetoken.engine.decoding.sampling import SamplingParams
 from freetoken.serve.errors import APIError, validation_error
 from freetoken.serve.request_body import decode_json, read_body
 from freetoken.serve.worker import Job

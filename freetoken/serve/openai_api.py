@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 from starlette.responses import JSONResponse
 
-from freetoken.engine.generation.grammar import json_schema_grammar
+from freetoken.engine.decoding.grammar import json_schema_grammar
 from freetoken.serve.errors import APIError
 from freetoken.serve.jobs import (
     begin,

@@ -42,7 +42,7 @@ from pydantic import TypeAdapter
 from sse_starlette import EventSourceResponse
 from starlette.responses import JSONResponse
 
-from freetoken.engine.generation.grammar import json_schema_grammar
+from freetoken.engine.decoding.grammar import json_schema_grammar
 from freetoken.serve.errors import APIError
 from freetoken.serve.jobs import (
     begin,

@@ -452,7 +452,7 @@ def forced_call_grammar(tools: list[dict], name: str | None = None, form: str = 
     order, the required ones present; strings as text without ``</``, other types as JSON); ``harmony`` (a
     commentary message to ``functions.NAME`` with JSON arguments: the reasoning message it might write first is
     skipped). Others: ValueError."""
-    from freetoken.engine.generation.grammar import lark_grammar, lark_json
+    from freetoken.engine.decoding.grammar import lark_grammar, lark_json
 
     fns = [t.get("function", t) for t in tools]
     chosen = [f for f in fns if name is None or f["name"] == name]
@@ -508,7 +508,7 @@ def _tagged_calls(chosen: list[dict], prefix: str, head, tail: str, name_text) -
     the forms that write each argument as ``head(key)`` + value + ``tail`` (Qwen3-Coder's, GLM's): the schema's
     properties in order, the required ones present; a string value is its text (one lexeme, which cannot hold
     ``</``), any other JSON."""
-    from freetoken.engine.generation.grammar import lark_json
+    from freetoken.engine.decoding.grammar import lark_json
 
     alternatives, rules = [], []
     for i, fn in enumerate(chosen):

@@ -20,8 +20,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from freetoken.engine.decoding.sampling import SamplingParams
 from freetoken.engine.generation.chat import model_template
-from freetoken.engine.generation.sampling import SamplingParams
 
 #: Finish reasons of :class:`freetoken.engine.generation.generate.GenerationStats` -> the OpenAI API's
 FINISH_REASONS = {"stop": "stop", "length": "length", "context": "length"}
@@ -61,7 +61,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     number: int = 0
     enqueued: float = field(default_factory=time.perf_counter)
-    constraint: object = None  # a freetoken.engine.generation.grammar.TokenConstraint the reply must follow (or None)
+    constraint: object = None  # a freetoken.engine.decoding.grammar.TokenConstraint the reply must follow (or None)
     anchor: str | None = None  # an anchor id to resume from (refused or unknown: recomputed)
     boundaries: list[int] = field(default_factory=list)  # prompt positions to make (and look up) anchors at
     task: Callable | None = None  # instead of generating: ``task(model)``, its result the "done" value
@@ -124,9 +124,9 @@ class EngineWorker:
         self._finished(job, None, None)
 
     def constraint(self, grammar: str):
-        """A fresh :class:`freetoken.engine.generation.grammar.TokenConstraint` of ``grammar`` over the model's
+        """A fresh :class:`freetoken.engine.decoding.grammar.TokenConstraint` of ``grammar`` over the model's
         tokenizer (GrammarError for a grammar llguidance refuses); the tokenizer's llguidance view is built once."""
-        from freetoken.engine.generation.grammar import TokenConstraint, grammar_tokenizer
+        from freetoken.engine.decoding.grammar import TokenConstraint, grammar_tokenizer
 
         with self._lltokenizer_lock:
             if self._lltokenizer is None:

@@ -51,7 +51,7 @@ SIMULATIONS = {
 def run_model(name: str) -> dict:
     """Prompt logits, greedy tokens, decode routing and expert statistics of one run."""
     import freetoken
-    from freetoken.engine.generation.sampling import SamplingParams
+    from freetoken.engine.decoding.sampling import SamplingParams
 
     device, kw = MODEL_RUNS[name]
     model = freetoken.load(None, device=device, **kw)

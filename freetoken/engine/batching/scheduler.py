@@ -51,8 +51,8 @@ class Sequence:
     """One request's tokens: its ``prompt``, the ``output`` sampled so far, and ``kv``, the rows written so far
     (``kv.length`` of ``tokens``: a :class:`KVSequence`, or the engine's
     :class:`freetoken.models.sequence.DecoderSequence`; anything with ``length``, ``prepare`` and ``reset``);
-    ``max_tokens`` outputs at most. ``arrival`` orders sequences (FIFO admission,
-    newest preempted first)."""
+    ``max_tokens`` outputs at most (0: the prompt only runs, for its rows; the sequence ends with ``"length"``
+    once it has). ``arrival`` orders sequences (FIFO admission, newest preempted first)."""
 
     prompt: list[int]
     max_tokens: int
@@ -159,8 +159,8 @@ class Scheduler:
             raise ValueError("a sequence needs at least one prompt token")
         if len(seq.prompt) > self.ctx:
             raise ValueError(f"the prompt has {len(seq.prompt)} tokens; the context holds {self.ctx}")
-        if seq.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {seq.max_tokens}")
+        if seq.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {seq.max_tokens}")
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
@@ -218,7 +218,8 @@ class Scheduler:
 
     def finish_step(self, plan: StepPlan, sampled: Mapping[Sequence, int]) -> list[Sequence]:
         """Account a step run as ``plan`` said: each chunk's rows are written, and each sampling sequence gets its
-        token from ``sampled``. Returns the sequences that ended (their ``finish_reason`` set, blocks given back)."""
+        token from ``sampled`` (none for a sequence of ``max_tokens`` 0: it ends once its prompt has run). Returns
+        the sequences that ended (their ``finish_reason`` set, blocks given back)."""
         ended = []
         for chunk in plan.chunks:
             seq = chunk.seq
@@ -226,6 +227,11 @@ class Scheduler:
                 continue
             seq.kv.length = chunk.start + len(chunk.ids)
             if not chunk.samples:
+                continue
+            if seq.max_tokens == 0:
+                self.running.remove(seq)
+                self._end(seq, "length")
+                ended.append(seq)
                 continue
             token = int(sampled[seq])
             seq.output.append(token)
@@ -291,6 +297,6 @@ class Scheduler:
             seq.kv = None
 
     def _end(self, seq: Sequence, reason: str) -> None:
-        self._drop_kv(seq)
-        seq.status = Status.FINISHED
+        seq.status = Status.FINISHED  # before detach: it may keep the rows of a sequence that ended
         seq.finish_reason = reason
+        self._drop_kv(seq)

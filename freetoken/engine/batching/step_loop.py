@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from freetoken.engine.batching.scheduler import Scheduler, Sequence, Status
-from freetoken.engine.generation.generate import GenerationStats
-from freetoken.engine.generation.sampling import Sampler, SamplingParams
+from freetoken.engine.decoding.sampling import Sampler, SamplingParams
+from freetoken.engine.decoding.stats import GenerationStats
 
 #: Running sequences at once unless told otherwise.
 DEFAULT_MAX_SEQS = 16
@@ -77,6 +77,11 @@ class Request:
     anchor: object = None
     boundaries: Seq[int] = ()
     stats: GenerationStats = field(default_factory=GenerationStats)
+    #: the caller's own sequence (``Model.generate``'s: the decoder's), holding the prefix its caller reused; it is
+    #: attached as it is and keeps its rows when the request ends (None: the loop makes one and retires it)
+    sequence: object = None
+    #: the prompt's full blocks go into the prefix cache once it has run
+    share: bool = True
     prompt_ran: bool = False  # its prompt has run once (the cache and anchors had what they take of it)
     #: with linear-attention layers: the states at each boundary the prompt has reached, for the anchors made there
     states_at: dict = field(default_factory=dict)
@@ -132,32 +137,44 @@ class StepLoop:
         self.stats = StepStats()
 
     def _attach(self, seq: Sequence) -> None:
-        seq.kv = self.decoder.new_sequence()
-        if self.cache is None:
-            return
         req = self.requests[seq]
+        seq.kv = self.decoder.new_sequence() if req.sequence is None else req.sequence
         if seq.preemptions:  # recomputed: whatever of it the prefix caches still hold
-            self.model.adopt_prefix(seq.kv, seq.tokens, None, (), GenerationStats())
+            if self.cache is not None:
+                self.model.adopt_prefix(seq.kv, seq.tokens, None, (), GenerationStats())
             return
         st = req.stats
-        st.cached_tokens = self.model.adopt_prefix(seq.kv, seq.prompt, req.anchor, req.boundaries, st)
-        st.prompt_tokens = len(seq.prompt) - st.cached_tokens
-        if self.recurrent and st.cached_tokens in req.boundaries:  # the anchor there takes the states at hand
-            req.states_at[st.cached_tokens] = seq.kv.export_states()
+        if self.cache is not None and req.sequence is None:
+            self.model.adopt_prefix(seq.kv, seq.prompt, req.anchor, req.boundaries, st)
+        st.cached_tokens = seq.computed
+        st.prompt_tokens = len(seq.prompt) - seq.computed
+        if self.recurrent and seq.computed in req.boundaries:  # the anchor there takes the states at hand
+            req.states_at[seq.computed] = seq.kv.export_states()
 
     def _detach(self, seq: Sequence) -> None:
+        req = self.requests.get(seq)
+        if req is not None and req.sequence is not None and seq.status is Status.FINISHED:
+            return  # the caller's own sequence keeps the rows it ran
         if self.cache is not None:
             self.model.retire_sequence(seq.kv, seq.tokens)
         seq.kv.reset()
 
     def submit(self, prompt: Iterable[int], max_tokens: int, sampling: SamplingParams | None = None,
                constraint=None, stop_ids: Collection[int] | None = None, anchor=None,
-               boundaries: Seq[int] = ()) -> Request:
+               boundaries: Seq[int] = (), sequence=None, share: bool = True,
+               stats: GenerationStats | None = None) -> Request:
         """Queue a request: ``prompt`` token ids, at most ``max_tokens`` new ones, its own ``sampling`` parameters
-        and seed, a :class:`freetoken.engine.generation.grammar.TokenConstraint` (the request ends when its grammar is
+        and seed, a :class:`freetoken.engine.decoding.grammar.TokenConstraint` (the request ends when its grammar is
         complete), ``stop_ids`` (default: the model's end-of-sequence ids), an ``anchor`` to resume from and the
-        prompt's message ``boundaries`` (see the module doc). ValueError for an empty prompt, one longer than the
-        context, or ``max_tokens`` < 1."""
+        prompt's message ``boundaries`` (see the module doc). ``max_tokens`` 0: the prompt runs (its rows, the
+        cache's share of them, its anchors) and nothing is sampled.
+
+        ``sequence``: the caller's own :class:`freetoken.models.sequence.DecoderSequence`, holding a prefix of
+        ``prompt`` that the caller reused itself (``Model.generate``: the decoder's sequence, resumed where its last
+        request left it); the request runs on it (no prefix of the cache adopted, ``anchor`` ignored) and leaves its
+        rows in it when it ends (preempted, it is emptied and recomputed like any other). ``share``: the prompt's
+        full blocks enter the prefix cache once it has run. ``stats``: the object to fill in (default a new one).
+        ValueError for an empty prompt, one longer than the context, or ``max_tokens`` < 0."""
         ids = [int(i) for i in prompt]
         vocab = self.decoder.cfg.vocab_size
         if any(not 0 <= i < vocab for i in ids):
@@ -170,7 +187,8 @@ class StepLoop:
             periodic = range(every, len(ids), every) if every > 0 else ()
             seq.cuts = tuple(sorted({*(b for b in marks if b < len(ids)), *periodic}))
         self.scheduler.add(seq)
-        req = Request(seq, Sampler(sampling, constraint), anchor, marks)
+        req = Request(seq, Sampler(sampling, constraint), anchor, marks, GenerationStats() if stats is None else stats,
+                      sequence, share)
         req.stats.prompt_tokens = len(ids)
         self.requests[seq] = req
         return req
@@ -214,19 +232,29 @@ class StepLoop:
         self.stats.record(len(plan.chunks), plan.tokens)
         if self.recurrent and self.cache is not None:
             self._keep_states(plan)
-        sampled, done = {}, []
+        sampled, done, prompt_ends = {}, [], []
         for row, chunk in enumerate(plan.chunks):
-            if chunk.samples:
-                req = self.requests[chunk.seq]
-                sampled[chunk.seq] = req.sampler(logits[row], chunk.seq.tokens)
-                constraint = req.sampler.constraint
-                if constraint is not None and constraint.finished:
-                    done.append(chunk.seq)
+            if not chunk.samples:
+                continue
+            req = self.requests[chunk.seq]
+            if not req.prompt_ran:
+                prompt_ends.append(req)
+            if chunk.seq.max_tokens == 0:  # the prompt only
+                continue
+            sampled[chunk.seq] = req.sampler(logits[row], chunk.seq.tokens)
+            constraint = req.sampler.constraint
+            if constraint is not None and constraint.finished:
+                done.append(chunk.seq)
         if self.cache is not None:
-            for seq in sampled:
-                if not self.requests[seq].prompt_ran:
-                    self._prompt_done(self.requests[seq])
-        ended = set(sch.finish_step(plan, sampled))
+            for req in prompt_ends:
+                self._prompt_done(req)
+        finished = sch.finish_step(plan, sampled)
+        for seq in finished:
+            if seq not in sampled:  # max_tokens 0: ended with its prompt, no token
+                req = self.requests.pop(seq)
+                req.stats.finish_reason = seq.finish_reason
+                events.append(StepEvent(req, None, seq.finish_reason))
+        ended = set(finished)
         for seq in done:  # a complete grammar ends its request like a stop token
             if seq not in ended:
                 sch.abort(seq, reason="stop")
@@ -259,7 +287,7 @@ class StepLoop:
         prefix has none at hand: an anchor there already is reported instead)."""
         req.prompt_ran = True
         seq, bs = req.seq, self.cache.block_size
-        if len(seq.prompt) >= bs:
+        if req.share and len(seq.prompt) >= bs:
             self.cache.insert(seq.prompt, seq.kv.kv.blocks, len(seq.prompt) // bs * bs)
         model = self.model
         for b in req.boundaries:

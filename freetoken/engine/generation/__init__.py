@@ -1,2 +1,2 @@
-"""One generation on a loaded model: :class:`.generate.Model` (prefill, decode, KV reuse for its own sequence),
-sampling, output grammars, chat templates and the text of a token stream (stop strings)."""
+"""The generation front on a loaded model: :class:`.generate.Model` (a client of the step loop for its own
+sequence, with KV reuse from request to request), chat templates (:mod:`.chat`) and perplexity."""

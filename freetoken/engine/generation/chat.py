@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from freetoken.engine.generation.generate import Generation, GenerationStats
-from freetoken.engine.generation.sampling import SamplingParams
+from freetoken.engine.decoding.sampling import SamplingParams
+from freetoken.engine.decoding.stats import Generation, GenerationStats
 
 # Used when a model has no chat template (documented in the module docstring; the CLI warns).
 CHATML_TEMPLATE = (

@@ -4,59 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from freetoken.engine.generation.sampling import Sampler, SamplingParams
-from freetoken.engine.generation.text_stream import TextStream
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0  # prompt tokens prefilled by this call
-    cached_tokens: int = 0  # prompt tokens whose K/V rows were reused from the previous call (``reuse_cache``)
-    generated_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    routing: list = field(default_factory=list)  # per decode step: expert ids per MoE layer (host arrays)
-    prefill_routing: list = field(default_factory=list)  # the prompt's expert ids per MoE layer ([T, k] each)
-    #: why generation ended: "stop" (an end-of-sequence token or a stop string), "length" (``max_tokens``),
-    #: "context" (the context is full); None while running or when the caller closed the iterator early
-    finish_reason: str | None = None
-    #: the stop string of ``generate_text`` that ended the text (None: none did, an end-of-sequence token, say)
-    stop_sequence: str | None = None
-    #: the anchor the prompt's start was restored from (its id), and why one was refused (then recomputed)
-    anchor: str | None = None
-    anchor_refused: str | None = None
-    #: ids of the anchors made at this call's ``boundaries``
-    anchors_made: list = field(default_factory=list)
-
-    @property
-    def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        """Tokens produced by decode steps (the first token comes from the prefill) per second."""
-        return max(self.generated_tokens - 1, 0) / self.decode_seconds if self.decode_seconds else 0.0
-
-
-class Generation(Iterator):
-    """One generation as it runs: iterate it for its items (token ids from :meth:`Model.generate`, text pieces from
-    :meth:`Model.generate_text`) as they come; ``stats`` (:class:`GenerationStats`) is its result, filled in as it
-    runs and final once the iteration has ended (or :meth:`close` stopped it early)."""
-
-    def __init__(self, items: Iterator, stats: GenerationStats):
-        self._items, self.stats = items, stats
-
-    def __next__(self):
-        return next(self._items)
-
-    def close(self) -> None:
-        """Stop here (the decoder keeps exactly the tokens it ran)."""
-        self._items.close()
-
+from freetoken.engine.batching.step_loop import StepLoop
+from freetoken.engine.decoding.sampling import SamplingParams
+from freetoken.engine.decoding.stats import Generation, GenerationStats
+from freetoken.engine.decoding.text_stream import TextStream
+from freetoken.models.kv import OutOfKVBlocks
 
 #: Default of :attr:`Model.restore_residency`: off, as measured (bench/bench_anchor_residency.py, bundled model on
 #: emu, 48 of 96 expert records in slots, 24 decode tokens after a side request): re-admitting the anchor's 48
@@ -94,6 +49,18 @@ class Model:
         self._prefix_cache = None
         self._state_cache = None
         self._anchors = None
+        self._step_loop = None
+        self._live = None  # the request of the generation running (or left open) in the step loop
+
+    @property
+    def step_loop(self) -> StepLoop:
+        """The step loop this model's own generations run in, one request at a time on the decoder's sequence
+        (made on first use, and anew for a new pool or prefill chunk: a step runs one chunk of the prompt). A server
+        that batches requests runs a loop of its own."""
+        loop, dec = self._step_loop, self.decoder
+        if loop is None or loop.decoder.pool is not dec.pool or loop.scheduler.step_tokens != dec.prefill_chunk:
+            self._step_loop = StepLoop(self, max_seqs=1, step_tokens=dec.prefill_chunk)
+        return self._step_loop
 
     # ---- reuse: prefix cache and anchors -------------------------------------------------------------------------
     @property
@@ -375,7 +342,7 @@ class Model:
         ``anchor``: an :class:`freetoken.engine.reuse.anchors.Anchor` (or its id) to resume from; it is verified first
         and, refused, recomputed (``stats.anchor_refused`` says why). ``boundaries``: positions in the prompt
         (message boundaries) at which anchors are made once the prompt has run (``stats.anchors_made``).
-        ``constraint``: a :class:`freetoken.engine.generation.grammar.TokenConstraint` the tokens must follow;
+        ``constraint``: a :class:`freetoken.engine.decoding.grammar.TokenConstraint` the tokens must follow;
         generation ends when its grammar is complete. ``stats``: the object to fill in (default a new one)."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
         if not ids:
@@ -383,71 +350,59 @@ class Model:
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         st = GenerationStats() if stats is None else stats
-        return Generation(self._tokens(ids, max_tokens, Sampler(sampling, constraint), record_routing, reuse_cache,
-                                       constraint, anchor, boundaries, st), st)
+        return Generation(self._tokens(ids, max_tokens, sampling, record_routing, reuse_cache, constraint, anchor,
+                                       boundaries, st), st)
 
-    def _tokens(self, ids: list[int], max_tokens: int, sampler: Sampler, record_routing: bool, reuse_cache: bool,
-                constraint, anchor, boundaries: Sequence[int], st: GenerationStats) -> Iterator[int]:
-        """:meth:`generate`'s work, its stats kept in ``st``."""
+    def _tokens(self, ids: list[int], max_tokens: int, sampling: SamplingParams | None, record_routing: bool,
+                reuse_cache: bool, constraint, anchor, boundaries: Sequence[int], st: GenerationStats) -> Iterator[int]:
+        """:meth:`generate`'s work, its stats kept in ``st``: the prompt's reusable prefix put into the decoder's own
+        sequence, then that sequence run as a request of :attr:`step_loop` (its prompt in chunks, a token a step),
+        which leaves its rows in it."""
+        loop = self.step_loop
+        if self._live is not None and not self._live.finished:  # a generation left open: it ends here
+            loop.abort(self._live)
         keep = self._reuse(ids, anchor, boundaries, st) if reuse_cache or anchor is not None else 0
         if not keep:
             self.decoder.reset()
-        st.prompt_tokens, st.cached_tokens = len(ids) - keep, keep
         self.cached_ids = ids[:keep]
-        t0 = time.perf_counter()
-        marks = sorted({int(b) for b in boundaries if 0 < int(b) <= len(ids)})
-        if self._recurrent:  # the prompt in pieces that end at its message boundaries, the states kept at each
-            states_at = {keep: self.decoder.export_states()} if keep in marks else {}
-            cut = keep
-            for b in (b for b in marks if keep < b < len(ids)):
-                self.decoder.forward(np.asarray(ids[cut:b], np.int64), last_only=True)
-                if b - cut == 1:  # a longer piece's end is kept by the forward pass itself
-                    self.decoder.snapshot()
-                cut = b
-                states_at[b] = self.decoder.export_states()  # for the anchor there: the decoder keeps only a few
-            logits = self.decoder.forward(np.asarray(ids[cut:], np.int64), last_only=True)[-1]
-            if len(ids) in marks:
-                states_at[len(ids)] = self.decoder.export_states()
-        else:
-            logits = self.decoder.forward(np.asarray(ids[keep:], np.int64), last_only=True)[-1]
-        st.prefill_seconds = time.perf_counter() - t0
-        self.cached_ids = list(ids)
-        if reuse_cache and not self._recurrent:  # the prompt's full blocks, for requests that share it meanwhile
-            bs = self.decoder.pool.block_size
-            self.prefix_cache.insert(ids, self.decoder.kv.blocks, len(ids) // bs * bs)
-        for b in marks:
-            if self._recurrent and b not in states_at:  # inside the reused prefix: no state at hand there
-                have = self.anchors.best_prefix(ids, [b])
-                if have is not None:
-                    st.anchors_made.append(have)
-                continue
-            states = states_at[b] if self._recurrent else None
-            st.anchors_made.append(self.anchors.create(self.decoder.kv, ids, b, residency=self._residency(),
-                                                       states=states).id)
-        if record_routing:
-            st.prefill_routing = [np.asarray(self.decoder.dev.to_host(r)) for r in self.experts.last_routing]
-        history = list(ids)
-        if max_tokens == 0:
-            st.finish_reason = "length"
-        for _ in range(max_tokens):
-            tok = sampler(logits, history)
-            history.append(tok)
-            st.generated_tokens += 1
-            if tok in self.eos_ids or (constraint is not None and constraint.finished):
-                st.finish_reason = "stop"
-            elif st.generated_tokens == max_tokens:
-                st.finish_reason = "length"
-            elif self.decoder.length >= self.decoder.ctx:
-                st.finish_reason = "context"
-            yield tok
-            if st.finish_reason is not None:
-                return
-            t0 = time.perf_counter()
-            logits = self.decoder.forward(np.array([tok], np.int64))[-1]
-            st.decode_seconds += time.perf_counter() - t0
-            self.cached_ids.append(tok)
-            if record_routing:
-                st.routing.append([np.asarray(self.decoder.dev.to_host(r)) for r in self.experts.last_routing])
+        req = self._live = loop.submit(ids, max_tokens, sampling, constraint, anchor=None, boundaries=boundaries,
+                                       sequence=self.decoder.seq, share=reuse_cache, stats=st)
+        prompt_routing = []
+        try:
+            while not req.finished:
+                t0 = time.perf_counter()
+                events = loop.step()
+                spent = time.perf_counter() - t0
+                event = next((e for e in events if e.request is req), None)
+                routing = self._routing() if record_routing else None
+                sampled = event is not None and event.token is not None
+                if st.generated_tokens - sampled > 0:  # the step fed a token of this generation: a decode step
+                    st.decode_seconds += spent
+                    if routing is not None:
+                        st.routing.append(routing)
+                else:
+                    st.prefill_seconds += spent
+                    if routing is not None:
+                        prompt_routing.append(routing)
+                if event is None:
+                    continue
+                if record_routing and prompt_routing:
+                    st.prefill_routing = [np.concatenate(layer) for layer in zip(*prompt_routing, strict=True)]
+                    prompt_routing = []
+                if event.finish_reason == "kv":
+                    raise OutOfKVBlocks(f"a sequence of {len(ids)} prompt tokens does not fit the KV pool "
+                                        f"({self.decoder.pool.num_blocks} blocks of {self.decoder.pool.block_size})")
+                if sampled:
+                    yield event.token
+        finally:
+            if not req.finished:  # closed early: the sequence keeps exactly the tokens it ran
+                loop.abort(req)
+            if self._live is req:  # (a generation left open and ended by a later one has no say)
+                self.cached_ids = req.seq.tokens[:self.decoder.length]
+
+    def _routing(self) -> list[np.ndarray]:
+        """The expert ids per MoE layer of the last forward pass, on the host."""
+        return [np.asarray(self.decoder.dev.to_host(r)) for r in self.experts.last_routing]
 
     def generate_text(self, prompt: str | Sequence[int], max_tokens: int = 64, sampling: SamplingParams | None = None,
                       record_routing: bool = False, reuse_cache: bool = False,

@@ -41,7 +41,7 @@ class SamplingParams:
 class Sampler:
     """Draws tokens with :class:`SamplingParams`; the same seed gives the same sequence.
 
-    ``constraint`` (a :class:`freetoken.engine.generation.grammar.TokenConstraint`): only the tokens its grammar allows
+    ``constraint`` (a :class:`freetoken.engine.decoding.grammar.TokenConstraint`): only the tokens its grammar allows
     can be drawn (the others' logits become -inf before anything else), and each drawn token advances it."""
 
     def __init__(self, params: SamplingParams | None = None, constraint=None):
