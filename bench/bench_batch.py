@@ -38,7 +38,8 @@ class StepProfile:
     routed-expert layers (``MoeMLP``: router, shared expert, routed experts), the token mixers (attention or
     DeltaNet with their projections), the rest of the forward pass (embedding, norms, head) and the host work
     around it (scheduling, sampling); and the bytes of routed experts the steps read (each layer's union of routed
-    experts x the record size), over the time in the expert layers."""
+    experts x the record size), over the time in the expert layers. Kept for every step and, apart, for the steps
+    that held decode tokens only (no prompt chunk: the batched decode step itself)."""
 
     def __init__(self, model):
         from freetoken.models import blocks
@@ -46,6 +47,9 @@ class StepProfile:
 
         self.model, self.parts = model, {"experts": 0.0, "mixers": 0.0, "forward": 0.0, "step": 0.0}
         self.expert_bytes, self.steps = 0, 0
+        self.decode = {"experts": 0.0, "mixers": 0.0, "forward": 0.0, "step": 0.0, "bytes": 0, "steps": 0,
+                       "tokens": 0}
+        self._before = dict(self.parts)
         self._patched = []
         for cls, part in ((blocks.MoeMLP, "experts"), (blocks.Attention, "mixers"), (blocks.LatentAttention, "mixers"),
                           (blocks.GatedDeltaNet, "mixers"), (MoeDecoder, "forward")):
@@ -65,24 +69,42 @@ class StepProfile:
         setattr(cls, name, timed)
         self._patched.append((cls, name, original))
 
-    def after_step(self, seconds: float) -> None:
+    def after_step(self, seconds: float, decode_only: bool = False, tokens: int = 0) -> None:
         self.parts["step"] += seconds
         self.steps += 1
         experts = self.model.experts
         record = experts.layout.record_bytes if experts.layout is not None else 0
-        for ids in experts.last_routing:
-            self.expert_bytes += len(np.unique(self.model.decoder.dev.to_host(ids))) * record
+        read = sum(len(np.unique(self.model.decoder.dev.to_host(ids))) * record for ids in experts.last_routing)
+        self.expert_bytes += read
+        if decode_only:
+            for k in ("experts", "mixers", "forward", "step"):
+                self.decode[k] += self.parts[k] - self._before[k]
+            self.decode["bytes"] += read
+            self.decode["steps"] += 1
+            self.decode["tokens"] += tokens
+        self._before = dict(self.parts)
 
     def close(self) -> None:
         for cls, name, original in reversed(self._patched):
             setattr(cls, name, original)
 
     def row(self) -> dict:
-        p, n = self.parts, max(self.steps, 1)
+        return self._row(self.parts, self.steps, self.expert_bytes)
+
+    def decode_row(self) -> dict | None:
+        """:meth:`row` over the decode-only steps (None: there was none), with their mean tokens."""
+        d = self.decode
+        if not d["steps"]:
+            return None
+        return dict(self._row(d, d["steps"], d["bytes"]), tokens=d["tokens"] / d["steps"])
+
+    @staticmethod
+    def _row(p: dict, steps: int, expert_bytes: int) -> dict:
+        n = max(steps, 1)
         return dict(step_ms=p["step"] / n * 1e3, experts_ms=p["experts"] / n * 1e3, mixers_ms=p["mixers"] / n * 1e3,
                     rest_ms=(p["forward"] - p["experts"] - p["mixers"]) / n * 1e3,
                     host_ms=(p["step"] - p["forward"]) / n * 1e3,
-                    expert_gbs=self.expert_bytes / max(p["experts"], 1e-9) / 1e9)
+                    expert_gbs=expert_bytes / max(p["experts"], 1e-9) / 1e9)
 
 
 def run(model, n: int, prompt: int, output: int, max_seqs: int, step_tokens: int | None, seed: int,
@@ -100,10 +122,13 @@ def run(model, n: int, prompt: int, output: int, max_seqs: int, step_tokens: int
     prof = StepProfile(model) if profile else None
     while loop.has_work:
         t_step = time.perf_counter()
+        steps_before, tokens_before = loop.stats.steps, loop.stats.tokens
         events = loop.step()
         now = time.perf_counter()
-        if prof is not None:
-            prof.after_step(now - t_step)
+        if prof is not None and loop.stats.steps > steps_before:
+            tokens = loop.stats.tokens - tokens_before
+            decode_only = tokens == len(events) and all(ev.token is not None for ev in events)
+            prof.after_step(now - t_step, decode_only, tokens)
         for ev in events:
             if ev.token is not None:
                 first.setdefault(id(ev.request), now)
@@ -116,7 +141,8 @@ def run(model, n: int, prompt: int, output: int, max_seqs: int, step_tokens: int
     per = [(len(r.output) - 1) / (last[id(r)] - first[id(r)]) for r in reqs if last[id(r)] > first[id(r)]]
     return dict(n=n, tokens=tokens, wall=wall, agg=tokens / wall, per=float(np.mean(per)) if per else 0.0,
                 ttft50=float(np.percentile(ttft, 50)), ttft99=float(np.percentile(ttft, 99)), steps=loop.steps,
-                mean_step=loop.stats.tokens / max(loop.stats.steps, 1), profile=prof.row() if prof else None)
+                mean_step=loop.stats.tokens / max(loop.stats.steps, 1), profile=prof.row() if prof else None,
+                decode_profile=prof.decode_row() if prof else None)
 
 
 def run_llama(path: str, n: int, prompt: int, output: int, seed: int, threads: int, repack: bool) -> dict:
@@ -267,6 +293,15 @@ def main():
             p = r["profile"]
             print(f"| {r['n']} | {p['step_ms']:.2f} | {p['experts_ms']:.2f} | {p['mixers_ms']:.2f} | "
                   f"{p['rest_ms']:.2f} | {p['host_ms']:.2f} | {p['expert_gbs']:.1f} |")
+        print("\nThe decode-only steps (every running stream's token, no prompt chunk), ms per step:")
+        print("| streams | tokens/step | steps | step | expert layers | token mixers | rest of the pass | host | "
+              "expert GB/s |")
+        print("|---" * 9 + "|")
+        for r in rows:
+            d = r["decode_profile"]
+            if d is not None:
+                print(f"| {r['n']} | {d['tokens']:.1f} | {r['steps']} | {d['step_ms']:.2f} | {d['experts_ms']:.2f} | "
+                      f"{d['mixers_ms']:.2f} | {d['rest_ms']:.2f} | {d['host_ms']:.2f} | {d['expert_gbs']:.1f} |")
 
 
 if __name__ == "__main__":
