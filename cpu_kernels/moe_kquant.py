@@ -56,13 +56,14 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from freetoken.device.simd import simd_level, target_features
+from freetoken.formats.table import KERNEL_CODES
 
-# Format codes of the expert kernels (freetoken.cpu_kernels.moe_rows.FORMAT_CODES), also the dense products' kinds.
-FMT_Q8_0 = 5
-FMT_Q4_K = 6
-FMT_Q5_K = 7
-FMT_Q6_K = 8
-FMT_IQ4_XS = 9
+# Format codes of the expert kernels (the format table's, freetoken.formats.table), also the dense products' kinds.
+FMT_Q8_0 = KERNEL_CODES["q8_0"]
+FMT_Q4_K = KERNEL_CODES["q4_k"]
+FMT_Q5_K = KERNEL_CODES["q5_k"]
+FMT_Q6_K = KERNEL_CODES["q6_k"]
+FMT_IQ4_XS = KERNEL_CODES["iq4_xs"]
 KQUANT_CODES = {"q8_0": FMT_Q8_0, "q4_k": FMT_Q4_K, "q5_k": FMT_Q5_K, "q6_k": FMT_Q6_K, "iq4_xs": FMT_IQ4_XS}
 #: (weights, header bytes, quant bytes) of one block, by format code.
 GEOMETRY = {FMT_Q8_0: (32, 2, 32), FMT_Q4_K: (256, 16, 128), FMT_Q5_K: (256, 16, 160), FMT_Q6_K: (256, 18, 192),

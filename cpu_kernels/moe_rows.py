@@ -17,7 +17,7 @@ import ml_dtypes
 import numba as nb
 import numpy as np
 from freetoken.cpu_kernels.moe_fp8 import fp8_dot1, fp8_dot2, fp8_dot4
-from freetoken.cpu_kernels.moe_kquant import FMT_Q8_0, KQUANT_CODES, kq_dot1, kq_dot1x2, kq_dot2, kq_dot4
+from freetoken.cpu_kernels.moe_kquant import FMT_Q8_0, kq_dot1, kq_dot1x2, kq_dot2, kq_dot4
 from freetoken.cpu_kernels.moe_memory import addr, load_f32, load_u16
 from freetoken.cpu_kernels.moe_nibble import (
     mx_dot1,
@@ -34,15 +34,16 @@ from freetoken.cpu_kernels.moe_nibble import (
     q4_dot4,
 )
 
+from freetoken.formats.table import KERNEL_CODES
+
 # Format codes of the kernels (mxfp4 and ds_fp4 share banks and kernel; the GGUF block formats' codes, FMT_Q8_0 and
 # up, come from freetoken.cpu_kernels.moe_kquant: every code >= FMT_Q8_0 is one of its formats).
-FMT_BF16 = 0
-FMT_FP8_BLOCK = 1
-FMT_NVFP4 = 2
-FMT_MXFP4 = 3
-FMT_Q4_0 = 4
-FORMAT_CODES = {"bf16": FMT_BF16, "fp8_block": FMT_FP8_BLOCK, "nvfp4": FMT_NVFP4, "mxfp4": FMT_MXFP4,
-                "ds_fp4": FMT_MXFP4, "q4_0": FMT_Q4_0, **KQUANT_CODES}
+FMT_BF16 = KERNEL_CODES["bf16"]
+FMT_FP8_BLOCK = KERNEL_CODES["fp8_block"]
+FMT_NVFP4 = KERNEL_CODES["nvfp4"]
+FMT_MXFP4 = KERNEL_CODES["mxfp4"]
+FMT_Q4_0 = KERNEL_CODES["q4_0"]
+FORMAT_CODES = KERNEL_CODES
 #: Formats whose K order is block split relative to the elements (token vectors and h permuted).
 SPLIT_FORMATS = (FMT_NVFP4, FMT_MXFP4)
 

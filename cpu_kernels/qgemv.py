@@ -50,6 +50,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from freetoken.formats.table import DENSE_BLOCKS
+
 __all__ = ["KQUANT_BLOCK_BYTES", "QTILE_ROWS", "dequantize_rows", "qmatmul_into"]
 
 #: Block rows per tile of the many-token product (decoded once into a float32 buffer of the thread, then used
@@ -57,7 +59,7 @@ __all__ = ["KQUANT_BLOCK_BYTES", "QTILE_ROWS", "dequantize_rows", "qmatmul_into"
 QTILE_ROWS = PANEL_ROWS
 
 #: The k-quant storages: bytes per GGUF super-block of 256 weights.
-KQUANT_BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210, "iq4_xs": 136}
+KQUANT_BLOCK_BYTES = {name: nbytes for name, (weights, nbytes) in DENSE_BLOCKS.items() if weights == 256}
 # Kernel codes of the storages: q8_0 and q4_0 (32-weight blocks, decoded here), the k-quants (their expert format
 # codes, decoded by freetoken.cpu_kernels.moe_kquant).
 _Q8_0, _Q4_0 = 0, 1

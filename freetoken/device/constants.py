@@ -37,7 +37,8 @@ def activation_code(act: str) -> int:
         raise ValueError(f"unknown activation {act!r}; choose one of {', '.join(ACTIVATIONS)}")
     return ACTIVATIONS[act]
 
-#: Kernel-family format codes (the template argument of the expert kernels, cuda/moe_common.cuh).
+#: Kernel-family format codes (the template argument of the expert kernels, cuda/moe_common.cuh; the Numba kernels'
+#: fmt argument): the one definition. Which formats each family reads: freetoken.formats.table.
 FORMAT_CODES = {"bf16": 0, "fp8_block": 1, "nvfp4": 2, "mxfp4": 3, "q4_0": 4, "q8_0": 5, "q4_k": 6, "q5_k": 7,
                 "q6_k": 8, "iq4_xs": 9}
 

@@ -1,6 +1,7 @@
 """Expert weight formats, looked up by name: ``freetoken.formats.get("q4_0")``.
 
-See :mod:`freetoken.formats.base` for the bank layout every kernel reads.
+See :mod:`freetoken.formats.base` for the bank layout every kernel reads, and :mod:`freetoken.formats.table` for the
+one row per format every per-format table is derived from.
 """
 
 from __future__ import annotations
@@ -8,10 +9,7 @@ from __future__ import annotations
 import importlib
 
 from freetoken.formats.base import ALIGNMENT, MATRICES, BankSpec, ExpertFormat, RecordLayout
-
-NAMES = ("bf16", "fp8_block", "nvfp4", "mxfp4", "ds_fp4", "q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs")
-#: The GGUF block formats kept as the file stores them (lossless byte moves: ``from_gguf`` / ``to_gguf``).
-GGUF_NAMES = ("q4_0", "mxfp4", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs")
+from freetoken.formats.table import GGUF_NAMES, NAMES
 
 
 def get(name: str) -> ExpertFormat:

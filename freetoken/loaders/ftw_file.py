@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from freetoken.formats.table import FTW_CODES
 from freetoken.loaders.errors import LoadError
 
 MAGIC = b"FTWF"
@@ -40,9 +41,9 @@ RECORD_FIELDS = struct.Struct("<4sHHHHIIQ")
 #: The record header: its fields, zeros to byte 48, then the xxh3-128 of bytes 0-48 and the payload.
 RECORD_HEADER_BYTES = 64
 _CHECKSUM_AT = 48
-#: Stable codes of the expert formats in record headers (never renumbered; new formats take new codes).
-FORMAT_CODES = {"bf16": 1, "fp8_block": 2, "nvfp4": 3, "mxfp4": 4, "ds_fp4": 5, "q4_0": 6, "q8_0": 7, "q4_k": 8,
-                "q5_k": 9, "q6_k": 10, "iq4_xs": 11}
+#: Stable codes of the expert formats in record headers (never renumbered; new formats take new codes): a column
+#: of the format table.
+FORMAT_CODES = FTW_CODES
 FORMAT_NAMES = {v: k for k, v in FORMAT_CODES.items()}
 #: Float storages of non-expert tensors and their NumPy dtypes (bf16 as uint16 bits).
 FLOAT_STORAGES = {"bf16": np.dtype(np.uint16), "f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}

@@ -21,6 +21,7 @@ from gguf.constants import GGML_QUANT_SIZES, MODEL_ARCH_NAMES, GGMLQuantizationT
 from gguf.quants import dequantize as gguf_dequantize
 
 from freetoken.formats import MATRICES
+from freetoken.formats.table import GGML_EXPERT_FORMATS
 from freetoken.loaders.errors import LoadError
 
 #: Every architecture name gguf-py knows ("llama", "qwen3moe", "deepseek2", "gpt-oss", ...).
@@ -34,8 +35,7 @@ PLAIN_TYPES: dict[GGMLQuantizationType, np.dtype] = {
     _T.I64: np.dtype("<i8"),
 }
 #: ggml types of expert tensors that :meth:`GGUFFile.expert_banks` converts, and the format they become.
-EXPERT_FORMATS = {_T.Q4_0: "q4_0", _T.MXFP4: "mxfp4", _T.Q8_0: "q8_0", _T.Q4_K: "q4_k", _T.Q5_K: "q5_k",
-                  _T.Q6_K: "q6_k", _T.IQ4_XS: "iq4_xs"}
+EXPERT_FORMATS = {_T[ggml]: name for ggml, name in GGML_EXPERT_FORMATS.items()}
 
 #: Fixed 4-byte magic, 4-byte version, 8-byte tensor count, 8-byte kv count.
 _MIN_HEADER = 24

@@ -49,6 +49,7 @@ import numpy as np
 
 from freetoken.formats import MATRICES, RecordLayout
 from freetoken.formats.parts import ExpertParts
+from freetoken.formats.table import ROWS as FORMAT_ROWS
 from freetoken.loaders.errors import LoadError
 from freetoken.models.config import ModelConfig
 from freetoken.models.qmatrix import QuantizedMatrix, from_hf_fp8
@@ -751,7 +752,7 @@ class GGUFWeights(Weights):
         return np.ascontiguousarray(w)
 
     #: ggml type -> QuantizedMatrix kind of the matrices kept quantized.
-    QUANTIZED = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "IQ4_XS": "iq4_xs"}
+    QUANTIZED = {r.ggml: r.name for r in FORMAT_ROWS if r.dense}
 
     def quantized_kind(self, key: str, layer: int | None = None) -> str | None:
         if key == "kv_b_proj" and not self.has(key, layer):

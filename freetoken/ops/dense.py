@@ -18,14 +18,14 @@ from __future__ import annotations
 import numpy as np
 
 from freetoken.device.constants import DENSE_MAX_TOKENS, DENSE_WARPS
+from freetoken.formats.table import DENSE_BLOCKS
 from freetoken.ops._common import as_input, check_int32, cpu_module, cuda_kernel, into_out, prepare_out, resolve
 
 #: The most tokens one call takes (FT_DENSE_MAX_T in dense.cu).
 MAX_TOKENS = DENSE_MAX_TOKENS
 _WARPS_PER_BLOCK = DENSE_WARPS  # FT_DENSE_WARPS in dense.cu: one warp per output row
 #: The GGUF block storages: (weights, bytes) per block (a row of K weights is K / weights blocks).
-GGUF_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
-               "iq4_xs": (256, 136)}
+GGUF_BLOCKS = DENSE_BLOCKS
 #: The weight dtype of each storage.
 STORAGE_DTYPES = {"bf16": np.dtype(np.uint16), "f16": np.dtype(np.float16), "f32": np.dtype(np.float32),
                   **{g: np.dtype(np.uint8) for g in GGUF_BLOCKS}, "fp8_block": np.dtype(np.uint8)}

@@ -26,6 +26,7 @@ from freetoken.device.constants import (
 )
 from freetoken.device.simd import ACTIVATIONS
 from freetoken.formats import MATRICES, RecordLayout
+from freetoken.formats.table import KERNEL_FAMILY
 from freetoken.ops._common import as_input, check_int32, cpu_module, cuda_kernel, prepare_out, resolve
 
 # TILE_M (pairs per prefill tile), DECODE_ROWS / PREFILL_ROWS (output rows per block), DECODE_MAX_TOKENS (mode="auto"
@@ -33,9 +34,6 @@ from freetoken.ops._common import as_input, check_int32, cpu_module, cuda_kernel
 __all__ = ["DECODE_MAX_TOKENS", "DECODE_ROWS", "EXPERT_BANKS", "KERNEL_FAMILY", "PLAN", "PREFILL_ROWS", "TILE_M",
            "MoeWorkspace", "moe_experts"]
 
-#: Kernel family of each format (ds_fp4 experts are OCP MXFP4 with row-major packing).
-KERNEL_FAMILY = {"bf16": "bf16", "fp8_block": "fp8_block", "nvfp4": "nvfp4", "mxfp4": "mxfp4", "ds_fp4": "mxfp4",
-                 "q4_0": "q4_0", "q8_0": "q8_0", "q4_k": "q4_k", "q5_k": "q5_k", "q6_k": "q6_k", "iq4_xs": "iq4_xs"}
 
 
 

@@ -1,4 +1,5 @@
-"""Generation: a decoder, a tokenizer and a sampler; tokens stream out as they come."""
+"""Generation on a loaded model: the decoder's own sequence, reused from call to call, run as a request of the
+model's step loop (:mod:`freetoken.engine.batching.step_loop`); tokens stream out as they come."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ RESTORE_RESIDENCY = False
 
 
 class Model:
-    """A loaded model: ``logits(ids)`` and ``generate(prompt, ...)``.
+    """A loaded model: ``logits(ids)`` and ``generate(prompt, ...)`` (run in :attr:`step_loop`, on the decoder's own
+    sequence).
 
     ``cached_ids`` are the token ids whose K/V rows the decoder holds (rows ``[0, decoder.length)``).
     ``generate(..., reuse_cache=True)`` reuses the longest prefix of the new prompt whose K/V rows are still in the
