@@ -41,6 +41,7 @@ from freetoken.convert.atomic import atomic_output
 from freetoken.formats import MATRICES
 from freetoken.loaders.errors import LoadError
 from freetoken.models.config import HYBRID_FAMILIES, ModelConfig
+from freetoken.models.families import GGUF_WRITES
 from freetoken.models.weights import (
     GGUF_TILED_V_ARCH,
     HFWeights,
@@ -49,10 +50,8 @@ from freetoken.models.weights import (
     tiled_v_order,
 )
 
-#: freetoken family -> GGUF architecture.
-ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
-         "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss", "deepseek_v3": "deepseek2",
-         "deepseek_v2": "deepseek2", "qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe"}
+#: freetoken family -> GGUF architecture (the family table's, :mod:`freetoken.models.families`).
+ARCHS = GGUF_WRITES
 #: qwen35moe's ``{arch}.rope.dimension_sections`` when the checkpoint names no ``mrope_section`` (the converter's).
 QWEN35_ROPE_SECTIONS = (11, 11, 10, 0)
 #: Types a non-expert matrix can be written in (norms, biases and routers always stay F32).

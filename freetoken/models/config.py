@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from freetoken.models.families import BY_NAME as FAMILY_ROWS
+from freetoken.models.families import GGUF_READS, HYBRID, MODEL_TYPES
 from freetoken.models.fields import (
     MAX_EXPERTS,
     MAX_HEAD_DIM,
@@ -35,13 +37,10 @@ from freetoken.models.fields import (
     Fields,
 )
 
-#: model_type -> family name used by freetoken.
-FAMILIES = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "olmoe": "olmoe",
-            "glm4_moe": "glm4_moe", "gpt_oss": "gpt_oss", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3",
-            "deepseek_v2": "deepseek_v2", "qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_5_moe",
-            "qwen3_5_moe_text": "qwen3_5_moe"}
+#: model_type -> family name used by freetoken (the family table's, :mod:`freetoken.models.families`).
+FAMILIES = MODEL_TYPES
 #: Families whose layers mix Gated DeltaNet linear attention with gated full attention (``layer_types``).
-HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe")
+HYBRID_FAMILIES = HYBRID
 #: Layer kinds of ``ModelConfig.layer_types``.
 LAYER_TYPES = ("full_attention", "linear_attention")
 
@@ -500,14 +499,7 @@ def _checked(where: str, make) -> ModelConfig:
 
 
 #: GGUF ``general.architecture`` -> family (``llama`` with experts is Mixtral's layout in llama.cpp).
-GGUF_FAMILIES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "olmoe": "olmoe",
-                 "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss", "deepseek2": "deepseek_v3", "qwen3next": "qwen3_next",
-                 "qwen35moe": "qwen3_5_moe"}
-#: Whether llama.cpp renormalises the top-k router weights of each family when ``{arch}.expert_weights_norm`` is
-#: absent (it hard-codes this per architecture; glm4moe reads the key, default false).
-_GGUF_NORM_TOPK = {"qwen3_moe": True, "qwen2_moe": False, "mixtral": True, "olmoe": False, "glm4_moe": False,
-                   "gpt_oss": True, "deepseek_v3": False, "deepseek_v2": False, "qwen3_next": True,
-                   "qwen3_5_moe": True}
+GGUF_FAMILIES = GGUF_READS
 #: llama.cpp's ``{arch}.expert_gating_func`` values (enum llama_expert_gating_func_type).
 _GATING_NONE, _GATING_SOFTMAX, _GATING_SIGMOID = 0, 1, 2
 
@@ -753,7 +745,7 @@ def from_gguf(gf) -> ModelConfig:
         num_experts=experts, top_k=m.int(f"{arch}.expert_used_count", hi=experts),
         moe_inter=m.whole("ffn_gate_exps rows", int(moe_inter), 1, MAX_INTERMEDIATE),
         dense_inter=m.whole("ffn_gate rows", int(dense_inter), 0, MAX_INTERMEDIATE),
-        norm_topk_prob=m.bool(f"{arch}.expert_weights_norm", _GGUF_NORM_TOPK[family]),
+        norm_topk_prob=m.bool(f"{arch}.expert_weights_norm", FAMILY_ROWS[family].gguf_norm_topk),
         rms_eps=m.float(f"{arch}.attention.layer_norm_rms_epsilon", default=1e-6, hi=0.5),
         rope_theta=m.float(f"{arch}.rope.freq_base", default=1e4),
         rope_scaling=rope_scaling,
