@@ -71,6 +71,7 @@ fi
 
 step "2c. launch overhead (bench/launch_overhead.py)"
 timeout 40 $PY bench/launch_overhead.py 2>&1 | tee "$OUT/launch_overhead.txt"
+timeout 40 $PY bench/launch_overhead.py --step 2>&1 | tee -a "$OUT/launch_overhead.txt"
 
 step "3. end to end (bench/gpu_model_check.py)"
 timeout $(( $(left) > 150 ? $(left) - 90 : 30 )) tail --pid=$WARM -f /dev/null

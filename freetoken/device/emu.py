@@ -10,7 +10,7 @@ import ctypes
 import os
 from collections.abc import Sequence
 
-from freetoken.device import emu_build
+from freetoken.device import emu_build, launches
 from freetoken.device.args import normalize_dims, pack_args
 from freetoken.device.cpu import HostDevice, host_pointer
 
@@ -63,6 +63,7 @@ class EmuFunction:
         g = normalize_dims(grid, "grid", self.name)
         b = normalize_dims(block, "block", self.name)
         packed = pack_args(self.name, args, host_pointer)
+        launches.record(self.name)
         err = ctypes.create_string_buffer(2048)
         la = _LaunchArgs(
             (ctypes.c_uint32 * 3)(*g), (ctypes.c_uint32 * 3)(*b), int(shared_mem), emu_workers(), len(args),

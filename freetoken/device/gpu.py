@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from freetoken.device import nvrtc
+from freetoken.device import launches, nvrtc
 from freetoken.device.args import normalize_dims, pack_args
 from freetoken.device.base import Device, PinnedArray, rows_contiguous
 
@@ -50,6 +50,7 @@ class GpuFunction:
         g = normalize_dims(grid, "grid", self.name)
         b = normalize_dims(block, "block", self.name)
         packed = pack_args(self.name, args, self.module.device.pointer_of)
+        launches.record(self.name)
         if shared_mem > _STATIC_SMEM_LIMIT and shared_mem > self._smem_opt_in:
             self._driver.funcSetAttribute(self.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(shared_mem))
             self._smem_opt_in = int(shared_mem)
