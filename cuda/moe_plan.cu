@@ -4,14 +4,16 @@
 //   moe_plan_count   counts[slot] += 1 for every pair          (counts zeroed by the caller; FT_NO_ROUTE pairs skipped)
 //   moe_plan_scan    one block: offsets per slot, the unique slots in increasing order, prefill tiles
 //   moe_plan_scatter pair_list[offset[slot] + cursor[slot]++] = pair
+//   moe_plan_block   all three (and the zeroing of counts) in one block: one launch instead of four for the few
+//                    pairs of a decode step (freetoken.ops.moe_experts.PLAN_BLOCK_MAX_PAIRS), the same outputs
 // The order of pairs within one slot depends on timing, but every pair's output is computed alone and written
 // to its own row, so results do not. moe_combine sums each token's k outputs in j order (deterministic).
 #include "common.cuh"
 
-extern "C" __global__ void moe_plan_count(const int* __restrict__ ids, int pairs, int slots, int* __restrict__ counts,
-                                          int* __restrict__ bad_id) {
-  const int p = blockIdx.x * blockDim.x + threadIdx.x;
-  if (p >= pairs) return;
+namespace {
+
+__device__ __forceinline__ void count_pair(const int* __restrict__ ids, int p, int slots, int* __restrict__ counts,
+                                           int* __restrict__ bad_id) {
   const int s = ids[p];
   if (s >= 0 && s < slots) {
     atomicAdd(&counts[s], 1);
@@ -20,12 +22,20 @@ extern "C" __global__ void moe_plan_count(const int* __restrict__ ids, int pairs
   }
 }
 
-// One block of up to 1024 threads (a multiple of 32). Each thread owns a contiguous range of slots.
-extern "C" __global__ void __launch_bounds__(1024) moe_plan_scan(
-    const int* __restrict__ counts, int slots, int tile_m, int* __restrict__ slot_off, int* __restrict__ cursor,
-    int* __restrict__ n_unique, int* __restrict__ unique_slot, int* __restrict__ unique_off, int* __restrict__ n_tiles,
-    int* __restrict__ tile_unique, int* __restrict__ tile_start) {
-  __shared__ int sums[3][1024];
+__device__ __forceinline__ void scatter_pair(const int* __restrict__ ids, int p, int slots,
+                                             const int* __restrict__ slot_off, int* __restrict__ cursor,
+                                             int* __restrict__ pair_list) {
+  const int s = ids[p];
+  if (s < 0 || s >= slots) return;
+  pair_list[slot_off[s] + atomicAdd(&cursor[s], 1)] = p;
+}
+
+// The scan of one block of up to 1024 threads (a multiple of 32), each owning a contiguous range of slots; ``sums``
+// is the block's shared [3][1024] scratch. Ends with every thread's writes done (the caller syncs before reading).
+__device__ void scan_counts(int (*sums)[1024], const int* __restrict__ counts, int slots, int tile_m,
+                            int* __restrict__ slot_off, int* __restrict__ cursor, int* __restrict__ n_unique,
+                            int* __restrict__ unique_slot, int* __restrict__ unique_off, int* __restrict__ n_tiles,
+                            int* __restrict__ tile_unique, int* __restrict__ tile_start) {
   const int tid = threadIdx.x, nt = blockDim.x;
   const int per = (slots + nt - 1) / nt;
   const int lo = min(slots, tid * per), hi = min(slots, lo + per);
@@ -78,14 +88,47 @@ extern "C" __global__ void __launch_bounds__(1024) moe_plan_scan(
   }
 }
 
+}  // namespace
+
+extern "C" __global__ void moe_plan_count(const int* __restrict__ ids, int pairs, int slots, int* __restrict__ counts,
+                                          int* __restrict__ bad_id) {
+  const int p = blockIdx.x * blockDim.x + threadIdx.x;
+  if (p < pairs) count_pair(ids, p, slots, counts, bad_id);
+}
+
+// One block of up to 1024 threads (a multiple of 32). Each thread owns a contiguous range of slots.
+extern "C" __global__ void __launch_bounds__(1024) moe_plan_scan(
+    const int* __restrict__ counts, int slots, int tile_m, int* __restrict__ slot_off, int* __restrict__ cursor,
+    int* __restrict__ n_unique, int* __restrict__ unique_slot, int* __restrict__ unique_off, int* __restrict__ n_tiles,
+    int* __restrict__ tile_unique, int* __restrict__ tile_start) {
+  __shared__ int sums[3][1024];
+  scan_counts(sums, counts, slots, tile_m, slot_off, cursor, n_unique, unique_slot, unique_off, n_tiles, tile_unique,
+              tile_start);
+}
+
 extern "C" __global__ void moe_plan_scatter(const int* __restrict__ ids, int pairs, int slots,
                                             const int* __restrict__ slot_off, int* __restrict__ cursor,
                                             int* __restrict__ pair_list) {
   const int p = blockIdx.x * blockDim.x + threadIdx.x;
-  if (p >= pairs) return;
-  const int s = ids[p];
-  if (s < 0 || s >= slots) return;
-  pair_list[slot_off[s] + atomicAdd(&cursor[s], 1)] = p;
+  if (p < pairs) scatter_pair(ids, p, slots, slot_off, cursor, pair_list);
+}
+
+// count, scan and scatter in one block (the launch shape of moe_plan_scan), counts and bad_id zeroed here first.
+extern "C" __global__ void __launch_bounds__(1024) moe_plan_block(
+    const int* __restrict__ ids, int pairs, int slots, int tile_m, int* __restrict__ counts, int* __restrict__ bad_id,
+    int* __restrict__ slot_off, int* __restrict__ cursor, int* __restrict__ n_unique, int* __restrict__ unique_slot,
+    int* __restrict__ unique_off, int* __restrict__ n_tiles, int* __restrict__ tile_unique,
+    int* __restrict__ tile_start, int* __restrict__ pair_list) {
+  __shared__ int sums[3][1024];
+  for (int s = threadIdx.x; s < slots; s += blockDim.x) counts[s] = 0;
+  if (threadIdx.x == 0) *bad_id = 0;
+  __syncthreads();
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x) count_pair(ids, p, slots, counts, bad_id);
+  __syncthreads();
+  scan_counts(sums, counts, slots, tile_m, slot_off, cursor, n_unique, unique_slot, unique_off, n_tiles, tile_unique,
+              tile_start);
+  __syncthreads();
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x) scatter_pair(ids, p, slots, slot_off, cursor, pair_list);
 }
 
 // y[t, c] = sum_j weights[t, j] * o[(t * k + j), c], j in order; pairs with an invalid id (FT_NO_ROUTE: routed to

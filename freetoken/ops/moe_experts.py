@@ -34,7 +34,9 @@ from freetoken.ops._common import as_input, check_int32, cpu_module, cuda_kernel
 __all__ = ["DECODE_MAX_TOKENS", "DECODE_ROWS", "EXPERT_BANKS", "KERNEL_FAMILY", "PLAN", "PREFILL_ROWS", "TILE_M",
            "MoeWorkspace", "moe_experts"]
 
-
+#: Routed pairs up to which the plan is one launch (``moe_plan_block``: count, scan and scatter in one block; a
+#: decode step's pairs) instead of three over as many blocks as the pairs need.
+PLAN_BLOCK_MAX_PAIRS = 1024
 
 
 def _bank_struct(dev, layout: RecordLayout, banks: dict) -> np.void:
@@ -175,8 +177,8 @@ def _prepared_cpu_banks(banks: dict, layout: RecordLayout, trusted: bool = False
 class MoeWorkspace:
     """The routing plan's and the expert kernels' buffers for calls of up to ``max_pairs`` (token, expert) pairs
     over one set of slot banks, allocated once (the decode loop reuses them every layer and step), with the plan
-    and bank structs built once. A call then launches kernels only (plus one memset of the counters): nothing is
-    allocated or copied from the host, as a captured CUDA graph requires."""
+    and bank structs built once. A call then launches kernels only (plus, for a plan of many pairs, one memset of the
+    counters): nothing is allocated or copied from the host, as a captured CUDA graph requires."""
 
     def __init__(self, dev, layout: RecordLayout, banks: dict, max_pairs: int):
         xp, i32 = dev.xp, np.int32
@@ -209,6 +211,34 @@ class MoeWorkspace:
             self.bad.fill(0)
         self._fresh = False
 
+    def counters_used(self) -> None:
+        """The counters are written by a kernel that zeroes them first (``moe_plan_block``)."""
+        self._fresh = False
+
+
+def plan_pairs(dev, ids, pairs: int, slots: int, ws, one_block: bool | None = None) -> None:
+    """Group the (token, k) pairs of ``ids`` (int32 slot ids, ``FT_NO_ROUTE`` skipped) by slot into the plan buffers
+    of ``ws`` (a :class:`MoeWorkspace`; ``cuda/moe_plan.cu``): one launch of ``moe_plan_block`` up to
+    :data:`PLAN_BLOCK_MAX_PAIRS` pairs (or as ``one_block`` says), else count, scan and scatter after one memset of
+    the counters. Both give the same plan."""
+    one_block = pairs <= PLAN_BLOCK_MAX_PAIRS if one_block is None else one_block
+    i32 = np.int32
+    np_pairs, np_slots = check_int32("pairs", pairs), check_int32("slots", slots)
+    scan_threads = min(1024, 32 * -(-slots // 32))
+    tail = (ws.slot_off, ws.cursor, ws.n_unique, ws.unique_slot, ws.unique_off, ws.n_tiles, ws.tile_unique,
+            ws.tile_start)
+    if one_block:  # it zeroes the counters itself
+        ws.counters_used()
+        cuda_kernel(dev, "moe_plan.cu", "moe_plan_block")(
+            (1,), (scan_threads,), (ids, np_pairs, np_slots, i32(TILE_M), ws.counts, ws.bad, *tail, ws.pair_list))
+        return
+    ws.reset_counters()
+    grid_pairs = (-(-pairs // 256),)
+    cuda_kernel(dev, "moe_plan.cu", "moe_plan_count")(grid_pairs, (256,), (ids, np_pairs, np_slots, ws.counts, ws.bad))
+    cuda_kernel(dev, "moe_plan.cu", "moe_plan_scan")((1,), (scan_threads,), (ws.counts, np_slots, i32(TILE_M), *tail))
+    cuda_kernel(dev, "moe_plan.cu", "moe_plan_scatter")(
+        grid_pairs, (256,), (ids, np_pairs, np_slots, ws.slot_off, ws.cursor, ws.pair_list))
+
 
 def _run_cuda(dev, x, xk, ids, weights, banks, layout, code, mode, slots, y, validate, ws: MoeWorkspace):
     tokens, hidden = x.shape
@@ -217,21 +247,10 @@ def _run_cuda(dev, x, xk, ids, weights, banks, layout, code, mode, slots, y, val
     pairs = tokens * k
     max_tiles = -(-pairs // TILE_M) + min(pairs, slots)
     i32 = np.int32
-    ws.reset_counters()
-    counts, bad = ws.counts, ws.bad
-    slot_off, cursor, n_unique, unique_slot = ws.slot_off, ws.cursor, ws.n_unique, ws.unique_slot
-    unique_off, n_tiles, tile_unique, tile_start = ws.unique_off, ws.n_tiles, ws.tile_unique, ws.tile_start
-    pair_list, h, o = ws.pair_list, ws.h, ws.o
+    bad, h, o = ws.bad, ws.h, ws.o
 
-    np_pairs, np_slots = check_int32("pairs", pairs), check_int32("slots", slots)
-    grid_pairs = (-(-pairs // 256),)
-    cuda_kernel(dev, "moe_plan.cu", "moe_plan_count")(grid_pairs, (256,), (ids, np_pairs, np_slots, counts, bad))
-    scan_threads = min(1024, 32 * -(-slots // 32))
-    cuda_kernel(dev, "moe_plan.cu", "moe_plan_scan")(
-        (1,), (scan_threads,), (counts, np_slots, i32(TILE_M), slot_off, cursor, n_unique, unique_slot, unique_off,
-                                n_tiles, tile_unique, tile_start))
-    cuda_kernel(dev, "moe_plan.cu", "moe_plan_scatter")(grid_pairs, (256,),
-                                                        (ids, np_pairs, np_slots, slot_off, cursor, pair_list))
+    np_slots = check_int32("slots", slots)
+    plan_pairs(dev, ids, pairs, slots, ws)
     if validate:
         bad_pair = int(dev.to_host(bad)[0])
         if bad_pair:
