@@ -51,3 +51,13 @@ def test_the_stop_string_that_ended_the_text_is_reported():
     model = Model(ScriptedDecoder(b"abcdef", eos=0, replay=True), ByteVocabTokenizer(), eos_ids=[0])
     assert "".join(gen := model.generate_text("x", max_tokens=10, sampling=greedy, stop=["zz", "d"])) == "abc"
     assert gen.stats.finish_reason == "stop" and gen.stats.stop_sequence == "d"
+
+
+def test_a_generation_left_open_is_ended_by_the_next():
+    greedy = SamplingParams(temperature=0)
+    model = Model(ScriptedDecoder(b"abcdef", eos=0, replay=True), ByteTokenizer(), eos_ids=[0])
+    first = model.generate("x", max_tokens=10, sampling=greedy)
+    assert next(first) == ord("a")
+    assert list(model.generate("y", max_tokens=3, sampling=greedy)) == list(b"abc")
+    assert list(first) == [] and first.stats.finish_reason is None  # ended, not finished
+    assert model.cached_ids == list(b"yab") and model.decoder.length == 3  # the second call's, untouched by the first

@@ -237,7 +237,7 @@ class StepLoop:
             if not chunk.samples:
                 continue
             req = self.requests[chunk.seq]
-            if not req.prompt_ran:
+            if self.cache is not None and not req.prompt_ran:  # (without a cache nothing is kept of a prompt)
                 prompt_ends.append(req)
             if chunk.seq.max_tokens == 0:  # the prompt only
                 continue
@@ -245,9 +245,8 @@ class StepLoop:
             constraint = req.sampler.constraint
             if constraint is not None and constraint.finished:
                 done.append(chunk.seq)
-        if self.cache is not None:
-            for req in prompt_ends:
-                self._prompt_done(req)
+        for req in prompt_ends:
+            self._prompt_done(req)
         finished = sch.finish_step(plan, sampled)
         for seq in finished:
             if seq not in sampled:  # max_tokens 0: ended with its prompt, no token

@@ -360,9 +360,9 @@ class Model:
         """:meth:`generate`'s work, its stats kept in ``st``: the prompt's reusable prefix put into the decoder's own
         sequence, then that sequence run as a request of :attr:`step_loop` (its prompt in chunks, a token a step),
         which leaves its rows in it."""
+        if self._live is not None and not self._live.finished:  # a generation left open: it ends here, in its loop
+            self._step_loop.abort(self._live)  # (before step_loop may make a new loop for a new pool)
         loop = self.step_loop
-        if self._live is not None and not self._live.finished:  # a generation left open: it ends here
-            loop.abort(self._live)
         keep = self._reuse(ids, anchor, boundaries, st) if reuse_cache or anchor is not None else 0
         if not keep:
             self.decoder.reset()
