@@ -1,4 +1,4 @@
-"""The family table (freetoken/models/families.py) is the one source of the families' names: HF model types that
+"""The family registry (freetoken/models/families/) is the one source of the families' names: HF model types that
 transformers knows, GGUF architectures that gguf-py knows, every written architecture read back as a family, and
 the readers' and the writer's maps derived from it."""
 
@@ -32,3 +32,34 @@ def test_maps_are_derived():
     assert config.FAMILIES == {t: f.name for f in ROWS for t in f.model_types}
     assert config.GGUF_FAMILIES == GGUF_READS and ARCHS == GGUF_WRITES
     assert config.HYBRID_FAMILIES == tuple(f.name for f in ROWS if f.hybrid)
+
+
+def test_one_family_one_module():
+    """Every module of freetoken/models/families that defines a FAMILY is registered, under its own module name;
+    families that share a GGUF architecture read and write it with the same tensor names."""
+    import importlib
+    from pathlib import Path
+
+    from freetoken.models import families
+
+    modules = {p.stem: importlib.import_module(f"freetoken.models.families.{p.stem}")
+               for p in Path(families.__file__).parent.glob("*.py") if p.stem != "__init__"}
+    defined = {name: m.FAMILY for name, m in modules.items() if hasattr(m, "FAMILY")}
+    assert set(defined) == set(BY_NAME)
+    for name, fam in defined.items():
+        assert BY_NAME[name] is fam and fam.name == name
+    for f in ROWS:
+        for g in ROWS:
+            if f.gguf_arch == g.gguf_arch:
+                assert dict(f.gguf_layer_names) == dict(g.gguf_layer_names), (f.name, g.name)
+
+
+def test_family_tensor_names_are_canonical_keys():
+    """A family's own HF names override common keys (or add the fused ones it stores); a typo would fall through
+    to the common name silently."""
+    from freetoken.models import weights
+
+    fused = {"lin_qkvz", "lin_ba"}
+    for f in ROWS:
+        assert set(f.hf_layer_names) <= set(weights._HF_LAYER) | fused, f.name
+        assert set(f.gguf_layer_names) <= set(weights.GGUF_LAYER_NAMES), f.name

@@ -40,7 +40,8 @@ import numpy as np
 from freetoken.convert.atomic import atomic_output
 from freetoken.formats import MATRICES
 from freetoken.loaders.errors import LoadError
-from freetoken.models.config import HYBRID_FAMILIES, ModelConfig
+from freetoken.models.config import ModelConfig
+from freetoken.models.families import BY_NAME as FAMILIES
 from freetoken.models.families import GGUF_WRITES
 from freetoken.models.weights import (
     GGUF_TILED_V_ARCH,
@@ -52,8 +53,6 @@ from freetoken.models.weights import (
 
 #: freetoken family -> GGUF architecture (the family table's, :mod:`freetoken.models.families`).
 ARCHS = GGUF_WRITES
-#: qwen35moe's ``{arch}.rope.dimension_sections`` when the checkpoint names no ``mrope_section`` (the converter's).
-QWEN35_ROPE_SECTIONS = (11, 11, 10, 0)
 #: Types a non-expert matrix can be written in (norms, biases and routers always stay F32).
 OTHER_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 EXPERT_TYPES = ("q4_0", "q8_0", "f16", "bf16", "f32")
@@ -170,7 +169,7 @@ def build_plan(cfg: ModelConfig, w, other: str, experts: str) -> _Plan:
                 for mat, shape in (("gate", (s, h)), ("up", (s, h)), ("down", (h, s))):
                     p.add(b + f"ffn_{mat}_shexp.weight", lambda mat=mat, i=i: w.get(f"shared_{mat}", i),
                           _matrix_type(other, shape), shape)
-                if cfg.shared_gated and cfg.family in HYBRID_FAMILIES:  # the converter keeps HF's [1, hidden]
+                if cfg.shared_gated and FAMILIES[cfg.family].hybrid:  # the converter keeps HF's [1, hidden]
                     p.add(b + "ffn_gate_inp_shexp.weight", lambda i=i: w.get("shared_sigmoid", i), "f32", (1, h))
                 elif cfg.shared_gated:
                     p.add(b + "ffn_gate_inp_shexp.weight", vec("shared_sigmoid", i), "f32", (h,))
@@ -265,26 +264,6 @@ def _latent_attention_plan(p: _Plan, cfg: ModelConfig, w, i: int, other: str) ->
         p.add(b + name + ".weight", fn, _matrix_type(other, shape), shape)
 
 
-def _write_hybrid_metadata(writer, cfg: ModelConfig, rope_sections) -> None:
-    """Qwen3-Next's / Qwen3.5-MoE's keys, as llama.cpp's converter writes them (the module docstring)."""
-    arch = ARCHS[cfg.family]
-    writer.add_ssm_conv_kernel(cfg.linear_conv)
-    writer.add_ssm_state_size(cfg.linear_k_dim)
-    writer.add_ssm_group_count(cfg.linear_k_heads)
-    writer.add_ssm_time_step_rank(cfg.linear_v_heads)
-    writer.add_ssm_inner_size(cfg.linear_v_dim * cfg.linear_v_heads)
-    linear = [cfg.is_linear(i) for i in range(cfg.num_layers)]
-    writer.add_array(f"{arch}.attention.recurrent_layers", linear)  # gguf-py's add_recurrent_layers, newer ones
-    # the interval that gives these layers (llama.cpp reads it only without the array above), else transformers' 4
-    every = next((n for n in range(1, cfg.num_layers + 1)
-                  if linear == [(j + 1) % n != 0 for j in range(cfg.num_layers)]), 4)
-    writer.add_full_attention_interval(every)
-    writer.add_rope_dimension_count(cfg.rope_dim)
-    if arch == "qwen35moe":
-        sections = list(rope_sections or QWEN35_ROPE_SECTIONS)
-        writer.add_rope_dimension_sections((sections + [0] * 4)[:4])
-
-
 def hf_rope_sections(config: dict) -> list[int] | None:
     """An HF config's ``mrope_section`` (Qwen3.5's, in ``rope_parameters`` or ``rope_scaling``, of the
     ``text_config`` when there is one), or None."""
@@ -297,22 +276,9 @@ def hf_rope_sections(config: dict) -> list[int] | None:
 
 
 def llama_cpp_notes(cfg: ModelConfig, rope_sections: list[int] | None = None) -> list[str]:
-    """What of a model written in its llama.cpp architecture llama.cpp itself will not load or run."""
-    notes = []
-    arch = ARCHS[cfg.family]
-    if cfg.family in HYBRID_FAMILIES and not all(cfg.moe_layers):
-        notes.append(f"llama.cpp's {arch} has no dense MLP layers (mlp_only_layers): llama.cpp will not load this "
-                     "file (freetoken does)")
-    if cfg.family in HYBRID_FAMILIES and cfg.linear_v_dim != cfg.linear_k_dim and "linear_attention" in \
-            cfg.layer_types:
-        notes.append(f"llama.cpp's {arch} sizes the linear-attention value heads by the key head dim "
-                     f"({arch}.ssm.state_size): it will not load a model whose linear_value_head_dim "
-                     f"({cfg.linear_v_dim}) differs from linear_key_head_dim ({cfg.linear_k_dim}) (freetoken does)")
-    sections = list(rope_sections or QWEN35_ROPE_SECTIONS)
-    if arch == "qwen35moe" and sum(sections) > cfg.head_dim:
-        notes.append(f"llama.cpp's multi-section RoPE needs the sections {sections} (mrope_section) to sum to at most "
-                     f"the head dim {cfg.head_dim}: llama.cpp aborts on this file (freetoken runs it)")
-    return notes
+    """What of a model written in its llama.cpp architecture llama.cpp itself will not load or run (the family's
+    :meth:`~freetoken.models.families.base.Family.llama_cpp_notes`)."""
+    return FAMILIES[cfg.family].llama_cpp_notes(cfg, rope_sections)
 
 
 def _write_metadata(writer, cfg: ModelConfig, name: str, experts: str, rope_sections=None) -> None:
@@ -353,32 +319,12 @@ def _write_metadata(writer, cfg: ModelConfig, name: str, experts: str, rope_sect
     writer.add_expert_used_count(cfg.top_k)
     writer.add_expert_weights_norm(cfg.norm_topk_prob)
     writer.add_vocab_size(cfg.vocab_size)
-    if cfg.family != "mixtral":
+    family = FAMILIES[cfg.family]
+    if family.gguf_expert_ffn_length:
         writer.add_expert_feed_forward_length(cfg.moe_inter)
     if cfg.shared_inter:
         writer.add_expert_shared_feed_forward_length(cfg.shared_inter)
-    if cfg.family in ("glm4_moe", "deepseek_v3", "deepseek_v2"):
-        # llama.cpp's glm4moe reads these (its converter writes them): the shared experts as a count of routed-expert
-        # widths, the dense layers before the first MoE one, the sigmoid router with its groups and scale, the
-        # rotated head dims. The checkpoint's multi-token-prediction layers are not exported (freetoken skips them).
-        from gguf import ExpertGatingFuncType
-
-        writer.add_expert_shared_count(cfg.shared_inter // cfg.moe_inter)
-        writer.add_leading_dense_block_count(next(i for i in range(cfg.num_layers) if cfg.is_moe(i)))
-        # (DeepSeek-V2's groups: llama.cpp scores them by their top two probabilities, the model by its largest)
-        writer.add_expert_gating_func(ExpertGatingFuncType.SOFTMAX if cfg.router == "softmax_group"
-                                      else ExpertGatingFuncType.SIGMOID)
-        writer.add_expert_weights_scale(cfg.routed_scale)
-        writer.add_expert_group_count(cfg.n_group)
-        writer.add_expert_group_used_count(cfg.topk_group)
-        if not cfg.mla:
-            writer.add_rope_dimension_count(cfg.rope_dim)
-    if cfg.family in HYBRID_FAMILIES:
-        _write_hybrid_metadata(writer, cfg, rope_sections)
-    if cfg.family == "gpt_oss":
-        # the window, and which layers have it (a per-layer array: llama.cpp reads it before its every-2nd default)
-        writer.add_sliding_window(max(cfg.sliding_windows))
-        writer.add_sliding_window_pattern([w > 0 for w in cfg.sliding_windows])
+    family.write_gguf(writer, cfg, rope_sections)
     if cfg.rope_scaling is not None:
         from gguf import RopeScalingType
 
@@ -438,7 +384,7 @@ def export_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, experts: s
     sd = SafetensorsDir(src)
     q = quantization(sd.config, sd.hf_quant_config)
     cfg = from_hf(sd.config, str(src / "config.json"))
-    mxfp4 = q.method == "mxfp4" and cfg.family == "gpt_oss"  # its experts decoded from the MXFP4 blocks
+    mxfp4 = q.method == "mxfp4" and FAMILIES[cfg.family].hf_experts_interleaved  # experts decoded from the blocks
     if q.method not in ("none", "fp8_block") and not mxfp4:
         raise LoadError(src / "config.json", f"exporting {q.method} checkpoints is not supported")
     weights = HFWeights(cfg, sd.get, sd.has, fp8_block=q.method == "fp8_block", where=str(src), mxfp4=mxfp4)

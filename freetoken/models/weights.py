@@ -52,11 +52,14 @@ from freetoken.formats.parts import ExpertParts
 from freetoken.formats.table import ROWS as FORMAT_ROWS
 from freetoken.loaders.errors import LoadError
 from freetoken.models.config import ModelConfig
+from freetoken.models.families import BY_NAME as FAMILIES
+from freetoken.models.families import ROWS as FAMILY_ROWS
 from freetoken.models.qmatrix import QuantizedMatrix, from_hf_fp8
 from freetoken.ops.dense import FP8_K_MULTIPLE, k_multiple, row_bytes
 
-#: Per-layer canonical keys -> HF names relative to ``model.layers.N.`` (``{moe}``: ``mlp.`` or Mixtral's
-#: ``block_sparse_moe.``).
+#: Per-layer canonical keys -> HF names relative to ``model.layers.N.`` (``{moe}``: the family's
+#: ``hf_moe_prefix``, ``mlp.`` or Mixtral's ``block_sparse_moe.``); a family's own names are in its module
+#: (:attr:`freetoken.models.families.base.Family.hf_layer_names`).
 _HF_LAYER = {
     "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
     **{f"{x}_proj": f"self_attn.{x}_proj.weight" for x in "qkvo"},
@@ -71,26 +74,15 @@ _HF_LAYER = {
     **{f"shared_{w}": f"mlp.shared_expert.{w}_proj.weight" for w in ("gate", "up", "down")},
     "shared_sigmoid": "mlp.shared_expert_gate.weight",
     **{f"mlp_{w}": f"mlp.{w}_proj.weight" for w in ("gate", "up", "down")},
-    # Gated DeltaNet (Qwen3.5-MoE's names; Qwen3-Next fuses qkv+z and b+a, see _HF_LAYER_FAMILY)
+    # Gated DeltaNet (Qwen3.5-MoE's names; Qwen3-Next fuses qkv+z and b+a: its family's lin_qkvz and lin_ba)
     "lin_qkv": "linear_attn.in_proj_qkv.weight", "lin_z": "linear_attn.in_proj_z.weight",
     "lin_b": "linear_attn.in_proj_b.weight", "lin_a": "linear_attn.in_proj_a.weight",
     "lin_conv": "linear_attn.conv1d.weight", "lin_dt_bias": "linear_attn.dt_bias", "lin_ssm_a": "linear_attn.A_log",
     "lin_norm": "linear_attn.norm.weight", "lin_out": "linear_attn.out_proj.weight",
 }
-#: Qwen3-Next's fused Gated DeltaNet input projections: per key head, [q, k, v, z] and [b, a] rows (the value-head
-#: parts of each key head's group together), which :meth:`HFWeights.get` splits into Qwen3.5's four.
-_QWEN3_NEXT_FUSED = {"lin_qkvz": "linear_attn.in_proj_qkvz.weight", "lin_ba": "linear_attn.in_proj_ba.weight"}
 #: Norm weights stored zero-centred by the hybrid families (``ModelConfig.norm_offset``: the model multiplies by
 #: ``1 + w``); the gated norm of the linear layers (``lin_norm``) is not one of them.
 OFFSET_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "norm")
-#: Per-family names that differ from :data:`_HF_LAYER`'s.
-_HF_LAYER_FAMILY = {
-    "glm4_moe": {f"shared_{w}": f"mlp.shared_experts.{w}_proj.weight" for w in ("gate", "up", "down")},
-    "gpt_oss": {"router": "mlp.router.weight", "router_logit_bias": "mlp.router.bias"},
-    "deepseek_v3": {f"shared_{w}": f"mlp.shared_experts.{w}_proj.weight" for w in ("gate", "up", "down")},
-    "deepseek_v2": {f"shared_{w}": f"mlp.shared_experts.{w}_proj.weight" for w in ("gate", "up", "down")},
-    "qwen3_next": _QWEN3_NEXT_FUSED,
-}
 #: gpt-oss' routed experts: fused tensors per layer (relative to ``model.layers.N.mlp.experts.``): ``gate_up_proj``
 #: [E, H, 2I] (gate and up interleaved along the last axis: gate at even, up at odd indices) and ``down_proj``
 #: [E, I, H], stored input-major (transposed against the other families' [out, in]), with their biases.
@@ -117,12 +109,9 @@ _GGUF_LAYER = {
     "lin_a": "ssm_alpha.weight", "lin_ba": "ssm_ba.weight", "lin_conv": "ssm_conv1d.weight",
     "lin_dt_bias": "ssm_dt.bias", "lin_ssm_a": "ssm_a", "lin_norm": "ssm_norm.weight", "lin_out": "ssm_out.weight",
 }
-#: Per-architecture GGUF names that differ from :data:`_GGUF_LAYER`'s: llama.cpp's glm4moe calls the norm before the
-#: MLP ``post_attention_norm`` (its converter maps HF's ``post_attention_layernorm`` there for this architecture).
-_GGUF_LAYER_ARCH = {"glm4moe": {"mlp_norm": "post_attention_norm.weight"},
-                    "gpt-oss": {"mlp_norm": "post_attention_norm.weight"},
-                    "qwen3next": {"mlp_norm": "post_attention_norm.weight"},
-                    "qwen35moe": {"mlp_norm": "post_attention_norm.weight"}}
+#: Per-architecture GGUF names that differ from :data:`_GGUF_LAYER`'s (each family's ``gguf_layer_names``: llama.cpp's
+#: glm4moe, gpt-oss and hybrid architectures call the norm before the MLP ``post_attention_norm``).
+_GGUF_LAYER_ARCH = {f.gguf_arch: dict(f.gguf_layer_names) for f in FAMILY_ROWS if f.gguf_layer_names}
 #: GGUF architectures of the hybrid families, and the one whose value heads the converter stores in tiled order.
 GGUF_HYBRID_ARCHS = ("qwen3next", "qwen35moe")
 GGUF_TILED_V_ARCH = "qwen35moe"
@@ -197,7 +186,7 @@ def linear_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     kd, vd = cfg.linear_k_heads * cfg.linear_k_dim, hv * cfg.linear_v_dim
     s = {"lin_qkv": (2 * kd + vd, h), "lin_z": (vd, h), "lin_conv": (cfg.linear_conv_dim, 1, cfg.linear_conv),
          "lin_dt_bias": (hv,), "lin_ssm_a": (hv,), "lin_norm": (cfg.linear_v_dim,), "lin_out": (h, vd)}
-    if cfg.family == "qwen3_next":
+    if FAMILIES[cfg.family].fused_linear_inputs:
         s["lin_ba"] = (2 * hv, h)
     else:
         s.update(lin_b=(hv, h), lin_a=(hv, h))
@@ -208,7 +197,7 @@ def hf_layer_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     """:func:`layer_shapes` as an HF checkpoint stores layer ``i``: a Qwen3-Next linear layer's q|k|v and z
     projections are one ``in_proj_qkvz`` (``lin_qkvz``, rows grouped per key head)."""
     s = layer_shapes(cfg, i)
-    if cfg.family == "qwen3_next" and cfg.is_linear(i):
+    if FAMILIES[cfg.family].fused_linear_inputs and cfg.is_linear(i):
         qkv, z = s.pop("lin_qkv"), s.pop("lin_z")
         s["lin_qkvz"] = (qkv[0] + z[0], cfg.hidden)
     return s
@@ -340,7 +329,7 @@ def _check_no_strays(cfg: ModelConfig, w: HFWeights, sd, expected: set[str]) -> 
     config.json and the weights disagree: the tensor would be ignored silently)."""
     known = {}
     for i in range(cfg.num_layers):
-        for key in (*_HF_LAYER, *_QWEN3_NEXT_FUSED):
+        for key in (*_HF_LAYER, *FAMILIES[cfg.family].hf_layer_names):
             known[w.name(key, i)] = key
     for name in sd.names():
         if name in expected:
@@ -475,16 +464,17 @@ class HFWeights(Weights):
         self.native_expert_format = "fp8_block" if fp8_block else "mxfp4" if mxfp4 else None
         # Qwen3.5's image-text checkpoints keep the language model under model.language_model. (the vision tower,
         # model.visual.*, and the multi-token-prediction layers, mtp.*, are never read)
-        self._model = "model.language_model." if cfg.family == "qwen3_5_moe" and \
-            self._exists("model.language_model.embed_tokens.weight") else "model."
+        self.family = FAMILIES[cfg.family]
+        prefixes = self.family.hf_model_prefixes
+        self._model = prefixes[0] if len(prefixes) == 1 else \
+            next((p for p in prefixes if self._exists(p + "embed_tokens.weight")), prefixes[-1])
 
     def name(self, key: str, layer: int | None = None) -> str:
         if layer is None:
             name = _HF_GLOBAL[key]
             return self._model + name.removeprefix("model.") if name.startswith("model.") else name
-        moe = "block_sparse_moe." if self.cfg.family == "mixtral" else "mlp."
-        name = _HF_LAYER_FAMILY.get(self.cfg.family, {}).get(key) or _HF_LAYER.get(key) or _QWEN3_NEXT_FUSED[key]
-        return f"{self._model}layers.{layer}." + name.format(moe=moe)
+        name = self.family.hf_layer_names.get(key) or _HF_LAYER[key]
+        return f"{self._model}layers.{layer}." + name.format(moe=self.family.hf_moe_prefix)
 
     def _exists(self, name: str) -> bool:
         if self._has is not None:
@@ -535,7 +525,7 @@ class HFWeights(Weights):
 
     def _fused_source(self, key: str) -> str | None:
         """The Qwen3-Next fused projection (``lin_qkvz`` / ``lin_ba``) that ``key``'s rows are read out of, or None."""
-        if self.cfg.family != "qwen3_next" or key not in ("lin_qkv", "lin_z", "lin_b", "lin_a"):
+        if not self.family.fused_linear_inputs or key not in ("lin_qkv", "lin_z", "lin_b", "lin_a"):
             return None
         return "lin_ba" if key in ("lin_b", "lin_a") else "lin_qkvz"
 
@@ -571,24 +561,24 @@ class HFWeights(Weights):
             raise LoadError(self.where, str(e), scale) from None
 
     def _expert_prefix(self, layer: int) -> str:
-        return f"{self._model}layers.{layer}.{'block_sparse_moe' if self.cfg.family == 'mixtral' else 'mlp'}.experts."
+        return f"{self._model}layers.{layer}.{self.family.hf_moe_prefix}experts."
 
     def _fused_experts(self, layer: int) -> bool:
         """Whether ``layer``'s experts are stored as one ``gate_up_proj`` [E, 2I, H] (gate rows, then up rows) and one
         ``down_proj`` [E, H, I] (Qwen3.5's releases), not per expert."""
-        return self.cfg.family in ("qwen3_next", "qwen3_5_moe") and \
+        return self.family.hf_stacked_experts and \
             self._exists(self._expert_prefix(layer) + "gate_up_proj")
 
     def _expert_names(self, layer: int) -> dict[str, list[str]]:
         prefix = self._expert_prefix(layer)
-        names = ("w1", "w3", "w2") if self.cfg.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        names = self.family.hf_expert_names
         return {m: [f"{prefix}{j}.{n}.weight" for j in range(self.cfg.num_experts)]
                 for m, n in zip(MATRICES, names, strict=True)}
 
     def expert_tensor_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
         """Name -> stored shape of every routed-expert tensor of ``layer``."""
         e, h, i = self.cfg.num_experts, self.cfg.hidden, self.cfg.moe_inter
-        if self.cfg.family == "gpt_oss":
+        if self.family.hf_experts_interleaved:
             prefix = self._expert_prefix(layer)
             if self._mxfp4:  # the release checkpoints: MXFP4 blocks of 32 (16 bytes) and e8m0 scales, rows [out]
                 return {prefix + "gate_up_proj_blocks": (e, 2 * i, h // 32, 16),
@@ -606,11 +596,11 @@ class HFWeights(Weights):
 
     def expert_stack(self, layer: int, matrix: str) -> np.ndarray:
         """float32 [E, N, K] of one matrix ("gate", "up", "down") of every routed expert of ``layer``."""
-        if self.cfg.family == "gpt_oss" and self._mxfp4:
+        if self.family.hf_experts_interleaved and self._mxfp4:
             from freetoken.formats import mxfp4
 
             return mxfp4.decode(**{k[0]: v for k, v in self._mxfp4_banks(layer)[matrix].items()})
-        if self.cfg.family == "gpt_oss":
+        if self.family.hf_experts_interleaved:
             prefix = self._expert_prefix(layer)
             if matrix == "down":
                 return np.ascontiguousarray(self.tensor_f32(prefix + "down_proj").transpose(0, 2, 1))

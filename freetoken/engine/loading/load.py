@@ -14,6 +14,7 @@ from freetoken.engine.options import ExpertOptions, LoadOptions
 from freetoken.loaders import LoadError, SafetensorsDir
 from freetoken.loaders.ftw_file import is_ftw
 from freetoken.models import from_hf
+from freetoken.models.families import BY_NAME as FAMILIES
 from freetoken.models.weights import HFWeights, check_hf_tensors
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "default_model"
@@ -124,7 +125,7 @@ def open_hf_dir(p: Path, kv_bytes, expert_format: str | None):
     sd = SafetensorsDir(p)
     q = sd.quantization()
     cfg = from_hf(sd.config, str(p / "config.json"))
-    mxfp4 = q.method == "mxfp4" and cfg.family == "gpt_oss"  # gpt-oss' release format: MXFP4 experts
+    mxfp4 = q.method == "mxfp4" and FAMILIES[cfg.family].hf_experts_interleaved  # gpt-oss' release: MXFP4 experts
     if not mxfp4 and (q.method not in ("none", "fp8_block") or q.expert_format not in ("bf16", "fp8_block")):
         raise LoadError(str(p / "config.json"), f"{q.method} checkpoints are not supported by the runner yet "
                         "(bf16/f16/f32, block-FP8 and gpt-oss MXFP4 checkpoints are; their experts load through "
