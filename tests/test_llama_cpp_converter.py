@@ -31,6 +31,9 @@ CASES = {
     "qwen3_next": (dict(mlp_only_layers=[]), ()),
     # value heads stored in llama.cpp's tiled order (2 key heads, 4 value heads), value head dim 24 != key head dim
     "qwen3_5_moe": (dict(), ()),
+    # the converter reads the rotated dims from rotary_dim (which the tiny config keeps); q/k norms over the whole
+    # projection, the selection bias as exp_probs_b
+    "minimax_m2": (dict(), ()),
 }
 #: More converter options per family: the Qwen3-Next / Qwen3.5 converters export the checkpoint's multi-token-
 #: prediction block and assert that there is one unless told --no-mtp (the tiny checkpoints have none).

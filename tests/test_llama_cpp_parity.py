@@ -4,9 +4,11 @@ Measured: NMSE 3e-5 (qwen3_moe), 1e-5 (qwen2_moe), 8e-6 (olmoe), 7e-4 (mixtral: 
 the other 23 tokens ~3e-5), 3.5e-5 (glm4_moe: sigmoid group routing, partial rotary), 4.6e-5 (gpt_oss: sinks,
 windows, biases, the clamped SwiGLU), 5e-5 (deepseek_v3: latent attention, YaRN mscale), 5.7e-5 (qwen3_next) and
 4.0e-5 (qwen3_5_moe: Gated DeltaNet layers, gated attention; these two with F32 non-expert matrices, see OTHER),
+3.0e-5 (minimax_m2: q/k norms over the projection, partial rotary, sigmoid router with a selection bias),
 1.8e-5 for the bundled model with identical tokenization. The hybrid families' files made by llama.cpp's own
 converter (F32, where freetoken's logits are the HF directory's exactly): 1.5e-5 (qwen3_next; its largest token,
-1e-4, is the first decode step after the prompt) and 2.3e-5 (qwen3_5_moe): llama.cpp's F32 run of the same numbers.
+1e-4, is the first decode step after the prompt), 2.3e-5 (qwen3_5_moe) and 3.0e-6 (minimax_m2): llama.cpp's F32 run
+of the same numbers.
 
 llama.cpp quantizes the activations to Q8_0 for its Q4_0 matmuls, so the logits differ by that rounding, not
 more: the bound is on NMSE over a 16-token prompt and 8 decode steps through our KV cache, which stores float16 keys
@@ -82,7 +84,7 @@ OTHER = {"qwen3_next": "f32", "qwen3_5_moe": "f32"}
 @pytest.mark.parametrize("family", ["qwen3_moe", *(pytest.param(f, marks=pytest.mark.slow)
                                                    for f in ("qwen2_moe", "mixtral", "olmoe", "glm4_moe",
                                                              "gpt_oss", "deepseek_v3", "deepseek_v2", "qwen3_next",
-                                                             "qwen3_5_moe"))])
+                                                             "qwen3_5_moe", "minimax_m2"))])
 def test_tiny_families_match_llama_cpp(family, tmp_path):
     need("torch")
     need("transformers")
@@ -97,14 +99,15 @@ def test_tiny_families_match_llama_cpp(family, tmp_path):
 # Q8_0 files make llama.cpp round every matmul's activations to Q8_0 (freetoken's Q8_0 matrices take them as float32),
 # which the recurrent state carries: 2e-4 at the first token, 1e-3 .. 6e-2 further on (measured, qwen3_next)
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "minimax_m2"])
 def test_llama_cpp_converter_files_match_llama_cpp(family, tmp_path):
     need("torch")
     need("transformers")
     from llama_convert import convert
 
     hf = _checkpoint(family, tmp_path / "hf")
-    path = convert(hf, tmp_path / "m.gguf", "f32", ("--no-mtp",))  # the tiny checkpoints have no MTP block
+    # (the hybrid converters want --no-mtp for checkpoints without an MTP block, as the tiny ones are)
+    path = convert(hf, tmp_path / "m.gguf", "f32", ("--no-mtp",) if family != "minimax_m2" else ())
     tokens = np.random.default_rng(3).integers(2, 4096, PROMPT + STEPS)
     nmse, top1 = _compare(path, tokens)
     assert nmse < 1e-3 and top1 >= 0.9, (nmse, top1)

@@ -156,7 +156,9 @@ def _attention(cfg: ModelConfig, t: _Tensors, i: int, dev, scratch: Scratch) -> 
         qk = HeadNormQK(*shape, _rotary_rows(cfg, t.host("q_norm", i)), _rotary_rows(cfg, t.host("k_norm", i)),
                         cfg.rms_eps, dev)
     elif cfg.qk_norm == "full":
-        qk = ProjectionNormQK(*shape, t.host("q_norm", i), t.host("k_norm", i), cfg.rms_eps, dev)
+        # (the RMS over a whole projection ignores the order of its dims; each weight moves with its dim)
+        qk = ProjectionNormQK(*shape, _rotary_rows(cfg, t.host("q_norm", i)), _rotary_rows(cfg, t.host("k_norm", i)),
+                              cfg.rms_eps, dev)
     else:
         qk = PlainQK(*shape)
     sinks = t.host("attn_sinks", i) if cfg.attention_sinks else None

@@ -15,6 +15,7 @@ from freetoken.models.families import (
     deepseek_v3,
     glm4_moe,
     gpt_oss,
+    minimax_m2,
     mixtral,
     olmoe,
     qwen2_moe,
@@ -35,6 +36,7 @@ ROWS: tuple[Family, ...] = (
     deepseek_v2.FAMILY,
     qwen3_next.FAMILY,
     qwen3_5_moe.FAMILY,
+    minimax_m2.FAMILY,
 )
 BY_NAME = {f.name: f for f in ROWS}
 
