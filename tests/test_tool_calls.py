@@ -92,6 +92,28 @@ def test_qwen3_coder(piece):
     assert sum(isinstance(e, CallArgs) and e.index == 0 for e in events) == 4  # a fragment per parameter, then }
 
 
+#: MiniMax-M2's template: several invokes in one block, string values as text, others as JSON.
+MINIMAX = ('Both at once.\n<minimax:tool_call>\n<invoke name="read_file">\n<parameter name="path">src/a <b>.py'
+           '</parameter>\n<parameter name="lines">[1, 20]</parameter>\n</invoke>\n<invoke name="now">\n</invoke>\n'
+           '</minimax:tool_call>\nDone.<minimax:tool_call>no call here</minimax:tool_call>')
+
+
+@pytest.mark.parametrize("piece", PIECES)
+def test_minimax(piece):
+    content, calls, events = _parse(make_parser("minimax").__class__, MINIMAX, piece)
+    assert content == "Both at once.\n\nDone.<minimax:tool_call>no call here</minimax:tool_call>"
+    assert [(n, json.loads(a)) for n, a in calls] == [("read_file", {"path": "src/a <b>.py", "lines": [1, 20]}),
+                                                      ("now", {})]
+    assert sum(isinstance(e, CallArgs) and e.index == 0 for e in events) == 3  # a fragment per parameter, then }
+
+
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_minimax_call_cut_short_is_reported(piece):
+    text = '<minimax:tool_call>\n<invoke name="grep">\n<parameter name="pattern">TODO</parameter>\n'
+    content, calls, _ = _parse(make_parser("minimax").__class__, text, piece)
+    assert content == "" and [(n, json.loads(a)) for n, a in calls] == [("grep", {"pattern": "TODO"})]
+
+
 DEEPSEEK = ("Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Paris\"}"
             "<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{\"tz\": \"CET\"}\n```"
             "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
@@ -111,6 +133,7 @@ def test_tool_format_of_templates():
     assert tool_format("'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'") == "deepseek"
     assert tool_format("<|start|>assistant<|channel|>commentary") == "harmony"
     assert tool_format("'<tool_call>' + tc.name }}<arg_key>{{ k }}</arg_key>") == "glm45"
+    assert tool_format("{{- '<minimax:tool_call>\\n' }}{{- '<invoke name=\"' + tc.name + '\">' }}") == "minimax"
     with pytest.raises(ValueError, match="'xml' form"):
         make_parser("xml")
 
@@ -194,6 +217,12 @@ FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parame
     ("glm45", "<tool_call>get_weather\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
      False),  # city is required
     ("glm45", "<tool_call>now\n</tool_call>", True),
+    ("minimax", '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">St. Ives <3</parameter>\n'
+                '<parameter name="days">3</parameter>\n</invoke>\n</minimax:tool_call>', True),
+    ("minimax", '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="days">3</parameter>\n</invoke>\n'
+                '</minimax:tool_call>', False),  # city is required
+    ("minimax", '<minimax:tool_call>\n<invoke name="now">\n</invoke>\n</minimax:tool_call>', True),
+    ("minimax", '<minimax:tool_call>\n<invoke name="lookup">\n</invoke>\n</minimax:tool_call>', False),
     ("kimi_k2", '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
                 '{"city":"Oslo"}<|tool_call_end|><|tool_calls_section_end|>', True),
     ("kimi_k2", '<|tool_calls_section_begin|><|tool_call_begin|>functions.lookup:0<|tool_call_argument_begin|>{}'

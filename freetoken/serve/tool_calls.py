@@ -11,6 +11,8 @@ Forms (``tool_format(template_source)``):
   ``<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>``;
 - ``kimi_k2``: ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>ARGS
   <|tool_call_end|>...<|tool_calls_section_end|>``;
+- ``minimax`` (MiniMax-M2): ``<minimax:tool_call><invoke name="NAME"><parameter name="P">V</parameter>...</invoke>
+  ...</minimax:tool_call>``, several calls in one block, a value as ``qwen3_coder``'s;
 - ``harmony`` (gpt-oss): messages ``<|channel|>CH [to=functions.NAME] [<|constrain|>json]<|message|>BODY`` ended by
   ``<|end|>`` (more follow), ``<|call|>`` or ``<|return|>``: the ``final`` channel is the reply's content, a message
   to ``functions.NAME`` is a call, the ``analysis`` channel (reasoning) is not shown;
@@ -56,6 +58,8 @@ def tool_format(source: str) -> str:
         return "deepseek"
     if "<|tool_calls_section_begin|>" in source:
         return "kimi_k2"
+    if "<minimax:tool_call>" in source:
+        return "minimax"
     if "<tool_call>" in source and "<function=" in source:
         return "qwen3_coder"
     if "<tool_call>" in source and "<arg_key>" in source:
@@ -78,6 +82,8 @@ def make_parser(form: str):
         return DeepSeekParser()
     if form == "kimi_k2":
         return KimiK2Parser()
+    if form == "minimax":
+        return MiniMaxParser()
     if form == "harmony":
         return HarmonyParser()
     raise ValueError(f"tool calls in the {form!r} form are not supported")
@@ -304,6 +310,72 @@ class Qwen3CoderParser(_Parser):
         self._reset_call()
 
 
+# ---- minimax-m2 ---------------------------------------------------------------------------------------------------
+class MiniMaxParser(_Parser):
+    """``<minimax:tool_call>`` then one ``<invoke name="NAME">`` per call, its ``<parameter name="P">V</parameter>``
+    (a fragment each as it closes, as :class:`Qwen3CoderParser`), ``</invoke>``; ``</minimax:tool_call>`` ends the
+    block. A block without an invoke is text."""
+
+    OPEN, CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+    INVOKE = re.compile(r'\s*<invoke name="([^"]*)">')
+    PAIR = re.compile(r'\s*<parameter name="([^"]*)">\n?(.*?)\n?</parameter>', re.S)
+    END = re.compile(r"\s*</invoke>")
+
+    def __init__(self):
+        super().__init__()
+        self._reset_call()
+
+    def _reset_call(self):
+        self.index = None  # the open invoke's call, if any
+        self.params = 0
+        self.consumed = 0  # characters of the block already turned into events
+        self.invokes = 0
+
+    def _step_inside(self) -> bool:
+        end = self.buf.find(self.CLOSE)
+        body = self.buf if end < 0 else self.buf[:end]
+        self._advance(body)
+        if end < 0:
+            return False
+        self._close_call(body, final=False)
+        self.buf = self.buf[end + len(self.CLOSE):]
+        self.inside = False
+        return True
+
+    def _advance(self, body: str) -> None:
+        while True:
+            if self.index is None:
+                m = self.INVOKE.match(body, self.consumed)
+                if m is None:
+                    return
+                self.index, self.params, self.consumed = self._start(m.group(1).strip()), 0, m.end()
+                self.invokes += 1
+            m = self.PAIR.match(body, self.consumed)
+            if m is not None:
+                key = json.dumps(m.group(1).strip(), ensure_ascii=False)
+                value = json.dumps(_xml_value(m.group(2)), ensure_ascii=False)
+                self.events.append(CallArgs(self.index, ("{" if self.params == 0 else ", ") + f"{key}: {value}"))
+                self.params, self.consumed = self.params + 1, m.end()
+                continue
+            m = self.END.match(body, self.consumed)
+            if m is None:
+                return
+            self._end_invoke()
+            self.consumed = m.end()
+
+    def _end_invoke(self) -> None:
+        self.events.append(CallArgs(self.index, "}" if self.params else "{}"))
+        self.index = None
+
+    def _close_call(self, body: str, final: bool) -> None:
+        self._advance(body)
+        if self.index is not None:  # an invoke cut short (or not closed before the block's end)
+            self._end_invoke()
+        if not self.invokes:
+            self.events.append(Content(self.OPEN + body + ("" if final else self.CLOSE)))
+        self._reset_call()
+
+
 # ---- glm-4.5 ----------------------------------------------------------------------------------------------------
 _GLM_NAME = re.compile(r"\s*([^\s<]+)(?=[\s<])")  # a name is complete once whitespace or a tag follows it
 _GLM_ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
@@ -448,8 +520,9 @@ def forced_call_grammar(tools: list[dict], name: str | None = None, form: str = 
     """The grammar of one call in ``form`` (``tool_choice`` "required": of any of ``tools``; named: of that one),
     its arguments following the function's parameter schema. Forms: ``hermes`` (and ``injected``, which asks for
     it); ``deepseek`` (V3.1's ``NAME<｜tool▁sep｜>{...}`` or V3's ``function<｜tool▁sep｜>NAME`` + a ```json block: the
-    model writes the one it was trained on); ``qwen3_coder`` (one ``<parameter=P>`` per property in the schema's
-    order, the required ones present; strings as text without ``</``, other types as JSON); ``harmony`` (a
+    model writes the one it was trained on); ``qwen3_coder`` and ``minimax`` (one invoke: a parameter per property
+    in the schema's order, the required ones present; strings as text without ``</``, other types as JSON);
+    ``harmony`` (a
     commentary message to ``functions.NAME`` with JSON arguments: the reasoning message it might write first is
     skipped). Others: ValueError."""
     from freetoken.engine.decoding.grammar import lark_grammar, lark_json
@@ -486,6 +559,11 @@ def forced_call_grammar(tools: list[dict], name: str | None = None, form: str = 
                  f'{lark_json(fn.get("parameters") or {"type": "object"})}' for fn in chosen]
         return lark_grammar(f'start: "{KimiK2Parser.OPEN}{KimiK2Parser.CALL}" call '
                             f'"{KimiK2Parser.END}{KimiK2Parser.CLOSE}"\ncall: {" | ".join(calls)}\n')
+    if form == "minimax":
+        alternatives, rules = _tagged_calls(chosen, "m", lambda key: f'<parameter name="{key}">',
+                                            "</parameter>\n", lambda name: f'"{name}">')
+        return lark_grammar(f'start: "<minimax:tool_call>\\n<invoke name=" fn "</invoke>\\n</minimax:tool_call>"\n'
+                            f'fn: {" | ".join(alternatives)}\n' + "".join(rules))
     if form == "glm45":
         alternatives, rules = _tagged_calls(chosen, "a", lambda key: f"<arg_key>{key}</arg_key>\n<arg_value>",
                                             "</arg_value>\n", lambda name: name)
