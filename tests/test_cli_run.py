@@ -66,11 +66,11 @@ def test_bad_model_path(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v2", "minimax_m2"])
 def test_run_the_new_families_from_hf_and_gguf(family, tmp_path, capsys):
     """`freetoken run --model DIR` on cpu and emu and `--model FILE.gguf` (our converter's file) on cpu, for each of
-    the families issue 15 added: a continuation streams, the HF and GGUF greedy tokens agree (an f32 export), and a
-    checkpoint that declares multi-token-prediction layers says they are skipped."""
+    the families issue 15 added and MiniMax-M2: a continuation streams, the HF and GGUF greedy tokens agree (an f32
+    export), and a checkpoint that declares multi-token-prediction layers says they are skipped."""
     import shutil
     import warnings
 
