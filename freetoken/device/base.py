@@ -154,6 +154,11 @@ class Device(ABC):
 
         return single_threaded_blas()
 
+    def capture(self, fn, stream=None):
+        """Run ``fn()`` with its kernel launches captured into a graph that replays them with one host call (gpu:
+        a CUDA graph; emu: the same semantics; :mod:`freetoken.device.graphs`)."""
+        raise NotImplementedError(f"the {self.kind} device runs Numba kernels: there are no launches to capture")
+
     def load_module(self, source: str, options: Sequence[str] = (), name: str = "module.cu"):
         raise NotImplementedError(
             f"the {self.kind} device does not run CUDA modules (it uses Numba kernels); use gpu or emu"

@@ -10,7 +10,7 @@ import ctypes
 import os
 from collections.abc import Sequence
 
-from freetoken.device import emu_build, launches
+from freetoken.device import emu_build, graphs, launches
 from freetoken.device.args import normalize_dims, pack_args
 from freetoken.device.cpu import HostDevice, host_pointer
 
@@ -63,13 +63,17 @@ class EmuFunction:
         g = normalize_dims(grid, "grid", self.name)
         b = normalize_dims(block, "block", self.name)
         packed = pack_args(self.name, args, host_pointer)
-        launches.record(self.name)
         err = ctypes.create_string_buffer(2048)
         la = _LaunchArgs(
             (ctypes.c_uint32 * 3)(*g), (ctypes.c_uint32 * 3)(*b), int(shared_mem), emu_workers(), len(args),
             packed.params_ptr, ctypes.addressof(packed.sizes), packed.kinds, ctypes.cast(err, ctypes.c_char_p),
             len(err),
         )
+        graph = graphs.open_capture()
+        if graph is not None:  # recorded, not run: the replay runs it (freetoken.device.graphs)
+            graph.record(self.name, ctypes.cast(self._fn, ctypes.c_void_p).value, la, (packed, err))
+            return
+        launches.record(self.name)
         if self._fn(ctypes.byref(la)) != 0:
             raise EmuKernelError(f"{self.module.name}: {err.value.decode(errors='replace')}")
 
@@ -96,6 +100,20 @@ class EmuDevice(HostDevice):
 
     def __init__(self) -> None:
         self._modules: dict[tuple, EmuModule] = {}
+
+    def capture(self, fn, stream=None) -> graphs.EmuGraph:
+        """Run ``fn()`` with its kernel launches recorded instead of run; returns the graph that replays them
+        (:mod:`freetoken.device.graphs`)."""
+        if graphs.open_capture() is not None:
+            raise graphs.GraphError("captures do not nest")
+        graph = graphs.EmuGraph()
+        graphs.set_open(graph)
+        try:
+            fn()
+        finally:
+            graphs.set_open(None)
+            graph.close()
+        return graph
 
     def load_module(self, source: str, options: Sequence[str] = (), name: str = "module.cu",
                     sanitize: str | None = None) -> EmuModule:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from freetoken.device import launches, nvrtc
+from freetoken.device import graphs, launches, nvrtc
 from freetoken.device.args import normalize_dims, pack_args
 from freetoken.device.base import Device, PinnedArray, rows_contiguous
 
@@ -50,7 +50,12 @@ class GpuFunction:
         g = normalize_dims(grid, "grid", self.name)
         b = normalize_dims(block, "block", self.name)
         packed = pack_args(self.name, args, self.module.device.pointer_of)
-        launches.record(self.name)
+        captured = graphs.open_capture()
+        if captured is not None:  # stream capture: recorded into the graph, run by its replay
+            captured.append(self.name)
+            captured.append(packed)  # (its parameter buffer must outlive the capture call)
+        else:
+            launches.record(self.name)
         if shared_mem > _STATIC_SMEM_LIMIT and shared_mem > self._smem_opt_in:
             self._driver.funcSetAttribute(self.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(shared_mem))
             self._smem_opt_in = int(shared_mem)
@@ -161,6 +166,25 @@ class GpuDevice(Device):
     def wait_event(self, event, stream=None) -> None:
         s = stream.raw if isinstance(stream, _GpuStream) else (stream or self.cupy.cuda.get_current_stream())
         s.wait_event(event.ev)
+
+    def capture(self, fn, stream=None) -> graphs.GpuGraph:
+        """Run ``fn()`` under CUDA stream capture on ``stream`` (default: a new non-blocking one, made current for
+        the call): its launches become a CUDA graph, returned ready to replay (:mod:`freetoken.device.graphs`)."""
+        if graphs.open_capture() is not None:
+            raise graphs.GraphError("captures do not nest")
+        raw = stream.raw if isinstance(stream, _GpuStream) else stream or self.cupy.cuda.Stream(non_blocking=True)
+        recorded: list = []
+        graphs.set_open(recorded)
+        try:
+            with raw:
+                raw.begin_capture()
+                try:
+                    fn()
+                finally:
+                    graph = raw.end_capture()
+        finally:
+            graphs.set_open(None)
+        return graphs.GpuGraph(graph, raw, [x for x in recorded if isinstance(x, str)])
 
     def load_module(self, source: str, options: Sequence[str] = (), name: str = "module.cu") -> GpuModule:
         key = (source, tuple(options), name)
