@@ -311,7 +311,7 @@ class Qwen3CoderParser(_Parser):
 
 
 # ---- minimax-m2 ---------------------------------------------------------------------------------------------------
-class MiniMaxParser(_Parser):
+class MiniMaxParser(Qwen3CoderParser):
     """``<minimax:tool_call>`` then one ``<invoke name="NAME">`` per call, its ``<parameter name="P">V</parameter>``
     (a fragment each as it closes, as :class:`Qwen3CoderParser`), ``</invoke>``; ``</minimax:tool_call>`` ends the
     block. A block without an invoke is text."""
@@ -321,26 +321,9 @@ class MiniMaxParser(_Parser):
     PAIR = re.compile(r'\s*<parameter name="([^"]*)">\n?(.*?)\n?</parameter>', re.S)
     END = re.compile(r"\s*</invoke>")
 
-    def __init__(self):
-        super().__init__()
-        self._reset_call()
-
     def _reset_call(self):
-        self.index = None  # the open invoke's call, if any
-        self.params = 0
-        self.consumed = 0  # characters of the block already turned into events
+        super()._reset_call()  # (index: the open invoke's call, if any; consumed: of the whole block)
         self.invokes = 0
-
-    def _step_inside(self) -> bool:
-        end = self.buf.find(self.CLOSE)
-        body = self.buf if end < 0 else self.buf[:end]
-        self._advance(body)
-        if end < 0:
-            return False
-        self._close_call(body, final=False)
-        self.buf = self.buf[end + len(self.CLOSE):]
-        self.inside = False
-        return True
 
     def _advance(self, body: str) -> None:
         while True:
