@@ -129,6 +129,11 @@ def main():
                     "attention temperature tuning, kept at the base's floor_scale) before training; default: as the "
                     "base has it. Measured on the stage 6 model (4 held-out windows of 32,768): 0.1 lowered the "
                     "16k-32k bucket by 0.021 nats against 0.06, 0.15 raised every bucket")
+    ap.add_argument("--far-weight", type=float, default=1.0, help="weigh the training loss by position: 1 up to "
+                    "--far-from, rising linearly to this at the window's end, normalised to mean 1 (default 1: "
+                    "every position alike). The windows string unrelated files together, so far context mostly is "
+                    "not the document: this makes learning to ignore it worth more than the early positions")
+    ap.add_argument("--far-from", type=int, default=4096, help="where --far-weight's ramp starts")
     ap.add_argument("--batch", type=int, default=1, help="windows per step")
     ap.add_argument("--max-steps", type=int, default=150)
     ap.add_argument("--lr", type=float, default=3e-4)
@@ -201,6 +206,11 @@ def main():
     opt = make_optimizer(model, args.lr, args.weight_decay)
     gen = np.random.default_rng(args.seed + 1 if args.data_seed is None else args.data_seed)
     n_starts = len(train_ids) - train_ctx - 1
+    weights = None
+    if args.far_weight != 1.0:
+        ramp = np.clip((np.arange(train_ctx) - args.far_from) / max(1, train_ctx - args.far_from), 0.0, 1.0)
+        w = 1.0 + (args.far_weight - 1.0) * ramp
+        weights = torch.from_numpy((w / w.mean()).astype(np.float32))[None]
     t_train = time.time()
     ema = None
     for step in range(args.max_steps):
@@ -209,7 +219,7 @@ def main():
         starts = gen.integers(0, n_starts, size=args.batch)
         x = torch.from_numpy(np.stack([train_ids[s:s + train_ctx] for s in starts]))
         y = torch.from_numpy(np.stack([train_ids[s + 1:s + train_ctx + 1] for s in starts]))
-        lm, aux, gn = train_step(model, opt, x, y, args.aux_coef, args.clip)
+        lm, aux, gn = train_step(model, opt, x, y, args.aux_coef, args.clip, weights)
         ema = lm.item() if ema is None else 0.9 * ema + 0.1 * lm.item()
         if (step + 1) % args.log_every == 0 or step + 1 == args.max_steps:
             el = time.time() - t_train

@@ -177,14 +177,18 @@ def set_lr(opt, peak: float, step: int, warmup: int, progress: float, min_ratio:
     return lr
 
 
-def train_step(model, opt, x, y, aux_coef: float, clip: float):
+def train_step(model, opt, x, y, aux_coef: float, clip: float, position_weights=None):
     """One optimizer step on the causal LM loss of explicit targets plus the router load-balancing loss; returns
-    (LM loss, aux loss, gradient norm before clipping)."""
+    (LM loss, aux loss, gradient norm before clipping). ``position_weights`` ([T], mean 1): the loss of position
+    p weighs that much (the reported LM loss stays the plain mean)."""
     out = model(input_ids=x, output_router_logits=True)
-    lm = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.size(-1)), y.reshape(-1))
+    nll = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.size(-1)), y.reshape(-1),
+                                          reduction="none").view(y.shape)
+    lm = nll.mean()
+    objective = lm if position_weights is None else (nll * position_weights).mean()
     aux = out.aux_loss if out.aux_loss is not None else torch.zeros(())
     opt.zero_grad(set_to_none=True)
-    (lm + aux_coef * aux).backward()
+    (objective + aux_coef * aux).backward()
     gn = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
     return lm, aux, gn
