@@ -104,14 +104,11 @@ class EmuDevice(HostDevice):
     def capture(self, fn, stream=None) -> graphs.EmuGraph:
         """Run ``fn()`` with its kernel launches recorded instead of run; returns the graph that replays them
         (:mod:`freetoken.device.graphs`)."""
-        if graphs.open_capture() is not None:
-            raise graphs.GraphError("captures do not nest")
         graph = graphs.EmuGraph()
-        graphs.set_open(graph)
         try:
-            fn()
+            with graphs.recording(graph):
+                fn()
         finally:
-            graphs.set_open(None)
             graph.close()
         return graph
 

@@ -52,8 +52,7 @@ class GpuFunction:
         packed = pack_args(self.name, args, self.module.device.pointer_of)
         captured = graphs.open_capture()
         if captured is not None:  # stream capture: recorded into the graph, run by its replay
-            captured.append(self.name)
-            captured.append(packed)  # (its parameter buffer must outlive the capture call)
+            captured.record(self.name, packed)  # (its parameter buffer kept until the capture ends)
         else:
             launches.record(self.name)
         if shared_mem > _STATIC_SMEM_LIMIT and shared_mem > self._smem_opt_in:
@@ -170,21 +169,14 @@ class GpuDevice(Device):
     def capture(self, fn, stream=None) -> graphs.GpuGraph:
         """Run ``fn()`` under CUDA stream capture on ``stream`` (default: a new non-blocking one, made current for
         the call): its launches become a CUDA graph, returned ready to replay (:mod:`freetoken.device.graphs`)."""
-        if graphs.open_capture() is not None:
-            raise graphs.GraphError("captures do not nest")
         raw = stream.raw if isinstance(stream, _GpuStream) else stream or self.cupy.cuda.Stream(non_blocking=True)
-        recorded: list = []
-        graphs.set_open(recorded)
-        try:
-            with raw:
-                raw.begin_capture()
-                try:
-                    fn()
-                finally:
-                    graph = raw.end_capture()
-        finally:
-            graphs.set_open(None)
-        return graphs.GpuGraph(graph, raw, [x for x in recorded if isinstance(x, str)])
+        with graphs.recording(graphs.GpuRecord()) as recorded, raw:
+            raw.begin_capture()
+            try:
+                fn()
+            finally:
+                graph = raw.end_capture()
+        return graphs.GpuGraph(graph, raw, recorded.names)
 
     def load_module(self, source: str, options: Sequence[str] = (), name: str = "module.cu") -> GpuModule:
         key = (source, tuple(options), name)

@@ -19,6 +19,7 @@ import ctypes
 import hashlib
 import subprocess
 import threading
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -123,7 +124,19 @@ class GpuGraph:
         self._graph.launch(stream=raw)
 
 
-#: The capture open on this thread (emu: where EmuFunction puts its launches), or None.
+class GpuRecord:
+    """What a gpu capture keeps of its launches: their names, and their packed arguments alive until it ends."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self._keep: list[object] = []
+
+    def record(self, name: str, packed) -> None:
+        self.names.append(name)
+        self._keep.append(packed)
+
+
+#: The capture open on this thread (where a kernel launch puts itself instead of running), or None.
 _OPEN = threading.local()
 
 
@@ -131,5 +144,13 @@ def open_capture():
     return getattr(_OPEN, "graph", None)
 
 
-def set_open(graph) -> None:
-    _OPEN.graph = graph
+@contextmanager
+def recording(recorder):
+    """Launches on this thread go to ``recorder`` for the block's duration; captures do not nest."""
+    if open_capture() is not None:
+        raise GraphError("captures do not nest")
+    _OPEN.graph = recorder
+    try:
+        yield recorder
+    finally:
+        _OPEN.graph = None
