@@ -149,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=0, help="timed calls per case (default: ~1 s of calls, 5-60)")
     parser.add_argument("--no-numpy", action="store_true", help="skip the NumPy float32 comparison")
     parser.add_argument("--activations", default="q8,f32",
-                        help="comma-separated token-vector kinds of the 4-bit formats: q8 (int8 dots), f32 (float "
-                             "path); bf16 and fp8_block always run f32")
+                        help="comma-separated token-vector kinds: q8 (the reduced path: int8 dots for the 4-bit, "
+                             "q8_0 and k-quant formats, bf16 dots for bf16 and fp8_block), f32 (float path)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Logits of the cpu int8 expert path (``--cpu-activations q8``) against the float path (``f32``) on the same
-experts: the numerical cost of 8-bit expert inputs, one table.
+"""Logits of the cpu reduced expert path (``--cpu-activations q8``) against the float path (``f32``) on the same
+experts: the numerical cost of 8-bit expert inputs (the int8 formats) and of bf16 ones (bf16, fp8_block), one table.
 
-    python bench/q8_logits.py                    # the bundled model exported to q4_0 GGUF, and as mxfp4 / nvfp4
-    python bench/q8_logits.py --model m.gguf     # any model freetoken loads whose experts have an int8 path (the
-                                                 # 4-bit formats, q8_0, the k-quants: a Q4_K_M file)
+    python bench/q8_logits.py                    # the bundled model exported to q4_0 GGUF, and as mxfp4 / nvfp4 /
+                                                 # bf16 (as stored) / fp8_block
+    python bench/q8_logits.py --model m.gguf     # any model freetoken loads (a Q4_K_M file, a block-FP8 checkpoint)
 
 Columns: ``NMSE`` of the q8 logits against the f32 ones over a random prompt (sum of squared differences over sum
 of squares), ``argmax`` the share of positions whose greedy token agrees, ``max|d|`` the largest logit change.
@@ -32,11 +32,11 @@ def compare(path, fmt: str | None, tokens: np.ndarray) -> tuple[float, float, fl
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None,
-                    help="a model whose experts have an int8 path (default: the bundled one)")
+                    help="a model to compare (default: the bundled one in several expert formats)")
     ap.add_argument("--tokens", type=int, default=128, help="prompt length (default 128)")
     args = ap.parse_args(argv)
     from freetoken.convert import export_gguf
-    from freetoken.device.simd import simd_level
+    from freetoken.device.simd import bf16_dots, simd_level
     from freetoken.engine.loading.load import DEFAULT_MODEL
 
     rng = np.random.default_rng(0)
@@ -47,12 +47,14 @@ def main(argv=None) -> int:
         gguf = Path(tempfile.mkdtemp(prefix="ft-q8-")) / "default-q4_0.gguf"
         export_gguf(DEFAULT_MODEL, gguf)
         rows = [("bundled, GGUF q4_0", gguf, None), ("bundled, mxfp4", DEFAULT_MODEL, "mxfp4"),
-                ("bundled, nvfp4", DEFAULT_MODEL, "nvfp4")]
-    print(f"# cpu int8 path (SIMD level {simd_level()}) vs float path, {args.tokens}-token random prompt")
-    print(f"{'model':<24} {'NMSE':>9} {'argmax':>7} {'max|d|':>8}")
+                ("bundled, nvfp4", DEFAULT_MODEL, "nvfp4"), ("bundled, bf16 (bf16 tokens)", DEFAULT_MODEL, None),
+                ("bundled, fp8_block (bf16 tokens)", DEFAULT_MODEL, "fp8_block")]
+    print(f"# cpu reduced path (SIMD level {simd_level()}, bf16 dots: {bf16_dots()}) vs float path, "
+          f"{args.tokens}-token random prompt")
+    print(f"{'model':<33} {'NMSE':>9} {'argmax':>7} {'max|d|':>8}")
     for name, path, fmt in rows:
         nmse, agree, dmax = compare(path, fmt, tokens)
-        print(f"{name:<24} {nmse:9.2e} {agree:7.1%} {dmax:8.4f}", flush=True)
+        print(f"{name:<33} {nmse:9.2e} {agree:7.1%} {dmax:8.4f}", flush=True)
     return 0
 
 

@@ -9,10 +9,12 @@ Public entry points: :func:`prepare` (validate record banks once) and :func:`for
 One call groups the (token, expert) pairs by unique expert, runs the gate/up kernel (``prange`` over unique expert x
 block of rows, the activation into ``h``) and the down kernel (``prange`` over ranges of output rows, experts outer,
 no atomics). Every record byte is read once per call; nothing is dequantized into memory; fp32 accumulation
-throughout. The 4-bit formats, q8_0 and the k-quants have two paths (``activations``, :func:`uses_q8`): by default,
-where the CPU has AVX2 or AVX-512 VNNI, the kernels quantize x and h to 8-bit blocks and use int8 dot products (the
-float path's table lookups fall to ~5% of the bandwidth without AVX-512; the k-quants' float decode holds two cores
-to ~45% of it); the float path is the exact reference. bf16 and fp8_block have the float path only. The code, one
+throughout. Every format has two paths (``activations``, :func:`uses_q8`): the float path, the exact reference, and
+a reduced one. For the 4-bit formats, q8_0 and the k-quants the kernels quantize x and h to 8-bit blocks and use int8
+dot products, by default where the CPU has AVX2 or AVX-512 VNNI (the float path's table lookups fall to ~5% of the
+bandwidth without AVX-512; the k-quants' float decode holds two cores to ~45% of it); for bf16 and fp8_block they
+round x and h to bf16 and use bf16 dot products, by default where the CPU has AVX512-BF16 and VBMI (bf16 with AVX2
+too: its portable code beats the float path there). The code, one
 job per module, bottom up (each module's docstring has the measurements behind its design):
 
 * :mod:`~freetoken.cpu_kernels.moe_memory`: raw-memory intrinsics; the hot path passes addresses, not arrays;
@@ -20,6 +22,7 @@ job per module, bottom up (each module's docstring has the measurements behind i
   vector IR;
 * :mod:`~freetoken.cpu_kernels.moe_kquant`: the GGUF block formats' (q8_0, q4_k, q5_k, q6_k, iq4_xs) float row dots
   in LLVM vector IR (float path only: :func:`uses_q8` is False for them);
+* :mod:`~freetoken.cpu_kernels.moe_bf16act`: bf16's and fp8_block's row dots against bf16 tokens (``vdpbf16ps``);
 * :mod:`~freetoken.cpu_kernels.moe_int8`: the 4-bit formats' and q8_0's int8 row dots (vpdpbusd / vpmaddubsw /
   portable, per :mod:`freetoken.device.simd`), :mod:`~freetoken.cpu_kernels.moe_int8_kquant` the k-quants', with
   :mod:`~freetoken.cpu_kernels.q8_act` (8-bit activations) and
@@ -65,11 +68,11 @@ from freetoken.cpu_kernels.moe_rows import (
     SPLIT_FORMATS,
     block_split_perm,
 )
-from freetoken.cpu_kernels.moe_rows_q8 import Q8_OFFSETS
+from freetoken.cpu_kernels.moe_rows_q8 import BF16_ACT_FORMATS, Q8_OFFSETS
 from freetoken.cpu_kernels.q8_act import NO_Q8, q8_buffers
 
 from freetoken.device.constants import ACT_GPT_OSS, ACT_SWIGLU
-from freetoken.device.simd import ACTIVATIONS, simd_level
+from freetoken.device.simd import ACTIVATIONS, bf16_dots, simd_level
 
 __all__ = ["ACTIVATIONS", "ACT_GPT_OSS", "ACT_SWIGLU", "FMT_BF16", "FMT_FP8_BLOCK", "FMT_MXFP4", "FMT_NVFP4",
            "FMT_Q4_0", "FORMAT_CODES", "SPLIT_FORMATS", "PreparedBanks", "block_split_perm", "forward", "prepare",
@@ -93,15 +96,26 @@ REUSE_MAX_PAIRS = 64
 _buffers = threading.local()  # a cpu-share worker thread and the main thread each have their own
 
 
-def _new_work_buffers(pairs: int, t_count: int, hidden: int, inter: int, q8_gu: bool, q8_down: bool):
-    """(h [pairs, inter] float32, x's 8-bit rows, h's 8-bit rows), uninitialised (the kernels fill them)."""
-    return (np.empty((pairs, inter), np.float32), q8_buffers(t_count, hidden) if q8_gu else NO_Q8,
-            q8_buffers(pairs, inter) if q8_down else NO_Q8)
+def _token_buffers(kind: str, rows: int, k: int):
+    """The reduced token rows of one matrix's kernel: ``kind`` "q8" (8-bit blocks), "bf16" (bf16 rows of 2 k bytes in
+    the first buffer, the others empty: the same Numba types) or "" (the float path)."""
+    if kind == "q8":
+        return q8_buffers(rows, k)
+    if kind == "bf16":
+        return (np.empty((rows, 2 * k), np.int8), np.empty((rows, 0), np.int32), np.empty((rows, 0), np.float32),
+                np.empty((rows, 0), np.int32))
+    return NO_Q8
 
 
-def _work_buffers(pairs: int, t_count: int, hidden: int, inter: int, q8_gu: bool, q8_down: bool):
+def _new_work_buffers(pairs: int, t_count: int, hidden: int, inter: int, kind_gu: str, kind_down: str):
+    """(h [pairs, inter] float32, x's reduced rows, h's reduced rows), uninitialised (the kernels fill them)."""
+    return (np.empty((pairs, inter), np.float32), _token_buffers(kind_gu, t_count, hidden),
+            _token_buffers(kind_down, pairs, inter))
+
+
+def _work_buffers(pairs: int, t_count: int, hidden: int, inter: int, kind_gu: str, kind_down: str):
     """:func:`_new_work_buffers`, reused per thread for calls of up to :data:`REUSE_MAX_PAIRS` pairs."""
-    key = (pairs, t_count, hidden, inter, q8_gu, q8_down)
+    key = (pairs, t_count, hidden, inter, kind_gu, kind_down)
     if pairs > REUSE_MAX_PAIRS:
         return _new_work_buffers(*key)
     cache = _buffers.__dict__.setdefault("by_shape", {})
@@ -153,9 +167,12 @@ def _check_array(name, a, dtype, shape=None, ndim=None, contiguous=True):
 
 
 def uses_q8(fmt_name: str, activations: str = "auto") -> bool:
-    """Whether :func:`forward` runs the int8 row dots for ``fmt_name``: ``activations`` "q8" (the formats with an
-    int8 path: the 4-bit ones, q8_0 and the k-quants), "f32" (never) or "auto" (those formats where the compile target
-    has AVX2 or AVX-512 VNNI)."""
+    """Whether :func:`forward` runs the reduced-activation row dots for ``fmt_name``: ``activations`` "q8" (every
+    format: int8 dots against 8-bit blocks for the 4-bit ones, q8_0 and the k-quants, bf16 dots against bf16 tokens
+    for bf16 and fp8_block), "f32" (never) or "auto": where they are the fast path, i.e. the int8 formats and bf16
+    where the compile target has AVX2 or AVX-512, fp8_block where it has AVX512-BF16 and VBMI
+    (:func:`freetoken.device.simd.bf16_dots`; without them fp8_block's float path is faster than the portable
+    bf16-token code: 3.1-3.5 against 3.9-4.3 ms per call on one thread compiled for Haswell, bench_experts)."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     return _q8_code(FORMAT_CODES.get(fmt_name), activations)
@@ -163,9 +180,21 @@ def uses_q8(fmt_name: str, activations: str = "auto") -> bool:
 
 def _q8_code(code: int | None, activations: str) -> bool:
     """:func:`uses_q8` by format code, for a valid ``activations``."""
-    if code not in Q8_OFFSETS or activations == "f32":
+    if activations == "f32":
+        return False
+    if code == FMT_FP8_BLOCK:
+        return activations == "q8" or bf16_dots()
+    if code == FMT_BF16:  # bf16 x bf16 widened exactly is faster than bf16 x float32 with AVX2 too
+        return activations == "q8" or bf16_dots() or simd_level() != "none"
+    if code not in Q8_OFFSETS:
         return False
     return activations == "q8" or simd_level() != "none"
+
+
+def _token_kind(code: int, reduced: bool) -> str:
+    if not reduced:
+        return ""
+    return "bf16" if code in BF16_ACT_FORMATS else "q8"
 
 
 def forward(fmt_name: str, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, banks: dict, hidden: int,
@@ -217,9 +246,10 @@ def forward(fmt_name: str, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, 
 @functools.lru_cache(maxsize=64)
 def _plan(fmt: int, down_fmt: int, inter: int, activations: str):
     """What a call's kernels take besides the tokens, per format codes and shape: (x permuted to the block-split
-    order, q8 for gate/up, q8 for down, their q8 offsets, h's column order)."""
-    return (fmt in SPLIT_FORMATS, _q8_code(fmt, activations), _q8_code(down_fmt, activations),
-            Q8_OFFSETS.get(fmt, 0), Q8_OFFSETS.get(down_fmt, 0), _inverse_perm(inter, down_fmt in SPLIT_FORMATS))
+    order, reduced tokens for gate/up, for down, their q8 offsets, h's column order, the two reduced rows' kinds)."""
+    q8_gu, q8_down = _q8_code(fmt, activations), _q8_code(down_fmt, activations)
+    return (fmt in SPLIT_FORMATS, q8_gu, q8_down, Q8_OFFSETS.get(fmt, 0), Q8_OFFSETS.get(down_fmt, 0),
+            _inverse_perm(inter, down_fmt in SPLIT_FORMATS), _token_kind(fmt, q8_gu), _token_kind(down_fmt, q8_down))
 
 
 def run_prepared(p: PreparedBanks, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, act_code: int,
@@ -232,13 +262,14 @@ def run_prepared(p: PreparedBanks, x: np.ndarray, ids: np.ndarray, weights: np.n
     if bad >= 0:
         t, j = divmod(int(bad), ids.shape[1])
         raise ValueError(f"ids[{t}, {j}] = {int(ids[t, j])} is out of range: the banks hold {p.num_experts} experts")
-    split, q8_gu, q8_down, qoff_gu, qoff_down, hperm = _plan(p.fmt, p.down_fmt, inter, activations)
+    split, q8_gu, q8_down, qoff_gu, qoff_down, hperm, kind_gu, kind_down = _plan(p.fmt, p.down_fmt, inter,
+                                                                                 activations)
     xs = np.ascontiguousarray(x[:, _perm(hidden, True)]) if split else x
     if not xs.flags.writeable:  # a read-only array is another Numba type: one compiled kernel for both
         xs = xs.copy()
     pairs, t_count = pw.shape[0], x.shape[0]
     nthreads = 1 if pairs * 3 * hidden * inter < SERIAL_MACS else nb.get_num_threads()
-    h, xq8, hq8 = _work_buffers(pairs, t_count, hidden, inter, q8_gu, q8_down)
+    h, xq8, hq8 = _work_buffers(pairs, t_count, hidden, inter, kind_gu, kind_down)
     gate_up, down = (_gate_up_serial, _down_serial) if nthreads == 1 else (_gate_up_kernel, _down_kernel)
     # p.banks, xs and the biases stay referenced here while the kernels read them through their addresses
     gate_up(p.fmt, p.gate, p.up, p.gb, p.ub, p.has_bias, act_code, uniq, poff, ptok, xs, q8_gu, qoff_gu, xq8, hidden,

@@ -9,12 +9,14 @@ in bit 15 (the value times 2^-8, exact for subnormals too), ``vcvtph2ps``, one F
 token's accumulator, and the 16 lanes are added up once per row. 0x7F / 0xFF (e4m3fn's NaN) make the row's dot
 NaN, as in the reference: one compare per 64 bytes finds them (a select per 16 decoded values made a
 one-thread T = 1 call 1.17x slower: 3.75 against 3.20 ms at the Qwen3-30B-A3B shape, bench/bench_experts.py).
+The same code reading bf16 token rows (``x_kind`` "bf16": each value widened exactly) is the portable twin of the
+bf16-token dots (:mod:`freetoken.cpu_kernels.moe_bf16act`), where the CPU lacks AVX512-BF16.
 """
 
 from __future__ import annotations
 
 from freetoken.cpu_kernels.lanes import lane_tree
-from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, declare_prefetch, typed_ptr
+from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, PREFETCH_LOCALITY, declare_prefetch, typed_ptr
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -57,14 +59,24 @@ def _nan_bytes(builder, wp, at, n: int):
     return builder.icmp_unsigned("!=", builder.bitcast(hit, ir.IntType(n)), ir.Constant(ir.IntType(n), 0))
 
 
-def _codegen(ntok):
-    """Arguments (uint64): w (the row's first value byte), s (its first float32 scale), x (float32 token rows),
-    ``ntok`` element offsets of the tokens in x, k (values per row, a multiple of 16)."""
+def _load_x(builder, xp, at, x_kind):
+    """IR: the 16 token values at ``xp[at]`` as float32 lanes: float32 as stored, bf16 bits widened exactly."""
+    if x_kind == "f32":
+        return builder.load(builder.bitcast(builder.gep(xp, [at]), _V16F.as_pointer()), align=4)
+    raw = builder.load(builder.bitcast(builder.gep(xp, [at]), _V16H.as_pointer()), align=2)
+    v32 = ir.VectorType(_I32, 16)
+    return builder.bitcast(builder.shl(builder.zext(raw, v32), ir.Constant(v32, [16] * 16)), _V16F)
+
+
+def _codegen(ntok, x_kind="f32"):
+    """Arguments (uint64): w (the row's first value byte), s (its first float32 scale), x (token rows: float32, or
+    with ``x_kind`` "bf16" bf16 bits), ``ntok`` element offsets of the tokens in x, k (values per row, a multiple of
+    16)."""
     def codegen(context, builder, signature, args):
         w, s, x, *offs, k = (context.cast(builder, a, t, types.uint64)
                              for a, t in zip(args, signature.args, strict=True))
         wp, sp = typed_ptr(builder, w, _I8), typed_ptr(builder, s, _F32)
-        xps = [builder.gep(typed_ptr(builder, x, _F32), [o]) for o in offs]
+        xps = [builder.gep(typed_ptr(builder, x, _F32 if x_kind == "f32" else _I16), [o]) for o in offs]
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3),
                                              "llvm.fmuladd.v16f32")
         prefetch = declare_prefetch(builder.module)
@@ -77,7 +89,7 @@ def _codegen(ntok):
         def chunk(at, parity):
             f = _decode16(builder, wp, at)
             for t in range(ntok):
-                xv = builder.load(builder.bitcast(builder.gep(xps[t], [at]), _V16F.as_pointer()), align=4)
+                xv = _load_x(builder, xps[t], at, x_kind)
                 p = parts[t][parity]
                 builder.store(builder.call(fma, [f, xv, builder.load(p)]), p)
 
@@ -86,7 +98,7 @@ def _codegen(ntok):
             base = builder.mul(kb, _c(BLOCK))
             for line in (0, 64):  # both cache lines of the block, PREFETCH_BYTES ahead
                 builder.call(prefetch, [builder.gep(wp, [builder.add(base, _c(PREFETCH_BYTES + line))]),
-                                        _c(0, _I32), _c(3, _I32), _c(1, _I32)])
+                                        _c(0, _I32), _c(PREFETCH_LOCALITY, _I32), _c(1, _I32)])
             for pair in parts:
                 for p in pair:
                     builder.store(zero, p)
@@ -119,11 +131,11 @@ def _codegen(ntok):
     return codegen
 
 
-def _signature(ntok, args):
+def _signature(ntok, args, x_kind="f32"):
     if not all(isinstance(a, types.Integer) for a in args):
         return None
     ret = types.float32 if ntok == 1 else types.UniTuple(types.float32, ntok)
-    return ret(*args), _codegen(ntok)
+    return ret(*args), _codegen(ntok, x_kind)
 
 
 @intrinsic

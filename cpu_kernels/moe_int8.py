@@ -32,7 +32,7 @@ past a row (the weights' odd tail block is loaded alone and its phantom partner 
 from __future__ import annotations
 
 from freetoken.cpu_kernels.lanes import lane_tree
-from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, declare_prefetch, typed_ptr
+from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, PREFETCH_LOCALITY, declare_prefetch, typed_ptr
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -224,7 +224,7 @@ def _codegen(kind, ntok, nrow, level):
                 if not tail:
                     ahead = builder.gep(wps[r], [builder.add(builder.mul(b, const(BLOCK_BYTES[kind])),
                                                              const(PREFETCH_BYTES))])
-                    builder.call(prefetch, [ahead, _c32(0), _c32(3), _c32(1)])
+                    builder.call(prefetch, [ahead, _c32(0), _c32(PREFETCH_LOCALITY), _c32(1)])
                 wv = weight_bytes(builder, kind, level, wps[r], b, tail)
                 if kind == "q8" and level != "avx2":
                     wv, _ = q8_operands(builder, level, wv, None)

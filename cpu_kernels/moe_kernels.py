@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from freetoken.cpu_kernels.moe_bf16act import bf16_round_row
 from freetoken.cpu_kernels.moe_int8_tile import MIN_AT, PANEL_BLOCK_BYTES, PANEL_ROWS, TILE_TOKENS
 from freetoken.cpu_kernels.moe_kquant import FMT_Q4_K, FMT_Q5_K, FMT_Q6_K
 from freetoken.cpu_kernels.moe_memory import addr, load_f32, load_i64, store_f32
@@ -36,6 +37,7 @@ from freetoken.cpu_kernels.moe_rows import (
     row_dot4,
 )
 from freetoken.cpu_kernels.moe_rows_q8 import (
+    BF16_ACT_FORMATS,
     panel_repack,
     panel_tile,
     row_q8_dot1,
@@ -174,11 +176,19 @@ def rows_dot(fmt, q8, w, s, g, e, n, nr, rows, k, x, xq, offs, npairs, acc):
 @nb.njit(error_model="numpy", inline="always")
 def quantize_rows_parallel(q8, fmt, x, qoff, xq8):
     """With ``q8``: every row of ``x`` into the 8-bit rows ``xq8`` = (qa, nc, dx, cs) (one parallel region; ``cs``'s
-    halves in ``fmt``'s K order), returning the row dots' (qa, nc, dx, kp, cs) addresses; without: zeros. Many rows
-    (a prompt) in one parallel region."""
+    halves in ``fmt``'s K order), or for bf16 and fp8_block into bf16 rows in ``qa``, returning the row dots' (qa,
+    nc, dx, kp, cs) addresses; without: zeros. Many rows (a prompt) in one parallel region."""
     qa, nc, dx, cs = xq8
     if not q8:
         return _U64(0), _U64(0), _U64(0), _U64(0), _U64(0)
+    if fmt in BF16_ACT_FORMATS:  # bf16 rows in qa (2 bytes per value); nc, dx and cs unused
+        if x.shape[0] <= 16:
+            for t in range(x.shape[0]):
+                bf16_round_row(x, t, qa)
+        else:
+            for t in nb.prange(x.shape[0]):
+                bf16_round_row(x, t, qa)
+        return addr(qa), _U64(0), _U64(0), _U64(qa.shape[1]), _U64(0)
     split = fmt in SPLIT_FORMATS
     if x.shape[0] <= 16:  # a few rows: cheaper than entering a parallel region (~5 us)
         for t in range(x.shape[0]):

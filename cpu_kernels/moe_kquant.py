@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from freetoken.cpu_kernels.lanes import lane_tree
 from freetoken.cpu_kernels.moe_int8 import lookup_bytes
-from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, declare_prefetch, typed_ptr
+from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, PREFETCH_LOCALITY, declare_prefetch, typed_ptr
 from freetoken.cpu_kernels.moe_nibble import _lookup
 from llvmlite import ir
 from numba import types
@@ -298,7 +298,8 @@ class Rows:
         b = self.b
         ahead = b.gep(self.wps[r], [b.add(b.mul(blk, _c(self.stride)), _c(PREFETCH_BYTES))])
         for line in range(0, nblocks * self.stride, 64):
-            b.call(declare_prefetch(b.module), [b.gep(ahead, [_c(line)]), _c(0, _I32), _c(3, _I32), _c(1, _I32)])
+            b.call(declare_prefetch(b.module), [b.gep(ahead, [_c(line)]), _c(0, _I32), _c(PREFETCH_LOCALITY, _I32),
+                                                _c(1, _I32)])
 
 
 def _for_blocks(b, nblk, unroll, body):

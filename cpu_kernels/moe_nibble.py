@@ -25,7 +25,7 @@ a per-lane multiply, the global applied once per row; q4: the fp16 pair of a blo
 from __future__ import annotations
 
 from freetoken.cpu_kernels.lanes import lane_tree
-from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, declare_prefetch, typed_ptr
+from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, PREFETCH_LOCALITY, declare_prefetch, typed_ptr
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -145,7 +145,8 @@ def _lut_codegen(kind, ntok, nrow):
             b1 = builder.add(b, const(1))
             for r in range(nrow):
                 ahead = builder.gep(wps[r], [builder.add(builder.mul(b, const(16)), const(PREFETCH_BYTES))])
-                builder.call(prefetch, [ahead, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+                builder.call(prefetch, [ahead, ir.Constant(_I32, 0), ir.Constant(_I32, PREFETCH_LOCALITY),
+                                        ir.Constant(_I32, 1)])
                 if kind == "q4":  # both fp16 scales in one vector conversion (vmovd + vcvtph2ps)
                     v2h = ir.VectorType(ir.HalfType(), 2)
                     pair = builder.load(builder.bitcast(builder.gep(sps[r], [b]), v2h.as_pointer()), align=2)

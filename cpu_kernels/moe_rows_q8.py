@@ -1,16 +1,26 @@
-"""Per-row dispatch of the int8 row dots (:mod:`freetoken.cpu_kernels.moe_int8`) over the 4-bit formats: the q8
-counterparts of the float path's ``row_dot*`` (:mod:`freetoken.cpu_kernels.moe_rows`), inlined by the gate/up and
-down kernels (:func:`freetoken.cpu_kernels.moe_kernels.rows_dot`).
+"""Per-row dispatch of the reduced-activation row dots: the int8 dots (:mod:`freetoken.cpu_kernels.moe_int8`) of
+the 4-bit formats, q8_0 and the k-quants, and the bf16 dots (:mod:`freetoken.cpu_kernels.moe_bf16act`) of bf16 and
+fp8_block: the counterparts of the float path's ``row_dot*`` (:mod:`freetoken.cpu_kernels.moe_rows`), inlined by the
+gate/up and down kernels (:func:`freetoken.cpu_kernels.moe_kernels.rows_dot`).
 
-Token vectors are 8-bit rows ``xq = (qa, nc, dx, kp, cs)`` (:mod:`freetoken.cpu_kernels.q8_act`) addressed by row
-index (``offs`` holds row indices here, element offsets in the float path). K order as in the float path: q4_0
-natural, the e2m1 formats block split.
+Token vectors are 8-bit rows ``xq = (qa, nc, dx, kp, cs)`` (:mod:`freetoken.cpu_kernels.q8_act`), or for
+:data:`BF16_ACT_FORMATS` bf16 rows in ``qa`` (``kp`` bytes each), addressed by row index (``offs`` holds row indices
+here, element offsets in the float path). K order as in the float path: q4_0 natural, the e2m1 formats block split,
+bf16 and fp8_block natural.
 """
 
 from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from freetoken.cpu_kernels.moe_bf16act import (
+    bf16_bfa_dot1,
+    bf16_bfa_dot2,
+    bf16_bfa_dot4,
+    fp8_bfa_dot1,
+    fp8_bfa_dot2,
+    fp8_bfa_dot4,
+)
 from freetoken.cpu_kernels.moe_int8 import (
     OFFSET,
     mx_q8_dot1,
@@ -48,6 +58,8 @@ from freetoken.cpu_kernels.moe_rows import (
     E4M3_TABLE,
     E8M0_TABLE,
     FASTMATH,
+    FMT_BF16,
+    FMT_FP8_BLOCK,
     FMT_MXFP4,
     FMT_NVFP4,
     FMT_Q4_0,
@@ -57,6 +69,10 @@ from freetoken.cpu_kernels.moe_rows import (
 #: Format code -> the weight byte offset its activations' ``nc`` must carry: the formats with an int8 path.
 Q8_OFFSETS = {FMT_Q4_0: OFFSET["q4"], FMT_MXFP4: OFFSET["mx"], FMT_NVFP4: OFFSET["nv"], FMT_Q8_0: OFFSET["q8"],
               **KQUANT_OFFSETS}
+
+#: The formats whose reduced path takes bf16 token rows (:mod:`freetoken.cpu_kernels.moe_bf16act`): a row of K
+#: values is 2 K bytes of bf16 bits in the rows of ``qa``, nothing in ``nc``, ``dx``, ``cs``.
+BF16_ACT_FORMATS = (FMT_BF16, FMT_FP8_BLOCK)
 
 _F32 = np.float32
 _U64 = np.uint64
@@ -84,9 +100,33 @@ def _args(fmt, w, s, g, e, n, rows, k):
     return wa, s + row * nblk * _U64(2), addr(E8M0_TABLE), _F32(1.0), nblk
 
 
+@nb.njit(error_model="numpy", inline="always")
+def _fp8_args(w, s, e, n, rows, k):
+    """(code address, first scale address) of row n of fp8_block matrix e: one float32 scale per 128 x 128 block."""
+    e, n, rows, k = _U64(e), _U64(n), _U64(rows), _U64(k)
+    nkb = (k + _U64(127)) >> _U64(7)
+    return w + (e * rows + n) * k, s + (e * ((rows + _U64(127)) >> _U64(7)) + (n >> _U64(7))) * nkb * _U64(4)
+
+
+@nb.njit(error_model="numpy", inline="always")
+def _bf16_row(w, e, n, rows, k):
+    return w + _row(e, rows, n) * _U64(k) * _U64(2)
+
+
+@nb.njit(error_model="numpy", inline="always")
+def _at(kp, r):
+    """Element offset of bf16 token row ``r`` (rows of ``kp`` bytes)."""
+    return _U64(r) * (_U64(kp) >> _U64(1))
+
+
 @nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def row_q8_dot1(fmt, w, s, g, e, n, rows, k, xq, r0):
     qa, nc, dx, kp, cs = xq
+    if fmt == FMT_FP8_BLOCK:
+        wa, sa = _fp8_args(w, s, e, n, rows, k)
+        return fp8_bfa_dot1(wa, sa, qa, _at(kp, r0), _U64(k))
+    if fmt == FMT_BF16:
+        return bf16_bfa_dot1(_bf16_row(w, e, n, rows, k), qa, _at(kp, r0), _U64(k))
     if fmt >= FMT_Q4_K:
         return kq_q8_dot1(fmt, w, s, _row(e, rows, n), _U64(k), qa, nc, dx, cs, kp, r0)
     wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
@@ -102,6 +142,11 @@ def row_q8_dot1(fmt, w, s, g, e, n, rows, k, xq, r0):
 @nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def row_q8_dot2(fmt, w, s, g, e, n, rows, k, xq, r0, r1):
     qa, nc, dx, kp, cs = xq
+    if fmt == FMT_FP8_BLOCK:
+        wa, sa = _fp8_args(w, s, e, n, rows, k)
+        return fp8_bfa_dot2(wa, sa, qa, _at(kp, r0), _at(kp, r1), _U64(k))
+    if fmt == FMT_BF16:
+        return bf16_bfa_dot2(_bf16_row(w, e, n, rows, k), qa, _at(kp, r0), _at(kp, r1), _U64(k))
     if fmt >= FMT_Q4_K:
         return kq_q8_dot2(fmt, w, s, _row(e, rows, n), _U64(k), qa, nc, dx, cs, kp, r0, r1)
     wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)
@@ -117,6 +162,12 @@ def row_q8_dot2(fmt, w, s, g, e, n, rows, k, xq, r0, r1):
 @nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def row_q8_dot4(fmt, w, s, g, e, n, rows, k, xq, r0, r1, r2, r3):
     qa, nc, dx, kp, cs = xq
+    if fmt == FMT_FP8_BLOCK:
+        wa, sa = _fp8_args(w, s, e, n, rows, k)
+        return fp8_bfa_dot4(wa, sa, qa, _at(kp, r0), _at(kp, r1), _at(kp, r2), _at(kp, r3), _U64(k))
+    if fmt == FMT_BF16:
+        return bf16_bfa_dot4(_bf16_row(w, e, n, rows, k), qa, _at(kp, r0), _at(kp, r1), _at(kp, r2),
+                             _at(kp, r3), _U64(k))
     if fmt >= FMT_Q4_K:
         return kq_q8_dot4(fmt, w, s, _row(e, rows, n), _U64(k), qa, nc, dx, cs, kp, r0, r1, r2, r3)
     wa, sa, st, gv, nblk = _args(fmt, w, s, g, e, n, rows, k)

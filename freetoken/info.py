@@ -109,9 +109,10 @@ def cpu_info() -> dict:
         info["physical_cores"] = len(cores)
     info["simd"] = [f for f in SIMD_FLAGS if f in flags]
     try:  # what the CPU kernels compile to (Numba's target: NUMBA_CPU_NAME / NUMBA_CPU_FEATURES can narrow it)
-        from freetoken.device.simd import simd_level
+        from freetoken.device.simd import bf16_dots, simd_level
 
         info["kernel_simd"] = simd_level()
+        info["kernel_bf16_dots"] = bf16_dots()
     except Exception as e:  # llvmlite missing or broken: say so rather than fail the report
         info["kernel_simd"] = f"unknown ({e})"
     from freetoken.device.hugepages import thp_mode
@@ -234,7 +235,8 @@ def format_report(info: dict) -> str:
               f"{c.get('memory_gib', '?')} GiB memory",
               f"  SIMD: {' '.join(c['simd']) or 'none detected'}",
               f"  CPU kernels compiled for: {c.get('kernel_simd', '?')} (int8 expert dots: "
-              f"{_INT8_DOTS.get(c.get('kernel_simd'), 'portable code, slow')})",
+              f"{_INT8_DOTS.get(c.get('kernel_simd'), 'portable code, slow')}; bf16/fp8_block expert dots: "
+              f"{'vdpbf16ps against bf16 tokens' if c.get('kernel_bf16_dots') else 'portable, fp8_block float32'})",
               f"  transparent huge pages: {_THP_NOTE.get(c.get('transparent_hugepages'), 'not available')}"]
     lines += _format_threads(info.get("threads"), c)
     lines += ["", "Libraries"]

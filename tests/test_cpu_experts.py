@@ -5,7 +5,10 @@ reference through ``ops.moe_experts`` is a registry case (tests/test_kernel_pari
 The int8 path (``activations="q8"``: 8-bit activations, the default for the 4-bit formats where the CPU has AVX2 or
 AVX-512 VNNI) is checked against the reference with the same activation rounding (``q8_inputs``), with the float
 tolerance widened by ``Q8_REL_ATOL`` (freetoken.testing.cases.moe_experts, with the reason);
-tests/test_int8_dots.py checks its row dots at every SIMD level.
+tests/test_int8_dots.py checks its row dots at every SIMD level. For bf16 and fp8_block the reduced path rounds x
+and h to bf16 (the default where the CPU has AVX512-BF16): checked against the reference with bf16 inputs
+(``bf16_inputs``) within ``PREFILL_REL_ATOL``; tests/test_ir_kernels_levels.py checks its row dots at the other
+levels.
 
 Tolerance. The kernels read the stored weights exactly (the reference is ``moe_forward_reference`` on
 ``RecordLayout.dequantize``), so the only difference is float32 arithmetic: two chained dot products of length
@@ -25,7 +28,7 @@ from freetoken.cpu_kernels.moe_experts import ACT_GPT_OSS, ACT_SWIGLU, forward
 from freetoken import formats
 from freetoken.formats import RecordLayout
 from freetoken.testing import assert_close, poison, random_record
-from freetoken.testing.cases.moe_experts import Q8_REL_ATOL
+from freetoken.testing.cases.moe_experts import BF16_TOKEN_FORMATS, PREFILL_REL_ATOL, Q8_REL_ATOL
 from freetoken.testing.reference.moe_experts import moe_forward_reference
 
 ACTS = {"swiglu": ACT_SWIGLU, "gpt_oss": ACT_GPT_OSS}
@@ -61,15 +64,17 @@ def _check(fmt, banks, deq, hidden, inter, act, tokens, k, seed, activations="f3
     ids, weights = _routes(tokens, k, experts, seed)
     out = poison((tokens, hidden), np.float32)
     forward(fmt, x, ids, weights, banks, hidden, inter, ACTS[act], out, activations=activations)
-    ref = moe_forward_reference(x, ids, weights, deq, act, q8_inputs=activations == "q8")
+    bf16_tokens = activations == "q8" and fmt in BF16_TOKEN_FORMATS
+    ref = moe_forward_reference(x, ids, weights, deq, act, q8_inputs=activations == "q8" and not bf16_tokens,
+                                bf16_inputs=bf16_tokens)
     scale = float(np.abs(ref).max())
-    atol = (2e-5 if activations == "f32" else Q8_REL_ATOL) * scale
+    atol = (2e-5 if activations == "f32" else PREFILL_REL_ATOL if bf16_tokens else Q8_REL_ATOL) * scale
     assert_close(out, ref, atol=atol, rtol=1e-5, name=f"{fmt} {act} T={tokens} k={k} {activations}")
     return out
 
 
 @pytest.mark.parametrize("activations", ["f32", "q8"])
-@pytest.mark.parametrize("fmt", ["mxfp4", "q4_0", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "q4_0", "nvfp4", "bf16", "fp8_block"])
 def test_many_tokens_and_odd_k(fmt, activations):
     banks, deq = _record(fmt, 96, 160, 7, bias=False, seed=3)
     for tokens, k in ((64, 8), (5, 3), (9, 5), (2, 7)):
@@ -79,30 +84,33 @@ def test_many_tokens_and_odd_k(fmt, activations):
 def test_q8_is_the_default_where_the_cpu_has_int8_dots():
     from freetoken.cpu_kernels.moe_experts import uses_q8
 
-    from freetoken.device.simd import simd_level
+    from freetoken.device.simd import bf16_dots, simd_level
 
     assert uses_q8("q4_0") == (simd_level() != "none") and uses_q8("nvfp4", "q8") and not uses_q8("q4_0", "f32")
-    assert not uses_q8("bf16", "q8") and not uses_q8("fp8_block")
+    # bf16 tokens: for bf16 at the levels with vector code, for fp8_block only where vdpbf16ps runs them
+    assert uses_q8("bf16") == (bf16_dots() or simd_level() != "none") and uses_q8("fp8_block") == bf16_dots()
+    assert uses_q8("bf16", "q8") and uses_q8("fp8_block", "q8") and not uses_q8("fp8_block", "f32")
     with pytest.raises(ValueError, match="activations must be"):
         uses_q8("q4_0", "int4")
 
 
+@pytest.mark.parametrize("activations", ["f32", "q8"])
 @pytest.mark.parametrize("tokens", [1, 2, 4])
-def test_fp8_block_rows_tail_blocks_and_nan_codes(tokens):
+def test_fp8_block_rows_tail_blocks_and_nan_codes(tokens, activations):
     """fp8_block rows with a K that ends in a partial 128-block (H = 160: one whole block and 2 chunks of 16; I = 96),
     against the float64 reference; then the e4m3fn NaN codes (0x7F, 0xFF) in one gate row make that expert's
     outputs NaN, as the reference's decode does, and leave the other tokens' experts finite (a code in a whole block,
     which the kernel checks 64 bytes at a time, and one in the partial block)."""
     hidden, inter = 160, 96
     banks, deq = _record("fp8_block", hidden, inter, 3, bias=False, seed=8)
-    _check("fp8_block", banks, deq, hidden, inter, "swiglu", tokens, 2, seed=8)
+    _check("fp8_block", banks, deq, hidden, inter, "swiglu", tokens, 2, seed=8, activations=activations)
     for code, at in ((0x7F, 150), (0xFF, 150), (0x7F, 20), (0xFF, 127)):
         bad = {name: a.copy() for name, a in banks.items()}
         bad["gate.w"][1, 5, at] = code  # expert 1, gate row 5
         x = np.random.default_rng(1).standard_normal((2, hidden)).astype(np.float32)
         out = poison((2, hidden), np.float32)
         forward("fp8_block", x, np.array([[1], [2]], np.int32), np.ones((2, 1), np.float32), bad, hidden, inter,
-                ACT_SWIGLU, out)
+                ACT_SWIGLU, out, activations=activations)
         assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
 
 
@@ -163,7 +171,7 @@ def test_read_only_banks_and_inputs_share_the_compiled_kernels():
     assert [len(k.signatures) for k in kernels] == compiled
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "bf16"])
+@pytest.mark.parametrize("fmt", ["q4_0", "bf16", "fp8_block"])
 def test_serial_copies_match_the_parallel_kernels(fmt, monkeypatch):
     """A small call (a decode step of a small model) runs the kernels' serial copies, a large one the parallel
     kernels: the same loops, so the same bits."""

@@ -47,7 +47,11 @@ def hybrid(request, tmp_path_factory):
 
 
 def _decoder(hybrid, device, ctx=64, **options):
+    """The hybrid's decoder; the CPU experts' float path unless ``experts`` says otherwise (on the cpu device these
+    tests check the model's arithmetic to float32 rounding, which the reduced paths' bf16 or 8-bit tokens are not:
+    tests/test_model_parity.py bounds the default path)."""
     family, path, _, _, tensors = hybrid
+    options.setdefault("experts", ExpertOptions(cpu_activations="f32"))
     cfg = from_hf(json.loads((path / "config.json").read_text()))
     assert cfg.family == family and {"linear_attention", "full_attention"} <= set(cfg.layer_types)
     return build_decoder(cfg, lambda name: tensors[name], device, LoadOptions(ctx=ctx, kv_dtype="f32", **options))
@@ -57,7 +61,7 @@ def test_matches_transformers(hybrid, device):
     """A prompt in chunks of 7 (the states carry across chunks), then decode steps; on emu 18 expert slots for 8
     experts x 4 layers, so experts are copied in and evicted."""
     _, _, tokens, want, _ = hybrid
-    experts = ExpertOptions(cache_slots=18) if device.kind == "emu" else ExpertOptions()
+    experts = ExpertOptions(cache_slots=18 if device.kind == "emu" else None, cpu_activations="f32")
     dec = _decoder(hybrid, device, prefill_chunk=7, experts=experts)
     got = np.concatenate([dec.forward(tokens[:PROMPT])] +
                          [dec.forward(tokens[PROMPT + t:PROMPT + t + 1]) for t in range(STEPS)])

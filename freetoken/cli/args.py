@@ -174,10 +174,11 @@ def add_model_args(p: argparse.ArgumentParser, max_tokens: int, what: str) -> No
     p.add_argument("--cache-slots", type=count(1), default=None, metavar="N",
                    help="gpu/emu: device slots of the expert cache (default: room for every expert)")
     p.add_argument("--cpu-activations", default="auto", choices=list(ACTIVATIONS),
-                   help="experts computed on the CPU (4-bit, q8_0 and k-quant formats): q8 quantizes their inputs to "
-                        "8-bit blocks and uses int8 "
-                        "dot products (llama.cpp's rounding), f32 keeps float32 (exact, slower); auto: q8 where the "
-                        "CPU has AVX2 or AVX-512 VNNI (default)")
+                   help="experts computed on the CPU: q8 reduces their inputs, to 8-bit blocks with int8 dot "
+                        "products for the 4-bit, q8_0 and k-quant formats (llama.cpp's rounding), to bf16 with bf16 "
+                        "dot products for bf16 and fp8_block; f32 keeps float32 (exact, slower); auto (default): q8 "
+                        "where it is the fast path (int8 formats and bf16: AVX2 or AVX-512; fp8_block: "
+                        "AVX512-BF16)")
     p.add_argument("--host-memory", type=size, default=None, metavar="SIZE",
                    help="host memory for the routed experts, e.g. 8GB or 512MiB (default: all of them). Below what "
                         "they take, an FTW file's expert records are read from disk as steps need them into a host "

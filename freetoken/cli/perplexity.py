@@ -62,8 +62,9 @@ def add_perplexity_parser(sub) -> None:
     p.add_argument("--verify", default="full", choices=["full", "sample", "none"],
                    help="an FTW file's checksums (default full)")
     p.add_argument("--cpu-activations", default="auto", choices=list(ACTIVATIONS),
-                   help="experts on the CPU: 8-bit activations with int8 dots (q8, llama.cpp's rounding) or float32 "
-                        "(f32); auto: q8 where the CPU has AVX2 or AVX-512 VNNI")
+                   help="experts on the CPU: reduced activations (q8: 8-bit blocks with int8 dots, llama.cpp's "
+                        "rounding, or bf16 with bf16 dots for bf16/fp8_block experts) or float32 (f32); auto: q8 "
+                        "where it is the fast path (AVX2 or AVX-512; AVX512-BF16 for fp8_block)")
     add_policy_args(p)
     add_context_args(p)
     p.set_defaults(func=_cmd_perplexity)

@@ -7,6 +7,9 @@ The int8 row dots (:mod:`freetoken.cpu_kernels.moe_int8`) emit different instruc
   Intel desktop CPU, which ships without AVX-512);
 * ``none``: portable vector IR (correct on any target, not fast).
 
+Besides the level, :func:`bf16_dots`: whether the bf16 and fp8_block expert rows take AVX512-BF16 ``vdpbf16ps``
+against bf16 token rows (:mod:`freetoken.cpu_kernels.moe_bf16act`; portable code for the same arithmetic otherwise).
+
 The level is that of the features Numba compiles for, not of the hardware alone: ``NUMBA_CPU_NAME`` and
 ``NUMBA_CPU_FEATURES`` change both together, and Numba's on-disk cache is keyed by the same features, so a cached
 kernel is never loaded for a level it was not compiled for. Note that ``NUMBA_CPU_NAME`` alone keeps the host's
@@ -19,9 +22,9 @@ from __future__ import annotations
 import functools
 
 LEVELS = ("none", "avx2", "avx512_vnni")
-#: How the CPU expert kernels take the token vectors of the formats with an int8 path (4-bit, q8_0, k-quants): 8-bit
-#: blocks with int8 dots ("q8"), float32 ("f32", the reference path), or "auto": q8 at any level but "none"
-#: (freetoken.cpu_kernels.moe_experts.uses_q8).
+#: How the CPU expert kernels take the token vectors: reduced ("q8": 8-bit blocks with int8 dots for the formats with
+#: an int8 path (4-bit, q8_0, k-quants), bf16 with bf16 dots for bf16 and fp8_block), float32 ("f32", the reference
+#: path), or "auto": reduced where it is the fast path (freetoken.cpu_kernels.moe_experts.uses_q8).
 ACTIVATIONS = ("auto", "q8", "f32")
 _AVX512_VNNI = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512vnni", "avx2", "fma", "f16c"})
 _AVX2 = frozenset({"avx2", "fma", "f16c"})
@@ -55,6 +58,17 @@ def level_of(features: frozenset[str] | set[str]) -> str:
 def simd_level() -> str:
     """``avx512_vnni``, ``avx2`` or ``none``: the instructions the int8 kernels compile to here."""
     return level_of(target_features())
+
+
+#: What the bf16 dot products of :mod:`freetoken.cpu_kernels.moe_bf16act` need: ``vdpbf16ps`` (AVX512-BF16) and, for
+#: fp8_block's table decode, ``vpermi2b``/``vpermt2b`` (AVX512-VBMI): Zen 4/5, Sapphire Rapids and later Xeons.
+_BF16_DOTS = frozenset({"avx512f", "avx512bw", "avx512bf16", "avx512vbmi"})
+
+
+@functools.cache
+def bf16_dots() -> bool:
+    """Whether the compile target has the bf16 dot products (else the bf16-token path runs portable code)."""
+    return _BF16_DOTS <= target_features()
 
 
 def avx2_only_features() -> str:

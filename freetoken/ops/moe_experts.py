@@ -87,10 +87,11 @@ def moe_experts(x, ids, weights, banks: dict, layout: RecordLayout, *, act: str 
     validate : check that every id names a slot (synchronises on gpu; off inside captured graphs)
     workspace : a :class:`MoeWorkspace` for these banks (gpu/emu): the plan and intermediate buffers are reused,
         so a call allocates nothing but ``out`` (pass ``out`` too for an allocation-free, capturable call)
-    activations : the cpu device's token vectors for the formats with an int8 path (the 4-bit formats, q8_0 and the
-        k-quants; not bf16 or fp8_block): "q8" (8-bit blocks and int8 dot products, llama.cpp's q8_0 rounding),
-        "f32" (the float path) or "auto" (q8 where the CPU has AVX2 or AVX-512 VNNI;
-        :func:`freetoken.cpu_kernels.moe_experts.uses_q8`). The CUDA kernels read float32/bf16: "q8" is refused
+    activations : the cpu device's token vectors: "q8" (reduced: for the 4-bit formats, q8_0 and the k-quants 8-bit
+        blocks and int8 dot products, llama.cpp's q8_0 rounding; for bf16 and fp8_block bf16 tokens and bf16 dot
+        products), "f32" (the float path) or "auto" (q8 where it is the fast path: AVX2 or AVX-512 for the
+        int8 formats and bf16, AVX512-BF16 for fp8_block; :func:`freetoken.cpu_kernels.moe_experts.uses_q8`).
+        The CUDA kernels read float32/bf16: "q8" is refused
         on gpu/emu, "auto" and "f32" are the same there
     checked : the caller vouches for the arguments (``device`` a Device; ``x`` float32, ``ids`` int32 and ``weights``
         float32, all C-contiguous and shaped as above; ``act`` and ``activations`` valid; ``banks`` the same

@@ -23,7 +23,7 @@ class HostExperts(RunnerBase):
                  reader=None, host_memory: int | None = None):
         super().__init__(device, layouts, num_layers, num_experts)
         self.banks: list[list[dict] | None] = [None] * num_layers  # per layer, per part
-        self.activations = activations  # 8-bit (int8 dots) or float32 token vectors
+        self.activations = activations  # reduced (8-bit blocks or bf16) or float32 token vectors
         if reader is not None:
             self.tier = HostTier(device, self.parts, num_layers, num_experts, reader, host_memory)
             self.reads_own_experts = True

@@ -60,9 +60,10 @@ def load(path: str | Path | None = None, device="auto", expert_format: str | Non
     is worth beyond its step; ``prefetch``: copy the next layer's predicted experts while a layer computes;
     ``cache_policy``: how the cache picks victims (``auto``: ``next_use`` with ``moe_mode`` gpu and fewer slots than
     experts, else ``lru``; see :func:`freetoken.policy.runtime.resolve_cache_policy`).
-    ``cpu_activations``: experts on the CPU (4-bit, q8_0 and k-quant formats) with 8-bit activations and int8 dots
-    ("q8") or float32 ("f32");
-    "auto": q8 where the CPU has AVX2 or AVX-512 VNNI. ``allow_widen``: a GGUF file's non-expert matrices in a block
+    ``cpu_activations``: experts on the CPU with reduced activations ("q8": 8-bit blocks and int8 dots for the
+    4-bit, q8_0 and k-quant formats, bf16 and bf16 dots for bf16 and fp8_block) or float32 ("f32"); "auto": q8
+    where it is the fast path (AVX2 or AVX-512; AVX512-BF16 for fp8_block).
+    ``allow_widen``: a GGUF file's non-expert matrices in a block
     type no dense storage keeps (Q5_0, Q3_K, ...) are widened to float32 instead of refused. ``host_memory``: bytes
     of host memory for the routed experts (default: all of them); below what they take, an FTW file's records are
     read from the file as steps need them into a host tier of that size (other sources are refused: convert first).

@@ -54,14 +54,19 @@ Q8_REL_ATOL = 5e-4
 #: 7.7e-4 in 20 of 524288 outputs of the large moe_prefill_q5_k and 7.9e-4 in 2 of 10240 of moe_prefill_q5_k+q8_0
 #: (the portable twin: 2.5e-4). A wrongly decoded weight or a lost route is ~1e-2 and more.
 PREFILL_REL_ATOL = 2e-3
+#: The formats whose cpu reduced path ("q8") takes bf16 tokens (x and h rounded to bf16, cpu_kernels/moe_bf16act.py)
+#: rather than 8-bit blocks: checked against the reference with bf16 inputs, within :data:`PREFILL_REL_ATOL` (the
+#: same h rounding boundaries; seen on the cpu: 3.3e-4 of max|y| in one of 40 random calls, most below 1e-6).
+BF16_TOKEN_FORMATS = ("bf16", "fp8_block")
 
 
 def _make_moe(fmt_name: str, mode: str, act: str = "swiglu", activations: str = "f32", prompt: bool = False,
               routes: int | None = None, skip: bool = False):
     """``fmt_name``: a format, or a mixed record of :data:`MIXED_RECORDS`. ``act`` "gpt_oss": records with biases,
     and routes with the same expert twice in a row, cancelling weights (+w and -w on one expert) and many tokens on
-    one expert (token groups of 4, 2 and 1 in the cpu kernels). ``activations`` "q8": the cpu device's int8 path (x
-    and h in 8-bit blocks) against the reference with the same rounding; "f32": the float path on every device.
+    one expert (token groups of 4, 2 and 1 in the cpu kernels). ``activations`` "q8": the cpu device's reduced path
+    (x and h in 8-bit blocks, or in bf16 for :data:`BF16_TOKEN_FORMATS`) against the reference with the same
+    rounding; "f32": the float path on every device.
     ``prompt``: 40 tokens of top-2 with skewed routing (experts with tens of tokens take the cpu int8 path's panel
     micro-kernel with a partial token tile, the rarest ones its row dots). ``routes``: the small shape's k (experts
     per token; more than the experts: some drawn twice) instead of the default. ``skip``: about a third of the pairs
@@ -110,8 +115,10 @@ def _make_moe(fmt_name: str, mode: str, act: str = "swiglu", activations: str = 
         args = inp["x"], inp["ids"], inp["weights"]
         if mode == "prefill":
             return {"y": moe_prefill_reference(*args, inp["layout"], inp["banks"], act)}
+        bf16_tokens = activations == "q8" and fmt_name in BF16_TOKEN_FORMATS
         return {"y": moe_forward_reference(*args, inp["layout"].dequantize(inp["banks"]), act,
-                                           q8_inputs=activations == "q8")}
+                                           q8_inputs=activations == "q8" and not bf16_tokens,
+                                           bf16_inputs=bf16_tokens)}
 
     def bytes_moved(inp):
         return len(np.unique(inp["ids"][inp["ids"] != NO_ROUTE])) * inp["layout"].record_bytes
@@ -121,7 +128,10 @@ def _make_moe(fmt_name: str, mode: str, act: str = "swiglu", activations: str = 
 
     name = (f"moe_{mode}_{fmt_name}" + ("_gpt_oss" if bias else "") + ("_q8" if activations == "q8" else "")
             + ("_prompt" if prompt else "") + (f"_k{routes}" if routes else "") + ("_skip" if skip else ""))
-    rel_atol = (2e-6 if activations == "f32" else Q8_REL_ATOL) if mode == "decode" else PREFILL_REL_ATOL
+    if mode == "prefill" or (activations == "q8" and fmt_name in BF16_TOKEN_FORMATS):
+        rel_atol = PREFILL_REL_ATOL  # bf16 tokens: the same rounding boundaries as the prefill kernels' h
+    else:
+        rel_atol = 2e-6 if activations == "f32" else Q8_REL_ATOL
     return KernelCase(name, f"moe_{mode}.cu", make, setup, launch, reference,
                       rtol=1e-5 if mode == "decode" else 1e-4, rel_atol=rel_atol, bytes_moved=bytes_moved,
                       flops=flops, cuda_only=mode == "prefill", cpu_only=activations == "q8", op="moe_experts")
@@ -129,10 +139,12 @@ def _make_moe(fmt_name: str, mode: str, act: str = "swiglu", activations: str = 
 
 SWIGLU_CASES = [_make_moe(f, m) for m in ("decode", "prefill") for f in formats.NAMES]
 GPT_OSS_CASES = [_make_moe(f, m, "gpt_oss") for m in ("decode", "prefill") for f in formats.NAMES]
-#: The cpu int8 path: row dots (swiglu: 1-2 tokens per expert, the two-row T = 1 path), the 4-bit formats' panel
+#: The cpu reduced path: row dots (swiglu: 1-2 tokens per expert, the two-row T = 1 path), the 4-bit formats' panel
 #: micro-kernel (gpt_oss: ~22 tokens per expert, biases, repeated experts; the GGUF block formats, which have no
-#: panel, run their row dots in groups of 4 tokens there) and both in one call (prompt); a Q4_K_M-style mixed record.
-Q8_FORMATS = ("q4_0", "mxfp4", "ds_fp4", "nvfp4", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs", "q4_k+q6_k")
+#: panel, run their row dots in groups of 4 tokens there) and both in one call (prompt); a Q4_K_M-style mixed record;
+#: bf16 and fp8_block's bf16 dots.
+Q8_FORMATS = ("q4_0", "mxfp4", "ds_fp4", "nvfp4", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs", "q4_k+q6_k",
+              *BF16_TOKEN_FORMATS)
 Q8_CASES = [_make_moe(f, "decode", a, "q8") for f in Q8_FORMATS for a in ("swiglu", "gpt_oss")] + [
     _make_moe(f, "decode", "swiglu", "q8", prompt=True) for f in Q8_FORMATS]
 #: Mixed records (gate/up and down in different kernel families); they and the GGUF Q8_0 / K-quant formats also at
