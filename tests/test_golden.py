@@ -10,8 +10,12 @@ across builds (``python tests/golden/spread.py`` measures it) and far below what
 (one wrong scale, one skipped layer or a changed expert moves it by 1e-4 or more). Measured on an Intel Xeon with
 AVX-512 + AMX against the files written on an AMD Zen 4 (numpy 2.4.6, numba 0.68.1): cpu logits NMSE 1.0e-13 with
 the native build, 9.3e-13 with the AVX2 build (NUMBA_CPU_NAME=haswell + NUMBA_CPU_FEATURES), identical to native with
-NUMBA_NUM_THREADS=1; the bound leaves a factor of 1,000 above the largest. Tokens, routing and counters are
-integers: identical everywhere. Bit-exact equality is asserted only where it is guaranteed: two runs of one process
+NUMBA_NUM_THREADS=1. Since the bundled model's bf16 experts take bf16 tokens on the cpu (the golden runs pin that
+path, "q8"), a last-bit difference in a sum can round a token value to the next bf16 step, which later layers carry:
+measured on the AMD EPYC that wrote the files (vdpbf16ps), the AVX2 build (portable code for the same products)
+8.9e-8 and the portable build 1.1e-7, max |d| 0.007; the bound leaves a factor of 10 above those and 100 below a
+real change. Tokens, routing and counters are integers: identical everywhere. Bit-exact equality is asserted only
+where it is guaranteed: two runs of one process
 (test_cpu_run_is_deterministic)."""
 
 import json
@@ -27,7 +31,7 @@ import behaviour  # noqa: E402
 from freetoken.device import device_status  # noqa: E402
 
 #: Logits NMSE against the golden files on every device (see the module's docstring for the measured spread)
-LOGITS_NMSE = 1e-9
+LOGITS_NMSE = 1e-6
 
 
 # the emu runs take 15-25 s each on 2 cores: slow (CI runs them; the quick tier keeps the cpu run)
