@@ -64,6 +64,7 @@ from freetoken.cpu_kernels.moe_rows import (
     FMT_NVFP4,
     FMT_Q4_0,
     FMT_Q8_0,
+    _fp8_row,
 )
 
 #: Format code -> the weight byte offset its activations' ``nc`` must carry: the formats with an int8 path.
@@ -102,10 +103,9 @@ def _args(fmt, w, s, g, e, n, rows, k):
 
 @nb.njit(error_model="numpy", inline="always")
 def _fp8_args(w, s, e, n, rows, k):
-    """(code address, first scale address) of row n of fp8_block matrix e: one float32 scale per 128 x 128 block."""
-    e, n, rows, k = _U64(e), _U64(n), _U64(rows), _U64(k)
-    nkb = (k + _U64(127)) >> _U64(7)
-    return w + (e * rows + n) * k, s + (e * ((rows + _U64(127)) >> _U64(7)) + (n >> _U64(7))) * nkb * _U64(4)
+    """(code address, first scale address) of row n of fp8_block matrix e (the float path's row arithmetic)."""
+    src, sb, _ = _fp8_row(_U64(e), _U64(n), _U64(rows), _U64(k))
+    return w + src, s + sb * _U64(4)
 
 
 @nb.njit(error_model="numpy", inline="always")

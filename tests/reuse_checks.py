@@ -32,10 +32,11 @@ def assert_reuse_close(got, want) -> None:
     """Logits after a reused prefix against a fresh run's. The reused K/V rows were written by other passes (decode
     steps, other chunk boundaries): float32 rounding apart, which bf16 storage can turn into a neighbouring bf16
     value (2^-8 relative) for a few elements; through six layers that moves a logit by up to a few 1e-4 of the
-    logits' scale (2.5e-4 seen with the bundled model). A wrong block moves them by the scale itself."""
+    logits' scale (2.5e-4 seen with the bundled model; 5.6e-4 once its cpu experts took bf16 tokens, a second place
+    where such a difference rounds to the next bf16 step). A wrong block moves them by the scale itself."""
     import numpy as np
 
-    np.testing.assert_allclose(got, want, rtol=1e-3, atol=5e-4 * float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1.5e-3 * float(np.abs(want).max()))
 
 
 def _prefix_rows(model, n: int) -> list[dict]:

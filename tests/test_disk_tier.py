@@ -72,9 +72,10 @@ def test_cpu_device_with_half_the_experts_in_host_memory(files, activations):
     model, got = _run(files["q4_0"], "cpu", cpu_activations=activations, host_memory=budget)
     _check_tier(model, budget)
     # The cpu kernels add a token's experts in the order of their bank rows; the tier's rows order them otherwise,
-    # so the float32 sums round differently (f32: measured 4e-11). With 8-bit activations ("auto" on AVX2 machines)
-    # such a last-bit change can flip an activation's 8-bit rounding in a later layer: measured 1e-6.
-    assert _nmse(got, ref) < (1e-9 if activations == "f32" else 1e-4), _nmse(got, ref)
+    # so the float32 sums round differently (f32: measured 4e-11 with stage 9's weights, 2.4e-9 with stage 10's). With
+    # 8-bit activations ("auto" on AVX2 machines) such a last-bit change can flip an activation's 8-bit rounding in a
+    # later layer: measured 1e-6.
+    assert _nmse(got, ref) < (2e-8 if activations == "f32" else 1e-4), _nmse(got, ref)
     agree = got.argmax(-1) == ref.argmax(-1)
     # 8-bit activations: which roundings flip follows the float32 sums of the machine's SIMD level; on this file the
     # closest top-2 margin (3e-4 of the logits' scale) moved by 45% of itself on an AVX-512 machine, so another

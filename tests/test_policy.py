@@ -110,6 +110,8 @@ def checkpoint(tmp_path_factory):
 
 
 def _decode(path, device, **kw):
+    """The tiny model's prompt and decode logits; the CPU computes its misses on the float path unless ``kw`` says
+    otherwise (the split is compared with the all-device run to float32 rounding)."""
     import json
 
     from safetensors.numpy import load_file
@@ -120,6 +122,7 @@ def _decode(path, device, **kw):
 
     cfg = from_hf(json.loads((path / "config.json").read_text()))
     tensors = load_file(str(path / "model.safetensors"))
+    kw.setdefault("cpu_activations", "f32")
     dec = build_decoder(cfg, lambda n: tensors[n], device,
                         LoadOptions(ctx=64, experts=ExpertOptions(max_decode_tokens=4, **kw)))
     tokens = np.random.default_rng(5).integers(0, 128, PROMPT + STEPS)
@@ -230,7 +233,7 @@ def test_prefetch_stays_only_where_it_pays(checkpoint, cuda_device, monkeypatch)
 def _forward_chunks(path, device, chunks, prompt=40, **kw):
     """The checkpoint's decoder fed a ``prompt``-token prompt (streamed when it has more pairs than one admission),
     then ``chunks`` (token counts) of decode forwards; (the logits of every pass, the decoder, the next_use return
-    counts right after the prompt)."""
+    counts right after the prompt). CPU misses on the float path unless ``kw`` says otherwise."""
     import json
 
     from safetensors.numpy import load_file
@@ -242,7 +245,8 @@ def _forward_chunks(path, device, chunks, prompt=40, **kw):
     cfg = from_hf(json.loads((path / "config.json").read_text()))
     tensors = load_file(str(path / "model.safetensors"))
     dec = build_decoder(cfg, lambda n: tensors[n], device,
-                        LoadOptions(ctx=256, experts=ExpertOptions(**{"max_decode_tokens": 4, **kw})))
+                        LoadOptions(ctx=256, experts=ExpertOptions(**{"max_decode_tokens": 4, "cpu_activations": "f32",
+                                                                      **kw})))
     tokens = np.random.default_rng(11).integers(0, 128, prompt + sum(chunks))
     out, at = [dec.forward(tokens[:prompt])], prompt
     prior = dec.dev.to_host(dec.experts.cache.c1).copy() if dec.experts.cache.policy == "default" else None

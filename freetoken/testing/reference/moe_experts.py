@@ -65,7 +65,8 @@ def q8_round_trip(x: np.ndarray) -> np.ndarray:
 
 
 def moe_forward_reference(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, deq: dict[str, np.ndarray],
-                          act: str = "swiglu", bf16_inputs: bool = False, q8_inputs: bool = False) -> np.ndarray:
+                          act: str = "swiglu", bf16_inputs: bool = False, q8_inputs: bool = False,
+                          bf16_h: bool = False) -> np.ndarray:
     """float64 [T, H] output.
 
     Parameters
@@ -80,6 +81,7 @@ def moe_forward_reference(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, d
     q8_inputs : quantize x and the intermediate h (rounded to float32 first, as the kernel holds it) to 8-bit blocks,
         as the cpu int8 path does (:func:`q8_round_trip`; the e2m1 formats' block-split order permutes values
         within each block of 32 only, so the blocks are the same)
+    bf16_h : round the intermediate h alone to bf16 (a mixed record's down matrix taking bf16 tokens on the cpu)
     """
     x = np.asarray(x).astype(np.float64)
     if bf16_inputs:
@@ -100,7 +102,7 @@ def moe_forward_reference(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, d
         h = apply_activation(g, u, act)
         if q8_inputs:
             h = q8_round_trip(h)
-        o = (_bf16(h) if bf16_inputs else h) @ deq["down"][e].astype(np.float64).T
+        o = (_bf16(h) if bf16_inputs or bf16_h else h) @ deq["down"][e].astype(np.float64).T
         if "down.b" in deq:
             o = o + deq["down.b"][e]
         np.add.at(y, t, weights[t, j][:, None] * o)
