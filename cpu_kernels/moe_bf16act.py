@@ -43,7 +43,8 @@ import numba as nb
 import numpy as np
 from freetoken.cpu_kernels.lanes import broadcast, fmuladd, lane_tree
 from freetoken.cpu_kernels.moe_fp8 import _signature as _fp8_signature
-from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, PREFETCH_LOCALITY, declare_prefetch, load_u16, typed_ptr
+from freetoken.cpu_kernels.moe_memory import PREFETCH_BYTES, PREFETCH_LOCALITY, declare_prefetch, typed_ptr
+from freetoken.cpu_kernels.moe_rows import FASTMATH, _bf16  # a stored bf16 value widened exactly
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -255,41 +256,35 @@ def _hw_bf16_dot4(typingctx, w, x, o0, o1, o2, o3, k):
 
 
 # ---- portable bf16 x bf16 rows: plain loops the vectoriser handles (float32 FMAs of exactly widened values) ----
-_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 
-@nb.njit(error_model="numpy", inline="always")
-def _wide(a, i):
-    return _U32(_U32(load_u16(a, i)) << _U32(16)).view(_F32N)
-
-
-@nb.njit(error_model="numpy", fastmath=_FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def _bf16_dot1(w, x, o0, k):
     a0 = _F32N(0.0)
     for i in range(k):
-        a0 += _wide(w, i) * _wide(x, o0 + i)
+        a0 += _bf16(w, i) * _bf16(x, o0 + i)
     return a0
 
 
-@nb.njit(error_model="numpy", fastmath=_FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def _bf16_dot2(w, x, o0, o1, k):
     a0 = a1 = _F32N(0.0)
     for i in range(k):
-        v = _wide(w, i)
-        a0 += v * _wide(x, o0 + i)
-        a1 += v * _wide(x, o1 + i)
+        v = _bf16(w, i)
+        a0 += v * _bf16(x, o0 + i)
+        a1 += v * _bf16(x, o1 + i)
     return a0, a1
 
 
-@nb.njit(error_model="numpy", fastmath=_FASTMATH, inline="always")
+@nb.njit(error_model="numpy", fastmath=FASTMATH, inline="always")
 def _bf16_dot4(w, x, o0, o1, o2, o3, k):
     a0 = a1 = a2 = a3 = _F32N(0.0)
     for i in range(k):
-        v = _wide(w, i)
-        a0 += v * _wide(x, o0 + i)
-        a1 += v * _wide(x, o1 + i)
-        a2 += v * _wide(x, o2 + i)
-        a3 += v * _wide(x, o3 + i)
+        v = _bf16(w, i)
+        a0 += v * _bf16(x, o0 + i)
+        a1 += v * _bf16(x, o1 + i)
+        a2 += v * _bf16(x, o2 + i)
+        a3 += v * _bf16(x, o3 + i)
     return a0, a1, a2, a3
 
 
